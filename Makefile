@@ -1,0 +1,38 @@
+# Strata: `make serve` and `make test` set up everything they need on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.strata-installed
+DATA_DIR ?= .strata
+# The Linux mlx-cpu wheel bundles a reference BLAS; Debian's OpenBLAS is ~10-30x faster (NOTES §2).
+OPENBLAS = $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 /usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0))
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.lock constraints.txt pyproject.toml
+	@if [ "$$(uname -s)" = Linux ] && ! ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then \
+		echo "installing OpenBLAS (libopenblas0-pthread)"; \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libopenblas0-pthread; \
+	fi
+	[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -r requirements.lock
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(STAMP)
+
+serve: setup
+	$(BIN)/strata serve --host 127.0.0.1 --port 8000 --model demo --data-dir $(DATA_DIR)
+
+test: setup
+	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m evals.bench_engine
+
+clean:
+	rm -rf $(VENV) $(DATA_DIR) .pytest_cache

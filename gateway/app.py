@@ -1,0 +1,138 @@
+"""The Litestar app: routes, lifespan, and the one place HTTP meets the layers.
+
+    POST /v1/chat/completions   OpenAI chat completions (JSON or SSE)
+    GET  /v1/models             the served model
+    GET  /healthz               liveness, BLAS in use, queue depth
+    GET  /admin/stats           per-layer counters (admin key)
+    GET  /schema                OpenAPI (Litestar)
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import anyio
+from litestar import Litestar, Request, Response, get, post
+from litestar.openapi import OpenAPIConfig
+from litestar.response import Stream
+
+from .auth import Authenticator, load_server_secret
+from .blas import blas_in_use
+from .chat import ChatService
+from .engine import Engine, resolve_model_path
+from .errors import EXCEPTION_HANDLERS
+from .schemas import parse_chat_request, parse_json_body
+from .settings import Settings
+from .stats import LayerCounters
+from .trace import Trace
+
+log = logging.getLogger("strata")
+VERSION = "0.1.0"
+
+
+@dataclass(slots=True)
+class Services:
+    settings: Settings
+    engine: Engine
+    auth: Authenticator
+    chat: ChatService
+    counters: LayerCounters
+
+
+def _services(request: Request) -> Services:
+    return request.app.state.services
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request) -> Response:
+    services = _services(request)
+    caller = services.auth.caller(request.headers.get("authorization"))
+    chat_request = parse_chat_request(parse_json_body(await request.body()), services.settings.limits)
+    services.chat.check_model(chat_request)
+    trace = Trace()
+    with trace.timed("prepare"):
+        prompt = await services.chat.prepare(chat_request)
+    run = await services.chat.start(prompt, chat_request, trace)
+    log.debug("tenant=%s prompt=%d tokens", caller.tenant, prompt.num_tokens)
+    if chat_request.stream:
+        headers = {**trace.headers(), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return Stream(services.chat.sse(run, trace, chat_request.include_usage), media_type="text/event-stream", headers=headers)
+    await services.chat.finish(run, trace)
+    return Response(services.chat.response_body(run.completion, trace), headers=trace.headers())
+
+
+@get("/v1/models")
+async def list_models(request: Request) -> dict:
+    services = _services(request)
+    services.auth.caller(request.headers.get("authorization"))
+    info = services.engine.info
+    return {"object": "list", "data": [{"id": info.name, "object": "model", "created": 0, "owned_by": "strata"}]}
+
+
+@get("/healthz")
+async def healthz(request: Request) -> dict:
+    services = _services(request)
+    worker = services.engine.worker
+    return {
+        "status": "ok",
+        "model": services.engine.info.name,
+        "model_fingerprint": services.engine.info.fingerprint,
+        "blas": blas_in_use(),
+        "multi_tenant": services.settings.multi_tenant,
+        "queue_depth": worker.queue_depth,
+        "engine_busy": worker.busy,
+    }
+
+
+@get("/admin/stats")
+async def admin_stats(request: Request) -> dict:
+    services = _services(request)
+    services.auth.require_admin(request.headers.get("authorization"))
+    stats = services.engine.worker.stats
+    engine = {"num_requests": stats.num_requests, "num_cancelled": stats.num_cancelled,
+              "num_failed": stats.num_failed, "num_rejected_full": stats.num_rejected_full}
+    return {**services.counters.snapshot(), "engine": engine}
+
+
+def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
+    """The app for `settings`. Pass a started `engine` to share one across apps (tests); otherwise
+    the lifespan loads the model, starts the worker, and stops it on shutdown."""
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar):
+        owned = engine is None
+        live = engine or await anyio.to_thread.run_sync(_load_engine, settings)
+        if owned:
+            live.start()
+        counters = LayerCounters()
+        auth = Authenticator(settings.api_keys, settings.admin_key, load_server_secret(settings.data_dir))
+        app.state.services = Services(settings, live, auth, ChatService(settings, live, counters), counters)
+        _log_startup(settings, live)
+        try:
+            yield
+        finally:
+            if owned:
+                await anyio.to_thread.run_sync(live.stop)
+
+    return Litestar(
+        route_handlers=[chat_completions, list_models, healthz, admin_stats],
+        lifespan=[lifespan],
+        exception_handlers=EXCEPTION_HANDLERS,
+        request_max_body_size=settings.limits.max_body_bytes,
+        openapi_config=OpenAPIConfig(title="Strata", version=VERSION, path="/schema"),
+    )
+
+
+def _load_engine(settings: Settings) -> Engine:
+    path = resolve_model_path(settings.model, settings.data_dir)
+    return Engine(path, settings.model_name, settings.max_queue, settings.prefill_chunk_tokens)
+
+
+def _log_startup(settings: Settings, engine: Engine) -> None:
+    if settings.multi_tenant:
+        log.info("multi-tenant: %d API keys; tenant comes from the key", len(settings.api_keys))
+    else:
+        log.warning("single-tenant mode: STRATA_API_KEYS is not set, so every caller is tenant 'default'")
+    log.info("serving model %r (%s) on BLAS %s", engine.info.name, engine.info.path, blas_in_use())

@@ -1,0 +1,171 @@
+"""One chat completion through the layers: validate -> prepare -> (caches) -> engine -> response.
+
+Builds OpenAI response bodies and SSE chunks; knows nothing of routing (see app.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import anyio
+
+from .auth import Caller
+from .engine import Delta, Engine, Failed, Finished, PreparedPrompt, QueueFull, Started
+from .errors import ApiError, bad_request
+from .images import load_image
+from .schemas import ChatRequest, ImagePart
+from .settings import Settings
+from .stats import LayerCounters
+from .trace import BYPASS, LayerOutcome, Trace
+
+
+@dataclass(slots=True)
+class Completion:
+    """What the engine produced for one request, in the shape the response builders need."""
+
+    id: str
+    created: int
+    prompt_tokens: int
+    cached_tokens: int
+    text: str = ""
+    completion_tokens: int = 0
+    finish_reason: str = "stop"
+
+
+@dataclass(slots=True)
+class Run:
+    """A job past its prefill: the rest of its events, and the completion they fill in."""
+
+    events: AsyncIterator
+    completion: Completion
+
+
+class ChatService:
+    def __init__(self, settings: Settings, engine: Engine, counters: LayerCounters):
+        self.settings = settings
+        self.engine = engine
+        self.counters = counters
+
+    def check_model(self, request: ChatRequest) -> None:
+        if request.model != self.engine.info.name:
+            raise ApiError(404, f"model {request.model!r} does not exist; this server serves {self.engine.info.name!r}",
+                           "model_not_found", "model")
+
+    async def prepare(self, request: ChatRequest) -> PreparedPrompt:
+        prompt = await anyio.to_thread.run_sync(self._prepare_sync, request)
+        limit = min(self.settings.limits.max_context_tokens, self.engine.info.max_context_tokens)
+        needed = prompt.num_tokens + request.sampling.max_tokens
+        if needed > limit:
+            raise bad_request(
+                f"this model's context is {limit} tokens; the prompt has {prompt.num_tokens} tokens and "
+                f"max_tokens asks for {request.sampling.max_tokens} more", "context_length_exceeded", "messages")
+        return prompt
+
+    def _prepare_sync(self, request: ChatRequest) -> PreparedPrompt:
+        images = [
+            load_image(part.url, self.settings, f"messages[{i}].content[{j}]")
+            for i, message in enumerate(request.messages)
+            for j, part in enumerate(message.parts)
+            if isinstance(part, ImagePart)
+        ]
+        return self.engine.prepare(request.messages, images)
+
+    async def start(self, prompt: PreparedPrompt, request: ChatRequest, trace: Trace) -> Run:
+        """Queue the job and wait until its prefill is done (or it failed)."""
+        try:
+            job = self.engine.submit(prompt, request.sampling)
+        except QueueFull:
+            raise ApiError(429, "the engine queue is full; retry shortly", "queue_full", headers={"Retry-After": "1"}) from None
+        events = self.engine.events(job)
+        first = await events.__anext__()
+        if isinstance(first, Failed):
+            raise ApiError(503, first.message, "engine_unavailable")
+        assert isinstance(first, Started), f"engine sent {type(first).__name__} before Started"
+        trace.time("queue", first.queue_ms)
+        trace.time("vision", first.vision_ms)
+        trace.time("prefill", first.prefill_ms)
+        trace.record("prefix", LayerOutcome.of(BYPASS, reason="disabled"))
+        completion = Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), first.num_prompt_tokens, first.num_cached_tokens)
+        return Run(events, completion)
+
+    async def finish(self, run: Run, trace: Trace) -> None:
+        """Drain a started job into its completion (non-streaming)."""
+        async for event in run.events:
+            self._apply(event, run.completion, trace)
+
+    def _apply(self, event, completion: Completion, trace: Trace) -> None:
+        if isinstance(event, Delta):
+            completion.text += event.text
+        elif isinstance(event, Finished):
+            completion.completion_tokens = event.num_completion_tokens
+            completion.finish_reason = event.finish_reason
+            trace.time("decode", event.decode_ms)
+            self.counters.add(trace)
+        elif isinstance(event, Failed):
+            raise ApiError(500, event.message, "engine_error")
+
+    # -- response shapes ---------------------------------------------------------------------
+
+    def usage(self, completion: Completion, trace: Trace) -> dict:
+        return {
+            "prompt_tokens": completion.prompt_tokens,
+            "completion_tokens": completion.completion_tokens,
+            "total_tokens": completion.prompt_tokens + completion.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": completion.cached_tokens},
+            "strata": trace.summary(),
+        }
+
+    def response_body(self, completion: Completion, trace: Trace) -> dict:
+        message = {"role": "assistant", "content": completion.text}
+        return {
+            "id": completion.id,
+            "object": "chat.completion",
+            "created": completion.created,
+            "model": self.engine.info.name,
+            "system_fingerprint": self.engine.info.fingerprint[:16],
+            "choices": [{"index": 0, "message": message, "finish_reason": completion.finish_reason, "logprobs": None}],
+            "usage": self.usage(completion, trace),
+        }
+
+    async def sse(self, run: Run, trace: Trace, include_usage: bool) -> AsyncIterator[bytes]:
+        """SSE chunks of a started job, ending with `data: [DONE]`. Closing early cancels the job."""
+        completion = run.completion
+        yield self._chunk(completion, {"role": "assistant", "content": ""}, None)
+        try:
+            async for event in run.events:
+                self._apply(event, completion, trace)
+                if isinstance(event, Delta):
+                    yield self._chunk(completion, {"content": event.text}, None)
+        except ApiError as exc:
+            yield _sse(exc.body())
+            return
+        finally:
+            await run.events.aclose()
+        usage = self.usage(completion, trace)
+        yield self._chunk(completion, {}, completion.finish_reason, None if include_usage else usage)
+        if include_usage:
+            yield _sse({**self._chunk_base(completion), "choices": [], "usage": usage})
+        yield b"data: [DONE]\n\n"
+
+    def _chunk_base(self, completion: Completion) -> dict:
+        return {
+            "id": completion.id,
+            "object": "chat.completion.chunk",
+            "created": completion.created,
+            "model": self.engine.info.name,
+            "system_fingerprint": self.engine.info.fingerprint[:16],
+        }
+
+    def _chunk(self, completion: Completion, delta: dict, finish_reason: str | None, usage: dict | None = None) -> bytes:
+        body = {**self._chunk_base(completion), "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+        if usage is not None:
+            body["usage"] = usage
+        return _sse(body)
+
+
+def _sse(body: dict) -> bytes:
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"

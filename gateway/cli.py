@@ -1,0 +1,58 @@
+"""`strata serve` and `strata build-model`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="strata", description="Strata: a caching gateway for multimodal LLMs")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible gateway")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--model", default="demo", help="'demo', 'tiny', a model folder, or a hub id")
+    serve.add_argument("--data-dir", type=Path, default=Path(os.environ.get("STRATA_DATA_DIR", "strata-data")))
+    serve.add_argument("--log-level", default="info")
+    build = commands.add_parser("build-model", help="build a seeded random-init Qwen2.5-VL model folder")
+    build.add_argument("--size", choices=("tiny", "demo"), default="tiny")
+    build.add_argument("--out", type=Path, required=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv)
+    if args.command == "build-model":
+        from .engine.builder import build_model
+
+        print(build_model(args.size, args.out))
+        return 0
+    from .blas import reexec_with_openblas
+
+    reexec_with_openblas(argv)  # returns only if already on OpenBLAS (or none can be had)
+    return _serve(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import create_app
+    from .settings import settings_from_env
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = settings_from_env(args.model, args.data_dir, args.host, args.port)
+    except ValueError as exc:
+        print(f"strata: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

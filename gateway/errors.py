@@ -1,0 +1,79 @@
+"""OpenAI-style errors: every 4xx/5xx body is {"error": {"message", "type", "code", "param"}}.
+
+    ApiError                      raised by our code with the status it should answer
+    litestar HTTPException        mapped (404 route, 405 method, 413 body too large, ...)
+    anything else                 500 server_error, logged; the server keeps serving
+"""
+
+from __future__ import annotations
+
+import logging
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException
+
+log = logging.getLogger("strata")
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.code, self.param)
+
+
+def bad_request(message: str, code: str = "invalid_request", param: str | None = None) -> ApiError:
+    return ApiError(400, message, code, param)
+
+
+def error_body(status: int, message: str, code: str, param: str | None = None) -> dict:
+    kind = _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "code": code, "param": param}}
+
+
+def _api_error_handler(_: Request, exc: ApiError) -> Response:
+    return Response(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def _http_exception_handler(_: Request, exc: HTTPException) -> Response:
+    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
+        exc.status_code, "http_error"
+    )
+    body = error_body(exc.status_code, str(exc.detail), code)
+    return Response(body, status_code=exc.status_code, headers=exc.headers or {})
+
+
+def _unexpected_handler(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return Response(error_body(500, "internal server error", "internal_error"), status_code=500)
+
+
+EXCEPTION_HANDLERS = {
+    ApiError: _api_error_handler,
+    HTTPException: _http_exception_handler,
+    Exception: _unexpected_handler,
+}

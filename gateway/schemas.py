@@ -1,0 +1,197 @@
+"""Parse and validate an OpenAI chat-completions body into typed, immutable values.
+
+Every rejection is an ApiError(400) naming the offending parameter; nothing here touches images'
+bytes (decoding is CPU work done later, off the event loop).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ApiError, bad_request
+from .settings import Limits
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True, slots=True)
+class TextPart:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ImagePart:
+    url: str
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    role: str
+    parts: tuple[TextPart | ImagePart, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    model: str
+    messages: tuple[Message, ...]
+    sampling: Sampling
+    stream: bool
+    include_usage: bool
+    metadata: dict[str, str]
+
+    @property
+    def num_images(self) -> int:
+        return sum(isinstance(p, ImagePart) for m in self.messages for p in m.parts)
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object", "invalid_json")
+    return body
+
+
+def parse_chat_request(body: dict[str, Any], limits: Limits) -> ChatRequest:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required and must be a string", "invalid_type", "model")
+    if body.get("n", 1) != 1:
+        raise bad_request("only n=1 is supported", "unsupported_parameter", "n")
+    if body.get("tools") or body.get("functions"):
+        raise bad_request("tools are not supported by this model", "unsupported_parameter", "tools")
+    messages = _parse_messages(body.get("messages"))
+    num_images = sum(isinstance(p, ImagePart) for m in messages for p in m.parts)
+    if num_images > limits.max_images:
+        raise bad_request(f"at most {limits.max_images} images per request", "too_many_images", "messages")
+    stream = _typed(body, "stream", bool, False)
+    options = _typed(body, "stream_options", dict, None) or {}
+    return ChatRequest(
+        model=model,
+        messages=messages,
+        sampling=_parse_sampling(body, limits),
+        stream=stream,
+        include_usage=bool(options.get("include_usage", False)),
+        metadata=_parse_metadata(body.get("metadata")),
+    )
+
+
+def _parse_messages(raw: Any) -> tuple[Message, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("'messages' must be a non-empty array", "invalid_messages", "messages")
+    return tuple(_parse_message(i, item) for i, item in enumerate(raw))
+
+
+def _parse_message(index: int, item: Any) -> Message:
+    param = f"messages[{index}]"
+    if not isinstance(item, dict):
+        raise bad_request(f"{param} must be an object", "invalid_type", param)
+    role = item.get("role")
+    if role not in ROLES:
+        raise bad_request(f"{param}.role must be one of {', '.join(ROLES)}; got {role!r}", "invalid_role", param)
+    content = item.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    if isinstance(content, str):
+        return Message(role, (TextPart(content),))
+    if not isinstance(content, list):
+        raise bad_request(f"{param}.content must be a string or an array of parts", "invalid_type", param)
+    parts = tuple(_parse_part(f"{param}.content[{j}]", part) for j, part in enumerate(content))
+    if role != "user" and any(isinstance(p, ImagePart) for p in parts):
+        raise bad_request(f"{param}: images are only accepted in user messages", "invalid_content", param)
+    return Message(role, parts)
+
+
+def _parse_part(param: str, part: Any) -> TextPart | ImagePart:
+    if not isinstance(part, dict):
+        raise bad_request(f"{param} must be an object", "invalid_type", param)
+    kind = part.get("type")
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"{param}.text must be a string", "invalid_type", param)
+        return TextPart(part["text"])
+    if kind == "image_url":
+        ref = part.get("image_url")
+        url = ref.get("url") if isinstance(ref, dict) else ref
+        if not isinstance(url, str) or not url:
+            raise bad_request(f"{param}.image_url.url must be a string", "invalid_type", param)
+        return ImagePart(url)
+    raise bad_request(f"{param}.type {kind!r} is not supported (use 'text' or 'image_url')", "unsupported_content_type", param)
+
+
+def _parse_sampling(body: dict[str, Any], limits: Limits) -> Sampling:
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if max_tokens is None:
+        max_tokens = limits.default_max_tokens
+    if not _is_int(max_tokens) or not 1 <= max_tokens <= limits.max_output_tokens:
+        raise bad_request(f"'{param}' must be an integer from 1 to {limits.max_output_tokens}", "invalid_value", param)
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0.0:
+        raise bad_request("'top_p' must be greater than 0", "invalid_value", "top_p")
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise bad_request("'seed' must be an integer", "invalid_type", "seed")
+    return Sampling(max_tokens, temperature, top_p, seed, _parse_stop(body.get("stop"), limits))
+
+
+def _parse_stop(raw: Any, limits: Limits) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    stops = [raw] if isinstance(raw, str) else raw
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad_request("'stop' must be a non-empty string or an array of them", "invalid_type", "stop")
+    if len(stops) > limits.max_stop_sequences:
+        raise bad_request(f"at most {limits.max_stop_sequences} stop sequences", "invalid_value", "stop")
+    return tuple(stops)
+
+
+def _parse_metadata(raw: Any) -> dict[str, str]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or len(raw) > 16:
+        raise bad_request("'metadata' must be an object of at most 16 string values", "invalid_type", "metadata")
+    for key, value in raw.items():
+        if not isinstance(value, str) or len(key) > 64 or len(value) > 512:
+            raise bad_request(f"metadata[{key!r}] must be a string of at most 512 characters", "invalid_type", "metadata")
+    return dict(raw)
+
+
+def _typed(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
+    value = body.get(name, default)
+    if value is not None and value is not default and not isinstance(value, kind):
+        raise bad_request(f"'{name}' must be of type {kind.__name__}", "invalid_type", name)
+    return value
+
+
+def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad_request(f"'{name}' must be a number", "invalid_type", name)
+    if not low <= value <= high:
+        raise bad_request(f"'{name}' must be between {low} and {high}", "invalid_value", name)
+    return float(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+__all__ = ["ApiError", "ChatRequest", "ImagePart", "Message", "Sampling", "TextPart", "parse_chat_request", "parse_json_body"]

@@ -1,0 +1,73 @@
+"""Settings: one frozen dataclass, built from the environment by the CLI and passed to create_app.
+
+Nothing here is read at import time; tests build Settings directly.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds on what one request may ask for. Violations are 4xx errors, never crashes."""
+
+    max_body_bytes: int = 20 * 1024 * 1024
+    max_image_bytes: int = 10 * 1024 * 1024
+    max_image_pixels: int = 4096 * 4096  # checked from the header, before decoding (bombs)
+    max_images: int = 8
+    max_context_tokens: int = 16384
+    max_output_tokens: int = 4096
+    default_max_tokens: int = 256
+    max_stop_sequences: int = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    model: str  # a model folder or hub id; "demo"/"tiny" mean the embedded models
+    data_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str | None = None  # the id clients send; defaults to the folder name
+    api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant
+    admin_key: str | None = None
+    max_queue: int = 16  # waiting requests; more answer 429
+    prefill_chunk_tokens: int = 512
+    allow_remote_images: bool = False  # http(s) image_url parts
+    allow_file_images_under: Path | None = None  # file:// image_url parts below this folder
+    limits: Limits = field(default_factory=Limits)
+
+    @property
+    def multi_tenant(self) -> bool:
+        return bool(self.api_keys)
+
+
+def parse_api_keys(text: str) -> dict[str, str]:
+    """`key1:tenantA,key2:tenantB` -> {key1: tenantA, ...}; raises ValueError on a bad entry."""
+    keys: dict[str, str] = {}
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, tenant = entry.partition(":")
+        if not sep or not key.strip() or not tenant.strip():
+            raise ValueError(f"STRATA_API_KEYS entry {entry!r} is not key:tenant")
+        keys[key.strip()] = tenant.strip()
+    return keys
+
+
+def settings_from_env(model: str, data_dir: Path, host: str, port: int) -> Settings:
+    """Settings for `strata serve`: the CLI gives model and address, the environment the rest."""
+    env = os.environ
+    file_root = env.get("STRATA_FILE_IMAGES_UNDER")
+    return Settings(
+        model=model,
+        data_dir=Path(data_dir),
+        host=host,
+        port=port,
+        model_name=env.get("STRATA_MODEL_NAME") or None,
+        api_keys=parse_api_keys(env.get("STRATA_API_KEYS", "")),
+        admin_key=env.get("STRATA_ADMIN_KEY") or None,
+        max_queue=int(env.get("STRATA_MAX_QUEUE", "16")),
+        allow_remote_images=env.get("STRATA_ALLOW_REMOTE_IMAGES", "") == "1",
+        allow_file_images_under=Path(file_root) if file_root else None,
+    )

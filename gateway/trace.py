@@ -1,0 +1,72 @@
+"""The request-scoped trace: what each cache layer did, who answered, and how long each step took.
+
+Layers record typed outcomes; only `headers()` knows how they look on the wire:
+    X-Cache-Layer: engine
+    X-Cache-Prefix: hit; cached=3072; prompt=3100; tier=ram
+    Server-Timing: exact;dur=0.1, semantic;dur=6.2, prefill;dur=80.5
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+LAYERS = ("exact", "semantic", "vision", "prefix")
+HIT, MISS, BYPASS = "hit", "miss", "bypass"
+
+
+@dataclass(frozen=True, slots=True)
+class LayerOutcome:
+    status: str  # hit | miss | bypass
+    details: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(cls, status: str, **details: object) -> LayerOutcome:
+        return cls(status, tuple((k, str(v)) for k, v in details.items()))
+
+    def header_value(self) -> str:
+        return "; ".join([self.status, *(f"{k}={v}" for k, v in self.details)])
+
+
+DISABLED = LayerOutcome.of(BYPASS, reason="disabled")
+
+
+@dataclass(slots=True)
+class Trace:
+    outcomes: dict[str, LayerOutcome] = field(default_factory=lambda: {name: DISABLED for name in LAYERS})
+    served_by: str = "engine"  # exact | semantic | engine
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    def record(self, layer: str, outcome: LayerOutcome) -> None:
+        assert layer in LAYERS, f"unknown layer {layer!r}"
+        self.outcomes[layer] = outcome
+
+    def time(self, step: str, duration_ms: float) -> None:
+        self.timings_ms[step] = self.timings_ms.get(step, 0.0) + duration_ms
+
+    @contextmanager
+    def timed(self, step: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.time(step, (time.perf_counter() - start) * 1000)
+
+    def server_timing(self) -> str:
+        return ", ".join(f"{step};dur={ms:.2f}" for step, ms in self.timings_ms.items())
+
+    def headers(self) -> dict[str, str]:
+        headers = {"X-Cache-Layer": self.served_by}
+        headers.update({f"X-Cache-{name.capitalize()}": self.outcomes[name].header_value() for name in LAYERS})
+        if self.timings_ms:
+            headers["Server-Timing"] = self.server_timing()
+        return headers
+
+    def summary(self) -> dict:
+        """The trace as JSON, for the `usage.strata` field (streams put their late facts there)."""
+        return {
+            "layer": self.served_by,
+            "cache": {name: self.outcomes[name].header_value() for name in LAYERS},
+            "server_timing": self.server_timing(),
+        }
