@@ -115,6 +115,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
         finally:
             if owned:
                 await anyio.to_thread.run_sync(live.stop)
+                log.info("engine stopped")
 
     return Litestar(
         route_handlers=[chat_completions, list_models, healthz, admin_stats],
@@ -122,6 +123,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
         exception_handlers=EXCEPTION_HANDLERS,
         request_max_body_size=settings.limits.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Strata", version=VERSION, path="/schema"),
+        logging_config=None,  # the CLI configures logging once; Litestar must not replace it
     )
 
 

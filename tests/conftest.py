@@ -1,0 +1,45 @@
+"""Shared fixtures: the tiny model is built once per session, one engine serves the in-process apps."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from gateway.engine import Engine
+from gateway.engine.builder import ensure_model
+from gateway.settings import Limits, Settings
+
+TINY = "strata-tiny"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory) -> Path:
+    return ensure_model("tiny", tmp_path_factory.mktemp("models") / TINY)
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model_path):
+    live = Engine(tiny_model_path, TINY, max_queue=8, prefill_chunk_tokens=64)
+    live.start()
+    yield live
+    live.stop()
+
+
+@pytest.fixture
+def settings(tmp_path, tiny_model_path) -> Settings:
+    limits = Limits(max_body_bytes=2_000_000, max_image_bytes=1_000_000, max_image_pixels=2000 * 2000,
+                    max_images=4, max_context_tokens=1024, max_output_tokens=512)
+    return Settings(model=str(tiny_model_path), data_dir=tmp_path / "data", model_name=TINY, limits=limits)
+
+
+def png_data_url(width: int = 64, height: int = 48, seed: int = 0, fmt: str = "PNG") -> str:
+    pixels = (np.random.default_rng(seed).random((height, width, 3)) * 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, fmt)
+    mime = {"PNG": "png", "WEBP": "webp", "BMP": "bmp"}[fmt]
+    return f"data:image/{mime};base64," + base64.b64encode(buffer.getvalue()).decode()

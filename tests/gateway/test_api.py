@@ -1,0 +1,109 @@
+"""The HTTP API in-process (Litestar TestClient) on the real tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from litestar.testing import TestClient
+
+from gateway.app import create_app
+from tests.conftest import TINY, png_data_url
+
+
+@pytest.fixture
+def client(settings, engine):
+    with TestClient(create_app(settings, engine=engine)) as test_client:
+        yield test_client
+
+
+def chat(client, **body):
+    body.setdefault("model", TINY)
+    body.setdefault("messages", [{"role": "user", "content": "Hello, who are you?"}])
+    return client.post("/v1/chat/completions", json=body)
+
+
+def test_chat_completion_shape_usage_and_trace_headers(client):
+    response = chat(client, max_tokens=6, temperature=0)
+    assert response.status_code == 200
+    body = response.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["choices"][0]["finish_reason"] in ("stop", "length")
+    usage = body["usage"]
+    assert usage["prompt_tokens"] > 5
+    assert 1 <= usage["completion_tokens"] <= 6
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert response.headers["x-cache-layer"] == "engine"
+    for layer in ("exact", "semantic", "vision", "prefix"):
+        assert response.headers[f"x-cache-{layer}"] == "bypass; reason=disabled"
+    timing = response.headers["server-timing"]
+    assert "prefill;dur=" in timing and "decode;dur=" in timing
+
+
+def test_greedy_is_deterministic_and_max_tokens_gives_length(client):
+    first = chat(client, max_tokens=12, temperature=0).json()
+    second = chat(client, max_completion_tokens=12, temperature=0).json()
+    assert first["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
+    if first["usage"]["completion_tokens"] == 12:
+        assert first["choices"][0]["finish_reason"] == "length"
+
+
+def test_seeded_sampling_repeats_and_differs_by_seed(client):
+    runs = [chat(client, max_tokens=16, temperature=1.0, top_p=0.95, seed=seed).json() for seed in (7, 7, 8)]
+    texts = [r["choices"][0]["message"]["content"] for r in runs]
+    assert texts[0] == texts[1]
+    assert texts[0] != texts[2]
+
+
+def test_stop_sequence_truncates_output(client):
+    full = chat(client, max_tokens=24, temperature=1.0, seed=11).json()["choices"][0]["message"]["content"]
+    assert len(full) > 6
+    stop = full[3:6]
+    cut = chat(client, max_tokens=24, temperature=1.0, seed=11, stop=[stop]).json()
+    assert cut["choices"][0]["message"]["content"] == full[: full.index(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+
+
+def test_stream_sends_role_deltas_usage_and_done(client):
+    with client.stream("POST", "/v1/chat/completions", json={
+        "model": TINY, "messages": [{"role": "user", "content": "Tell me a story"}],
+        "max_tokens": 10, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+    }) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["x-cache-layer"] == "engine"
+        assert "prefill;dur=" in response.headers["server-timing"]
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
+    assert "decode;dur=" in chunks[-1]["usage"]["strata"]["server_timing"]
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    plain = chat(client, messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=10, temperature=0).json()
+    assert streamed == plain["choices"][0]["message"]["content"]
+
+
+def test_image_parts_are_accepted_and_counted(client):
+    url = png_data_url(96, 64)
+    response = chat(client, max_tokens=4, temperature=0, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?"}, {"type": "image_url", "image_url": {"url": url}}]}])
+    assert response.status_code == 200
+    text_only = chat(client, max_tokens=4, temperature=0, messages=[{"role": "user", "content": "What is in this picture?"}])
+    image_tokens = response.json()["usage"]["prompt_tokens"] - text_only.json()["usage"]["prompt_tokens"]
+    # 96x64 is resized to 84x56 (multiples of 28): a 6x4 patch grid, merged 2x2 -> 6 tokens,
+    # plus <|vision_start|> and <|vision_end|>
+    assert image_tokens == 8
+    assert "vision;dur=" in response.headers["server-timing"]
+
+
+def test_models_and_healthz_and_openapi(client):
+    models = client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [TINY]
+    health = client.get("/healthz").json()
+    assert health["status"] == "ok" and health["blas"] in ("openblas", "reference", "accelerate")
+    schema = client.get("/schema/openapi.json").json()
+    assert "/v1/chat/completions" in schema["paths"]

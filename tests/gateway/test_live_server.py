@@ -1,0 +1,180 @@
+"""A real `strata serve` process on loopback, driven by the official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import TINY, png_data_url
+
+KEYS = "key-a:tenant-a,key-b:tenant-b"
+ADMIN = "admin-secret"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, model_path: Path, data_dir: Path, extra_env: dict[str, str]):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # the CLI must find OpenBLAS itself
+        env.update(extra_env)
+        self.log = (data_dir.parent / f"server-{self.port}.log").open("w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_path), "--port", str(self.port),
+             "--data-dir", str(data_dir), "--log-level", "info"],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        self._wait_ready()
+
+    def _wait_ready(self, timeout_s: float = 90) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, Path(self.log.name).read_text()
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        raise TimeoutError("server did not start")
+
+    def stop(self) -> bool:
+        """SIGTERM; True when the server shut down cleanly (uvicorn re-raises the signal at the end)."""
+        self.process.terminate()
+        code = self.process.wait(timeout=30)
+        return code in (0, -signal.SIGTERM) and "engine stopped" in Path(self.log.name).read_text()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path, tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("live") / "data"
+    live = LiveServer(tiny_model_path, data_dir, {
+        "STRATA_API_KEYS": KEYS, "STRATA_ADMIN_KEY": ADMIN, "STRATA_MAX_QUEUE": "1", "STRATA_MODEL_NAME": TINY,
+    })
+    yield live
+    assert live.stop()
+
+
+def _client(server, key="key-a") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+
+
+def test_openai_sync_client_plain_and_stream(server):
+    client = _client(server)
+    reply = client.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "Say something"}],
+                                           max_tokens=8, temperature=0)
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0
+    chunks = list(client.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "Say something"}],
+                                                 max_tokens=8, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == reply.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+
+def test_openai_async_client_with_image(server):
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="key-b", max_retries=0)
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(80, 80)}},
+                                                 {"type": "text", "text": "Describe it"}]}]
+        plain = await client.chat.completions.create(model=TINY, messages=messages, max_tokens=5, temperature=0)
+        stream = await client.chat.completions.create(model=TINY, messages=messages, max_tokens=5, temperature=0, stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        await client.close()
+        return plain.choices[0].message.content, text
+
+    plain, streamed = asyncio.run(run())
+    assert plain == streamed
+
+
+def test_api_keys_are_required_and_map_to_tenants(server, tiny_model_path):
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, key="wrong").chat.completions.create(model=TINY, messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    missing = httpx.post(server.url + "/v1/chat/completions", json={"model": TINY, "messages": [{"role": "user", "content": "x"}]})
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/admin/stats", headers={"Authorization": "Bearer key-a"}).status_code == 401
+    stats = httpx.get(server.url + "/admin/stats", headers={"Authorization": f"Bearer {ADMIN}"})
+    assert stats.status_code == 200 and stats.json()["layers"]["prefix"]["bypass"] >= 1
+
+
+def test_server_secret_is_created_private(server):
+    secret = Path(server.log.name).parent / "data" / "server.secret"
+    assert secret.stat().st_size == 32
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+
+
+def test_cli_runs_on_openblas_without_ld_preload(server):
+    assert httpx.get(server.url + "/healthz").json()["blas"] == "openblas"
+
+
+def _admin_stats(server) -> dict:
+    return httpx.get(server.url + "/admin/stats", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+
+
+def _health(server) -> dict:
+    return httpx.get(server.url + "/healthz").json()
+
+
+def test_client_disconnect_mid_stream_frees_the_engine(server):
+    cancelled_before = _admin_stats(server)["engine"]["num_cancelled"]
+    body = {"model": TINY, "messages": [{"role": "user", "content": "go on forever"}], "max_tokens": 512,
+            "temperature": 1.0, "seed": 1, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
+                      headers={"Authorization": "Bearer key-a"}, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (_health(server)["engine_busy"] or
+                                           _admin_stats(server)["engine"]["num_cancelled"] == cancelled_before):
+        time.sleep(0.05)
+    assert _admin_stats(server)["engine"]["num_cancelled"] == cancelled_before + 1
+    assert not _health(server)["engine_busy"]
+    ok = _client(server).chat.completions.create(model=TINY, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_full_queue_answers_429_with_retry_after(server):
+    body = {"model": TINY, "messages": [{"role": "user", "content": "long"}], "max_tokens": 512, "temperature": 1.0,
+            "seed": 2}
+    headers = {"Authorization": "Bearer key-a"}
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*[client.post(server.url + "/v1/chat/completions", json=body, headers=headers)
+                                          for _ in range(6)])
+
+    responses = asyncio.run(burst())
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses.count(200) >= 2 and 429 in statuses, statuses
+    rejected = next(r for r in responses if r.status_code == 429)
+    assert rejected.headers["retry-after"] == "1"
+    assert rejected.json()["error"]["code"] == "queue_full"
+
+
+def test_single_tenant_mode_is_announced(tiny_model_path, tmp_path):
+    live = LiveServer(tiny_model_path, tmp_path / "data", {"STRATA_MODEL_NAME": TINY})
+    try:
+        assert httpx.get(live.url + "/healthz").json()["multi_tenant"] is False
+        reply = _client(live, key="anything").chat.completions.create(
+            model=TINY, messages=[{"role": "user", "content": "x"}], max_tokens=1)
+        assert reply.choices
+    finally:
+        assert live.stop()
+    assert "single-tenant mode" in Path(live.log.name).read_text()
