@@ -21,7 +21,9 @@ from litestar.response import Stream
 from .auth import Authenticator, load_server_secret
 from .blas import blas_in_use
 from .chat import ChatService
-from .engine import Engine, resolve_model_path
+from kvcache import default_budget_bytes
+
+from .engine import CacheConfig, Engine, EngineConfig, resolve_model_path
 from .errors import EXCEPTION_HANDLERS
 from .schemas import parse_chat_request, parse_json_body
 from .settings import Settings
@@ -54,7 +56,7 @@ async def chat_completions(request: Request) -> Response:
     trace = Trace()
     with trace.timed("prepare"):
         prompt = await services.chat.prepare(chat_request)
-    run = await services.chat.start(prompt, chat_request, trace)
+    run = await services.chat.start(prompt, chat_request, caller, trace)
     log.debug("tenant=%s prompt=%d tokens", caller.tenant, prompt.num_tokens)
     if chat_request.stream:
         headers = {**trace.headers(), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -129,7 +131,13 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
 
 def _load_engine(settings: Settings) -> Engine:
     path = resolve_model_path(settings.model, settings.data_dir)
-    return Engine(path, settings.model_name, settings.max_queue, settings.prefill_chunk_tokens)
+    return Engine(path, settings.model_name, engine_config(settings))
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    budget = settings.kv_budget_bytes if settings.kv_budget_bytes is not None else default_budget_bytes(0.25)
+    caches = CacheConfig(budget, settings.vision_budget_bytes, settings.kv_block_size)
+    return EngineConfig(settings.max_queue, settings.prefill_chunk_tokens, caches)
 
 
 def _log_startup(settings: Settings, engine: Engine) -> None:

@@ -15,12 +15,13 @@ import anyio
 
 from .auth import Caller
 from .engine import Delta, Engine, Failed, Finished, PreparedPrompt, QueueFull, Started
+from .engine.caching import PrefixReport, VisionReport
 from .errors import ApiError, bad_request
 from .images import load_image
 from .schemas import ChatRequest, ImagePart
 from .settings import Settings
 from .stats import LayerCounters
-from .trace import BYPASS, LayerOutcome, Trace
+from .trace import BYPASS, HIT, MISS, LayerOutcome, Trace
 
 
 @dataclass(slots=True)
@@ -74,10 +75,10 @@ class ChatService:
         ]
         return self.engine.prepare(request.messages, images)
 
-    async def start(self, prompt: PreparedPrompt, request: ChatRequest, trace: Trace) -> Run:
+    async def start(self, prompt: PreparedPrompt, request: ChatRequest, caller: Caller, trace: Trace) -> Run:
         """Queue the job and wait until its prefill is done (or it failed)."""
         try:
-            job = self.engine.submit(prompt, request.sampling)
+            job = self.engine.submit(prompt, request.sampling, caller.salt)
         except QueueFull:
             raise ApiError(429, "the engine queue is full; retry shortly", "queue_full", headers={"Retry-After": "1"}) from None
         events = self.engine.events(job)
@@ -88,7 +89,8 @@ class ChatService:
         trace.time("queue", first.queue_ms)
         trace.time("vision", first.vision_ms)
         trace.time("prefill", first.prefill_ms)
-        trace.record("prefix", LayerOutcome.of(BYPASS, reason="disabled"))
+        trace.record("prefix", prefix_outcome(first.prefix))
+        trace.record("vision", vision_outcome(first.vision))
         completion = Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), first.num_prompt_tokens, first.num_cached_tokens)
         return Run(events, completion)
 
@@ -165,6 +167,23 @@ class ChatService:
         if usage is not None:
             body["usage"] = usage
         return _sse(body)
+
+
+def prefix_outcome(report: PrefixReport) -> LayerOutcome:
+    if report.status == BYPASS:
+        return LayerOutcome.of(BYPASS, reason=report.reason)
+    details = {"cached": report.num_cached_tokens, "prompt": report.num_prompt_tokens}
+    return LayerOutcome.of(report.status, **details, **({"tier": report.tier} if report.tier else {}))
+
+
+def vision_outcome(report: VisionReport) -> LayerOutcome:
+    if report.num_images == 0:
+        return LayerOutcome.of(BYPASS, reason="no_images")
+    if not report.enabled:
+        return LayerOutcome.of(BYPASS, reason="disabled", images=report.num_images)
+    status = MISS if report.num_misses else HIT
+    return LayerOutcome.of(status, images=report.num_images, hits=report.num_hits, misses=report.num_misses,
+                           skipped=report.num_skipped)
 
 
 def _sse(body: dict) -> bytes:

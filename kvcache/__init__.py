@@ -1,8 +1,17 @@
-"""kvcache: prefix KV blocks with chained, tenant-salted hashes.
+"""kvcache: prefix KV blocks with chained, tenant-salted hashes, in a byte-budgeted block pool.
 
 A library: never imports `gateway`, never reads HTTP headers; returns typed results.
+See README.md in this folder for the architecture and invariants.
 """
 
-from .keys import TenantSalt, tenant_salt
+from .chain import ExtraSpan, hash_blocks
+from .keys import BlockHash, TenantSalt, block_hash, chain_root, tenant_salt
+from .pool import Block, BlockPool, FreeBlockQueue
+from .prefix import (Cacheability, PrefixCache, PrefixCacheStats, PrefixMatch, PrefixSession, cacheability,
+                     default_budget_bytes)
 
-__all__ = ["TenantSalt", "tenant_salt"]
+__all__ = [
+    "Block", "BlockHash", "BlockPool", "Cacheability", "ExtraSpan", "FreeBlockQueue", "PrefixCache",
+    "PrefixCacheStats", "PrefixMatch", "PrefixSession", "TenantSalt", "block_hash", "cacheability", "chain_root",
+    "default_budget_bytes", "hash_blocks", "tenant_salt",
+]

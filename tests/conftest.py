@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from gateway.engine import Engine
+from gateway.engine import CacheConfig, Engine, EngineConfig
 from gateway.engine.builder import ensure_model
 from gateway.settings import Limits, Settings
 
@@ -24,7 +24,8 @@ def tiny_model_path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def engine(tiny_model_path):
-    live = Engine(tiny_model_path, TINY, max_queue=8, prefill_chunk_tokens=64)
+    live = Engine(tiny_model_path, TINY, EngineConfig(max_queue=8, prefill_chunk_tokens=64, caches=CacheConfig(
+        prefix_budget_bytes=256 << 20, vision_budget_bytes=64 << 20, block_size=16)))
     live.start()
     yield live
     live.stop()

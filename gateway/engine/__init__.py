@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .builder import SIZES, ensure_model
+from .caching import CacheConfig
 from .prompt import PreparedPrompt
 from .runner import ModelRunner
 from .worker import Delta, EngineWorker, Failed, Finished, Job, QueueFull, Started
@@ -20,9 +21,20 @@ from .worker import Delta, EngineWorker, Failed, Finished, Job, QueueFull, Start
 log = logging.getLogger("strata.engine")
 
 __all__ = [
-    "Delta", "Engine", "Failed", "Finished", "Job", "PreparedPrompt", "QueueFull", "Started",
+    "CacheConfig", "Delta", "Engine", "EngineConfig", "Failed", "Finished", "Job", "PreparedPrompt", "QueueFull", "Started",
     "model_fingerprint", "resolve_model_path",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    max_queue: int = 16
+    prefill_chunk_tokens: int = 512  # a multiple of the block size: chunks end on block boundaries
+    caches: CacheConfig = CacheConfig(prefix_budget_bytes=1 << 30, vision_budget_bytes=256 << 20, block_size=64)
+
+    def __post_init__(self):
+        if self.prefill_chunk_tokens % self.caches.block_size:
+            raise ValueError("prefill_chunk_tokens must be a multiple of the KV block size")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,15 +46,16 @@ class ModelInfo:
 
 
 class Engine:
-    def __init__(self, model_path: Path, name: str | None, max_queue: int, prefill_chunk_tokens: int):
-        self.runner = ModelRunner(model_path)
+    def __init__(self, model_path: Path, name: str | None, config: EngineConfig):
+        fingerprint = model_fingerprint(Path(model_path))
+        self.runner = ModelRunner(model_path, config.caches, fingerprint)
         self.info = ModelInfo(
             name=name or Path(model_path).name,
             path=Path(model_path),
-            fingerprint=model_fingerprint(Path(model_path)),
+            fingerprint=fingerprint,
             max_context_tokens=self.runner.max_positions,
         )
-        self.worker = EngineWorker(self.runner, max_queue, prefill_chunk_tokens)
+        self.worker = EngineWorker(self.runner, config.max_queue, config.prefill_chunk_tokens)
         self.prepare = self.runner.prompts.build
         self.submit = self.worker.submit
         self.events = self.worker.events

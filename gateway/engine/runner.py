@@ -15,8 +15,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from kvcache import TenantSalt
+from vision import processor_fingerprint
+
 from ..schemas import Sampling
-from .prompt import PreparedPrompt, PromptBuilder
+from .caching import CacheConfig, EngineCaches, PrefixPlan, PrefixReport, VisionReport
+from .prompt import PreparedPrompt, PromptBuilder, PromptImage
 
 SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
 
@@ -30,13 +34,16 @@ class PrefillResult:
     logits: mx.array  # (vocab,) for the last prompt position
     cache: list
     rope_delta: int  # mRoPE: decode position = cache offset + rope_delta
-    num_cached_tokens: int
+    prompt: PreparedPrompt
+    plan: PrefixPlan | None  # held until finish(): its blocks cannot be evicted meanwhile
+    prefix: PrefixReport
+    vision: VisionReport
     prefill_ms: float
     vision_ms: float
 
 
 class ModelRunner:
-    def __init__(self, model_path: Path | str):
+    def __init__(self, model_path: Path | str, cache_config: CacheConfig, model_fingerprint: str):
         import mlx_vlm
 
         self.model, self.processor = mlx_vlm.load(str(model_path))
@@ -49,49 +56,89 @@ class ModelRunner:
         self.tokenizer = self.processor.tokenizer
         self.eos_ids = _eos_ids(config, self.tokenizer)
         self.max_positions = int(config.text_config.max_position_embeddings or 32768)
+        self.caches = EngineCaches(cache_config, model_fingerprint, processor_fingerprint(vars(self.processor.image_processor)))
+        self.num_encoder_calls = 0
 
     # -- prefill -----------------------------------------------------------------------------
 
-    def prefill(self, prompt: PreparedPrompt, chunk_tokens: int, cancelled: Callable[[], bool]) -> PrefillResult:
+    def prefill(self, prompt: PreparedPrompt, salt: TenantSalt, chunk_tokens: int, cancelled: Callable[[], bool]) -> PrefillResult:
+        """Reuse the longest cached prefix, run the rest in chunks, cache new blocks as they fill."""
         from mlx_vlm.models.cache import make_prompt_cache
 
         start = time.perf_counter()
-        ids = mx.array(prompt.token_ids, dtype=mx.int32)[None]
-        features, vision_ms = self._image_features(prompt)
-        embeds = self._embed(ids, prompt, features)
-        positions, rope_delta = self._positions(ids, prompt)
         cache = make_prompt_cache(self.lm)
+        plan, prefix_report = self.caches.open_prefix(prompt, salt, cache)
+        try:
+            cached = plan.num_cached_tokens if plan else 0
+            vision_start = time.perf_counter()
+            features, vision_report = self.caches.image_features(prompt, salt, cached, self._encode_image)
+            vision_ms = (time.perf_counter() - vision_start) * 1000
+            ids = mx.array(prompt.token_ids, dtype=mx.int32)[None]
+            embeds = self._embed(ids, prompt, features, cached)
+            positions, rope_delta = self._positions(ids, prompt)
+            if cached:
+                for layer, state in zip(cache, plan.session.gather(cached)):
+                    layer.state = state
+            hidden = self._run_chunks(prompt, ids, embeds, positions, cache, plan, chunk_tokens, cancelled)
+            logits = self._logits(hidden[:, -1, :])[0]
+            mx.eval(logits)
+        except BaseException:
+            if plan:
+                plan.session.close()
+            raise
+        prefill_ms = (time.perf_counter() - start) * 1000 - vision_ms
+        return PrefillResult(logits, cache, rope_delta, prompt, plan, prefix_report, vision_report, prefill_ms, vision_ms)
+
+    def _run_chunks(self, prompt, ids, embeds, positions, cache, plan, chunk_tokens, cancelled) -> mx.array:
+        """Prefill tokens [cached, L) in chunks ending on multiples of chunk_tokens; after each chunk
+        the blocks it completed are cached, so a long prompt cut short still leaves its prefix."""
+        total = prompt.num_tokens
+        first = begin = total - embeds.shape[1]  # embeds start at the first uncached token
         hidden = None
-        for begin in range(0, prompt.num_tokens, chunk_tokens):
+        while begin < total:
             if cancelled():
                 raise Cancelled()
-            end = min(begin + chunk_tokens, prompt.num_tokens)
-            hidden = self.lm.model(ids[:, begin:end], inputs_embeds=embeds[:, begin:end], cache=cache, position_ids=positions[..., begin:end])
+            end = min((begin // chunk_tokens + 1) * chunk_tokens, total)
+            hidden = self.lm.model(ids[:, begin:end], inputs_embeds=embeds[:, begin - first:end - first], cache=cache,
+                                   position_ids=positions[..., begin:end])
             mx.eval([c.state for c in cache])
-        logits = self._logits(hidden[:, -1, :])[0]
-        mx.eval(logits)
-        prefill_ms = (time.perf_counter() - start) * 1000 - vision_ms
-        return PrefillResult(logits, cache, rope_delta, 0, prefill_ms, vision_ms)
+            if plan:
+                self.caches.store(plan, prompt.token_ids, cache, end)
+            begin = end
+        return hidden
 
-    def _image_features(self, prompt: PreparedPrompt) -> tuple[list[mx.array], float]:
-        if not prompt.images:
-            return [], 0.0
-        start = time.perf_counter()
-        features = []
-        for image in prompt.images:
-            pixels = mx.array(image.pixel_values)
-            grid = mx.array([image.grid_thw])
-            features.append(self.model.vision_tower(pixels, grid, output_hidden_states=False))
+    def finish(self, prefill: PrefillResult, generated: list[int]) -> None:
+        """Cache prompt + generated blocks (the next turn reuses the reply), then release the
+        request's blocks. Called once per prefill, also when generation failed or was cancelled."""
+        plan = prefill.plan
+        if plan is None:
+            return
+        try:
+            kv_tokens = prefill.cache[0].offset  # the last sampled token was never fed back
+            sequence = prefill.prompt.token_ids + tuple(generated)
+            self.caches.store(plan, sequence, prefill.cache, min(kv_tokens, len(sequence)))
+        finally:
+            plan.session.close()
+
+    def _encode_image(self, image: PromptImage) -> mx.array:
+        self.num_encoder_calls += 1
+        pixels = mx.array(image.pixel_values)
+        features = self.model.vision_tower(pixels, mx.array([image.grid_thw]), output_hidden_states=False)
         mx.eval(features)
-        return features, (time.perf_counter() - start) * 1000
+        return features
 
-    def _embed(self, ids: mx.array, prompt: PreparedPrompt, features: list[mx.array]) -> mx.array:
-        text = self.lm.model.embed_tokens(ids)[0]
-        pieces, cursor = [], 0
-        for image, feature in zip(prompt.images, features):
-            pieces += [text[cursor : image.token_start], feature.astype(text.dtype)]
-            cursor = image.token_start + image.num_tokens
-        pieces.append(text[cursor:])
+    def _embed(self, ids: mx.array, prompt: PreparedPrompt, features: dict[int, mx.array], start: int) -> mx.array:
+        """Input embeddings of tokens [start, L): token embeddings with image features spliced in."""
+        text = self.lm.model.embed_tokens(ids[:, start:])[0]
+        pieces, cursor = [], start
+        for index, image in enumerate(prompt.images):
+            end = image.token_start + image.num_tokens
+            if end <= start:
+                continue
+            first = max(image.token_start, start)
+            pieces += [text[cursor - start:first - start], features[index][first - image.token_start:].astype(text.dtype)]
+            cursor = end
+        pieces.append(text[cursor - start:])
         return mx.concatenate(pieces, axis=0)[None]
 
     def _positions(self, ids: mx.array, prompt: PreparedPrompt) -> tuple[mx.array, int]:

@@ -18,7 +18,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from kvcache import TenantSalt
+
 from ..schemas import Sampling
+from .caching import PrefixReport, VisionReport
 from .prompt import PreparedPrompt
 from .runner import Cancelled, ModelRunner
 from .text import TextStream
@@ -34,6 +37,8 @@ class QueueFull(Exception):
 class Started:
     num_prompt_tokens: int
     num_cached_tokens: int
+    prefix: PrefixReport
+    vision: VisionReport
     queue_ms: float
     vision_ms: float
     prefill_ms: float
@@ -64,6 +69,7 @@ Event = Started | Delta | Finished | Failed
 class Job:
     prompt: PreparedPrompt
     sampling: Sampling
+    salt: TenantSalt
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -105,8 +111,8 @@ class EngineWorker:
         self.jobs.put(None)
         self.thread.join(timeout_s)
 
-    def submit(self, prompt: PreparedPrompt, sampling: Sampling) -> Job:
-        job = Job(prompt, sampling, asyncio.get_running_loop())
+    def submit(self, prompt: PreparedPrompt, sampling: Sampling, salt: TenantSalt) -> Job:
+        job = Job(prompt, sampling, salt, asyncio.get_running_loop())
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
@@ -149,11 +155,20 @@ class EngineWorker:
     def _run(self, job: Job) -> None:
         self.stats.num_requests += 1
         queue_ms = (time.perf_counter() - job.enqueued_at) * 1000
-        prefill = self.runner.prefill(job.prompt, self.chunk_tokens, job.cancelled.is_set)
-        job.send(Started(job.prompt.num_tokens, prefill.num_cached_tokens, queue_ms, prefill.vision_ms, prefill.prefill_ms))
+        prefill = self.runner.prefill(job.prompt, job.salt, self.chunk_tokens, job.cancelled.is_set)
+        generated: list[int] = []
+        try:
+            job.send(Started(job.prompt.num_tokens, prefill.prefix.num_cached_tokens, prefill.prefix, prefill.vision,
+                             queue_ms, prefill.vision_ms, prefill.prefill_ms))
+            self._decode(job, prefill, generated)
+        finally:
+            self.runner.finish(prefill, generated)
+
+    def _decode(self, job: Job, prefill, generated: list[int]) -> None:
         start = time.perf_counter()
         text = TextStream(self.runner.tokenizer, job.sampling.stop)
         for token in self.runner.decode(prefill, job.sampling, job.cancelled.is_set):
+            generated.append(token)
             if chunk := text.push(token):
                 job.send(Delta(chunk))
             if text.stopped:

@@ -24,7 +24,8 @@ def chat(client, **body):
 
 
 def test_chat_completion_shape_usage_and_trace_headers(client):
-    response = chat(client, max_tokens=6, temperature=0)
+    messages = [{"role": "user", "content": "A question nobody asked before in this suite?"}]
+    response = chat(client, max_tokens=6, temperature=0, messages=messages)
     assert response.status_code == 200
     body = response.json()
     assert body["object"] == "chat.completion"
@@ -36,8 +37,10 @@ def test_chat_completion_shape_usage_and_trace_headers(client):
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == 0
     assert response.headers["x-cache-layer"] == "engine"
-    for layer in ("exact", "semantic", "vision", "prefix"):
+    for layer in ("exact", "semantic"):
         assert response.headers[f"x-cache-{layer}"] == "bypass; reason=disabled"
+    assert response.headers["x-cache-vision"] == "bypass; reason=no_images"
+    assert response.headers["x-cache-prefix"] == f"miss; cached=0; prompt={usage['prompt_tokens']}"
     timing = response.headers["server-timing"]
     assert "prefill;dur=" in timing and "decode;dur=" in timing
 

@@ -15,12 +15,13 @@ PROBE = """
 import sys
 import numpy as np
 from gateway.blas import blas_in_use
+from gateway.engine.caching import CacheConfig
 from gateway.engine.runner import ModelRunner
 from gateway.schemas import Message, TextPart
 
-runner = ModelRunner(sys.argv[1])
+runner = ModelRunner(sys.argv[1], CacheConfig(0, 0, 64), 'probe')
 prompt = runner.prompts.build((Message("user", (TextPart("The quick brown fox jumps over the lazy dog. " * 20),)),), [])
-result = runner.prefill(prompt, 64, lambda: False)
+result = runner.prefill(prompt, b'salt', 64, lambda: False)
 np.save(sys.argv[2], np.array(result.logits))
 print(blas_in_use())
 """

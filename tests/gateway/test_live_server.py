@@ -111,7 +111,9 @@ def test_api_keys_are_required_and_map_to_tenants(server, tiny_model_path):
     assert httpx.get(server.url + "/v1/models").status_code == 401
     assert httpx.get(server.url + "/admin/stats", headers={"Authorization": "Bearer key-a"}).status_code == 401
     stats = httpx.get(server.url + "/admin/stats", headers={"Authorization": f"Bearer {ADMIN}"})
-    assert stats.status_code == 200 and stats.json()["layers"]["prefix"]["bypass"] >= 1
+    layers = stats.json()["layers"]
+    assert stats.status_code == 200 and layers["prefix"]["hit"] + layers["prefix"]["miss"] >= 2
+    assert layers["exact"]["bypass"] >= 2 and layers["exact"]["hit_rate"] is None
 
 
 def test_server_secret_is_created_private(server):

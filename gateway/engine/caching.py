@@ -1,0 +1,111 @@
+"""The engine's two caches for one request: which prefix KV to reuse, which image features to reuse.
+
+Turns the libraries' results (kvcache.PrefixMatch, vision cache hits) into typed reports that the
+gateway renders as X-Cache-Prefix / X-Cache-Vision. Runs on the engine's worker thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from kvcache import BlockHash, ExtraSpan, PrefixCache, PrefixSession, TenantSalt, cacheability
+from vision import VisionCache, image_key
+
+from .prompt import PreparedPrompt, PromptImage
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixReport:
+    status: str  # hit | miss | bypass
+    num_cached_tokens: int = 0
+    num_prompt_tokens: int = 0
+    tier: str = ""
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class VisionReport:
+    num_images: int = 0
+    num_hits: int = 0
+    num_misses: int = 0  # the encoder ran
+    num_skipped: int = 0  # the image's tokens were all in the reused prefix: no features needed
+    enabled: bool = True
+
+
+@dataclass(slots=True)
+class PrefixPlan:
+    """One request's prefix-cache state, from lookup to the final store."""
+
+    session: PrefixSession
+    root: BlockHash
+    spans: tuple[ExtraSpan, ...]
+    hashes: list[BlockHash]
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    prefix_budget_bytes: int  # 0 turns the prefix cache off
+    vision_budget_bytes: int  # 0 turns the vision cache off
+    block_size: int
+
+
+class EngineCaches:
+    def __init__(self, config: CacheConfig, model_fingerprint: str, processor_fingerprint: str):
+        self.prefix = PrefixCache(config.prefix_budget_bytes, config.block_size) if config.prefix_budget_bytes else None
+        self.vision = VisionCache(config.vision_budget_bytes) if config.vision_budget_bytes else None
+        self.model_fingerprint = model_fingerprint
+        self.processor_fingerprint = processor_fingerprint
+
+    # -- prefix ------------------------------------------------------------------------------
+
+    def open_prefix(self, prompt: PreparedPrompt, salt: TenantSalt, kv_cache: list) -> tuple[PrefixPlan | None, PrefixReport]:
+        if self.prefix is None:
+            return None, PrefixReport("bypass", num_prompt_tokens=prompt.num_tokens, reason="disabled")
+        verdict = cacheability(kv_cache)
+        if not verdict.ok:
+            return None, PrefixReport("bypass", num_prompt_tokens=prompt.num_tokens, reason=verdict.reason)
+        root = self.prefix.root(salt, self.model_fingerprint)
+        spans = tuple(ExtraSpan(i.token_start, i.token_start + i.num_tokens, self._image_key(i, salt).encode())
+                      for i in prompt.images)
+        hashes = self.prefix.hash(prompt.token_ids, root, spans)
+        session = self.prefix.open(hashes)
+        match = session.match(prompt.num_tokens)
+        plan = PrefixPlan(session, root, spans, hashes, match.num_cached_tokens)
+        status = "hit" if match.num_cached_tokens else "miss"
+        return plan, PrefixReport(status, match.num_cached_tokens, prompt.num_tokens, match.tier)
+
+    def store(self, plan: PrefixPlan, token_ids: tuple[int, ...], kv_cache: list, num_tokens: int) -> None:
+        """Cache the full blocks of token_ids[:num_tokens] (a prompt, or prompt + generated tokens)."""
+        if num_tokens // self.prefix.block_size > len(plan.hashes):  # generated tokens completed a block
+            plan.hashes = self.prefix.hash(token_ids[:num_tokens], plan.root, plan.spans)
+        plan.session.store(plan.hashes, [c.state for c in kv_cache], num_tokens)
+
+    # -- vision ------------------------------------------------------------------------------
+
+    def image_features(self, prompt: PreparedPrompt, salt: TenantSalt, first_needed_token: int,
+                       encode: Callable[[PromptImage], mx.array]) -> tuple[dict[int, mx.array], VisionReport]:
+        """Features of each image with tokens at or after `first_needed_token`, by image index."""
+        features: dict[int, mx.array] = {}
+        hits = misses = 0
+        for index, image in enumerate(prompt.images):
+            if image.token_start + image.num_tokens <= first_needed_token:
+                continue
+            key = self._image_key(image, salt)
+            cached = self.vision.get(key) if self.vision else None
+            if cached is None:
+                cached = encode(image)
+                misses += 1
+                if self.vision:
+                    self.vision.put(key, cached)
+            else:
+                hits += 1
+            features[index] = cached
+        skipped = len(prompt.images) - hits - misses
+        return features, VisionReport(len(prompt.images), hits, misses, skipped, self.vision is not None)
+
+    def _image_key(self, image: PromptImage, salt: TenantSalt) -> str:
+        return image_key(image.pixel_hash, self.processor_fingerprint, self.model_fingerprint, salt)

@@ -1,0 +1,128 @@
+"""The block pool: cached KV blocks by hash, with ref counts, a byte budget and an O(1) LRU.
+
+Invariants (checked by `check()` in tests):
+- every block is in `by_hash`; a block is in the free queue iff its ref_count == 0;
+- blocks in use (ref_count > 0) are never evicted;
+- `num_bytes` == sum of the blocks' nbytes <= budget_bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .keys import BlockHash
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    block_hash: BlockHash | None
+    kv: tuple = ()  # per layer: (keys, values), each (1, kv_heads, block_size, head_dim)
+    nbytes: int = 0
+    ref_count: int = 0
+    # intrusive links of the free queue; None while the block is in use
+    prev: Block | None = field(default=None, repr=False)
+    next: Block | None = field(default=None, repr=False)
+
+
+class FreeBlockQueue:
+    """Blocks with ref_count 0, least recently used at the head.
+
+    An intrusive doubly linked list with sentinel head and tail: removing a block from the middle
+    (when a lookup reuses it) is O(1) and allocates nothing, unlike deque.remove (O(n)) or an
+    OrderedDict keyed by hash (a dict operation and a node per move).
+    """
+
+    def __init__(self) -> None:
+        self.head = Block(None)
+        self.tail = Block(None)
+        self.head.next, self.tail.prev = self.tail, self.head
+        self.num_blocks = 0
+
+    def append(self, block: Block) -> None:
+        last = self.tail.prev
+        last.next, block.prev, block.next, self.tail.prev = block, last, self.tail, block
+        self.num_blocks += 1
+
+    def remove(self, block: Block) -> None:
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self.num_blocks -= 1
+
+    def pop_oldest(self) -> Block | None:
+        oldest = self.head.next
+        if oldest is self.tail:
+            return None
+        self.remove(oldest)
+        return oldest
+
+    def __iter__(self):
+        node = self.head.next
+        while node is not self.tail:
+            yield node
+            node = node.next
+
+
+@dataclass(slots=True)
+class PoolStats:
+    num_inserted: int = 0
+    num_evicted: int = 0
+    num_rejected: int = 0  # inserts refused: the budget was held by blocks in use
+
+
+class BlockPool:
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.by_hash: dict[BlockHash, Block] = {}
+        self.free = FreeBlockQueue()
+        self.num_bytes = 0
+        self.stats = PoolStats()
+
+    def get(self, block_hash: BlockHash) -> Block | None:
+        return self.by_hash.get(block_hash)
+
+    def acquire(self, block: Block) -> None:
+        if block.ref_count == 0:
+            self.free.remove(block)
+        block.ref_count += 1
+
+    def release(self, block: Block) -> None:
+        assert block.ref_count > 0, f"release of a free block {block.block_hash!r}"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free.append(block)
+
+    def insert(self, block_hash: BlockHash, kv: tuple, nbytes: int) -> Block | None:
+        """Add a block, acquired once by the caller; evicts LRU free blocks to fit the budget.
+        Returns None (and counts it) if the budget cannot be met without evicting blocks in use."""
+        assert block_hash not in self.by_hash, "insert of a block that is cached already"
+        if not self._make_room(nbytes):
+            self.stats.num_rejected += 1
+            return None
+        block = Block(block_hash, kv, nbytes, ref_count=1)
+        self.by_hash[block_hash] = block
+        self.num_bytes += nbytes
+        self.stats.num_inserted += 1
+        return block
+
+    def _make_room(self, nbytes: int) -> bool:
+        if nbytes > self.budget_bytes:
+            return False
+        while self.num_bytes + nbytes > self.budget_bytes:
+            victim = self.free.pop_oldest()
+            if victim is None:
+                return False
+            del self.by_hash[victim.block_hash]
+            self.num_bytes -= victim.nbytes
+            victim.kv = ()
+            self.stats.num_evicted += 1
+        return True
+
+    def check(self) -> None:
+        """Assert the invariants above; for tests."""
+        free = list(self.free)
+        assert len(free) == self.free.num_blocks, (len(free), self.free.num_blocks)
+        assert all(b.ref_count == 0 for b in free), "a block in use sits in the free queue"
+        in_use = [b for b in self.by_hash.values() if b.ref_count > 0]
+        assert len(free) + len(in_use) == len(self.by_hash), (len(free), len(in_use), len(self.by_hash))
+        total = sum(b.nbytes for b in self.by_hash.values())
+        assert total == self.num_bytes <= self.budget_bytes, (total, self.num_bytes, self.budget_bytes)

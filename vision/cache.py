@@ -1,0 +1,77 @@
+"""The vision-embedding cache: projected image features by image key, LRU with a byte budget.
+
+An ImageKey covers what changes the features: the decoded pixels (PixelHash), the image processor's
+settings and the model's fingerprint, plus a scope (the tenant's salt by default), so tenant B never
+reuses tenant A's features. Features are opaque to this module: anything with `.nbytes` (an MLX array).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, NewType
+
+from .images import PixelHash
+
+ImageKey = NewType("ImageKey", str)
+
+
+def processor_fingerprint(settings: dict[str, Any]) -> str:
+    """A stable digest of the image-processor settings that change pixel_values."""
+    canonical = json.dumps({k: v for k, v in sorted(settings.items()) if _is_plain(v)}, sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def image_key(pixel_hash: PixelHash, processor: str, model: str, scope: bytes) -> ImageKey:
+    digest = hashlib.sha256(b"strata-image-key-v1|")
+    for part in (pixel_hash.encode(), processor.encode(), model.encode(), scope):
+        digest.update(len(part).to_bytes(4, "little") + part)
+    return ImageKey(digest.hexdigest())
+
+
+def _is_plain(value: Any) -> bool:
+    return isinstance(value, (int, float, str, bool, type(None))) or (
+        isinstance(value, (list, tuple)) and all(isinstance(v, (int, float, str)) for v in value))
+
+
+@dataclass(slots=True)
+class VisionCacheStats:
+    num_hits: int = 0
+    num_misses: int = 0
+    num_evicted: int = 0
+
+
+class VisionCache:
+    """Invariant: num_bytes == sum of the entries' nbytes <= budget_bytes."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.entries: OrderedDict[ImageKey, Any] = OrderedDict()  # least recently used first; O(1) moves
+        self.num_bytes = 0
+        self.stats = VisionCacheStats()
+
+    def get(self, key: ImageKey) -> Any | None:
+        features = self.entries.get(key)
+        if features is None:
+            self.stats.num_misses += 1
+            return None
+        self.entries.move_to_end(key)
+        self.stats.num_hits += 1
+        return features
+
+    def put(self, key: ImageKey, features: Any) -> bool:
+        """Store features; False if they alone exceed the budget."""
+        size = int(features.nbytes)
+        if size > self.budget_bytes:
+            return False
+        if key in self.entries:
+            self.num_bytes -= int(self.entries.pop(key).nbytes)
+        while self.num_bytes + size > self.budget_bytes:
+            _, evicted = self.entries.popitem(last=False)
+            self.num_bytes -= int(evicted.nbytes)
+            self.stats.num_evicted += 1
+        self.entries[key] = features
+        self.num_bytes += size
+        return True
