@@ -123,6 +123,8 @@ def _model_config(size: ModelSize, ids: dict[str, int]) -> dict:
         "vision_end_token_id": ids["<|vision_end|>"],
         "vision_token_id": ids["<|vision_pad|>"],
         "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+        "bos_token_id": ids["<|endoftext|>"],
+        "pad_token_id": ids["<|endoftext|>"],
         "vision_config": {
             "model_type": "qwen2_5_vl",
             "depth": size.vision_depth,
@@ -143,7 +145,7 @@ def _model_config(size: ModelSize, ids: dict[str, int]) -> dict:
 
 def _write_weights(config: dict, out_dir: Path) -> None:
     import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map
+    from mlx.utils import tree_flatten, tree_map_with_path
     from mlx_vlm.models.qwen2_5_vl import Model, ModelConfig, TextConfig, VisionConfig
 
     mx.random.seed(SEED)
@@ -151,17 +153,21 @@ def _write_weights(config: dict, out_dir: Path) -> None:
     model_config.vision_config = VisionConfig.from_dict(config["vision_config"])
     model_config.text_config = TextConfig.from_dict(model_config.text_config)
     model = Model(model_config)
-    model.update(tree_map(_reinit, model.parameters()))
+    model.update(tree_map_with_path(_reinit, model.parameters()))
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
 
 
-def _reinit(param):
+def _reinit(path: str, param):
+    """Norms at one, biases at zero, embeddings N(0, 0.02), other weights N(0, 1/fan_in): each layer
+    then changes the residual stream by O(1), so greedy output depends on the context instead of
+    echoing the last token through the tied embeddings (which a uniform 0.02 init does)."""
     import mlx.core as mx
 
-    if param.ndim == 1:  # norms start at one, biases at zero: keeps activations well scaled
+    if param.ndim == 1:
         return mx.ones_like(param) if _is_norm_like(param) else mx.zeros_like(param)
-    return (mx.random.normal(param.shape) * 0.02).astype(mx.float32)
+    std = 0.02 if "embed_tokens" in path else param.shape[-1] ** -0.5
+    return (mx.random.normal(param.shape) * std).astype(mx.float32)
 
 
 def _is_norm_like(param) -> bool:

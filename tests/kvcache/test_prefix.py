@@ -1,0 +1,113 @@
+"""PrefixCache sessions on real MLX arrays: longest-prefix match, gather, and sharing by bytes."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvcache import PrefixCache, TenantSalt, cacheability
+
+BS = 16
+LAYERS, HEADS, DIM = 2, 2, 8
+
+
+def _kv_for(tokens):
+    """Per-layer (keys, values) whose rows are a function of the token and its position."""
+    rows = mx.array(np.asarray(tokens, dtype=np.float32))[None, None, :, None] + mx.arange(DIM, dtype=mx.float32)
+    rows = mx.broadcast_to(rows, (1, HEADS, len(tokens), DIM))
+    return [(rows + layer, rows - layer) for layer in range(LAYERS)]
+
+
+def _store(cache, root, tokens):
+    session = cache.open(cache.hash(tokens, root))
+    session.match(len(tokens))
+    session.store(session.hashes, _kv_for(tokens), len(tokens))
+    session.close()
+
+
+@pytest.fixture
+def cache():
+    return PrefixCache(budget_bytes=1 << 30, block_size=BS)
+
+
+ROOT_A = PrefixCache(1, BS).root(TenantSalt(b"a" * 32), "model")
+
+
+def test_supersequence_match_reuses_every_full_block_of_the_shorter_prompt(cache):
+    stored = list(range(100))
+    _store(cache, ROOT_A, stored)
+    query = stored[:50]
+    session = cache.open(cache.hash(query, ROOT_A))
+    match = session.match(len(query))
+    assert (match.num_matched_tokens, match.num_cached_tokens, match.tier) == (48, 48, "ram")
+    keys, values = session.gather(match.num_cached_tokens)[1]
+    expected_keys, _ = _kv_for(query)[1]
+    assert mx.array_equal(keys, expected_keys[:, :, :48, :])
+    session.close()
+    cache.pool.check()
+
+
+def test_longest_common_prefix_ends_at_the_first_missing_block(cache):
+    _store(cache, ROOT_A, list(range(100)))
+    query = list(range(40)) + [999] * 30  # diverges inside block 2 (tokens 32-47)
+    session = cache.open(cache.hash(query, ROOT_A))
+    assert session.match(len(query)).num_cached_tokens == 32
+    session.close()
+
+
+def test_fully_cached_prompt_still_recomputes_its_last_token(cache):
+    tokens = list(range(64))
+    _store(cache, ROOT_A, tokens)
+    session = cache.open(cache.hash(tokens, ROOT_A))
+    match = session.match(len(tokens))
+    assert (match.num_matched_tokens, match.num_cached_tokens) == (64, 63)
+    keys, _ = session.gather(63)[0]
+    assert keys.shape[2] == 63
+    session.close()
+
+
+def test_other_tenant_never_matches(cache):
+    tokens = list(range(64))
+    _store(cache, ROOT_A, tokens)
+    root_b = cache.root(TenantSalt(b"b" * 32), "model")
+    session = cache.open(cache.hash(tokens, root_b))
+    assert session.match(len(tokens)).num_cached_tokens == 0
+    session.close()
+
+
+def test_hundred_conversations_share_one_copy_of_the_system_prompt_by_bytes(cache):
+    system = list(range(1000))
+    before = mx.get_active_memory()
+    for conversation in range(100):
+        _store(cache, ROOT_A, system + [5000 + conversation] * 100)
+    block_bytes = LAYERS * 2 * HEADS * BS * DIM * 4
+    shared_blocks, own_blocks = 1000 // BS, 1100 // BS - 1000 // BS
+    assert cache.pool.num_bytes == (shared_blocks + 100 * own_blocks) * block_bytes
+    unshared = 100 * (1100 // BS) * block_bytes
+    assert cache.pool.num_bytes < 0.11 * unshared
+    held = mx.get_active_memory() - before  # what MLX really holds: no block pins a bigger buffer
+    assert held < 1.5 * cache.pool.num_bytes, (held, cache.pool.num_bytes)
+    cache.pool.check()
+
+
+def test_store_continues_a_chain_with_generated_tokens(cache):
+    prompt = list(range(40))
+    session = cache.open(cache.hash(prompt, ROOT_A))
+    session.match(len(prompt))
+    session.store(session.hashes, _kv_for(prompt), len(prompt))
+    assert len(session.held) == 2
+    sequence = prompt + [7] * 30
+    session.store(cache.hash(sequence, ROOT_A), _kv_for(sequence), len(sequence))
+    assert len(session.held) == 4
+    session.close()
+    follow_up = cache.open(cache.hash(sequence + [1, 2, 3], ROOT_A))
+    assert follow_up.match(73).num_cached_tokens == 64
+    follow_up.close()
+
+
+def test_caches_that_cannot_be_cut_into_blocks_are_reported():
+    from mlx_vlm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    assert cacheability([KVCache(), KVCache()]).ok
+    verdict = cacheability([KVCache(), RotatingKVCache(max_size=128)])
+    assert not verdict.ok and "RotatingKVCache" in verdict.reason
+    assert not cacheability([ArraysCache(size=2)]).ok
