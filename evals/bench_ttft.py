@@ -1,0 +1,229 @@
+"""TTFT across ten-turn chats: Strata's cache off, Strata's cache on, and mlx-vlm's own APC.
+
+    python -m evals.bench_ttft [--model demo] [--runs 3] [--turns 10]
+
+Two chats on the same model: (a) text only, (b) a 448x448 image in turn 1. Each user turn adds
+~200 new tokens; each assistant turn is the mode's own greedy reply (24 tokens), sent back as the
+next turn's history, as a real client does. TTFT is measured in-process from the messages to the
+first sampled token (prompt building and image preprocessing included, HTTP excluded) for all three
+modes alike. Each run starts every mode with empty caches; the table shows medians over runs.
+Also printed: hashing cost per token, block-gather cost, and bytes held for 100 sessions that
+share a 1,000-token system prompt. Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from PIL import Image
+
+from gateway.engine import model_fingerprint, resolve_model_path
+from gateway.engine.caching import CacheConfig
+from gateway.engine.runner import ModelRunner, Sampler
+from gateway.schemas import ImagePart, Message, Sampling, TextPart
+from kvcache import PrefixCache, TenantSalt
+from vision import DecodedImage, pixel_hash
+
+REPLY_TOKENS = 24
+SALT = TenantSalt(b"bench-tenant-salt-000000000000000")
+GREEDY = Sampling(REPLY_TOKENS, 0.0, 1.0, None, ())
+
+
+def user_turns(tokenizer, num_turns: int, tokens_per_turn: int = 200) -> list[str]:
+    lines = (Path(__file__).resolve().parents[1] / "gateway/engine/assets/corpus.txt").read_text().splitlines()[1:]
+    turns, current = [], []
+    for line in lines:
+        current.append(line)
+        if len(tokenizer.encode(" ".join(current), add_special_tokens=False)) >= tokens_per_turn:
+            turns.append(" ".join(current))
+            current = []
+            if len(turns) == num_turns:
+                return turns
+    raise ValueError("corpus too short")
+
+
+def chat_image() -> Image.Image:
+    pixels = (np.random.default_rng(7).random((448, 448, 3)) * 255).astype(np.uint8)
+    return Image.fromarray(pixels)
+
+
+class StrataMode:
+    def __init__(self, name: str, model_path: Path, caches: CacheConfig):
+        self.name = name
+        self.runner = ModelRunner(model_path, caches, model_fingerprint(model_path))
+        self.cached_tokens: list[int] = []
+
+    def turn(self, history: list[Message], image: Image.Image | None) -> tuple[float, str]:
+        start = time.perf_counter()
+        images = [DecodedImage(image, pixel_hash(image), image.width, image.height)] if image else []
+        prompt = self.runner.prompts.build(tuple(history), images)
+        prefill = self.runner.prefill(prompt, SALT, 512, lambda: False)
+        first = Sampler(GREEDY)(prefill.logits)
+        ttft = time.perf_counter() - start
+        generated = list(self.runner.decode(prefill, GREEDY, lambda: False))
+        self.runner.finish(prefill, generated)
+        self.cached_tokens.append(prefill.prefix.num_cached_tokens)
+        assert not generated or generated[0] == first
+        return ttft, self.runner.tokenizer.decode(generated, skip_special_tokens=True)
+
+
+class ApcMode:
+    """mlx-vlm 0.7.10's automatic prefix cache, RAM tier only, through its own stream_generate, on
+    its own stock load of the same model folder (Strata's runner swaps in its CPU attention)."""
+
+    name = "mlx-vlm APC"
+
+    def __init__(self, model_path: Path):
+        import mlx_vlm
+        from mlx_vlm import apc
+
+        self.model, self.processor = mlx_vlm.load(str(model_path))
+        self.manager = apc.from_env(overrides={"enabled": True, "disk_enabled": False})
+
+    def turn(self, history: list[Message], image: Image.Image | None) -> tuple[float, str]:
+        import mlx_vlm
+
+        start = time.perf_counter()
+        messages = [{"role": m.role, "content": [{"type": "image"} if isinstance(p, ImagePart) else
+                                                 {"type": "text", "text": p.text} for p in m.parts]} for m in history]
+        text = self.processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ttft, pieces = None, []
+        for response in mlx_vlm.stream_generate(self.model, self.processor, text, image=[image] if image else None,
+                                                max_tokens=REPLY_TOKENS, temperature=0.0, apc_manager=self.manager):
+            ttft = ttft or time.perf_counter() - start
+            pieces.append(response.text)
+        return ttft, "".join(pieces)
+
+
+def run_chat(mode, turns: list[str], image: Image.Image | None) -> list[float]:
+    history: list[Message] = []
+    ttfts = []
+    for index, text in enumerate(turns):
+        parts = (ImagePart("img"), TextPart(text)) if image is not None and index == 0 else (TextPart(text),)
+        history.append(Message("user", parts))
+        ttft, reply = mode.turn(history, image)
+        ttfts.append(ttft)
+        history.append(Message("assistant", (TextPart(reply),)))
+    return ttfts
+
+
+def measure(model_path: Path, turns: list[str], runs: int) -> dict:
+    image = chat_image()
+    warm_up = StrataMode("warm-up", model_path, CacheConfig(0, 0, 64))  # MLX compiles kernels on first use
+    run_chat(warm_up, turns[:2], image)
+    run_chat(ApcMode(model_path), turns[:2], image)
+    results: dict = {"text": {}, "image": {}}
+    for _ in range(runs):
+        for chat, chat_picture in (("text", None), ("image", image)):
+            off = StrataMode("strata off", model_path, CacheConfig(0, 0, 64))
+            on = StrataMode("strata on", model_path, CacheConfig(4 << 30, 512 << 20, 64))
+            for mode in (off, on, ApcMode(model_path)):  # every mode starts with empty caches
+                results[chat].setdefault(mode.name, []).append(run_chat(mode, turns, chat_picture))
+    return results
+
+
+def micro_costs() -> dict:
+    """Hashing ns/token, gather ms for 2k/8k cached tokens and shared-prompt bytes, on demo shapes
+    (4 layers, 2 KV heads, head_dim 64, fp32)."""
+    layers, heads, dim = 4, 2, 64
+    out: dict = {"hash_ns_per_token": {}, "gather_ms": {}}
+    tokens = list(np.random.default_rng(0).integers(0, 8000, 8192))
+    for block_size in (16, 32, 64, 128):
+        cache = PrefixCache(8 << 30, block_size)
+        root = cache.root(SALT, "bench")
+        start = time.perf_counter()
+        for _ in range(5):
+            hashes = cache.hash(tokens, root)
+        out["hash_ns_per_token"][block_size] = (time.perf_counter() - start) / 5 / len(tokens) * 1e9
+        kv = [(mx.random.normal((1, heads, 8192, dim)), mx.random.normal((1, heads, 8192, dim))) for _ in range(layers)]
+        session = cache.open(hashes)
+        session.match(8192)
+        session.store(hashes, kv, 8192)
+        out["gather_ms"][block_size] = {n: _gather_ms(session, n) for n in (2048, 8192)}
+        session.close()
+    out["shared_prompt"] = shared_prompt_bytes(layers, heads, dim)
+    return out
+
+
+def _gather_ms(session, num_tokens: int) -> float:
+    samples = []
+    for _ in range(5):
+        start = time.perf_counter()
+        mx.eval(session.gather(num_tokens))
+        samples.append((time.perf_counter() - start) * 1000)
+    return statistics.median(samples)
+
+
+def shared_prompt_bytes(layers: int, heads: int, dim: int, sessions: int = 100) -> dict:
+    cache = PrefixCache(8 << 30, 64)
+    root = cache.root(SALT, "bench")
+    system = list(range(1000))
+    for index in range(sessions):
+        tokens = system + [5000 + index] * 100
+        kv = [(mx.zeros((1, heads, len(tokens), dim)), mx.zeros((1, heads, len(tokens), dim))) for _ in range(layers)]
+        session = cache.open(cache.hash(tokens, root))
+        session.match(len(tokens))
+        session.store(session.hashes, kv, len(tokens))
+        session.close()
+    per_token = layers * 2 * heads * dim * 4
+    unshared = sessions * (1100 // 64 * 64) * per_token
+    return {"sessions": sessions, "held_bytes": cache.pool.num_bytes, "unshared_bytes": unshared,
+            "ratio": cache.pool.num_bytes / unshared}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="demo")
+    parser.add_argument("--data-dir", type=Path, default=Path(".strata"))
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--turns", type=int, default=10)
+    args = parser.parse_args()
+    model_path = resolve_model_path(args.model, args.data_dir)
+    probe = ModelRunner(model_path, CacheConfig(0, 0, 64), "probe")
+    turns = user_turns(probe.tokenizer, args.turns)
+    del probe
+    results = measure(model_path, turns, args.runs)
+    costs = micro_costs()
+    summary = report(results, costs, args)
+    print(json.dumps({"model": args.model, "runs": args.runs, "ttft_s": results, "costs": costs, "summary": summary}))
+
+
+def report(results: dict, costs: dict, args) -> dict:
+    summary = {}
+    for chat in ("text", "image"):
+        medians = {mode: [statistics.median(run[t] for run in runs) for t in range(args.turns)]
+                   for mode, runs in results[chat].items()}
+        print(f"\n({'a' if chat == 'text' else 'b'}) {chat} chat, TTFT ms (median of {args.runs} runs)")
+        print(f"{'turn':>4} | {'strata off':>10} | {'strata on':>9} | {'mlx-vlm APC':>11} | {'on/APC':>6} | {'APC/on':>6}")
+        for t in range(args.turns):
+            off, on, apc = (medians[m][t] * 1000 for m in ("strata off", "strata on", "mlx-vlm APC"))
+            print(f"{t + 1:>4} | {off:10.1f} | {on:9.1f} | {apc:11.1f} | {on / apc:6.2f} | {apc / on:6.2f}")
+        on = medians["strata on"]
+        apc = medians["mlx-vlm APC"]
+        ratios_per_run = [run[-1] / run[0] for run in results[chat]["strata on"]]
+        summary[chat] = {
+            "turn10_over_turn1_on": on[-1] / on[0],
+            "turn10_over_turn1_on_per_run": ratios_per_run,
+            "max_on_over_apc": max(o / a for o, a in zip(on, apc)),
+            "apc_over_on_turn10": apc[-1] / on[-1],
+        }
+        print(f"turn-{args.turns} / turn-1 with Strata on: {on[-1] / on[0]:.2f}x (target <= 2.5)")
+        print(f"worst Strata-on / APC ratio over turns: {summary[chat]['max_on_over_apc']:.2f} (target <= 1.0 on text)")
+        print(f"APC / Strata-on at turn {args.turns}: {apc[-1] / on[-1]:.1f}x (target >= 5 on the image chat)")
+    print("\nhashing cost, ns per token (SHA-256 chain):", {k: round(v, 1) for k, v in costs["hash_ns_per_token"].items()})
+    print("block gather, ms for 2k / 8k cached tokens:",
+          {bs: f"{v[2048]:.2f} / {v[8192]:.2f}" for bs, v in costs["gather_ms"].items()})
+    shared = costs["shared_prompt"]
+    print(f"100 sessions sharing a 1,000-token system prompt: {shared['held_bytes'] / 1e6:.1f} MB held vs "
+          f"{shared['unshared_bytes'] / 1e6:.1f} MB unshared ({shared['ratio']:.3f}x)")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
