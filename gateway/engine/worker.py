@@ -136,6 +136,7 @@ class EngineWorker:
             job.cancelled.set()
 
     def _loop(self) -> None:
+        self.runner.warm_up()
         while (job := self.jobs.get()) is not None:
             if job.cancelled.is_set():
                 self.stats.num_cancelled += 1

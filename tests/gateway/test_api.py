@@ -110,3 +110,29 @@ def test_models_and_healthz_and_openapi(client):
     assert health["status"] == "ok" and health["blas"] in ("openblas", "reference", "accelerate")
     schema = client.get("/schema/openapi.json").json()
     assert "/v1/chat/completions" in schema["paths"]
+
+
+def test_repeat_request_hits_the_prefix_cache_with_equal_output(client):
+    messages = [{"role": "system", "content": "You answer about rivers and bridges in great detail. " * 6},
+                {"role": "user", "content": "Which bridge is the oldest one on this river?"}]
+    cold = chat(client, max_tokens=8, temperature=0, messages=messages)
+    warm = chat(client, max_tokens=8, temperature=0, messages=messages)
+    assert cold.headers["x-cache-prefix"].startswith("miss; cached=0")
+    cached = warm.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    prompt = warm.json()["usage"]["prompt_tokens"]
+    assert 0 < cached < prompt
+    assert warm.headers["x-cache-prefix"] == f"hit; cached={cached}; prompt={prompt}; tier=ram"
+    assert warm.json()["choices"][0]["message"]["content"] == cold.json()["choices"][0]["message"]["content"]
+
+
+def test_vision_header_reports_encoder_use_and_reuse(client):
+    url = png_data_url(112, 112, seed=42)
+    first_turn = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                               {"type": "text", "text": "What is this?"}]}]
+    first = chat(client, max_tokens=4, temperature=0, messages=first_turn)
+    assert first.headers["x-cache-vision"] == "miss; images=1; hits=0; misses=1; skipped=0"
+    other_system = [{"role": "system", "content": "Be brief."}] + first_turn  # new prefix, same image
+    second = chat(client, max_tokens=4, temperature=0, messages=other_system)
+    assert second.headers["x-cache-vision"] == "hit; images=1; hits=1; misses=0; skipped=0"
+    repeat = chat(client, max_tokens=4, temperature=0, messages=other_system)
+    assert repeat.headers["x-cache-vision"] == "hit; images=1; hits=0; misses=0; skipped=1"

@@ -116,6 +116,19 @@ def test_api_keys_are_required_and_map_to_tenants(server, tiny_model_path):
     assert layers["exact"]["bypass"] >= 2 and layers["exact"]["hit_rate"] is None
 
 
+def test_tenants_never_share_prefix_blocks(server):
+    messages = [{"role": "user", "content": "An identical prompt from two tenants, long enough to fill blocks. " * 4}]
+    for key in ("key-a", "key-a"):
+        _client(server, key).chat.completions.create(model=TINY, messages=messages, max_tokens=2, temperature=0)
+    warm_a = _client(server, "key-a").chat.completions.with_raw_response.create(
+        model=TINY, messages=messages, max_tokens=2, temperature=0)
+    first_b = _client(server, "key-b").chat.completions.with_raw_response.create(
+        model=TINY, messages=messages, max_tokens=2, temperature=0)
+    assert warm_a.headers["x-cache-prefix"].startswith("hit; cached=")
+    assert first_b.headers["x-cache-prefix"].startswith("miss; cached=0")
+    assert first_b.parse().usage.prompt_tokens_details.cached_tokens == 0
+
+
 def test_server_secret_is_created_private(server):
     secret = Path(server.log.name).parent / "data" / "server.secret"
     assert secret.stat().st_size == 32
