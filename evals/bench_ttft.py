@@ -122,10 +122,22 @@ def measure(model_path: Path, turns: list[str], runs: int) -> dict:
     for _ in range(runs):
         for chat, chat_picture in (("text", None), ("image", image)):
             off = StrataMode("strata off", model_path, CacheConfig(0, 0, 64))
-            on = StrataMode("strata on", model_path, CacheConfig(4 << 30, 512 << 20, 64))
+            on = StrataMode("strata on", model_path, CacheConfig(4 << 30, 512 << 20, 32))
             for mode in (off, on, ApcMode(model_path)):  # every mode starts with empty caches
                 results[chat].setdefault(mode.name, []).append(run_chat(mode, turns, chat_picture))
     return results
+
+
+def block_size_sweep(model_path: Path, turns: list[str]) -> dict:
+    """Mean Strata-on TTFT over turns 2..N of the text chat, per block size (the default's basis)."""
+    sweep = {}
+    for block_size in (16, 32, 64, 128):
+        samples = []
+        for _ in range(2):
+            mode = StrataMode("sweep", model_path, CacheConfig(4 << 30, 0, block_size))
+            samples += run_chat(mode, turns, None)[1:]
+        sweep[block_size] = statistics.mean(samples) * 1000
+    return sweep
 
 
 def micro_costs() -> dict:
@@ -146,9 +158,21 @@ def micro_costs() -> dict:
         session.match(8192)
         session.store(hashes, kv, 8192)
         out["gather_ms"][block_size] = {n: _gather_ms(session, n) for n in (2048, 8192)}
+        out.setdefault("store_ms_8k", {})[block_size] = _store_ms(cache, hashes, kv)
         session.close()
     out["shared_prompt"] = shared_prompt_bytes(layers, heads, dim)
     return out
+
+
+def _store_ms(cache: PrefixCache, hashes, kv) -> float:
+    """Cost of caching 8k tokens of KV as new blocks (slice + copy + pool insert)."""
+    fresh = PrefixCache(8 << 30, cache.block_size)
+    session = fresh.open(hashes)
+    start = time.perf_counter()
+    session.store(hashes, kv, 8192)
+    elapsed = (time.perf_counter() - start) * 1000
+    session.close()
+    return elapsed
 
 
 def _gather_ms(session, num_tokens: int) -> float:
@@ -190,6 +214,7 @@ def main() -> None:
     del probe
     results = measure(model_path, turns, args.runs)
     costs = micro_costs()
+    costs["block_size_sweep_ttft_ms"] = block_size_sweep(model_path, turns)
     summary = report(results, costs, args)
     print(json.dumps({"model": args.model, "runs": args.runs, "ttft_s": results, "costs": costs, "summary": summary}))
 
@@ -219,6 +244,9 @@ def report(results: dict, costs: dict, args) -> dict:
     print("\nhashing cost, ns per token (SHA-256 chain):", {k: round(v, 1) for k, v in costs["hash_ns_per_token"].items()})
     print("block gather, ms for 2k / 8k cached tokens:",
           {bs: f"{v[2048]:.2f} / {v[8192]:.2f}" for bs, v in costs["gather_ms"].items()})
+    print("block store, ms for 8k new tokens:", {bs: round(v, 1) for bs, v in costs["store_ms_8k"].items()})
+    print("mean TTFT ms over text-chat turns 2-10 by block size:",
+          {bs: round(ms, 1) for bs, ms in costs["block_size_sweep_ttft_ms"].items()})
     shared = costs["shared_prompt"]
     print(f"100 sessions sharing a 1,000-token system prompt: {shared['held_bytes'] / 1e6:.1f} MB held vs "
           f"{shared['unshared_bytes'] / 1e6:.1f} MB unshared ({shared['ratio']:.3f}x)")

@@ -35,7 +35,7 @@ class Settings:
     admin_key: str | None = None
     max_queue: int = 16  # waiting requests; more answer 429
     prefill_chunk_tokens: int = 512  # a multiple of kv_block_size
-    kv_block_size: int = 64  # tokens per prefix-cache block (README: how it was chosen)
+    kv_block_size: int = 32  # tokens per prefix-cache block (README: how it was chosen)
     kv_budget_bytes: int | None = None  # RAM for prefix KV blocks; None = 25% of available RAM; 0 = off
     vision_budget_bytes: int = 256 << 20  # RAM for cached image features; 0 = off
     allow_remote_images: bool = False  # http(s) image_url parts
@@ -71,7 +71,7 @@ def settings_from_env(model: str, data_dir: Path, host: str, port: int) -> Setti
         api_keys=parse_api_keys(env.get("STRATA_API_KEYS", "")),
         admin_key=env.get("STRATA_ADMIN_KEY") or None,
         max_queue=int(env.get("STRATA_MAX_QUEUE", "16")),
-        kv_block_size=int(env.get("STRATA_KV_BLOCK_SIZE", "64")),
+        kv_block_size=int(env.get("STRATA_KV_BLOCK_SIZE", "32")),
         kv_budget_bytes=int(env["STRATA_KV_BUDGET_BYTES"]) if env.get("STRATA_KV_BUDGET_BYTES") else None,
         vision_budget_bytes=int(env.get("STRATA_VISION_BUDGET_BYTES", str(256 << 20))),
         allow_remote_images=env.get("STRATA_ALLOW_REMOTE_IMAGES", "") == "1",

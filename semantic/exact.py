@@ -1,0 +1,71 @@
+"""The exact-response cache: a canonicalised request under the same scope -> the stored answer.
+
+Only deterministic requests are cached (temperature 0, or a seed): a sampled answer is one draw
+among many, and replaying it would hide that. Settings may opt in to caching those too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .scope import Scope, canonical_digest
+from .store import ResponseStore, StoredResponse
+
+
+@dataclass(frozen=True, slots=True)
+class CacheControl:
+    """What the client asked of the caches (parsed from headers by the gateway)."""
+
+    no_store: bool = False  # store nothing from this request
+    no_cache: bool = False  # do not answer from cache (still store)
+    max_age_s: float | None = None  # accept only entries younger than this
+    ttl_s: float | None = None  # keep what this request stores for this long
+
+
+@dataclass(frozen=True, slots=True)
+class ExactLookup:
+    status: str  # hit | miss | bypass
+    key: str
+    reason: str = ""
+    response: StoredResponse | None = None
+    age_s: float = 0.0
+
+
+def exact_key(scope: Scope, messages: list[dict[str, Any]], sampling: dict[str, Any]) -> str:
+    """Messages are canonical dicts (images as content hashes); sampling holds what changes answers."""
+    return canonical_digest("exact", {"scope": scope.as_dict(), "messages": messages, "sampling": sampling})
+
+
+class ExactCache:
+    def __init__(self, store: ResponseStore, default_ttl_s: float, cache_nondeterministic: bool = False):
+        self.store = store
+        self.default_ttl_s = default_ttl_s
+        self.cache_nondeterministic = cache_nondeterministic
+
+    def eligible(self, deterministic: bool) -> bool:
+        return deterministic or self.cache_nondeterministic
+
+    def lookup(self, key: str, control: CacheControl, deterministic: bool, now: float) -> ExactLookup:
+        if not self.eligible(deterministic):
+            return ExactLookup("bypass", key, "nondeterministic")
+        if control.no_cache:
+            return ExactLookup("bypass", key, "no-cache")
+        found = self.store.get(key, now)
+        if found is None:
+            return ExactLookup("miss", key)
+        age = now - found.created_at
+        if control.max_age_s is not None and age > control.max_age_s:
+            return ExactLookup("miss", key, "too-old", age_s=age)
+        return ExactLookup("hit", key, response=found, age_s=age)
+
+    def store_response(self, key: str, tenant: str, response: StoredResponse, control: CacheControl,
+                       deterministic: bool) -> bool:
+        if control.no_store or not self.eligible(deterministic):
+            return False
+        self.store.put(key, tenant, response)
+        return True
+
+    def expiry(self, control: CacheControl, now: float) -> float | None:
+        ttl = control.ttl_s if control.ttl_s is not None else self.default_ttl_s
+        return now + ttl if ttl > 0 else None

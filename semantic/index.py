@@ -1,0 +1,52 @@
+"""Vector search, one exact faiss index per partition (scope + context).
+
+A partition's index only ever holds its own entries, so a search is exact and can never return
+another tenant's or another version's entry. IndexFlatIP over normalised vectors: 100k entries
+answer in ~16 ms (NOTES §5); `remove_ids` works, which TTL expiry and deletion need (HNSW lacks it).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import faiss
+import numpy as np
+
+faiss.omp_set_num_threads(1)
+
+
+class PartitionedIndex:
+    def __init__(self, dim: int):
+        self.dim = dim
+        self.partitions: dict[str, faiss.IndexIDMap2] = {}
+        self.partition_of: dict[int, str] = {}
+        self.lock = threading.Lock()
+
+    def add(self, partition: str, entry_ids: list[int], vectors: np.ndarray) -> None:
+        with self.lock:
+            index = self.partitions.get(partition)
+            if index is None:
+                index = self.partitions[partition] = faiss.IndexIDMap2(faiss.IndexFlatIP(self.dim))
+            index.add_with_ids(np.ascontiguousarray(vectors, dtype=np.float32), np.asarray(entry_ids, dtype=np.int64))
+            for entry_id in entry_ids:
+                self.partition_of[entry_id] = partition
+
+    def remove(self, entry_id: int) -> bool:
+        with self.lock:
+            partition = self.partition_of.pop(entry_id, None)
+            if partition is None:
+                return False
+            self.partitions[partition].remove_ids(np.asarray([entry_id], dtype=np.int64))
+            return True
+
+    def search(self, partition: str, vector: np.ndarray, k: int) -> list[tuple[int, float]]:
+        """Up to k (entry id, cosine) pairs, best first."""
+        with self.lock:
+            index = self.partitions.get(partition)
+            if index is None or index.ntotal == 0:
+                return []
+            scores, ids = index.search(np.ascontiguousarray(vector.reshape(1, -1), dtype=np.float32), k)
+        return [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
+
+    def __len__(self) -> int:
+        return len(self.partition_of)

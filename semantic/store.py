@@ -1,0 +1,118 @@
+"""Stores for exact-response entries: one contract, two backends.
+
+    ResponseStore.get(key, now) -> StoredResponse | None   (expired entries are never returned)
+    ResponseStore.put(key, tenant, response)
+    ResponseStore.delete(key) -> bool ; purge_expired(now) -> int ; purge_tenant(tenant) -> int
+
+MemoryStore lives and dies with the process; SqliteStore (the default) survives restarts: WAL mode,
+one connection guarded by a lock, every write committed before put() returns.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    created_at: float
+    expires_at: float | None  # None: never expires
+
+
+class ResponseStore(Protocol):
+    def get(self, key: str, now: float) -> StoredResponse | None: ...
+    def put(self, key: str, tenant: str, response: StoredResponse) -> None: ...
+    def delete(self, key: str) -> bool: ...
+    def purge_expired(self, now: float) -> int: ...
+    def purge_tenant(self, tenant: str) -> int: ...
+    def close(self) -> None: ...
+
+
+def _live(response: StoredResponse, now: float) -> bool:
+    return response.expires_at is None or response.expires_at > now
+
+
+class MemoryStore:
+    def __init__(self) -> None:
+        self.entries: dict[str, tuple[str, StoredResponse]] = {}
+        self.lock = threading.Lock()
+
+    def get(self, key: str, now: float) -> StoredResponse | None:
+        with self.lock:
+            found = self.entries.get(key)
+        return found[1] if found and _live(found[1], now) else None
+
+    def put(self, key: str, tenant: str, response: StoredResponse) -> None:
+        with self.lock:
+            self.entries[key] = (tenant, response)
+
+    def delete(self, key: str) -> bool:
+        with self.lock:
+            return self.entries.pop(key, None) is not None
+
+    def purge_expired(self, now: float) -> int:
+        with self.lock:
+            dead = [k for k, (_, r) in self.entries.items() if not _live(r, now)]
+            for key in dead:
+                del self.entries[key]
+        return len(dead)
+
+    def purge_tenant(self, tenant: str) -> int:
+        with self.lock:
+            dead = [k for k, (t, _) in self.entries.items() if t == tenant]
+            for key in dead:
+                del self.entries[key]
+        return len(dead)
+
+    def close(self) -> None:
+        pass
+
+
+class SqliteStore:
+    def __init__(self, path: Path):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self.lock = threading.Lock()
+        with self.lock:
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            self.db.execute("CREATE TABLE IF NOT EXISTS exact_entries (key TEXT PRIMARY KEY, tenant TEXT NOT NULL, "
+                            "expires_at REAL, body TEXT NOT NULL)")
+            self.db.execute("CREATE INDEX IF NOT EXISTS exact_by_tenant ON exact_entries(tenant)")
+
+    def get(self, key: str, now: float) -> StoredResponse | None:
+        with self.lock:
+            row = self.db.execute("SELECT body FROM exact_entries WHERE key = ? AND (expires_at IS NULL OR expires_at > ?)",
+                                  (key, now)).fetchone()
+        return StoredResponse(**json.loads(row[0])) if row else None
+
+    def put(self, key: str, tenant: str, response: StoredResponse) -> None:
+        with self.lock:
+            self.db.execute("INSERT OR REPLACE INTO exact_entries (key, tenant, expires_at, body) VALUES (?, ?, ?, ?)",
+                            (key, tenant, response.expires_at, json.dumps(asdict(response))))
+
+    def delete(self, key: str) -> bool:
+        with self.lock:
+            return self.db.execute("DELETE FROM exact_entries WHERE key = ?", (key,)).rowcount > 0
+
+    def purge_expired(self, now: float) -> int:
+        with self.lock:
+            return self.db.execute("DELETE FROM exact_entries WHERE expires_at IS NOT NULL AND expires_at <= ?",
+                                   (now,)).rowcount
+
+    def purge_tenant(self, tenant: str) -> int:
+        with self.lock:
+            return self.db.execute("DELETE FROM exact_entries WHERE tenant = ?", (tenant,)).rowcount
+
+    def close(self) -> None:
+        with self.lock:
+            self.db.close()
