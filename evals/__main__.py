@@ -1,0 +1,13 @@
+"""`python -m evals <command>`: false-hits (the semantic cache's regression gate)."""
+
+import sys
+
+from .false_hits import main as false_hits
+
+COMMANDS = {"false-hits": false_hits}
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
+        print(f"usage: python -m evals {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(COMMANDS[sys.argv[1]](sys.argv[2:]))

@@ -1,0 +1,425 @@
+"""Guards: reasons two similar-looking questions may need different answers.
+
+Each guard compares the query with a cached prompt and names what differs: numbers, negation,
+antonyms, dates and relative days, units, billing periods and plan tiers, entities, direction and
+order, comparatives, quantifiers. They are rules over the texts' structure (normalised word forms,
+small closed-class lexicons), not lists of any dataset's sentences. A cosine score alone cannot do
+this: MiniLM puts negations at 0.94-0.98 and swapped directions at 0.99 (NOTES §4).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+from functools import lru_cache
+
+WORD = re.compile(r"[A-Za-z][A-Za-z'’-]*|\d+(?:[.,:/-]\d+)*%?|[$€£¥%]")
+
+STOPWORDS = frozenset("""a an the and or but if then so of in on at by for with to from into onto about as is are was were
+be been being am do does did doing have has had having i me my mine we us our you your yours he him his she her it its
+they them their this that these those there here what which who whom whose when where why how can could would should
+will shall may might must please tell give show explain list describe help me let know want need like get got just
+really actually exactly any some hey hi hello thanks thank way also too very much many quite""".split())
+
+NEGATIONS = frozenset("""not no never none nobody nothing nowhere neither nor without cannot cant can't won't wont
+don't dont doesn't doesnt didn't didnt isn't isnt aren't arent wasn't wasnt weren't werent shouldn't shouldnt
+wouldn't wouldnt couldn't couldnt mustn't haven't havent hasn't hasnt hadn't hadnt ain't""".split())
+NEGATING_PREFIXES = ("un", "in", "im", "il", "ir", "dis", "non")
+
+ANTONYM_PAIRS = """increase/decrease raise/lower rise/fall up/down buy/sell purchase/sell open/close start/stop begin/end
+enable/disable add/remove include/exclude allow/deny allow/block accept/reject before/after early/late cheap/expensive
+hot/cold high/low maximum/minimum max/min first/last input/output import/export upload/download login/logout
+encrypt/decrypt push/pull win/lose gain/lose profit/loss male/female man/woman men/women husband/wife boy/girl
+north/south east/west left/right inside/outside internal/external public/private true/false always/never
+lend/borrow send/receive arrive/depart arrival/departure deposit/withdraw credit/debit pass/fail light/dark
+heavy/light strong/weak fast/slow old/new young/old large/small big/small long/short tall/short wide/narrow
+thick/thin full/empty rich/poor safe/dangerous legal/illegal same/different ascending/descending online/offline
+install/uninstall subscribe/unsubscribe connect/disconnect lock/unlock mount/unmount compress/decompress
+asleep/awake alive/dead possible/impossible correct/incorrect visible/hidden show/hide create/delete hire/fire
+employer/employee parent/child teacher/student buyer/seller sender/recipient landlord/tenant inbound/outbound
+incoming/outgoing upstream/downstream above/below over/under top/bottom front/back positive/negative plus/minus
+win/loss attack/defense success/failure accept/decline approve/deny approve/reject import/export include/omit
+join/leave enter/exit entrance/exit upgrade/downgrade expand/collapse maximize/minimize zoom/unzoom freeze/unfreeze
+summer/winter spring/autumn spring/fall day/night morning/evening sunrise/sunset asc/desc debit/refund
+charge/refund pay/refund earn/spend income/expense import/export odd/even vertical/horizontal""".split()
+
+MONTHS = ["january", "february", "march", "april", "may", "june", "july", "august", "september", "october",
+          "november", "december"]
+MONTH_ABBREVIATIONS = {m[:3]: m for m in MONTHS} | {"sept": "september"}
+WEEKDAYS = ["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"]
+RELATIVE_DAYS = {"today": "day+0", "tonight": "day+0", "tomorrow": "day+1", "yesterday": "day-1",
+                 "weekend": "weekend", "weekday": "weekday", "weekdays": "weekday", "weekends": "weekend",
+                 "morning": "morning", "afternoon": "afternoon", "evening": "evening", "night": "night",
+                 "overnight": "night", "noon": "noon", "midnight": "midnight"}
+RELATIVE_MARKERS = {"next": "+1", "last": "-1", "previous": "-1", "past": "-1", "this": "0", "current": "0",
+                    "coming": "+1", "following": "+1", "upcoming": "+1"}
+PERIOD_NOUNS = {"week": "week", "weeks": "week", "month": "month", "months": "month", "year": "year",
+                "years": "year", "quarter": "quarter", "quarters": "quarter", "decade": "decade"}
+
+UNIT_GROUPS = {
+    "km": "kilometre kilometer kilometres kilometers km kms", "mile": "mile miles mi", "metre": "metre meter metres meters m",
+    "cm": "cm centimetre centimeter centimetres centimeters", "mm": "mm millimetre millimeter millimeters",
+    "inch": "inch inches in.", "foot": "foot feet ft", "yard": "yard yards yd",
+    "kg": "kg kilogram kilograms kilo kilos kgs", "lb": "lb lbs pound pounds", "gram": "g gram grams gramme",
+    "ounce": "oz ounce ounces", "ton": "ton tons tonne tonnes", "celsius": "celsius centigrade °c",
+    "fahrenheit": "fahrenheit °f", "kelvin": "kelvin", "usd": "usd dollar dollars $ us$ bucks",
+    "eur": "eur euro euros €", "gbp": "gbp sterling £", "jpy": "jpy yen ¥", "cny": "cny yuan rmb renminbi",
+    "inr": "inr rupee rupees", "btc": "btc bitcoin bitcoins", "chf": "chf franc francs", "cad": "cad",
+    "aud": "aud", "kb": "kb kilobyte kilobytes", "mb": "mb megabyte megabytes", "gb": "gb gigabyte gigabytes",
+    "tb": "tb terabyte terabytes", "mbps": "mbps", "gbps": "gbps", "litre": "litre liter litres liters l",
+    "ml": "ml millilitre milliliter millilitres milliliters", "gallon": "gallon gallons gal", "cup": "cup cups",
+    "mph": "mph", "kmh": "kmh km/h kph", "knot": "knot knots", "kwh": "kwh", "watt": "watt watts w", "calorie":
+    "calorie calories kcal cal", "joule": "joule joules", "second": "second seconds sec secs",
+    "minute": "minute minutes min mins", "hour": "hour hours hr hrs", "day": "day days", "week": "week weeks", "percent": "percent percentage %",
+    "degree": "degree degrees", "acre": "acre acres", "hectare": "hectare hectares",
+}
+UNITS = {alias: unit for unit, aliases in UNIT_GROUPS.items() for alias in aliases.split()}
+AMBIGUOUS_UNITS = frozenset({"m", "l", "g", "w", "in.", "min", "cal", "mi"})  # count only right after a number
+
+PERIODS = {"monthly": "month", "month": "month", "months": "month", "mo": "month", "annual": "year", "annually":
+           "year", "yearly": "year", "year": "year", "years": "year", "yr": "year", "weekly": "week", "week": "week",
+           "daily": "day", "quarterly": "quarter", "quarter": "quarter", "lifetime": "lifetime", "one-time": "once",
+           "biannual": "half-year", "semiannual": "half-year", "hourly": "hour"}
+TIERS = frozenset("free basic starter standard plus pro professional premium business team teams enterprise ultimate "
+                  "gold silver platinum bronze trial family student individual personal lite essentials".split())
+
+COMPARATIVES = {"more": "more", "less": "less", "fewer": "less", "most": "most", "least": "least", "better": "better",
+                "worse": "worse", "best": "best", "worst": "worst", "top": "best", "greatest": "best"}
+NOT_COMPARATIVE = frozenset("""after over under never ever other another either neither whether together rather
+number numbers order orders user users water paper later remember member members computer computers customer
+customers server servers router printer printers player players power folder folders filter filters password
+passwords offer offers error errors answer answers register transfer transfers cancer center centre letter letters
+matter master enter winter summer river rivers border borders driver drivers partner partners manager managers
+owner owners teacher teachers provider providers charger chargers container containers reader trainer cluster
+register consider cover discover deliver gather hover render suffer whatever however wherever whenever
+forest interest interests request requests latest guest guests test tests rest best west nest est honest modest
+suggest suggests invest priest contest""".split())
+
+QUANTIFIERS = {"all": "all", "every": "all", "each": "all", "everyone": "all", "everything": "all", "entire": "all",
+               "whole": "all", "any": "some", "some": "some", "anyone": "some", "someone": "some", "anything": "some",
+               "something": "some", "few": "few", "several": "several", "many": "many", "most": "most", "both": "both",
+               "either": "either", "only": "only", "just": "", "half": "half", "majority": "most", "minority": "few",
+               "single": "one", "multiple": "several", "none": "none", "no": "none"}
+
+DIRECTION_MARKERS = frozenset("from into onto toward towards than before after over under versus vs against".split())
+MOVING_VERBS = frozenset("convert translate migrate move switch transfer copy redirect send ship upgrade downgrade "
+                         "change port fly flight drive travel call route forward exchange".split())
+
+NUMBER_WORDS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve "
+                                            "thirteen fourteen fifteen sixteen seventeen eighteen nineteen twenty".split())}
+NUMBER_WORDS |= {"thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70, "eighty": 80, "ninety": 90,
+                 "hundred": 100, "thousand": 1000, "million": 10**6, "billion": 10**9, "dozen": 12, "twice": 2,
+                 "double": 2, "triple": 3, "single": 1, "half": 0.5, "quarter": 0.25, "couple": 2}
+ORDINALS = {w: i + 1 for i, w in enumerate("first second third fourth fifth sixth seventh eighth ninth tenth "
+                                            "eleventh twelfth".split())}
+ORDINAL_SUFFIX = re.compile(r"^(\d+)(st|nd|rd|th)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    accept: bool
+    score: float
+    reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Text:
+    """One side of a comparison, analysed once."""
+
+    raw: str
+    words: tuple[str, ...]  # lower-cased tokens, in order
+    lemmas: tuple[str, ...]
+
+    @property
+    def lemma_set(self) -> frozenset[str]:
+        return frozenset(self.lemmas)
+
+
+@lru_cache(maxsize=4096)
+def analyse(text: str) -> Text:
+    tokens = WORD.findall(text.replace("’", "'"))
+    words = tuple(t.lower() for t in tokens)
+    return Text(text, words, tuple(lemma(w) for w in words))
+
+
+def lemma(word: str) -> str:
+    """A light, rule-based normaliser: plural/-ed/-ing forms to a shared stem."""
+    word = word.strip("'-")
+    for suffix, keep in (("ies", "y"), ("ied", "y"), ("sses", "ss"), ("ing", ""), ("ed", ""), ("es", ""), ("s", "")):
+        if word.endswith(suffix) and len(word) - len(suffix) >= 3 and not word.endswith("ss" if suffix == "s" else "\0"):
+            stem = word[: -len(suffix)] + keep
+            return stem[:-1] if len(stem) > 3 and stem[-1] == stem[-2] and stem[-1] not in "lsz" else stem
+    return word
+
+
+# -- the guards: each returns a reason or None ---------------------------------------------------
+
+
+def numbers(a: Text, b: Text) -> str | None:
+    return "numbers" if _numbers(a) != _numbers(b) else None
+
+
+def _numbers(text: Text) -> Counter:
+    values: Counter = Counter()
+    for word in text.words:
+        if word[0].isdigit():
+            match = ORDINAL_SUFFIX.match(word)
+            values[_number_value(match.group(1) if match else word.rstrip("%"))] += 1
+        elif word in NUMBER_WORDS and word not in ("quarter", "one", "single"):  # "which one", "a single"
+            values[float(NUMBER_WORDS[word])] += 1
+        elif word in ORDINALS:
+            values[float(ORDINALS[word])] += 1
+    return values
+
+
+def _number_value(token: str) -> float | str:
+    cleaned = token.replace(",", "")
+    try:
+        return float(cleaned)
+    except ValueError:
+        return token  # dates, times, versions: compared as text
+
+
+def negation(a: Text, b: Text) -> str | None:
+    count_a, count_b = _negations(a), _negations(b)
+    if count_a % 2 != count_b % 2 or (count_a == 0) != (count_b == 0):
+        return "negation"
+    return "negation" if _prefix_negated(a, b) or _prefix_negated(b, a) else None
+
+
+def _negations(text: Text) -> int:
+    return sum(1 for w in text.words if w in NEGATIONS or w.endswith("n't"))
+
+
+def _prefix_negated(a: Text, b: Text) -> bool:
+    """'available' vs 'unavailable', 'like' vs 'dislike'."""
+    lemmas_b = b.lemma_set
+    for word in a.lemma_set - lemmas_b:
+        for prefix in NEGATING_PREFIXES:
+            if word.startswith(prefix) and len(word) - len(prefix) >= 4 and word[len(prefix):] in lemmas_b:
+                return True
+    return False
+
+
+def _antonym_index() -> dict[str, set[str]]:
+    index: dict[str, set[str]] = {}
+    for pair in ANTONYM_PAIRS:
+        left, right = (lemma(w) for w in pair.split("/"))
+        index.setdefault(left, set()).add(right)
+        index.setdefault(right, set()).add(left)
+    return index
+
+
+ANTONYMS = _antonym_index()
+
+
+def antonym(a: Text, b: Text) -> str | None:
+    only_a, only_b = a.lemma_set - b.lemma_set, b.lemma_set - a.lemma_set
+    return "antonym" if any(ANTONYMS.get(w, set()) & only_b for w in only_a) else None
+
+
+def dates(a: Text, b: Text) -> str | None:
+    return "date" if _dates(a) != _dates(b) else None
+
+
+def _dates(text: Text) -> frozenset[str]:
+    found = set()
+    words = text.words
+    for i, word in enumerate(words):
+        relative = RELATIVE_MARKERS.get(words[i - 1], "") if i > 0 else ""
+        if word in MONTHS or (word in MONTH_ABBREVIATIONS and word != "may"):
+            found.add(MONTH_ABBREVIATIONS.get(word, word) + relative)
+        elif word in WEEKDAYS or word.rstrip("s") in WEEKDAYS:
+            found.add(word.rstrip("s") + relative)
+        elif word in RELATIVE_DAYS:
+            found.add(RELATIVE_DAYS[word])
+        elif word in PERIOD_NOUNS and i > 0 and words[i - 1] in RELATIVE_MARKERS:
+            found.add(f"{PERIOD_NOUNS[word]}{RELATIVE_MARKERS[words[i - 1]]}")
+        elif re.fullmatch(r"(1[5-9]|20)\d\d", word) or re.fullmatch(r"\d{1,4}[-/.]\d{1,2}([-/.]\d{1,4})?", word):
+            found.add(word)
+    if "may" in words:  # the month, not the verb: "in May", "May 5"
+        index = words.index("may")
+        if (index > 0 and words[index - 1] in ("in", "of", "since", "until", "by")) or (
+                index + 1 < len(words) and words[index + 1][0].isdigit()):
+            found.add("may")
+    return frozenset(found)
+
+
+def units(a: Text, b: Text) -> str | None:
+    units_a, units_b = _units(a), _units(b)
+    return "unit" if units_a and units_b and units_a != units_b else None
+
+
+def _units(text: Text) -> frozenset[str]:
+    found = set()
+    for i, word in enumerate(text.words):
+        unit = UNITS.get(word)
+        if unit is None or (word in AMBIGUOUS_UNITS and not (i > 0 and text.words[i - 1][0].isdigit())):
+            continue
+        found.add(unit)
+    return frozenset(found)
+
+
+def billing(a: Text, b: Text) -> str | None:
+    periods_a, periods_b = _periods(a), _periods(b)
+    if periods_a and periods_b and periods_a != periods_b:
+        return "billing_period"
+    tiers_a, tiers_b = a.lemma_set & TIERS, b.lemma_set & TIERS
+    return "plan_tier" if (tiers_a or tiers_b) and tiers_a != tiers_b else None
+
+
+def _periods(text: Text) -> frozenset[str]:
+    found = set()
+    for i, word in enumerate(text.words):
+        if word in ("monthly", "annual", "annually", "yearly", "weekly", "daily", "quarterly", "lifetime", "hourly",
+                    "biannual", "semiannual", "one-time"):
+            found.add(PERIODS[word])
+        elif word in PERIODS and i > 0 and text.words[i - 1] in ("per", "a", "each", "every", "/"):
+            found.add(PERIODS[word])
+    return frozenset(found)
+
+
+def entities(a: Text, b: Text) -> str | None:
+    ents_a, ents_b = _entities(a.raw), _entities(b.raw)
+    if ents_a == ents_b:
+        return None
+    only_a, only_b = ents_a - ents_b, ents_b - ents_a
+    lemmas_a, lemmas_b = a.lemma_set, b.lemma_set
+    # an entity that the other text mentions in lower case is the same entity
+    only_a = {e for e in only_a if not set(e.split()) <= lemmas_b}
+    only_b = {e for e in only_b if not set(e.split()) <= lemmas_a}
+    return "entity" if only_a or only_b else None
+
+
+ENTITY = re.compile(r"\b([A-Z][\w&.-]*(?:\s+(?:of\s+|de\s+|the\s+)?[A-Z][\w&.-]*)*)")
+
+
+def _entities(raw: str) -> frozenset[str]:
+    found = set()
+    for sentence in re.split(r"(?<=[.!?])\s+|\n+", raw.strip()):
+        for match in ENTITY.finditer(sentence):
+            words = match.group(1).split()
+            if match.start() == 0 or sentence[: match.start()].strip() in ("", '"', "'", "(", "-"):
+                while words and words[0].lower() in STOPWORDS | QUESTION_STARTS:
+                    words = words[1:]  # "How", "Is", "Can" open a sentence; they name nothing
+            if words:
+                found.add(lemma(" ".join(w.lower().rstrip(".") for w in words)))
+    found.update(w.lower() for w in re.findall(r"\b\w*\d\w*[A-Za-z]\w*\b|\b[a-z]+[A-Z]\w*\b", raw))  # iOS17, GPT4
+    return frozenset(e for e in found if e and e not in STOPWORDS)
+
+
+QUESTION_STARTS = frozenset("""is are was were do does did can could will would should shall may might must has have
+had what which who whom whose when where why how please tell give show explain list describe help hey hi hello i
+find compare convert calculate translate check set change update reset cancel delete create make book order buy get
+send add remove open close turn enable disable""".split())
+
+
+def direction(a: Text, b: Text) -> str | None:
+    """Same terms around a directional word, in the other order: 'from Paris to Rome' vs 'from
+    Rome to Paris', 'USD to EUR' vs 'EUR to USD', 'A bigger than B' vs 'B bigger than A'."""
+    markers = (set(a.words) & set(b.words)) & DIRECTION_MARKERS
+    if "to" in a.words and "to" in b.words and ("from" in markers or (a.lemma_set & b.lemma_set & MOVING_VERBS)):
+        markers.add("to")
+    if not markers:
+        return None
+    terms_a, terms_b = _content_positions(a), _content_positions(b)
+    shared = [t for t in terms_a if t in terms_b]
+    for i, first in enumerate(shared):
+        for second in shared[i + 1:]:
+            if (terms_a[first] < terms_a[second]) != (terms_b[first] < terms_b[second]) and \
+                    _marker_between(a, terms_a[first], terms_a[second], markers):
+                return "direction"
+    return None
+
+
+def _content_positions(text: Text) -> dict[str, int]:
+    positions: dict[str, int] = {}
+    for i, (word, lem) in enumerate(zip(text.words, text.lemmas)):
+        if word not in STOPWORDS and word not in DIRECTION_MARKERS and word != "to" and lem not in positions:
+            positions[lem] = i
+    return positions
+
+
+def _marker_between(text: Text, i: int, j: int, markers: set[str]) -> bool:
+    low, high = sorted((i, j))
+    return any(w in markers for w in text.words[low + 1: high])
+
+
+def entity_order(a: Text, b: Text) -> str | None:
+    """Named entities that both texts mention, in another order: 'A beat B' vs 'B beat A', and the
+    word-order swaps of PAWS ('represented X ... representing Y' vs '... Y ... X')."""
+    order_a, order_b = _entity_sequence(a.raw), _entity_sequence(b.raw)
+    shared = [e for e in order_a if e in order_b]
+    for i, first in enumerate(shared):
+        for second in shared[i + 1:]:
+            if order_b.index(first) > order_b.index(second):
+                return "order"
+    return None
+
+
+def _entity_sequence(raw: str) -> list[str]:
+    sequence: list[str] = []
+    for match in ENTITY.finditer(raw):
+        name = lemma(" ".join(w.lower().rstrip(".") for w in match.group(1).split()))
+        if match.start() > 0 and name not in STOPWORDS and name not in sequence:
+            sequence.append(name)
+    return sequence
+
+
+def comparatives(a: Text, b: Text) -> str | None:
+    """Both texts compare, but not the same way: 'best' vs 'worst', 'more' vs 'less'. ('Improve
+    my sleep' vs 'sleep better' is a paraphrase: only one side compares.)"""
+    found_a, found_b = _comparatives(a), _comparatives(b)
+    return "comparative" if found_a and found_b and found_a != found_b else None
+
+
+COMPARISON_SYNONYMS = {"tall": "high", "big": "large", "great": "large", "huge": "large", "little": "small",
+                       "tiny": "small", "quick": "fast", "rapid": "fast", "cheap": "cheap", "low": "low"}
+
+
+def _canonical_comparison(word: str) -> str:
+    for suffix in ("est", "er"):
+        if word.endswith(suffix):
+            base = word[: -len(suffix)]
+            base = base[:-1] if len(base) > 2 and base[-1] == base[-2] and base[-1] in "bdgmnprt" else base  # big
+            base = base[:-1] + "y" if base.endswith("i") else base  # easiest -> easy
+            return COMPARISON_SYNONYMS.get(base, base) + suffix
+    return word
+
+
+def _comparatives(text: Text) -> frozenset[str]:
+    found = {COMPARATIVES[w] for w in text.words if w in COMPARATIVES}
+    for i, word in enumerate(text.words):
+        if word in NOT_COMPARATIVE or len(word) < 5 or word in COMPARATIVES:
+            continue
+        followed_by_than = i + 1 < len(text.words) and text.words[i + 1] == "than"
+        if word.endswith("er") and followed_by_than:
+            found.add(_canonical_comparison(word))
+        elif word.endswith("est") and i > 0 and text.words[i - 1] == "the":
+            found.add(_canonical_comparison(word))
+    return frozenset(found)
+
+
+def quantifiers(a: Text, b: Text) -> str | None:
+    return "quantifier" if _quantifiers(a) != _quantifiers(b) else None
+
+
+def _quantifiers(text: Text) -> frozenset[str]:
+    found = {QUANTIFIERS[w] for w in text.words if QUANTIFIERS.get(w)}
+    found.discard("none")  # "no"/"none" are negations; that guard owns them
+    if "most" in found and any(w in COMPARATIVES for w in text.words if w != "most"):
+        found.discard("most")
+    return frozenset(found)
+
+
+GUARDS = (numbers, negation, antonym, dates, units, billing, entities, direction, entity_order, comparatives, quantifiers)
+
+
+def check(query: str, cached: str, score: float, threshold: float) -> Verdict:
+    """Accept only above the threshold and when no guard objects; name every objection."""
+    if score < threshold:
+        return Verdict(False, score, ("below_threshold",))
+    a, b = analyse(query), analyse(cached)
+    reasons = tuple(r for guard in GUARDS if (r := guard(a, b)))
+    return Verdict(not reasons, score, reasons)
