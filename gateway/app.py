@@ -22,9 +22,12 @@ from .auth import Authenticator, load_server_secret
 from .blas import blas_in_use
 from .chat import ChatService
 from kvcache import default_budget_bytes
+from semantic import Embedder
 
 from .engine import CacheConfig, Engine, EngineConfig, resolve_model_path
+from .admin import ADMIN_CACHE_ROUTES
 from .errors import EXCEPTION_HANDLERS
+from .responses import ResponseCaches
 from .schemas import parse_chat_request, parse_json_body
 from .settings import Settings
 from .stats import LayerCounters
@@ -41,6 +44,7 @@ class Services:
     auth: Authenticator
     chat: ChatService
     counters: LayerCounters
+    responses: ResponseCaches
 
 
 def _services(request: Request) -> Services:
@@ -55,9 +59,18 @@ async def chat_completions(request: Request) -> Response:
     services.chat.check_model(chat_request)
     trace = Trace()
     with trace.timed("prepare"):
-        prompt = await services.chat.prepare(chat_request)
-    run = await services.chat.start(prompt, chat_request, caller, trace)
-    log.debug("tenant=%s prompt=%d tokens", caller.tenant, prompt.num_tokens)
+        images = await services.chat.load_images(chat_request)
+    ctx = services.responses.context(chat_request, caller, request.headers, images)
+    cached = await services.responses.lookup(ctx, trace)
+    if cached is not None:
+        prompt_tokens = cached.prompt_tokens or (await services.chat.prepare(chat_request, images)).num_tokens
+        run = services.chat.replay(cached, prompt_tokens, trace)
+    else:
+        with trace.timed("prepare"):
+            prompt = await services.chat.prepare(chat_request, images)
+        run = await services.chat.start(prompt, chat_request, caller, trace)
+        run.on_complete = lambda c: services.responses.store(ctx, c.text, c.finish_reason, c.prompt_tokens,
+                                                             c.completion_tokens)
     if chat_request.stream:
         headers = {**trace.headers(), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return Stream(services.chat.sse(run, trace, chat_request.include_usage), media_type="text/event-stream", headers=headers)
@@ -98,9 +111,9 @@ async def admin_stats(request: Request) -> dict:
     return {**services.counters.snapshot(), "engine": engine}
 
 
-def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
-    """The app for `settings`. Pass a started `engine` to share one across apps (tests); otherwise
-    the lifespan loads the model, starts the worker, and stops it on shutdown."""
+def create_app(settings: Settings, engine: Engine | None = None, embedder: Embedder | None = None) -> Litestar:
+    """The app for `settings`. Pass a started `engine` (and an `embedder`) to share them across apps
+    (tests); otherwise the lifespan loads the model and MiniLM, starts the worker, and stops it."""
 
     @asynccontextmanager
     async def lifespan(app: Litestar):
@@ -110,17 +123,19 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
             live.start()
         counters = LayerCounters()
         auth = Authenticator(settings.api_keys, settings.admin_key, load_server_secret(settings.data_dir))
-        app.state.services = Services(settings, live, auth, ChatService(settings, live, counters), counters)
+        responses = await anyio.to_thread.run_sync(ResponseCaches, settings, live.info.fingerprint, embedder)
+        app.state.services = Services(settings, live, auth, ChatService(settings, live, counters), counters, responses)
         _log_startup(settings, live)
         try:
             yield
         finally:
+            responses.close()
             if owned:
                 await anyio.to_thread.run_sync(live.stop)
                 log.info("engine stopped")
 
     return Litestar(
-        route_handlers=[chat_completions, list_models, healthz, admin_stats],
+        route_handlers=[chat_completions, list_models, healthz, admin_stats, *ADMIN_CACHE_ROUTES],
         lifespan=[lifespan],
         exception_handlers=EXCEPTION_HANDLERS,
         request_max_body_size=settings.limits.max_body_bytes,

@@ -6,12 +6,16 @@ Builds OpenAI response bodies and SSE chunks; knows nothing of routing (see app.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import anyio
+
+from semantic import StoredResponse
+from vision import DecodedImage
 
 from .auth import Caller
 from .engine import Delta, Engine, Failed, Finished, PreparedPrompt, QueueFull, Started
@@ -39,10 +43,12 @@ class Completion:
 
 @dataclass(slots=True)
 class Run:
-    """A job past its prefill: the rest of its events, and the completion they fill in."""
+    """A job past its prefill (or a cached answer): the rest of its events, and the completion they
+    fill in. `on_complete` runs once the answer is whole (not when the client left early)."""
 
     events: AsyncIterator
     completion: Completion
+    on_complete: Callable[[Completion], None] | None = None
 
 
 class ChatService:
@@ -56,8 +62,22 @@ class ChatService:
             raise ApiError(404, f"model {request.model!r} does not exist; this server serves {self.engine.info.name!r}",
                            "model_not_found", "model")
 
-    async def prepare(self, request: ChatRequest) -> PreparedPrompt:
-        prompt = await anyio.to_thread.run_sync(self._prepare_sync, request)
+    async def load_images(self, request: ChatRequest) -> list[DecodedImage]:
+        """Decode every image part (CPU work, off the event loop); none: no thread hop."""
+        if not request.num_images:
+            return []
+        return await anyio.to_thread.run_sync(self._load_images_sync, request)
+
+    def _load_images_sync(self, request: ChatRequest) -> list[DecodedImage]:
+        return [
+            load_image(part.url, self.settings, f"messages[{i}].content[{j}]")
+            for i, message in enumerate(request.messages)
+            for j, part in enumerate(message.parts)
+            if isinstance(part, ImagePart)
+        ]
+
+    async def prepare(self, request: ChatRequest, images: list[DecodedImage]) -> PreparedPrompt:
+        prompt = await anyio.to_thread.run_sync(self.engine.prepare, request.messages, images)
         limit = min(self.settings.limits.max_context_tokens, self.engine.info.max_context_tokens)
         needed = prompt.num_tokens + request.sampling.max_tokens
         if needed > limit:
@@ -66,14 +86,18 @@ class ChatService:
                 f"max_tokens asks for {request.sampling.max_tokens} more", "context_length_exceeded", "messages")
         return prompt
 
-    def _prepare_sync(self, request: ChatRequest) -> PreparedPrompt:
-        images = [
-            load_image(part.url, self.settings, f"messages[{i}].content[{j}]")
-            for i, message in enumerate(request.messages)
-            for j, part in enumerate(message.parts)
-            if isinstance(part, ImagePart)
-        ]
-        return self.engine.prepare(request.messages, images)
+    def replay(self, stored: StoredResponse, prompt_tokens: int, trace: Trace) -> Run:
+        """A Run whose events come from a stored answer (exact or semantic hit): same shapes, no model."""
+        for layer in ("vision", "prefix"):
+            trace.record(layer, LayerOutcome.of(BYPASS, reason=f"answered_by_{trace.served_by}"))
+        completion = Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), prompt_tokens, prompt_tokens)
+
+        async def events() -> AsyncIterator:
+            for piece in re.findall(r"\S*\s*", stored.text)[:-1] or [""]:
+                yield Delta(piece)
+            yield Finished(stored.finish_reason, stored.completion_tokens, 0.0, stored.text)
+
+        return Run(events(), completion)
 
     async def start(self, prompt: PreparedPrompt, request: ChatRequest, caller: Caller, trace: Trace) -> Run:
         """Queue the job and wait until its prefill is done (or it failed)."""
@@ -97,16 +121,20 @@ class ChatService:
     async def finish(self, run: Run, trace: Trace) -> None:
         """Drain a started job into its completion (non-streaming)."""
         async for event in run.events:
-            self._apply(event, run.completion, trace)
+            self._apply(event, run, trace)
 
-    def _apply(self, event, completion: Completion, trace: Trace) -> None:
+    def _apply(self, event, run: Run, trace: Trace) -> None:
+        completion = run.completion
         if isinstance(event, Delta):
             completion.text += event.text
         elif isinstance(event, Finished):
             completion.completion_tokens = event.num_completion_tokens
             completion.finish_reason = event.finish_reason
-            trace.time("decode", event.decode_ms)
+            if trace.served_by == "engine":
+                trace.time("decode", event.decode_ms)
             self.counters.add(trace)
+            if run.on_complete is not None:
+                run.on_complete(completion)
         elif isinstance(event, Failed):
             raise ApiError(500, event.message, "engine_error")
 
@@ -139,7 +167,7 @@ class ChatService:
         yield self._chunk(completion, {"role": "assistant", "content": ""}, None)
         try:
             async for event in run.events:
-                self._apply(event, completion, trace)
+                self._apply(event, run, trace)
                 if isinstance(event, Delta):
                     yield self._chunk(completion, {"content": event.text}, None)
         except ApiError as exc:

@@ -38,9 +38,20 @@ class Settings:
     kv_block_size: int = 32  # tokens per prefix-cache block (README: how it was chosen)
     kv_budget_bytes: int | None = None  # RAM for prefix KV blocks; None = 25% of available RAM; 0 = off
     vision_budget_bytes: int = 256 << 20  # RAM for cached image features; 0 = off
+    exact_store: str = "sqlite"  # sqlite (persistent, DATA_DIR/responses.db) | memory | off
+    exact_ttl_s: float = 24 * 3600.0  # default entry lifetime; X-Strata-Cache-TTL overrides per request
+    semantic_enabled: bool = True
+    semantic_threshold: float = 0.80  # cosine; tuned on evals/data/dev.jsonl
+    semantic_require_approved: bool = False  # serve only entries an admin approved
+    semantic_ttl_s: float = 7 * 24 * 3600.0
+    cache_nondeterministic: bool = False  # also cache sampled (temperature > 0, no seed) answers
     allow_remote_images: bool = False  # http(s) image_url parts
     allow_file_images_under: Path | None = None  # file:// image_url parts below this folder
     limits: Limits = field(default_factory=Limits)
+
+    def __post_init__(self):
+        if self.exact_store not in ("sqlite", "memory", "off"):
+            raise ValueError(f"exact store must be sqlite, memory or off; got {self.exact_store!r}")
 
     @property
     def multi_tenant(self) -> bool:
@@ -74,6 +85,12 @@ def settings_from_env(model: str, data_dir: Path, host: str, port: int) -> Setti
         kv_block_size=int(env.get("STRATA_KV_BLOCK_SIZE", "32")),
         kv_budget_bytes=int(env["STRATA_KV_BUDGET_BYTES"]) if env.get("STRATA_KV_BUDGET_BYTES") else None,
         vision_budget_bytes=int(env.get("STRATA_VISION_BUDGET_BYTES", str(256 << 20))),
+        exact_store=env.get("STRATA_EXACT_STORE", "sqlite"),
+        exact_ttl_s=float(env.get("STRATA_EXACT_TTL_S", str(24 * 3600))),
+        semantic_enabled=env.get("STRATA_SEMANTIC", "1") != "0",
+        semantic_threshold=float(env.get("STRATA_SEMANTIC_THRESHOLD", "0.80")),
+        semantic_require_approved=env.get("STRATA_SEMANTIC_REQUIRE_APPROVED", "") == "1",
+        cache_nondeterministic=env.get("STRATA_CACHE_NONDETERMINISTIC", "") == "1",
         allow_remote_images=env.get("STRATA_ALLOW_REMOTE_IMAGES", "") == "1",
         allow_file_images_under=Path(file_root) if file_root else None,
     )

@@ -35,7 +35,16 @@ def engine(tiny_model_path):
 def settings(tmp_path, tiny_model_path) -> Settings:
     limits = Limits(max_body_bytes=2_000_000, max_image_bytes=1_000_000, max_image_pixels=2000 * 2000,
                     max_images=4, max_context_tokens=1024, max_output_tokens=512)
-    return Settings(model=str(tiny_model_path), data_dir=tmp_path / "data", model_name=TINY, limits=limits)
+    # engine-only by default; tests of the response layers turn them on
+    return Settings(model=str(tiny_model_path), data_dir=tmp_path / "data", model_name=TINY, limits=limits,
+                    exact_store="off", semantic_enabled=False)
+
+
+@pytest.fixture(scope="session")
+def embedder():
+    from semantic import MiniLMEmbedder
+
+    return MiniLMEmbedder()
 
 
 def png_data_url(width: int = 64, height: int = 48, seed: int = 0, fmt: str = "PNG") -> str:

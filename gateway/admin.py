@@ -1,0 +1,70 @@
+"""Admin routes over the response caches (admin key required): review and purge what is served.
+
+    GET    /admin/semantic/entries?tenant=&status=&limit=   provenance of stored answers
+    POST   /admin/semantic/entries/{id}/approve | /reject   validation status (rejected: never served)
+    DELETE /admin/semantic/entries/{id}
+    DELETE /admin/exact?tenant=T                            purge one tenant's exact entries
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from litestar import Request, delete, get, post
+from litestar.params import FromPath, FromQuery
+
+from .errors import ApiError, bad_request
+
+
+def _semantic(request: Request):
+    services = request.app.state.services
+    services.auth.require_admin(request.headers.get("authorization"))
+    if services.responses.semantic is None:
+        raise ApiError(404, "the semantic cache is disabled on this server", "semantic_disabled")
+    return services.responses.semantic
+
+
+@get("/admin/semantic/entries")
+async def list_entries(request: Request, tenant: FromQuery[str | None] = None, status: FromQuery[str | None] = None,
+                       limit: FromQuery[int] = 100) -> dict:
+    cache = _semantic(request)
+    if status is not None and status not in ("unreviewed", "approved", "rejected"):
+        raise bad_request("status must be unreviewed, approved or rejected", "invalid_value", "status")
+    entries = cache.list_entries(tenant, status, max(1, min(limit, 1000)))
+    return {"object": "list", "data": [asdict(e) for e in entries]}
+
+
+def _set_status(request: Request, entry_id: int, status: str) -> dict:
+    cache = _semantic(request)
+    if not cache.set_status(entry_id, status):
+        raise ApiError(404, f"no semantic entry {entry_id}", "entry_not_found")
+    return asdict(cache.get(entry_id))
+
+
+@post("/admin/semantic/entries/{entry_id:int}/approve", status_code=200)
+async def approve_entry(request: Request, entry_id: FromPath[int]) -> dict:
+    return _set_status(request, entry_id, "approved")
+
+
+@post("/admin/semantic/entries/{entry_id:int}/reject", status_code=200)
+async def reject_entry(request: Request, entry_id: FromPath[int]) -> dict:
+    return _set_status(request, entry_id, "rejected")
+
+
+@delete("/admin/semantic/entries/{entry_id:int}", status_code=200)
+async def delete_entry(request: Request, entry_id: FromPath[int]) -> dict:
+    if not _semantic(request).delete(entry_id):
+        raise ApiError(404, f"no semantic entry {entry_id}", "entry_not_found")
+    return {"id": entry_id, "deleted": True}
+
+
+@delete("/admin/exact", status_code=200)
+async def purge_exact(request: Request, tenant: FromQuery[str]) -> dict:
+    services = request.app.state.services
+    services.auth.require_admin(request.headers.get("authorization"))
+    if services.responses.exact is None:
+        raise ApiError(404, "the exact cache is disabled on this server", "exact_disabled")
+    return {"tenant": tenant, "purged": services.responses.exact.store.purge_tenant(tenant)}
+
+
+ADMIN_CACHE_ROUTES = [list_entries, approve_entry, reject_entry, delete_entry, purge_exact]
