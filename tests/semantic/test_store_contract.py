@@ -1,0 +1,56 @@
+"""One contract, every ResponseStore backend."""
+
+import pytest
+
+from semantic import MemoryStore, SqliteStore, StoredResponse
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def store(request, tmp_path):
+    backend = MemoryStore() if request.param == "memory" else SqliteStore(tmp_path / "responses.db")
+    yield backend
+    backend.close()
+
+
+def _response(text="hello", created=100.0, expires=None):
+    return StoredResponse(text, "stop", 10, 2, created, expires)
+
+
+def test_put_then_get_returns_the_same_response(store):
+    store.put("k1", "tenant-a", _response())
+    assert store.get("k1", now=101.0) == _response()
+    assert store.get("missing", now=101.0) is None
+
+
+def test_expired_entries_are_never_returned_and_purge_removes_them(store):
+    store.put("old", "t", _response(expires=150.0))
+    store.put("forever", "t", _response(expires=None))
+    assert store.get("old", now=149.0) is not None
+    assert store.get("old", now=150.0) is None
+    assert store.purge_expired(now=200.0) == 1
+    assert store.get("forever", now=10**9) is not None
+
+
+def test_put_replaces_and_delete_removes(store):
+    store.put("k", "t", _response("first"))
+    store.put("k", "t", _response("second"))
+    assert store.get("k", 101.0).text == "second"
+    assert store.delete("k") is True
+    assert store.delete("k") is False
+
+
+def test_purge_tenant_leaves_other_tenants(store):
+    store.put("a1", "tenant-a", _response())
+    store.put("a2", "tenant-a", _response())
+    store.put("b1", "tenant-b", _response())
+    assert store.purge_tenant("tenant-a") == 2
+    assert store.get("a1", 101.0) is None and store.get("b1", 101.0) is not None
+
+
+def test_sqlite_store_survives_reopening(tmp_path):
+    first = SqliteStore(tmp_path / "r.db")
+    first.put("k", "t", _response("persisted"))
+    first.close()
+    second = SqliteStore(tmp_path / "r.db")
+    assert second.get("k", 101.0).text == "persisted"
+    second.close()
