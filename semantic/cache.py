@@ -128,6 +128,22 @@ class SemanticCache:
         self.index.add(partition, [entry_id], vector.reshape(1, -1))
         return entry_id
 
+    def insert_many(self, prompts: list[str], answers: list[str], vectors: np.ndarray, scope: Scope, context: str,
+                    now: float) -> list[int]:
+        """Bulk load (e.g. an FAQ import) with precomputed, normalised vectors; no de-duplication."""
+        partition = scope.partition(context)
+        expires = now + self.settings.default_ttl_s if self.settings.default_ttl_s > 0 else None
+        rows = [(partition, scope.tenant, json.dumps(scope.as_dict()), p, a, now, expires,
+                 np.asarray(v, dtype=np.float32).tobytes()) for p, a, v in zip(prompts, answers, vectors)]
+        with self.lock:
+            self.db.execute("BEGIN")
+            ids = [int(self.db.execute("INSERT INTO semantic_entries (partition, tenant, scope, prompt, answer, created_at, "
+                                       "expires_at, hit_count, status, vector) VALUES (?, ?, ?, ?, ?, ?, ?, 0, "
+                                       "'unreviewed', ?)", row).lastrowid) for row in rows]
+            self.db.execute("COMMIT")
+        self.index.add(partition, ids, vectors)
+        return ids
+
     def _servable(self, entry: SemanticEntry, now: float) -> bool:
         if entry.expires_at is not None and entry.expires_at <= now:
             self.delete(entry.id)
