@@ -102,9 +102,8 @@ QUANTIFIERS = {"all": "all", "every": "all", "each": "all", "everyone": "all", "
                "either": "either", "only": "only", "just": "", "half": "half", "majority": "most", "minority": "few",
                "single": "one", "multiple": "several", "none": "none", "no": "none"}
 
-DIRECTION_MARKERS = frozenset("from into onto toward towards than before after over under versus vs against".split())
-MOVING_VERBS = frozenset("convert translate migrate move switch transfer copy redirect send ship upgrade downgrade "
-                         "change port fly flight drive travel call route forward exchange".split())
+DIRECTION_MARKERS = frozenset("from to into onto toward towards than before after over under versus vs against".split())
+RELATION_WORDS = DIRECTION_MARKERS | frozenset("of for with by on in at".split())
 
 NUMBER_WORDS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve "
                                             "thirteen fourteen fifteen sixteen seventeen eighteen nineteen twenty".split())}
@@ -214,9 +213,30 @@ def _antonym_index() -> dict[str, set[str]]:
 ANTONYMS = _antonym_index()
 
 
+PARTICLES = frozenset("up down in out on off over back away".split())
+
+
 def antonym(a: Text, b: Text) -> str | None:
+    """Opposite words ('increase' vs 'decrease'), or one verb with another particle ('sign up' vs
+    'sign in', 'turn on' vs 'turn off')."""
     only_a, only_b = a.lemma_set - b.lemma_set, b.lemma_set - a.lemma_set
-    return "antonym" if any(ANTONYMS.get(w, set()) & only_b for w in only_a) else None
+    if any(ANTONYMS.get(w, set()) & only_b for w in only_a):
+        return "antonym"
+    particles_a, particles_b = _phrasal(a), _phrasal(b)
+    shared_verbs = particles_a.keys() & particles_b.keys()
+    return "antonym" if any(particles_a[v] != particles_b[v] for v in shared_verbs) else None
+
+
+def _phrasal(text: Text) -> dict[str, str]:
+    """verb -> particle, where the particle ends the clause or precedes a function word ('sign up',
+    'turn off the light'); 'a file in Linux' is a preposition before its object, not a particle."""
+    words = text.words
+    found = {}
+    for i in range(len(words) - 1):
+        after = words[i + 2] if i + 2 < len(words) else None
+        if words[i + 1] in PARTICLES and words[i] not in STOPWORDS and (after is None or after in STOPWORDS):
+            found[text.lemmas[i]] = words[i + 1]
+    return found
 
 
 def dates(a: Text, b: Text) -> str | None:
@@ -316,27 +336,32 @@ send add remove open close turn enable disable""".split())
 
 
 def direction(a: Text, b: Text) -> str | None:
-    """Same terms around a directional word, in the other order: 'from Paris to Rome' vs 'from
-    Rome to Paris', 'USD to EUR' vs 'EUR to USD', 'A bigger than B' vs 'B bigger than A'."""
-    markers = (set(a.words) & set(b.words)) & DIRECTION_MARKERS
-    if "to" in a.words and "to" in b.words and ("from" in markers or (a.lemma_set & b.lemma_set & MOVING_VERBS)):
-        markers.add("to")
-    if not markers:
-        return None
+    """Two shared terms in the other order with the same relation word between them in both texts:
+    'from Paris to Rome' vs 'from Rome to Paris', 'user to a group' vs 'group to a user', 'A bigger
+    than B' vs 'B bigger than A'. A clause merely moved ('X according to Y' vs 'Y, what is ... X')
+    keeps different words between the terms and passes."""
     terms_a, terms_b = _content_positions(a), _content_positions(b)
     shared = [t for t in terms_a if t in terms_b]
     for i, first in enumerate(shared):
         for second in shared[i + 1:]:
-            if (terms_a[first] < terms_a[second]) != (terms_b[first] < terms_b[second]) and \
-                    _marker_between(a, terms_a[first], terms_a[second], markers):
+            if (terms_a[first] < terms_a[second]) == (terms_b[first] < terms_b[second]):
+                continue
+            between_a = _between(a, terms_a[first], terms_a[second])
+            between_b = _between(b, terms_b[first], terms_b[second])
+            if between_a & between_b & RELATION_WORDS:
                 return "direction"
     return None
+
+
+def _between(text: Text, i: int, j: int) -> set[str]:
+    low, high = sorted((i, j))
+    return set(text.words[low + 1: high]) if high - low <= 4 else set()
 
 
 def _content_positions(text: Text) -> dict[str, int]:
     positions: dict[str, int] = {}
     for i, (word, lem) in enumerate(zip(text.words, text.lemmas)):
-        if word not in STOPWORDS and word not in DIRECTION_MARKERS and word != "to" and lem not in positions:
+        if word not in STOPWORDS and word not in RELATION_WORDS and lem not in positions:
             positions[lem] = i
     return positions
 

@@ -21,6 +21,9 @@ LOOKALIKES = [
     ("Is rice healthier than pasta?", "Is pasta healthier than rice?", "direction"),
     ("Which phone has the longest battery life?", "Which phone has the shortest battery life?", "comparative"),
     ("Do all rooms have WiFi?", "Do some rooms have WiFi?", "quantifier"),
+    ("How do I add a user to a group?", "How do I add a group to a user?", "direction"),
+    ("How do I sign up?", "How do I sign in?", "antonym"),
+    ("How do I turn off the alarm?", "How do I turn on the alarm?", "antonym"),
 ]
 
 
@@ -36,11 +39,12 @@ PARAPHRASES = [
     ("What time does the store open?", "When does the store open?"),
     ("Can you explain how solar panels work?", "How do solar panels work?"),
     ("Is there a limit on file uploads?", "Are file uploads limited?"),
-    ("How do I get to the airport from downtown?", "How do I get from downtown to the airport?"),
+    ("How do I rename a file in Linux?", "What command renames a file on Linux?"),
+    ("What is the meaning of life according to philosophers?", "According to philosophers, what is the meaning of life?"),
 ]
 
 
-@pytest.mark.parametrize("cached,query", PARAPHRASES[:4])
+@pytest.mark.parametrize("cached,query", PARAPHRASES)
 def test_paraphrases_pass_every_guard(cached, query):
     verdict = check(query, cached, 0.99, 0.8)
     assert verdict.accept, verdict.reasons
