@@ -22,6 +22,8 @@ from .auth import Authenticator, load_server_secret
 from .blas import blas_in_use
 from .chat import ChatService
 from kvcache import default_budget_bytes
+from kvcache.quant import QuantConfig
+from kvcache.ssd import AdmissionPolicy, SsdConfig
 from semantic import Embedder
 
 from .engine import CacheConfig, Engine, EngineConfig, resolve_model_path
@@ -151,7 +153,12 @@ def _load_engine(settings: Settings) -> Engine:
 
 def engine_config(settings: Settings) -> EngineConfig:
     budget = settings.kv_budget_bytes if settings.kv_budget_bytes is not None else default_budget_bytes(0.25)
-    caches = CacheConfig(budget, settings.vision_budget_bytes, settings.kv_block_size)
+    ssd = None
+    if settings.ssd_capacity_bytes:
+        admission = AdmissionPolicy(settings.ssd_min_hits, settings.ssd_min_prefix_tokens, settings.ssd_daily_write_bytes)
+        ssd = SsdConfig(settings.data_dir / "kv", settings.ssd_capacity_bytes, settings.ssd_retention_s, admission=admission)
+    quant = QuantConfig(settings.kv_quant_bits, min_tokens=settings.kv_quant_min_tokens) if settings.kv_quant_bits else None
+    caches = CacheConfig(budget, settings.vision_budget_bytes, settings.kv_block_size, ssd, quant)
     return EngineConfig(settings.max_queue, settings.prefill_chunk_tokens, caches)
 
 

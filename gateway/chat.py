@@ -201,7 +201,11 @@ def prefix_outcome(report: PrefixReport) -> LayerOutcome:
     if report.status == BYPASS:
         return LayerOutcome.of(BYPASS, reason=report.reason)
     details = {"cached": report.num_cached_tokens, "prompt": report.num_prompt_tokens}
-    return LayerOutcome.of(report.status, **details, **({"tier": report.tier} if report.tier else {}))
+    if report.tier:
+        details["tier"] = report.tier
+    if report.num_ssd_tokens:
+        details.update(ram=report.num_cached_tokens - report.num_ssd_tokens, ssd=report.num_ssd_tokens)
+    return LayerOutcome.of(report.status, **details)
 
 
 def vision_outcome(report: VisionReport) -> LayerOutcome:

@@ -38,6 +38,13 @@ class Settings:
     kv_block_size: int = 32  # tokens per prefix-cache block (README: how it was chosen)
     kv_budget_bytes: int | None = None  # RAM for prefix KV blocks; None = 25% of available RAM; 0 = off
     vision_budget_bytes: int = 256 << 20  # RAM for cached image features; 0 = off
+    ssd_capacity_bytes: int = 20 << 30  # KV blocks on disk under DATA_DIR/kv; 0 = no SSD tier
+    ssd_retention_s: float = 7 * 24 * 3600.0
+    ssd_min_hits: int = 1  # admission: spill only blocks reused at least this often
+    ssd_min_prefix_tokens: int = 0  # admission: only blocks at least this deep in a prefix
+    ssd_daily_write_bytes: int = 10 << 30  # admission: write budget per day
+    kv_quant_bits: int | None = None  # 8 or 4 quantises stored KV blocks (off by default)
+    kv_quant_min_tokens: int = 1024  # ... only blocks at least this deep in a prefix
     exact_store: str = "sqlite"  # sqlite (persistent, DATA_DIR/responses.db) | memory | off
     exact_ttl_s: float = 24 * 3600.0  # default entry lifetime; X-Strata-Cache-TTL overrides per request
     semantic_enabled: bool = True
@@ -85,6 +92,11 @@ def settings_from_env(model: str, data_dir: Path, host: str, port: int) -> Setti
         kv_block_size=int(env.get("STRATA_KV_BLOCK_SIZE", "32")),
         kv_budget_bytes=int(env["STRATA_KV_BUDGET_BYTES"]) if env.get("STRATA_KV_BUDGET_BYTES") else None,
         vision_budget_bytes=int(env.get("STRATA_VISION_BUDGET_BYTES", str(256 << 20))),
+        ssd_capacity_bytes=int(env.get("STRATA_SSD_CAPACITY_BYTES", str(20 << 30))),
+        ssd_min_hits=int(env.get("STRATA_SSD_MIN_HITS", "1")),
+        ssd_min_prefix_tokens=int(env.get("STRATA_SSD_MIN_PREFIX_TOKENS", "0")),
+        ssd_daily_write_bytes=int(env.get("STRATA_SSD_DAILY_WRITE_BYTES", str(10 << 30))),
+        kv_quant_bits=int(env["STRATA_KV_QUANT_BITS"]) if env.get("STRATA_KV_QUANT_BITS") else None,
         exact_store=env.get("STRATA_EXACT_STORE", "sqlite"),
         exact_ttl_s=float(env.get("STRATA_EXACT_TTL_S", str(24 * 3600))),
         semantic_enabled=env.get("STRATA_SEMANTIC", "1") != "0",

@@ -8,6 +8,7 @@ Invariants (checked by `check()` in tests):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .keys import BlockHash
@@ -16,9 +17,13 @@ from .keys import BlockHash
 @dataclass(slots=True, eq=False)
 class Block:
     block_hash: BlockHash | None
-    kv: tuple = ()  # per layer: (keys, values), each (1, kv_heads, block_size, head_dim)
+    kv: tuple = ()  # per layer: (keys, values), each (1, kv_heads, block_size, head_dim) or Quantized
     nbytes: int = 0
     ref_count: int = 0
+    parent_hash: BlockHash | None = None
+    end_token: int = 0  # the block covers tokens [end_token - block_size, end_token) of its chain
+    scope: str = ""  # a digest of the chain's root (tenant), written to SSD metadata
+    num_hits: int = 0  # lookups that reused this block
     # intrusive links of the free queue; None while the block is in use
     prev: Block | None = field(default=None, repr=False)
     next: Block | None = field(default=None, repr=False)
@@ -70,8 +75,9 @@ class PoolStats:
 
 
 class BlockPool:
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, on_evict: Callable[[Block], None] | None = None):
         self.budget_bytes = budget_bytes
+        self.on_evict = on_evict  # e.g. spill to the SSD tier; called before the block's data is dropped
         self.by_hash: dict[BlockHash, Block] = {}
         self.free = FreeBlockQueue()
         self.num_bytes = 0
@@ -91,26 +97,30 @@ class BlockPool:
         if block.ref_count == 0:
             self.free.append(block)
 
-    def insert(self, block_hash: BlockHash, kv: tuple, nbytes: int) -> Block | None:
+    def insert(self, block: Block) -> Block | None:
         """Add a block, acquired once by the caller; evicts LRU free blocks to fit the budget.
         Returns None (and counts it) if the budget cannot be met without evicting blocks in use."""
+        block_hash, nbytes = block.block_hash, block.nbytes
         assert block_hash not in self.by_hash, "insert of a block that is cached already"
-        if not self._make_room(nbytes):
+        if not self.make_room(nbytes):
             self.stats.num_rejected += 1
             return None
-        block = Block(block_hash, kv, nbytes, ref_count=1)
+        block.ref_count = 1
         self.by_hash[block_hash] = block
         self.num_bytes += nbytes
         self.stats.num_inserted += 1
         return block
 
-    def _make_room(self, nbytes: int) -> bool:
+    def make_room(self, nbytes: int) -> bool:
+        """Evict LRU free blocks until nbytes more fit; False if blocks in use hold the budget."""
         if nbytes > self.budget_bytes:
             return False
         while self.num_bytes + nbytes > self.budget_bytes:
             victim = self.free.pop_oldest()
             if victim is None:
                 return False
+            if self.on_evict is not None:
+                self.on_evict(victim)
             del self.by_hash[victim.block_hash]
             self.num_bytes -= victim.nbytes
             victim.kv = ()

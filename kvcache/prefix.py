@@ -20,6 +20,8 @@ import mlx.core as mx
 from .chain import ExtraSpan, hash_blocks
 from .keys import BlockHash, TenantSalt, chain_root
 from .pool import Block, BlockPool
+from .quant import QuantConfig, from_tensors, quantize, restore, to_tensors
+from .ssd import SpillRequest, SsdTier
 
 SLICEABLE_CACHE_TYPES = ("KVCache",)  # caches whose state is (keys, values) along a token axis
 
@@ -44,7 +46,15 @@ class PrefixMatch:
     num_prompt_tokens: int
     num_matched_tokens: int  # tokens in matched full blocks
     num_cached_tokens: int  # tokens actually reused: matched, capped at prompt - 1
-    tier: str  # "ram" when anything matched, else ""
+    num_ram_tokens: int  # of the matched tokens, found in RAM ...
+    num_ssd_tokens: int  # ... and promoted from the SSD tier
+
+    @property
+    def tier(self) -> str:
+        """'ram', 'ssd', 'ram+ssd', or '' when nothing was reused."""
+        if not self.num_cached_tokens:
+            return ""
+        return "+".join(t for t, n in (("ram", self.num_ram_tokens), ("ssd", self.num_ssd_tokens)) if n)
 
 
 @dataclass(slots=True)
@@ -54,13 +64,34 @@ class PrefixCacheStats:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_blocks_stored: int = 0
+    num_ssd_promoted: int = 0
+    num_promotion_failures: int = 0  # the RAM budget could not be reserved: recomputed instead
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int, block_size: int):
+    def __init__(self, budget_bytes: int, block_size: int, ssd: SsdTier | None = None, quant: QuantConfig | None = None):
         self.block_size = block_size
-        self.pool = BlockPool(budget_bytes)
+        self.ssd = ssd
+        self.quant = quant
+        self.pool = BlockPool(budget_bytes, on_evict=self._spill if ssd else None)
         self.stats = PrefixCacheStats()
+
+    def _spill(self, block: Block) -> None:
+        if self.ssd.admits(block.num_hits, block.end_token):
+            self.ssd.offer(SpillRequest(block.block_hash, block.parent_hash, self.block_size, block.scope,
+                                        to_tensors(block.kv)))
+        else:
+            self.ssd.stats.num_not_admitted += 1
+
+    def persist(self) -> int:
+        """Offer every admissible RAM block to the SSD tier (at shutdown). Returns how many."""
+        if self.ssd is None:
+            return 0
+        blocks = [b for b in self.pool.by_hash.values() if self.ssd.admits(b.num_hits, b.end_token)]
+        for block in blocks:
+            self.ssd.offer(SpillRequest(block.block_hash, block.parent_hash, self.block_size, block.scope,
+                                        to_tensors(block.kv)))
+        return len(blocks)
 
     def root(self, salt: TenantSalt, model_fingerprint: str) -> BlockHash:
         return chain_root(salt, f"{model_fingerprint}|block={self.block_size}")
@@ -68,33 +99,70 @@ class PrefixCache:
     def hash(self, token_ids: Sequence[int], root: BlockHash, spans: Sequence[ExtraSpan] = ()) -> list[BlockHash]:
         return hash_blocks(token_ids, self.block_size, root, spans)
 
-    def open(self, hashes: Sequence[BlockHash]) -> PrefixSession:
-        return PrefixSession(self, list(hashes))
+    def open(self, hashes: Sequence[BlockHash], root: BlockHash | None = None) -> PrefixSession:
+        return PrefixSession(self, list(hashes), root)
 
 
 class PrefixSession:
-    def __init__(self, cache: PrefixCache, hashes: list[BlockHash]):
+    def __init__(self, cache: PrefixCache, hashes: list[BlockHash], root: BlockHash | None):
         self.cache = cache
         self.pool = cache.pool
         self.hashes = hashes
+        self.root = root
+        self.scope = root.hex()[:16] if root else ""
         self.held: list[Block] = []  # blocks [0, len(held)) of the chain, each acquired once
         self.closed = False
 
     def match(self, num_prompt_tokens: int) -> PrefixMatch:
+        """Walk the chain in RAM, then continue the same chain on SSD; the first miss ends it."""
         for block_hash in self.hashes:
             block = self.pool.get(block_hash)
             if block is None:
                 break
             self.pool.acquire(block)
+            block.num_hits += 1
             self.held.append(block)
-        matched = len(self.held) * self.cache.block_size
+        num_ram = len(self.held)
+        while self.cache.ssd is not None and len(self.held) < len(self.hashes) and self._promote(len(self.held)):
+            pass
+        size = self.cache.block_size
+        matched = len(self.held) * size
         cached = min(matched, num_prompt_tokens - 1)  # the last prompt token is always recomputed
         stats = self.cache.stats
         stats.num_lookups += 1
         stats.num_hits += cached > 0
         stats.num_prompt_tokens += num_prompt_tokens
         stats.num_cached_tokens += cached
-        return PrefixMatch(num_prompt_tokens, matched, cached, "ram" if cached > 0 else "")
+        return PrefixMatch(num_prompt_tokens, matched, cached, num_ram * size, matched - num_ram * size)
+
+    def _promote(self, index: int) -> bool:
+        """Read block `index` from SSD into RAM. RAM is reserved before the read; a block that
+        cannot be reserved, read or verified ends the match (the request recomputes from there)."""
+        ssd, block_hash = self.cache.ssd, self.hashes[index]
+        nbytes = ssd.size_of(block_hash.hex())
+        if nbytes is None:
+            return False
+        if not self.pool.make_room(nbytes):
+            self.cache.stats.num_promotion_failures += 1
+            return False
+        tensors = ssd.read(block_hash.hex())
+        if tensors is None:
+            return False
+        kv = from_tensors(tensors, self.cache.quant)
+        block = self.pool.insert(self._new_block(index, kv))
+        if block is None:
+            self.cache.stats.num_promotion_failures += 1
+            return False
+        block.num_hits += 1
+        self.held.append(block)
+        self.cache.stats.num_ssd_promoted += 1
+        return True
+
+    def _new_block(self, index: int, kv: tuple) -> Block:
+        parent = self.hashes[index - 1] if index else self.root
+        nbytes = sum(k.nbytes + v.nbytes for k, v in kv)  # from shape and dtype: nothing is evaluated
+        return Block(self.hashes[index], kv, nbytes, parent_hash=parent,
+                     end_token=(index + 1) * self.cache.block_size, scope=self.scope)
 
     def gather(self, num_tokens: int) -> list[tuple[mx.array, mx.array]]:
         size = self.cache.block_size
@@ -102,8 +170,8 @@ class PrefixSession:
         assert len(blocks) * size >= num_tokens, (len(blocks), size, num_tokens)
         layers = []
         for layer in range(len(blocks[0].kv)):
-            keys = mx.concatenate([b.kv[layer][0] for b in blocks], axis=2)[:, :, :num_tokens, :]
-            values = mx.concatenate([b.kv[layer][1] for b in blocks], axis=2)[:, :, :num_tokens, :]
+            keys = mx.concatenate([restore(b.kv[layer][0]) for b in blocks], axis=2)[:, :, :num_tokens, :]
+            values = mx.concatenate([restore(b.kv[layer][1]) for b in blocks], axis=2)[:, :, :num_tokens, :]
             layers.append((keys, values))
         return layers
 
@@ -114,29 +182,37 @@ class PrefixSession:
         num_blocks = min(num_tokens // size, len(hashes))
         assert all(b.block_hash == h for b, h in zip(self.held, hashes)), "store() on a different chain"
         new_arrays, num_new = [], 0
+        self.hashes = list(hashes)
         for index in range(len(self.held), num_blocks):
-            block, created = self._block_for(hashes[index], layer_states, index * size, (index + 1) * size)
+            block, created = self._block_for(index, layer_states)
             if block is None:
                 break  # budget full of blocks in use: the chain cannot grow past here
             self.held.append(block)
             if created:
-                new_arrays += [a for pair in block.kv for a in pair]
+                new_arrays += [getattr(a, "data", a) for pair in block.kv for a in pair]
                 num_new += 1
         mx.eval(new_arrays)  # copy the new blocks out now, so the request's cache buffers can be freed
-        self.hashes = list(hashes)
         return num_new
 
-    def _block_for(self, block_hash: BlockHash, layer_states, begin: int, end: int) -> tuple[Block | None, bool]:
-        existing = self.pool.get(block_hash)
+    def _block_for(self, index: int, layer_states) -> tuple[Block | None, bool]:
+        existing = self.pool.get(self.hashes[index])
         if existing is not None:
             self.pool.acquire(existing)
             return existing, False
-        kv = tuple((mx.contiguous(k[:, :, begin:end, :]), mx.contiguous(v[:, :, begin:end, :])) for k, v in layer_states)
-        nbytes = sum(k.nbytes + v.nbytes for k, v in kv)  # from shape and dtype: nothing is evaluated
-        block = self.pool.insert(block_hash, kv, nbytes)
+        begin, end = index * self.cache.block_size, (index + 1) * self.cache.block_size
+        kv = tuple((self._keep(k[:, :, begin:end, :], end), self._keep(v[:, :, begin:end, :], end))
+                   for k, v in layer_states)
+        block = self.pool.insert(self._new_block(index, kv))
         if block is not None:
             self.cache.stats.num_blocks_stored += 1
         return block, block is not None
+
+    def _keep(self, x: mx.array, end_token: int):
+        """A copy the block owns (never a view pinning the request's buffer), quantised if configured."""
+        quant = self.cache.quant
+        if quant is not None and end_token >= quant.min_tokens:
+            return quantize(x, quant)
+        return mx.contiguous(x)
 
     def close(self) -> None:
         assert not self.closed, "PrefixSession closed twice"

@@ -63,8 +63,10 @@ class Engine:
     def start(self) -> None:
         self.worker.start()
 
-    def stop(self) -> None:
+    def stop(self, drain_s: float = 10.0) -> None:
+        """Stop the worker, then persist admissible KV blocks; the SSD writer drains within drain_s."""
         self.worker.stop()
+        self.runner.caches.shutdown(drain_s)
 
 
 def resolve_model_path(model: str, data_dir: Path) -> Path:

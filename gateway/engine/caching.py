@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from kvcache import BlockHash, ExtraSpan, PrefixCache, PrefixSession, TenantSalt, cacheability
+from kvcache.quant import QuantConfig
+from kvcache.ssd import SsdConfig, SsdTier
 from vision import VisionCache, image_key
 
 from .prompt import PreparedPrompt, PromptImage
@@ -22,8 +24,9 @@ class PrefixReport:
     status: str  # hit | miss | bypass
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
-    tier: str = ""
+    tier: str = ""  # ram | ssd | ram+ssd
     reason: str = ""
+    num_ssd_tokens: int = 0  # of the reused tokens, promoted from SSD
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,11 +54,13 @@ class CacheConfig:
     prefix_budget_bytes: int  # 0 turns the prefix cache off
     vision_budget_bytes: int  # 0 turns the vision cache off
     block_size: int
+    ssd: SsdConfig | None = None  # the SSD tier under the data dir; None: RAM only
+    quant: QuantConfig | None = None  # quantise stored blocks; None: full precision
 
 
 class EngineCaches:
     def __init__(self, config: CacheConfig, model_fingerprint: str, processor_fingerprint: str):
-        self.prefix = PrefixCache(config.prefix_budget_bytes, config.block_size) if config.prefix_budget_bytes else None
+        self.prefix = _prefix_cache(config, model_fingerprint) if config.prefix_budget_bytes else None
         self.vision = VisionCache(config.vision_budget_bytes) if config.vision_budget_bytes else None
         self.model_fingerprint = model_fingerprint
         self.processor_fingerprint = processor_fingerprint
@@ -72,11 +77,18 @@ class EngineCaches:
         spans = tuple(ExtraSpan(i.token_start, i.token_start + i.num_tokens, self._image_key(i, salt).encode())
                       for i in prompt.images)
         hashes = self.prefix.hash(prompt.token_ids, root, spans)
-        session = self.prefix.open(hashes)
+        session = self.prefix.open(hashes, root)
         match = session.match(prompt.num_tokens)
         plan = PrefixPlan(session, root, spans, hashes, match.num_cached_tokens)
         status = "hit" if match.num_cached_tokens else "miss"
-        return plan, PrefixReport(status, match.num_cached_tokens, prompt.num_tokens, match.tier)
+        ssd_tokens = min(match.num_ssd_tokens, match.num_cached_tokens)
+        return plan, PrefixReport(status, match.num_cached_tokens, prompt.num_tokens, match.tier, "", ssd_tokens)
+
+    def shutdown(self, drain_s: float) -> None:
+        """Persist admissible RAM blocks to SSD and let the writer drain, at most drain_s."""
+        if self.prefix is not None and self.prefix.ssd is not None:
+            self.prefix.persist()
+            self.prefix.ssd.close(drain_s)
 
     def store(self, plan: PrefixPlan, token_ids: tuple[int, ...], kv_cache: list, num_tokens: int) -> None:
         """Cache the full blocks of token_ids[:num_tokens] (a prompt, or prompt + generated tokens)."""
@@ -109,3 +121,11 @@ class EngineCaches:
 
     def _image_key(self, image: PromptImage, salt: TenantSalt) -> str:
         return image_key(image.pixel_hash, self.processor_fingerprint, self.model_fingerprint, salt)
+
+
+def _prefix_cache(config: CacheConfig, model_fingerprint: str) -> PrefixCache:
+    ssd = None
+    if config.ssd is not None:
+        quant = f"{config.quant.bits}bit/g{config.quant.group_size}" if config.quant else "none"
+        ssd = SsdTier(config.ssd, f"{model_fingerprint}|block={config.block_size}|quant={quant}")
+    return PrefixCache(config.prefix_budget_bytes, config.block_size, ssd, config.quant)

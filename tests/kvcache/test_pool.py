@@ -24,10 +24,10 @@ def test_free_queue_removes_from_the_middle_and_keeps_order():
 def test_pool_evicts_least_recently_used_free_blocks_to_fit_the_budget():
     pool = BlockPool(budget_bytes=300)
     for i in range(3):
-        pool.release(pool.insert(_h(i), (), 100))
+        pool.release(pool.insert(Block(_h(i), (), 100)))
     pool.acquire(pool.get(_h(0)))  # block 0 is used again ...
     pool.release(pool.get(_h(0)))  # ... so it is now the most recently used
-    pool.release(pool.insert(_h(3), (), 100))
+    pool.release(pool.insert(Block(_h(3), (), 100)))
     assert pool.get(_h(1)) is None  # the LRU one went
     assert all(pool.get(_h(i)) is not None for i in (0, 2, 3))
     assert pool.stats.num_evicted == 1
@@ -36,25 +36,25 @@ def test_pool_evicts_least_recently_used_free_blocks_to_fit_the_budget():
 
 def test_blocks_in_use_are_never_evicted_and_inserts_are_refused_instead():
     pool = BlockPool(budget_bytes=200)
-    held = [pool.insert(_h(i), (), 100) for i in range(2)]  # both held (ref 1)
-    assert pool.insert(_h(9), (), 100) is None
+    held = [pool.insert(Block(_h(i), (), 100)) for i in range(2)]  # both held (ref 1)
+    assert pool.insert(Block(_h(9), (), 100)) is None
     assert pool.stats.num_rejected == 1
     assert all(pool.get(_h(i)) is b for i, b in enumerate(held))
     pool.release(held[0])
-    assert pool.insert(_h(9), (), 100) is not None
+    assert pool.insert(Block(_h(9), (), 100)) is not None
     assert pool.get(_h(0)) is None and pool.get(_h(1)) is held[1]
     pool.check()
 
 
 def test_block_larger_than_budget_is_refused():
     pool = BlockPool(budget_bytes=50)
-    assert pool.insert(_h(1), (), 51) is None
+    assert pool.insert(Block(_h(1), (), 51)) is None
     pool.check()
 
 
 def test_release_of_a_free_block_is_an_error():
     pool = BlockPool(budget_bytes=100)
-    block = pool.insert(_h(1), (), 10)
+    block = pool.insert(Block(_h(1), (), 10))
     pool.release(block)
     with pytest.raises(AssertionError):
         pool.release(block)
