@@ -123,8 +123,8 @@ class PrefixSession:
             block.num_hits += 1
             self.held.append(block)
         num_ram = len(self.held)
-        while self.cache.ssd is not None and len(self.held) < len(self.hashes) and self._promote(len(self.held)):
-            pass
+        if self.cache.ssd is not None:
+            self._promote_from_ssd()
         size = self.cache.block_size
         matched = len(self.held) * size
         cached = min(matched, num_prompt_tokens - 1)  # the last prompt token is always recomputed
@@ -135,28 +135,31 @@ class PrefixSession:
         stats.num_cached_tokens += cached
         return PrefixMatch(num_prompt_tokens, matched, cached, num_ram * size, matched - num_ram * size)
 
-    def _promote(self, index: int) -> bool:
-        """Read block `index` from SSD into RAM. RAM is reserved before the read; a block that
-        cannot be reserved, read or verified ends the match (the request recomputes from there)."""
-        ssd, block_hash = self.cache.ssd, self.hashes[index]
-        nbytes = ssd.size_of(block_hash.hex())
-        if nbytes is None:
-            return False
-        if not self.pool.make_room(nbytes):
+    def _promote_from_ssd(self) -> None:
+        """Continue the chain on SSD. RAM is reserved for the whole run of blocks on disk before any
+        read; a run that cannot be reserved is recomputed (counted), and a block that cannot be read
+        or verified ends the match there."""
+        ssd, start = self.cache.ssd, len(self.held)
+        run, sizes = [], []
+        for block_hash in self.hashes[start:]:
+            size = ssd.size_of(block_hash.hex())
+            if size is None:
+                break
+            run.append(block_hash.hex())
+            sizes.append(size)
+        if not run:
+            return
+        if not self.pool.make_room(sum(sizes)):
             self.cache.stats.num_promotion_failures += 1
-            return False
-        tensors = ssd.read(block_hash.hex())
-        if tensors is None:
-            return False
-        kv = from_tensors(tensors, self.cache.quant)
-        block = self.pool.insert(self._new_block(index, kv))
-        if block is None:
-            self.cache.stats.num_promotion_failures += 1
-            return False
-        block.num_hits += 1
-        self.held.append(block)
-        self.cache.stats.num_ssd_promoted += 1
-        return True
+            return
+        for offset, tensors in enumerate(ssd.read_chain(run)):
+            block = self.pool.insert(self._new_block(start + offset, from_tensors(tensors, self.cache.quant)))
+            if block is None:
+                self.cache.stats.num_promotion_failures += 1
+                return
+            block.num_hits += 1
+            self.held.append(block)
+            self.cache.stats.num_ssd_promoted += 1
 
     def _new_block(self, index: int, kv: tuple) -> Block:
         parent = self.hashes[index - 1] if index else self.root

@@ -27,11 +27,12 @@ import sqlite3
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load as load_tensors
+import xxhash
 from safetensors.numpy import save as save_tensors
 
 log = logging.getLogger("strata.kvcache.ssd")
@@ -97,11 +98,13 @@ class SsdTier:
         self.stats = SsdStats()
         self.lock = threading.Lock()
         self.entries: dict[str, FileEntry] = {}  # hex hash -> entry; mirrors index.sqlite
+        self.touched: set[str] = set()  # read since the index last heard of it
         self.num_bytes = 0
         self.written_today = (time.strftime("%Y-%m-%d"), 0)
         self.db = sqlite3.connect(str(self.folder / "index.sqlite"), check_same_thread=False, isolation_level=None)
         self.db.execute("CREATE TABLE IF NOT EXISTS blocks (hash TEXT PRIMARY KEY, nbytes INTEGER, last_used REAL)")
         self.pending: queue.Queue[SpillRequest | None] = queue.Queue(maxsize=config.queue_blocks)
+        self.readers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="strata-ssd-reader")
         self.writer = threading.Thread(target=self._write_loop, name="strata-ssd-writer", daemon=True)
         self.reconcile()
         self.writer.start()
@@ -144,12 +147,23 @@ class SsdTier:
             entry = self.entries.get(hex_hash)
         return entry.nbytes if entry else None
 
+    def read_chain(self, hex_hashes: list[str]) -> list[dict[str, np.ndarray]]:
+        """Read consecutive blocks of one chain with several reads in flight (one small file at a
+        time leaves the disk idle between requests); stops at the first missing or bad block."""
+        results = list(self.readers.map(self.read, hex_hashes))
+        good = []
+        for tensors in results:
+            if tensors is None:
+                break
+            good.append(tensors)
+        return good
+
     def read(self, hex_hash: str) -> dict[str, np.ndarray] | None:
         """The block's tensors, checksum-verified; None (and quarantined) if the file is bad."""
         path = self._path(hex_hash)
         try:
             raw = path.read_bytes()
-            tensors, meta = load_tensors(raw), _metadata(raw)
+            tensors, meta = parse(raw)
         except Exception as exc:  # noqa: BLE001 - safetensors, JSON and OS errors alike mean unreadable
             self._quarantine(hex_hash, f"unreadable: {type(exc).__name__}")
             return None
@@ -157,8 +171,9 @@ class SsdTier:
         if problem:
             self._quarantine(hex_hash, problem)
             return None
-        self.stats.num_reads += 1
-        self.stats.num_read_bytes += len(raw)
+        with self.lock:
+            self.stats.num_reads += 1
+            self.stats.num_read_bytes += len(raw)
         self._touch(hex_hash)
         return tensors
 
@@ -203,6 +218,8 @@ class SsdTier:
             temp.unlink(missing_ok=True)
             raise
         self._index(hex_hash, len(payload))
+        if self.pending.empty():
+            self._flush_touches()
         day, written = self.written_today
         self.written_today = (day, written + len(payload))
         self.stats.num_spilled += 1
@@ -219,11 +236,20 @@ class SsdTier:
             self.db.execute("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?)", (hex_hash, nbytes, now))
 
     def _touch(self, hex_hash: str) -> None:
-        now = time.time()
+        """LRU order lives in memory; the index learns it in batches (a read must not wait for a
+        journal write). After a crash the LRU order is a little stale, never wrong about files."""
         with self.lock:
             if hex_hash in self.entries:
-                self.entries[hex_hash].last_used = now
-                self.db.execute("UPDATE blocks SET last_used = ? WHERE hash = ?", (now, hex_hash))
+                self.entries[hex_hash].last_used = time.time()
+                self.touched.add(hex_hash)
+
+    def _flush_touches(self) -> None:
+        with self.lock:
+            rows = [(self.entries[h].last_used, h) for h in self.touched if h in self.entries]
+            self.touched.clear()
+            self.db.execute("BEGIN")
+            self.db.executemany("UPDATE blocks SET last_used = ? WHERE hash = ?", rows)
+            self.db.execute("COMMIT")
 
     def _forget(self, hex_hash: str) -> None:
         with self.lock:
@@ -291,7 +317,8 @@ class SsdTier:
     def _reindex(self, hex_hash: str, path: Path) -> None:
         try:
             raw = path.read_bytes()
-            problem = self._check(_metadata(raw), load_tensors(raw), hex_hash)
+            tensors, meta = parse(raw)
+            problem = self._check(meta, tensors, hex_hash)
         except Exception as exc:  # noqa: BLE001 - any unreadable file
             problem = f"unreadable: {type(exc).__name__}"
         if problem:
@@ -315,19 +342,40 @@ class SsdTier:
         except queue.Full:
             pass
         self.writer.join(timeout=1.0)
+        self.readers.shutdown(wait=True)
+        self._flush_touches()
         with self.lock:
             self.db.close()
 
 
 def tensor_checksum(tensors: dict[str, np.ndarray]) -> str:
-    digest = hashlib.sha256()
+    """XXH3-128 over names, dtypes, shapes and bytes: it detects torn and flipped files at ~10 GB/s
+    (SHA-256 took 8x longer per block read). It guards against corruption, not against an attacker
+    who can write the data dir, who could rewrite the checksum as well."""
+    digest = xxhash.xxh3_128()
     for name in sorted(tensors):
         array = np.ascontiguousarray(tensors[name])
         digest.update(f"{name}|{array.dtype.str}|{array.shape}|".encode())
-        digest.update(array.tobytes())
+        digest.update(memoryview(array).cast("B"))
     return digest.hexdigest()
 
 
-def _metadata(raw: bytes) -> dict:
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": None, "U32": np.uint32, "I32": np.int32, "U8": np.uint8}
+
+
+def parse(raw: bytes) -> tuple[dict[str, np.ndarray], dict]:
+    """A safetensors file's tensors (zero-copy views of `raw`) and metadata; raises ValueError."""
     header_len = int.from_bytes(raw[:8], "little")
-    return json.loads(raw[8:8 + header_len]).get("__metadata__", {})
+    if header_len <= 0 or 8 + header_len > len(raw):
+        raise ValueError("bad safetensors header length")
+    header = json.loads(raw[8:8 + header_len])
+    metadata = header.pop("__metadata__", {})
+    base, tensors = 8 + header_len, {}
+    for name, info in header.items():
+        dtype = _DTYPES.get(info["dtype"])
+        begin, end = info["data_offsets"]
+        if dtype is None or base + end > len(raw):
+            raise ValueError(f"tensor {name} is truncated or of an unknown dtype")
+        tensors[name] = np.frombuffer(raw, dtype=dtype, count=(end - begin) // np.dtype(dtype).itemsize,
+                                      offset=base + begin).reshape(info["shape"])
+    return tensors, metadata

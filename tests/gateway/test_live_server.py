@@ -196,3 +196,31 @@ def test_single_tenant_mode_is_announced(tiny_model_path, tmp_path):
     finally:
         assert live.stop()
     assert "single-tenant mode" in Path(live.log.name).read_text()
+
+
+def test_conversation_resumes_from_ssd_after_a_restart(tiny_model_path, tmp_path):
+    env = {"STRATA_MODEL_NAME": TINY, "STRATA_SEMANTIC": "0"}
+    no_response_cache = {"Cache-Control": "no-cache"}
+    turn1 = [{"role": "system", "content": "You are the archive's guide to old maps and charts. " * 6},
+             {"role": "user", "content": "Which charts show the northern coast?"}]
+    live = LiveServer(tiny_model_path, tmp_path / "data", env)
+    try:
+        client = _client(live)
+        reply = client.chat.completions.create(model=TINY, messages=turn1, max_tokens=8, temperature=0,
+                                               extra_headers=no_response_cache).choices[0].message.content
+        turn2 = turn1 + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And the southern one?"}]
+        second = client.chat.completions.with_raw_response.create(model=TINY, messages=turn2, max_tokens=8,
+                                                                   temperature=0, extra_headers=no_response_cache)
+        assert second.headers["x-cache-prefix"].startswith("hit;") and "tier=ram" in second.headers["x-cache-prefix"]
+    finally:
+        assert live.stop()  # SIGTERM: blocks that were reused are persisted, the writer drains
+    assert list((tmp_path / "data" / "kv").glob("*/*/*.safetensors"))
+    restarted = LiveServer(tiny_model_path, tmp_path / "data", env)
+    try:
+        turn3 = turn2 + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "Thanks."}]
+        third = _client(restarted).chat.completions.with_raw_response.create(
+            model=TINY, messages=turn3, max_tokens=4, temperature=0, extra_headers=no_response_cache)
+        header = third.headers["x-cache-prefix"]
+        assert header.startswith("hit;") and "tier=ssd" in header and "; ssd=" in header, header
+    finally:
+        assert restarted.stop()

@@ -1,0 +1,136 @@
+"""SsdTier on real files: spill, verify, reconcile, quarantine, capacity, admission, failing disks."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from kvcache.ssd import AdmissionPolicy, SpillRequest, SsdConfig, SsdTier
+
+NAMESPACE = "model-1|block=4|quant=none"
+
+
+def _request(i: int) -> SpillRequest:
+    tensors = {"0.k": np.full((1, 2, 4, 8), i, np.float32), "0.v": np.full((1, 2, 4, 8), -i, np.float32)}
+    return SpillRequest(i.to_bytes(32, "big"), (i - 1).to_bytes(32, "big"), 4, "scope", tensors)
+
+
+def _tier(tmp_path, **config) -> SsdTier:
+    return SsdTier(SsdConfig(tmp_path / "kv", admission=AdmissionPolicy(min_hits=0), **config), NAMESPACE)
+
+
+def _spill(tier: SsdTier, *indices: int) -> None:
+    for i in indices:
+        assert tier.offer(_request(i))
+    assert tier.drain(10)
+
+
+def _file(tier: SsdTier, i: int):
+    return tier._path(i.to_bytes(32, "big").hex())
+
+
+def test_spilled_block_reads_back_verified(tmp_path):
+    tier = _tier(tmp_path)
+    _spill(tier, 1)
+    tensors = tier.read((1).to_bytes(32, "big").hex())
+    np.testing.assert_array_equal(tensors["0.v"], np.full((1, 2, 4, 8), -1, np.float32))
+    assert tier.stats.num_spilled == 1 and tier.num_bytes == _file(tier, 1).stat().st_size
+    assert not list(tier.folder.glob("*/.tmp-*"))
+    tier.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damaged_file_is_quarantined_on_read(tmp_path, damage):
+    tier = _tier(tmp_path)
+    _spill(tier, 2)
+    path = _file(tier, 2)
+    raw = bytearray(path.read_bytes())
+    if damage == "flip":
+        raw[-5] ^= 0xFF
+    else:
+        raw = raw[: len(raw) // 2]
+    path.write_bytes(bytes(raw))
+    assert tier.read((2).to_bytes(32, "big").hex()) is None
+    assert tier.stats.num_quarantined == 1 and not path.exists()
+    assert len(list((tmp_path / "kv" / "quarantine").iterdir())) == 1
+    assert not tier.contains((2).to_bytes(32, "big").hex())
+    tier.close()
+
+
+def test_reconcile_repairs_index_and_files(tmp_path):
+    tier = _tier(tmp_path)
+    _spill(tier, 1, 2, 3)
+    tier.close()
+    _file(tier, 1).unlink()  # index row without a file
+    (_file(tier, 2).parent / ".tmp-crashed").write_bytes(b"half a block")  # a torn write
+    foreign = SsdTier(SsdConfig(tmp_path / "other", admission=AdmissionPolicy(min_hits=0)), "model-2|block=4|quant=none")
+    _spill(foreign, 9)
+    foreign.close()
+    stray = _file(tier, 9)
+    stray.parent.mkdir(exist_ok=True)
+    stray.write_bytes(_file(foreign, 9).read_bytes())  # another model's file in our folder
+    (tier.folder / "index.sqlite").unlink()  # and no index at all
+    again = _tier(tmp_path)
+    stats = again.stats
+    assert stats.num_temp_removed == 1 and stats.num_quarantined == 1
+    assert stats.num_reindexed == 2  # blocks 2 and 3, verified from the files alone
+    assert sorted(again.entries) == sorted(i.to_bytes(32, "big").hex() for i in (2, 3))
+    assert again.read((3).to_bytes(32, "big").hex()) is not None
+    again.close()
+
+
+def test_full_queue_drops_and_counts_without_blocking(tmp_path, monkeypatch):
+    tier = _tier(tmp_path, queue_blocks=1)
+    monkeypatch.setattr(tier, "_write", lambda request: time.sleep(0.2))
+    start = time.perf_counter()
+    accepted = [tier.offer(_request(i)) for i in range(1, 20)]
+    assert time.perf_counter() - start < 0.1
+    assert accepted.count(False) == tier.stats.num_dropped_queue_full >= 15
+    tier.close(timeout_s=2)
+
+
+def test_failing_disk_is_counted_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    tier = _tier(tmp_path)
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    assert tier.offer(_request(5))
+    tier.drain(10)
+    assert tier.stats.num_write_errors == 1 and tier.stats.num_spilled == 0
+    assert not list(tier.folder.glob("*/*"))
+    assert not tier.contains((5).to_bytes(32, "big").hex())
+    tier.close()
+
+
+def test_capacity_evicts_least_recently_used_files_and_retention_expires_them(tmp_path):
+    probe = _tier(tmp_path / "probe")
+    _spill(probe, 1)
+    size = probe.num_bytes
+    probe.close()
+    tier = _tier(tmp_path, capacity_bytes=2 * size)
+    _spill(tier, 1, 2)
+    tier.read((1).to_bytes(32, "big").hex())  # block 1 is used again: block 2 is now the LRU file
+    _spill(tier, 3)
+    assert tier.contains((1).to_bytes(32, "big").hex()) and not tier.contains((2).to_bytes(32, "big").hex())
+    assert tier.stats.num_evicted_files == 1 and tier.num_bytes <= 2 * size
+    tier._enforce_capacity(now=time.time() + 8 * 24 * 3600)
+    assert tier.stats.num_expired_files == 2 and not tier.entries
+    tier.close()
+
+
+def test_admission_policy_and_daily_budget(tmp_path):
+    policy = AdmissionPolicy(min_hits=1, min_prefix_tokens=64, daily_write_bytes=1)
+    tier = SsdTier(SsdConfig(tmp_path / "kv", admission=policy), NAMESPACE)
+    assert not tier.admits(num_hits=0, end_token=128)
+    assert not tier.admits(num_hits=3, end_token=32)
+    assert tier.admits(num_hits=1, end_token=64)
+    assert tier.offer(_request(1))
+    tier.drain(10)
+    assert not tier.offer(_request(2))  # the day's budget is spent
+    assert tier.stats.num_not_admitted == 1
+    tier.close()
