@@ -110,7 +110,7 @@ async def admin_stats(request: Request) -> dict:
     stats = services.engine.worker.stats
     engine = {"num_requests": stats.num_requests, "num_cancelled": stats.num_cancelled,
               "num_failed": stats.num_failed, "num_rejected_full": stats.num_rejected_full}
-    return {**services.counters.snapshot(), "engine": engine}
+    return {**services.counters.snapshot(), "engine": engine, "engine_caches": services.engine.runner.caches.stats()}
 
 
 def create_app(settings: Settings, engine: Engine | None = None, embedder: Embedder | None = None) -> Litestar:

@@ -78,8 +78,7 @@ class PrefixCache:
 
     def _spill(self, block: Block) -> None:
         if self.ssd.admits(block.num_hits, block.end_token):
-            self.ssd.offer(SpillRequest(block.block_hash, block.parent_hash, self.block_size, block.scope,
-                                        to_tensors(block.kv)))
+            self.ssd.offer(_spill_request(block, self.block_size))
         else:
             self.ssd.stats.num_not_admitted += 1
 
@@ -89,8 +88,7 @@ class PrefixCache:
             return 0
         blocks = [b for b in self.pool.by_hash.values() if self.ssd.admits(b.num_hits, b.end_token)]
         for block in blocks:
-            self.ssd.offer(SpillRequest(block.block_hash, block.parent_hash, self.block_size, block.scope,
-                                        to_tensors(block.kv)))
+            self.ssd.offer(_spill_request(block, self.block_size))
         return len(blocks)
 
     def root(self, salt: TenantSalt, model_fingerprint: str) -> BlockHash:
@@ -142,7 +140,7 @@ class PrefixSession:
         ssd, start = self.cache.ssd, len(self.held)
         run, sizes = [], []
         for block_hash in self.hashes[start:]:
-            size = ssd.size_of(block_hash.hex())
+            size = ssd.ram_size_of(block_hash.hex())
             if size is None:
                 break
             run.append(block_hash.hex())
@@ -223,6 +221,10 @@ class PrefixSession:
         for block in reversed(self.held):
             self.pool.release(block)
         self.held = []
+
+
+def _spill_request(block: Block, block_size: int) -> SpillRequest:
+    return SpillRequest(block.block_hash, block.parent_hash or b"", block_size, block.scope, to_tensors(block.kv))
 
 
 def default_budget_bytes(fraction: float = 0.25) -> int:

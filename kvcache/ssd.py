@@ -84,7 +84,8 @@ class SpillRequest:
 
 @dataclass(slots=True)
 class FileEntry:
-    nbytes: int
+    nbytes: int  # on disk
+    kv_nbytes: int  # the tensors alone: what the block will take in RAM
     last_used: float
 
 
@@ -102,7 +103,8 @@ class SsdTier:
         self.num_bytes = 0
         self.written_today = (time.strftime("%Y-%m-%d"), 0)
         self.db = sqlite3.connect(str(self.folder / "index.sqlite"), check_same_thread=False, isolation_level=None)
-        self.db.execute("CREATE TABLE IF NOT EXISTS blocks (hash TEXT PRIMARY KEY, nbytes INTEGER, last_used REAL)")
+        self.db.execute("CREATE TABLE IF NOT EXISTS blocks (hash TEXT PRIMARY KEY, nbytes INTEGER, kv_nbytes INTEGER, "
+                        "last_used REAL)")
         self.pending: queue.Queue[SpillRequest | None] = queue.Queue(maxsize=config.queue_blocks)
         self.readers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="strata-ssd-reader")
         self.writer = threading.Thread(target=self._write_loop, name="strata-ssd-writer", daemon=True)
@@ -142,10 +144,11 @@ class SsdTier:
         with self.lock:
             return hex_hash in self.entries
 
-    def size_of(self, hex_hash: str) -> int | None:
+    def ram_size_of(self, hex_hash: str) -> int | None:
+        """Bytes the block will take in RAM once read (None: not on SSD)."""
         with self.lock:
             entry = self.entries.get(hex_hash)
-        return entry.nbytes if entry else None
+        return entry.kv_nbytes if entry else None
 
     def read_chain(self, hex_hashes: list[str]) -> list[dict[str, np.ndarray]]:
         """Read consecutive blocks of one chain with several reads in flight (one small file at a
@@ -192,9 +195,9 @@ class SsdTier:
         while (request := self.pending.get()) is not None:
             try:
                 self._write(request)
-            except OSError as exc:  # a full or failing disk: count it, keep serving
+            except Exception as exc:  # noqa: BLE001 - a full or failing disk, or a bad block: count it, keep serving
                 self.stats.num_write_errors += 1
-                log.warning("SSD spill failed: %s", exc)
+                log.warning("SSD spill failed: %s: %s", type(exc).__name__, exc)
             finally:
                 self.pending.task_done()
         self.pending.task_done()
@@ -217,7 +220,7 @@ class SsdTier:
         except OSError:
             temp.unlink(missing_ok=True)
             raise
-        self._index(hex_hash, len(payload))
+        self._index(hex_hash, len(payload), sum(t.nbytes for t in request.tensors.values()))
         if self.pending.empty():
             self._flush_touches()
         day, written = self.written_today
@@ -227,13 +230,13 @@ class SsdTier:
 
     # -- index -------------------------------------------------------------------------------
 
-    def _index(self, hex_hash: str, nbytes: int) -> None:
-        now = time.time()
+    def _index(self, hex_hash: str, nbytes: int, kv_nbytes: int, last_used: float | None = None) -> None:
+        last_used = time.time() if last_used is None else last_used
         with self.lock:
             previous = self.entries.get(hex_hash)
             self.num_bytes += nbytes - (previous.nbytes if previous else 0)
-            self.entries[hex_hash] = FileEntry(nbytes, now)
-            self.db.execute("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?)", (hex_hash, nbytes, now))
+            self.entries[hex_hash] = FileEntry(nbytes, kv_nbytes, last_used)
+            self.db.execute("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, ?)", (hex_hash, nbytes, kv_nbytes, last_used))
 
     def _touch(self, hex_hash: str) -> None:
         """LRU order lives in memory; the index learns it in batches (a read must not wait for a
@@ -295,8 +298,7 @@ class SsdTier:
     def reconcile(self) -> None:
         """Remove temp leftovers; drop index rows whose file is gone; index files the index lacks
         (verifying them first); quarantine what cannot be read or belongs elsewhere."""
-        rows = dict(self.db.execute("SELECT hash, nbytes FROM blocks").fetchall())
-        last_used = dict(self.db.execute("SELECT hash, last_used FROM blocks").fetchall())
+        rows = {h: (n, kv, t) for h, n, kv, t in self.db.execute("SELECT hash, nbytes, kv_nbytes, last_used FROM blocks")}
         on_disk: dict[str, Path] = {}
         for path in self.folder.glob("*/*"):
             if path.name.startswith(".tmp-"):
@@ -308,8 +310,8 @@ class SsdTier:
             self.db.execute("DELETE FROM blocks WHERE hash = ?", (hex_hash,))
             self.stats.num_index_rows_dropped += 1
         for hex_hash, path in on_disk.items():
-            if hex_hash in rows and rows[hex_hash] == path.stat().st_size:
-                self.entries[hex_hash] = FileEntry(rows[hex_hash], last_used[hex_hash])
+            if hex_hash in rows and rows[hex_hash][0] == path.stat().st_size:
+                self.entries[hex_hash] = FileEntry(*rows[hex_hash])
             else:
                 self._reindex(hex_hash, path)
         self.num_bytes = sum(e.nbytes for e in self.entries.values())
@@ -320,12 +322,11 @@ class SsdTier:
             tensors, meta = parse(raw)
             problem = self._check(meta, tensors, hex_hash)
         except Exception as exc:  # noqa: BLE001 - any unreadable file
-            problem = f"unreadable: {type(exc).__name__}"
+            problem, raw, tensors = f"unreadable: {type(exc).__name__}", b"", {}
         if problem:
             self._move_to_quarantine(path, problem)
             return
-        self.entries[hex_hash] = FileEntry(path.stat().st_size, path.stat().st_mtime)
-        self.db.execute("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?)", (hex_hash, path.stat().st_size, path.stat().st_mtime))
+        self._index(hex_hash, len(raw), sum(t.nbytes for t in tensors.values()), path.stat().st_mtime)
         self.stats.num_reindexed += 1
 
     def drain(self, timeout_s: float) -> bool:

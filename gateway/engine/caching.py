@@ -7,7 +7,7 @@ gateway renders as X-Cache-Prefix / X-Cache-Vision. Runs on the engine's worker 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import mlx.core as mx
 
@@ -83,6 +83,22 @@ class EngineCaches:
         status = "hit" if match.num_cached_tokens else "miss"
         ssd_tokens = min(match.num_ssd_tokens, match.num_cached_tokens)
         return plan, PrefixReport(status, match.num_cached_tokens, prompt.num_tokens, match.tier, "", ssd_tokens)
+
+    def stats(self) -> dict:
+        """Counters of the prefix, SSD and vision caches, for operators (read from any thread)."""
+        out: dict = {}
+        if self.prefix is not None:
+            pool = self.prefix.pool
+            out["prefix"] = {**asdict(self.prefix.stats), **asdict(pool.stats), "num_blocks": len(pool.by_hash),
+                             "num_bytes": pool.num_bytes, "budget_bytes": pool.budget_bytes}
+            if self.prefix.ssd is not None:
+                ssd = self.prefix.ssd
+                out["ssd"] = {**asdict(ssd.stats), "num_files": len(ssd.entries), "num_bytes": ssd.num_bytes,
+                              "queue_depth": ssd.pending.qsize()}
+        if self.vision is not None:
+            out["vision"] = {**asdict(self.vision.stats), "num_entries": len(self.vision.entries),
+                             "num_bytes": self.vision.num_bytes}
+        return out
 
     def shutdown(self, drain_s: float) -> None:
         """Persist admissible RAM blocks to SSD and let the writer drain, at most drain_s."""

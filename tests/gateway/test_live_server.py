@@ -115,6 +115,9 @@ def test_api_keys_are_required_and_map_to_tenants(server, tiny_model_path):
     assert stats.status_code == 200 and layers["prefix"]["hit"] + layers["prefix"]["miss"] >= 2
     assert layers["exact"]["hit"] >= 1 and layers["exact"]["miss"] >= 1  # the stream replayed the plain answer
     assert stats.json()["served_by"]["exact"] >= 1
+    caches = stats.json()["engine_caches"]
+    assert caches["prefix"]["num_lookups"] >= 1 and caches["prefix"]["num_bytes"] > 0
+    assert caches["ssd"]["num_write_errors"] == 0 and "num_quarantined" in caches["ssd"]
 
 
 def test_tenants_never_share_prefix_blocks(server):

@@ -111,3 +111,28 @@ def test_caches_that_cannot_be_cut_into_blocks_are_reported():
     verdict = cacheability([KVCache(), RotatingKVCache(max_size=128)])
     assert not verdict.ok and "RotatingKVCache" in verdict.reason
     assert not cacheability([ArraysCache(size=2)]).ok
+
+
+def test_promotion_that_cannot_reserve_ram_recomputes_and_counts(tmp_path):
+    from kvcache.ssd import AdmissionPolicy, SsdConfig, SsdTier
+
+    ssd = SsdTier(SsdConfig(tmp_path / "kv", admission=AdmissionPolicy(min_hits=0)), "ns")
+    writer = PrefixCache(1 << 30, BS, ssd)
+    tokens = list(range(64))
+    _store(writer, ROOT_A, tokens)
+    writer.persist()
+    ssd.drain(10)
+    block_bytes = LAYERS * 2 * HEADS * BS * DIM * 4
+    tight = PrefixCache(block_bytes, BS, ssd)  # room for one block, but four are on disk
+    held = tight.open(tight.hash(list(range(1000, 1016)), ROOT_A))
+    held.match(16)
+    held.store(held.hashes, _kv_for(list(range(1000, 1016))), 16)  # the only slot, and in use
+    session = tight.open(tight.hash(tokens, ROOT_A), ROOT_A)
+    match = session.match(len(tokens))
+    assert match.num_cached_tokens == 0 and tight.stats.num_promotion_failures == 1
+    session.close()
+    held.close()
+    again = tight.open(tight.hash(tokens[:16] + [5] * 4, ROOT_A), ROOT_A)
+    assert again.match(20).num_ssd_tokens == 16  # with the slot free, the first block is promoted
+    again.close()
+    ssd.close()
