@@ -93,7 +93,8 @@ class EngineCaches:
                              "num_bytes": pool.num_bytes, "budget_bytes": pool.budget_bytes}
             if self.prefix.ssd is not None:
                 ssd = self.prefix.ssd
-                out["ssd"] = {**asdict(ssd.stats), "num_files": len(ssd.entries), "num_bytes": ssd.num_bytes,
+                out["ssd"] = {**asdict(ssd.stats), "num_files": len(ssd.segments), "num_blocks": len(ssd.blocks),
+                              "num_bytes": ssd.num_bytes,
                               "queue_depth": ssd.pending.qsize()}
         if self.vision is not None:
             out["vision"] = {**asdict(self.vision.stats), "num_entries": len(self.vision.entries),

@@ -80,7 +80,7 @@ def test_corrupt_block_is_quarantined_and_the_request_recomputes(tiny_model_path
     logits, tokens, report = _run(second, TEXT)
     ssd = second.caches.prefix.ssd
     assert ssd.stats.num_quarantined == 1
-    assert report.num_cached_tokens < (len(files) * 16)  # the chain stops at the bad block
+    assert report.num_cached_tokens < report.num_prompt_tokens // 16 * 16  # the chain stops at the bad file
     assert tokens == cold_result[1]
     np.testing.assert_allclose(logits, cold_result[0], atol=1e-4)
     second.caches.shutdown(10)
@@ -109,15 +109,15 @@ def test_kill_9_during_heavy_spilling_then_restart(tiny_model_path, tmp_path, co
                              stdout=subprocess.PIPE, text=True, env=os.environ.copy())
     assert child.stdout.readline().strip() == "ready"
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and len(list(folder.glob("*/*/*.safetensors"))) < 30:
+    while time.monotonic() < deadline and len(list(folder.glob("*/*/*.safetensors"))) < 10:
         time.sleep(0.05)
     os.kill(child.pid, signal.SIGKILL)
     child.wait(10)
     runner = _runner(tiny_model_path, folder)  # reconcile runs here
     ssd = runner.caches.prefix.ssd
-    assert ssd.stats.num_quarantined == 0 and len(ssd.entries) >= 30
+    assert ssd.stats.num_quarantined == 0 and len(ssd.segments) >= 10
     assert not list(folder.glob("*/*/.tmp-*"))
-    assert all(ssd.read(h) is not None for h in list(ssd.entries))  # every indexed file is whole
+    assert all(ssd.read(h) is not None for h in list(ssd.blocks))  # every indexed block is whole
     logits, tokens, _ = _run(runner, TEXT)
     assert tokens == cold_result[1]
     np.testing.assert_allclose(logits, cold_result[0], atol=1e-4)

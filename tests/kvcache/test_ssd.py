@@ -23,13 +23,29 @@ def _tier(tmp_path, **config) -> SsdTier:
 
 
 def _spill(tier: SsdTier, *indices: int) -> None:
+    """One segment file per block here: each spill is written before the next is offered."""
     for i in indices:
         assert tier.offer(_request(i))
-    assert tier.drain(10)
+        assert tier.drain(10)
 
 
 def _file(tier: SsdTier, i: int):
-    return tier._path(i.to_bytes(32, "big").hex())
+    return tier.segment_of(i.to_bytes(32, "big").hex())
+
+
+def test_blocks_spilled_together_share_one_segment_file(tmp_path, monkeypatch):
+    tier = _tier(tmp_path)
+    gate = __import__("threading").Event()
+    original = tier._write_segment
+    monkeypatch.setattr(tier, "_write_segment", lambda requests: (gate.wait(5), original(requests)))
+    for i in range(1, 6):
+        assert tier.offer(_request(i))
+    gate.set()
+    assert tier.drain(10)
+    files = {_file(tier, i) for i in range(1, 6)}
+    assert len(files) <= 2 and tier.stats.num_spilled == 5  # the first, then the four queued behind it
+    assert len(tier.read_chain([i.to_bytes(32, "big").hex() for i in range(1, 6)])) == 5
+    tier.close()
 
 
 def test_spilled_block_reads_back_verified(tmp_path):
@@ -63,28 +79,30 @@ def test_damaged_file_is_quarantined_on_read(tmp_path, damage):
 def test_reconcile_repairs_index_and_files(tmp_path):
     tier = _tier(tmp_path)
     _spill(tier, 1, 2, 3)
+    first, second = _file(tier, 1), _file(tier, 2)
     tier.close()
-    _file(tier, 1).unlink()  # index row without a file
-    (_file(tier, 2).parent / ".tmp-crashed").write_bytes(b"half a block")  # a torn write
+    first.unlink()  # index row without a file
+    (second.parent / ".tmp-crashed").write_bytes(b"half a block")  # a torn write
     foreign = SsdTier(SsdConfig(tmp_path / "other", admission=AdmissionPolicy(min_hits=0)), "model-2|block=4|quant=none")
     _spill(foreign, 9)
+    foreign_file = _file(foreign, 9)
     foreign.close()
-    stray = _file(tier, 9)
+    stray = tier.folder / foreign_file.relative_to(foreign.folder)
     stray.parent.mkdir(exist_ok=True)
-    stray.write_bytes(_file(foreign, 9).read_bytes())  # another model's file in our folder
+    stray.write_bytes(foreign_file.read_bytes())  # another model's file in our folder
     (tier.folder / "index.sqlite").unlink()  # and no index at all
     again = _tier(tmp_path)
     stats = again.stats
     assert stats.num_temp_removed == 1 and stats.num_quarantined == 1
     assert stats.num_reindexed == 2  # blocks 2 and 3, verified from the files alone
-    assert sorted(again.entries) == sorted(i.to_bytes(32, "big").hex() for i in (2, 3))
+    assert sorted(again.blocks) == sorted(i.to_bytes(32, "big").hex() for i in (2, 3))
     assert again.read((3).to_bytes(32, "big").hex()) is not None
     again.close()
 
 
 def test_full_queue_drops_and_counts_without_blocking(tmp_path, monkeypatch):
     tier = _tier(tmp_path, queue_blocks=1)
-    monkeypatch.setattr(tier, "_write", lambda request: time.sleep(0.2))
+    monkeypatch.setattr(tier, "_write_segment", lambda requests: time.sleep(0.2))
     start = time.perf_counter()
     accepted = [tier.offer(_request(i)) for i in range(1, 20)]
     assert time.perf_counter() - start < 0.1
@@ -103,7 +121,7 @@ def test_failing_disk_is_counted_and_leaves_no_partial_file(tmp_path, monkeypatc
     tier.drain(10)
     assert tier.stats.num_write_errors == 1 and tier.stats.num_spilled == 0
     assert not list(tier.folder.glob("*/*"))
-    assert not tier.contains((5).to_bytes(32, "big").hex())
+    assert not tier.contains((5).to_bytes(32, "big").hex()) and tier.num_bytes == 0
     tier.close()
 
 
@@ -119,7 +137,7 @@ def test_capacity_evicts_least_recently_used_files_and_retention_expires_them(tm
     assert tier.contains((1).to_bytes(32, "big").hex()) and not tier.contains((2).to_bytes(32, "big").hex())
     assert tier.stats.num_evicted_files == 1 and tier.num_bytes <= 2 * size
     tier._enforce_capacity(now=time.time() + 8 * 24 * 3600)
-    assert tier.stats.num_expired_files == 2 and not tier.entries
+    assert tier.stats.num_expired_files == 2 and not tier.blocks
     tier.close()
 
 
