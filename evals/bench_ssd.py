@@ -2,7 +2,7 @@
 
     python -m evals.bench_ssd [--model demo] [--lengths 1024 4096 8192]
 
-For each prefix length, a prompt = prefix + a 24-token follow-up (the next turn) is timed three
+Throughputs are medians of 3 reads. For each prefix length, a prompt = prefix + a 24-token follow-up (the next turn) is timed three
 ways on the same model in one run: recompute (no cache), prefix in RAM, and prefix on SSD only (a
 fresh engine over the files, each file dropped from the page cache with posix_fadvise first, so
 reads come from the disk). Read throughput of the block files is printed beside a plain sequential
@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -103,12 +104,13 @@ def measure_length(model_path: Path, length: int, work: Path) -> dict:
     cold = runner_for(model_path, folder)
     drop_from_page_cache(files)
     ssd_s, ssd_report = ttft(cold, prompt)
-    read_mb_s = _block_read_mb_s(cold, files)
+    read_mb_s = statistics.median(_block_read_mb_s(cold, files) for _ in range(3))
     cold.caches.shutdown(10)
     return {"tokens": length, "recompute_s": recompute_s, "ram_s": ram_s, "ssd_s": ssd_s,
             "ram_cached": ram_report.num_cached_tokens, "ssd_cached": ssd_report.num_ssd_tokens,
             "spill_mb_s": disk_bytes / spill_s / 1e6, "read_mb_s": read_mb_s,
-            "raw_read_mb_s": raw_read_mb_s(work, disk_bytes), "disk_bytes_per_token": disk_bytes / length}
+            "raw_read_mb_s": statistics.median(raw_read_mb_s(work, disk_bytes) for _ in range(3)),
+            "disk_bytes_per_token": disk_bytes / length}
 
 
 def _block_read_mb_s(runner: ModelRunner, files: list[Path]) -> float:

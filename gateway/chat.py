@@ -152,11 +152,7 @@ class ChatService:
     def response_body(self, completion: Completion, trace: Trace) -> dict:
         message = {"role": "assistant", "content": completion.text}
         return {
-            "id": completion.id,
-            "object": "chat.completion",
-            "created": completion.created,
-            "model": self.engine.info.name,
-            "system_fingerprint": self.engine.info.fingerprint[:16],
+            **self._base(completion, "chat.completion"),
             "choices": [{"index": 0, "message": message, "finish_reason": completion.finish_reason, "logprobs": None}],
             "usage": self.usage(completion, trace),
         }
@@ -178,20 +174,20 @@ class ChatService:
         usage = self.usage(completion, trace)
         yield self._chunk(completion, {}, completion.finish_reason, None if include_usage else usage)
         if include_usage:
-            yield _sse({**self._chunk_base(completion), "choices": [], "usage": usage})
+            yield _sse({**self._base(completion, "chat.completion.chunk"), "choices": [], "usage": usage})
         yield b"data: [DONE]\n\n"
 
-    def _chunk_base(self, completion: Completion) -> dict:
+    def _base(self, completion: Completion, kind: str) -> dict:
         return {
             "id": completion.id,
-            "object": "chat.completion.chunk",
+            "object": kind,
             "created": completion.created,
             "model": self.engine.info.name,
             "system_fingerprint": self.engine.info.fingerprint[:16],
         }
 
     def _chunk(self, completion: Completion, delta: dict, finish_reason: str | None, usage: dict | None = None) -> bytes:
-        body = {**self._chunk_base(completion), "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+        body = {**self._base(completion, "chat.completion.chunk"), "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
         if usage is not None:
             body["usage"] = usage
         return _sse(body)

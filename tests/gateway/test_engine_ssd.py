@@ -37,6 +37,11 @@ def _run(runner, text):
     return logits, tokens, prefill.prefix
 
 
+def _assert_same_as_cold(result, cold) -> None:
+    assert result[1] == cold[1]
+    np.testing.assert_allclose(result[0], cold[0], atol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def cold_result(tiny_model_path):
     return _run(ModelRunner(tiny_model_path, CacheConfig(0, 0, 16), "tiny"), TEXT)
@@ -50,8 +55,7 @@ def test_blocks_evicted_from_ram_are_promoted_from_ssd(tiny_model_path, tmp_path
     runner.caches.prefix.ssd.drain(10)
     logits, tokens, report = _run(runner, TEXT)
     assert report.status == "hit" and "ssd" in report.tier and report.num_ssd_tokens > 0
-    assert tokens == cold_result[1]
-    np.testing.assert_allclose(logits, cold_result[0], atol=1e-4)
+    _assert_same_as_cold((logits, tokens), cold_result)
     runner.caches.shutdown(10)
 
 
@@ -62,8 +66,7 @@ def test_restart_reuses_blocks_from_ssd(tiny_model_path, tmp_path, cold_result):
     second = _runner(tiny_model_path, tmp_path / "kv")
     logits, tokens, report = _run(second, TEXT)
     assert report.tier == "ssd" and report.num_cached_tokens == report.num_ssd_tokens > 0
-    assert tokens == cold_result[1]
-    np.testing.assert_allclose(logits, cold_result[0], atol=1e-4)
+    _assert_same_as_cold((logits, tokens), cold_result)
     second.caches.shutdown(10)
 
 
@@ -81,8 +84,7 @@ def test_corrupt_block_is_quarantined_and_the_request_recomputes(tiny_model_path
     ssd = second.caches.prefix.ssd
     assert ssd.stats.num_quarantined == 1
     assert report.num_cached_tokens < report.num_prompt_tokens // 16 * 16  # the chain stops at the bad file
-    assert tokens == cold_result[1]
-    np.testing.assert_allclose(logits, cold_result[0], atol=1e-4)
+    _assert_same_as_cold((logits, tokens), cold_result)
     second.caches.shutdown(10)
 
 
@@ -119,8 +121,7 @@ def test_kill_9_during_heavy_spilling_then_restart(tiny_model_path, tmp_path, co
     assert not list(folder.glob("*/*/.tmp-*"))
     assert all(ssd.read(h) is not None for h in list(ssd.blocks))  # every indexed block is whole
     logits, tokens, _ = _run(runner, TEXT)
-    assert tokens == cold_result[1]
-    np.testing.assert_allclose(logits, cold_result[0], atol=1e-4)
+    _assert_same_as_cold((logits, tokens), cold_result)
     runner.caches.shutdown(10)
 
 
