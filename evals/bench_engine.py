@@ -25,23 +25,23 @@ DECODE_TOKENS = 64
 def _child(model: str, data_dir: Path, lengths: list[int], repeats: int) -> dict:
     from gateway.blas import blas_in_use
     from gateway.engine import resolve_model_path
-    from gateway.engine.prompt import PreparedPrompt
     from gateway.engine.caching import CacheConfig
-from gateway.engine.runner import ModelRunner
+    from gateway.engine.prompt import PreparedPrompt
+    from gateway.engine.runner import ModelRunner
     from gateway.schemas import Sampling
 
-    runner = ModelRunner(resolve_model_path(model, data_dir), CacheConfig(0, 0, 64), 'bench')
+    runner = ModelRunner(resolve_model_path(model, data_dir), CacheConfig(0, 0, 64), "bench")
     corpus = (Path(__file__).resolve().parents[1] / "gateway/engine/assets/corpus.txt").read_text()
     ids = runner.tokenizer.encode(corpus, add_special_tokens=False)
     never = lambda: False  # noqa: E731
-    runner.prefill(PreparedPrompt(tuple(ids[:64]), ()), b'salt', 512, never)  # warm-up
+    runner.prefill(PreparedPrompt(tuple(ids[:64]), ()), b"salt", 512, never)  # warm-up
     results = {"blas": blas_in_use(), "lengths": {}}
     for length in lengths:
         prompt = PreparedPrompt(tuple(ids[:length]), ())
         prefill_s, decode_tps = [], []
         for _ in range(repeats):
             start = time.perf_counter()
-            prefill = runner.prefill(prompt, b'salt', 512, never)
+            prefill = runner.prefill(prompt, b"salt", 512, never)
             prefill_s.append(time.perf_counter() - start)
             start = time.perf_counter()
             count = sum(1 for _ in runner.decode(prefill, Sampling(DECODE_TOKENS, 0.0, 1.0, None, ()), never))
