@@ -31,6 +31,13 @@ class Cancelled(Exception):
     """The request was cancelled (client gone) between two model steps."""
 
 
+@dataclass(frozen=True, slots=True)
+class ModelInputs:
+    ids: mx.array  # (1, L) all prompt token ids
+    embeds: mx.array  # (1, L - cached, hidden): embeddings of the tokens still to run
+    positions: mx.array  # (3, 1, L) mRoPE positions of the whole prompt
+
+
 @dataclass(slots=True)
 class PrefillResult:
     logits: mx.array  # (vocab,) for the last prompt position
@@ -94,7 +101,8 @@ class ModelRunner:
             if cached:
                 for layer, state in zip(cache, plan.session.gather(cached)):
                     layer.state = state
-            hidden = self._run_chunks(prompt, ids, embeds, positions, cache, plan, chunk_tokens, cancelled)
+            inputs = ModelInputs(ids, embeds, positions)
+            hidden = self._run_chunks(prompt, inputs, cache, plan, chunk_tokens, cancelled)
             logits = self._logits(hidden[:, -1, :])[0]
             mx.eval(logits)
         except BaseException:
@@ -104,9 +112,10 @@ class ModelRunner:
         prefill_ms = (time.perf_counter() - start) * 1000 - vision_ms
         return PrefillResult(logits, cache, rope_delta, prompt, plan, prefix_report, vision_report, prefill_ms, vision_ms)
 
-    def _run_chunks(self, prompt, ids, embeds, positions, cache, plan, chunk_tokens, cancelled) -> mx.array:
+    def _run_chunks(self, prompt, inputs: ModelInputs, cache, plan, chunk_tokens, cancelled) -> mx.array:
         """Prefill tokens [cached, L) in chunks ending on multiples of chunk_tokens; after each chunk
         the blocks it completed are cached, so a long prompt cut short still leaves its prefix."""
+        ids, embeds, positions = inputs.ids, inputs.embeds, inputs.positions
         total = prompt.num_tokens
         first = begin = total - embeds.shape[1]  # embeds start at the first uncached token
         hidden = None
