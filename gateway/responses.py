@@ -75,9 +75,7 @@ class ResponseCaches:
             return "disabled"
         if query is None or not query.strip():
             return "no_user_query"
-        if any(m.role == "tool" for m in request.messages):
-            return "tools"
-        return self.semantic.bypass_reason(query, has_tools=False)
+        return self.semantic.bypass_reason(query, has_tools=request.uses_tools)
 
     async def lookup(self, ctx: RequestContext, trace: Trace) -> StoredResponse | None:
         found = self._lookup_exact(ctx, trace)

@@ -50,6 +50,8 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     metadata: dict[str, str]
+    uses_tools: bool = False  # tool results or tool calls in the conversation
+
 
     @property
     def num_images(self) -> int:
@@ -87,6 +89,7 @@ def parse_chat_request(body: dict[str, Any], limits: Limits) -> ChatRequest:
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
         metadata=_parse_metadata(body.get("metadata")),
+        uses_tools=any(isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls")) for m in body["messages"]),
     )
 
 

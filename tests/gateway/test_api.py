@@ -136,3 +136,21 @@ def test_vision_header_reports_encoder_use_and_reuse(client):
     assert second.headers["x-cache-vision"] == "hit; images=1; hits=1; misses=0; skipped=0"
     repeat = chat(client, max_tokens=4, temperature=0, messages=other_system)
     assert repeat.headers["x-cache-vision"] == "hit; images=1; hits=0; misses=0; skipped=1"
+
+
+def test_file_image_urls_work_only_below_the_allowed_folder(settings, engine, tmp_path):
+    import base64
+    import dataclasses
+
+    allowed = tmp_path / "images"
+    allowed.mkdir()
+    (allowed / "cat.png").write_bytes(base64.b64decode(png_data_url(64, 64).split(",", 1)[1]))
+    open_settings = dataclasses.replace(settings, allow_file_images_under=allowed)
+    with TestClient(create_app(open_settings, engine=engine)) as client:
+        def with_image(url):
+            return chat(client, max_tokens=2, temperature=0, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}]}])
+
+        assert with_image(f"file://{allowed}/cat.png").status_code == 200
+        outside = with_image(f"file://{allowed}/../cat.png")
+        assert outside.status_code == 400 and outside.json()["error"]["code"] == "image_url_not_allowed"

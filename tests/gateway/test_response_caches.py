@@ -131,9 +131,16 @@ def test_different_system_prompt_never_matches_semantically(client):
     assert response.headers["x-cache-semantic"] == "miss; reason=no_candidate"
 
 
-def test_risky_topics_bypass_the_semantic_layer(client):
+def test_risky_topics_and_tool_conversations_bypass_the_semantic_layer(client):
     response = ask(client, "What dosage of aspirin should I take?")
     assert response.headers["x-cache-semantic"] == "bypass; reason=risk:medical"
+    messages = [{"role": "user", "content": "What's the weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
+                                                                        "function": {"name": "weather", "arguments": "{}"}}]},
+                {"role": "tool", "content": "sunny", "tool_call_id": "1"},
+                {"role": "user", "content": "So should I take an umbrella?"}]
+    with_tools = client.post("/v1/chat/completions", json={"model": TINY, "messages": messages, "max_tokens": 4, "temperature": 0})
+    assert with_tools.headers["x-cache-semantic"] == "bypass; reason=tools"
 
 
 def test_admin_routes_review_and_delete_semantic_entries(client):
