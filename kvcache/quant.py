@@ -48,10 +48,6 @@ def restore(x) -> mx.array:
     return x
 
 
-def nbytes(x) -> int:
-    return x.nbytes
-
-
 def to_tensors(kv: tuple) -> dict[str, np.ndarray]:
     """A block's per-layer (keys, values) as named numpy tensors for a safetensors file."""
     tensors = {}
