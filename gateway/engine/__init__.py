@@ -65,8 +65,10 @@ class Engine:
 
     def stop(self, drain_s: float = 10.0) -> None:
         """Stop the worker, then persist admissible KV blocks; the SSD writer drains within drain_s."""
-        self.worker.stop()
-        self.runner.caches.shutdown(drain_s)
+        if self.worker.stop():
+            self.runner.caches.shutdown(drain_s)
+        else:  # the worker still holds the caches: persisting now would race it
+            log.warning("engine worker did not stop in time; KV blocks in RAM were not persisted")
 
 
 def resolve_model_path(model: str, data_dir: Path) -> Path:

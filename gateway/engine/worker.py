@@ -94,12 +94,17 @@ class EngineWorker:
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.stats = EngineStats()
         self.busy = False  # a job is on the model right now
+        self.current: Job | None = None  # that job, so that stop() can cancel it
         self.thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Cancel the running job, fail the waiting ones, end the thread. True when it ended."""
+        if self.current is not None:
+            self.current.cancelled.set()
+            self.current.send(Failed("server is shutting down"))
         while True:  # drop what waits, then wake the thread with the sentinel
             try:
                 job = self.jobs.get_nowait()
@@ -110,6 +115,7 @@ class EngineWorker:
                 job.send(Failed("server is shutting down"))
         self.jobs.put(None)
         self.thread.join(timeout_s)
+        return not self.thread.is_alive()
 
     def submit(self, prompt: PreparedPrompt, sampling: Sampling, salt: TenantSalt) -> Job:
         job = Job(prompt, sampling, salt, asyncio.get_running_loop())
@@ -141,7 +147,7 @@ class EngineWorker:
             if job.cancelled.is_set():
                 self.stats.num_cancelled += 1
                 continue
-            self.busy = True
+            self.busy, self.current = True, job
             try:
                 self._run(job)
             except Cancelled:
@@ -151,7 +157,7 @@ class EngineWorker:
                 self.stats.num_failed += 1
                 job.send(Failed(f"generation failed: {type(exc).__name__}"))
             finally:
-                self.busy = False
+                self.busy, self.current = False, None
 
     def _run(self, job: Job) -> None:
         self.stats.num_requests += 1
