@@ -11,6 +11,7 @@ import json
 import re
 import sqlite3
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,6 +83,7 @@ class SemanticCache:
         self.settings = settings
         self.risk = RiskPolicy(settings.risk_patterns)
         self.index = PartitionedIndex(embedder.dim)
+        self.word_vectors: OrderedDict[str, np.ndarray] = OrderedDict()
         self.lock = threading.Lock()
         Path(db_path).parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None)
@@ -103,7 +105,7 @@ class SemanticCache:
             entry = self.get(entry_id)
             if entry is None or not self._servable(entry, now):
                 continue
-            verdict = check(query, entry.prompt, score, self.settings.threshold)
+            verdict = check(query, entry.prompt, score, self.settings.threshold, self.word_similarity)
             if verdict.accept:
                 self._count_hit(entry.id)
                 return SemanticLookup("hit", score=score, entry=entry, verdict=verdict, vector=vector)
@@ -151,6 +153,16 @@ class SemanticCache:
         if entry.status == "rejected":
             return False
         return entry.status == "approved" or not self.settings.require_approved
+
+    def word_similarity(self, left: str, right: str) -> float:
+        """MiniLM cosine of two single words (vectors kept in a small LRU)."""
+        missing = [w for w in (left, right) if w not in self.word_vectors]
+        if missing:
+            for word, vector in zip(missing, self.embedder.embed(missing)):
+                self.word_vectors[word] = vector
+                if len(self.word_vectors) > 4096:
+                    self.word_vectors.popitem(last=False)
+        return float(self.word_vectors[left] @ self.word_vectors[right])
 
     # -- administration ----------------------------------------------------------------------
 

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from difflib import SequenceMatcher
 from functools import lru_cache
 
+WordSimilarity = Callable[[str, str], float]
 WORD = re.compile(r"[A-Za-z][A-Za-z'’-]*|\d+(?:[.,:/-]\d+)*%?|[$€£¥%]")
 
 STOPWORDS = frozenset("""a an the and or but if then so of in on at by for with to from into onto about as is are was were
@@ -42,7 +45,8 @@ incoming/outgoing upstream/downstream above/below over/under top/bottom front/ba
 win/loss attack/defense success/failure accept/decline approve/deny approve/reject import/export include/omit
 join/leave enter/exit entrance/exit upgrade/downgrade expand/collapse maximize/minimize zoom/unzoom freeze/unfreeze
 summer/winter spring/autumn spring/fall day/night morning/evening sunrise/sunset asc/desc debit/refund
-charge/refund pay/refund earn/spend income/expense import/export odd/even vertical/horizontal""".split()
+charge/refund pay/refund earn/spend income/expense import/export odd/even vertical/horizontal allow/forbid
+permit/forbid allow/prohibit soft/hard easy/hard wet/dry raw/cooked sweet/sour loud/quiet rare/common""".split()
 
 MONTHS = ["january", "february", "march", "april", "may", "june", "july", "august", "september", "october",
           "november", "december"]
@@ -138,7 +142,7 @@ class Text:
 @lru_cache(maxsize=4096)
 def analyse(text: str) -> Text:
     tokens = WORD.findall(text.replace("’", "'"))
-    words = tuple(t.lower() for t in tokens)
+    words = tuple(t.lower().removesuffix("'s") for t in tokens)
     return Text(text, words, tuple(lemma(w) for w in words))
 
 
@@ -392,6 +396,45 @@ def _entity_sequence(raw: str) -> list[str]:
     return sequence
 
 
+NOUN_SLOT = frozenset("""a an the this that these those my your our their his her its some any each every no for of
+in on at with from by about into without per many much few several is are was were be been do does did can could
+should would will""".split())
+PRONOUNS = frozenset("i you we they he she it".split())
+
+
+SYNONYM_SIMILARITY = 0.78  # MiniLM word cosine: synonyms measured 0.79-0.92, co-hyponyms 0.21-0.75
+
+
+def substitution(a: Text, b: Text, similar: WordSimilarity | None = None) -> str | None:
+    """One content word swapped for another in the same slot of otherwise aligned questions: 'a soft
+    yolk' vs 'a hard yolk', 'my hand luggage' vs 'my checked luggage', 'for children' vs 'for adults',
+    'do cats see' vs 'do dogs see'. Left to the paraphrase: a swapped verb after a pronoun or 'to'
+    ('I see' vs 'I find'), spelling variants ('color'/'colour', 'doc'/'document'), and, when a word
+    similarity is given, synonyms ('picture'/'photo': MiniLM word cosine >= SYNONYM_SIMILARITY)."""
+    matcher = SequenceMatcher(a=a.lemmas, b=b.lemmas, autojunk=False)
+    for op, a_start, a_end, b_start, b_end in matcher.get_opcodes():
+        if op != "replace" or a_end - a_start != 1 or b_end - b_start != 1:
+            continue
+        left, right = a.lemmas[a_start], b.lemmas[b_start]
+        if left in STOPWORDS or right in STOPWORDS or left[0].isdigit() or right[0].isdigit():
+            continue
+        if _spelling_variant(left, right):
+            continue
+        before = a.words[a_start - 1] if a_start else ""
+        if before in PRONOUNS or before == "to" or (before not in NOUN_SLOT and before in STOPWORDS):
+            continue  # a verb slot, or a slot we cannot read
+        if similar is not None and similar(a.words[a_start], b.words[b_start]) >= SYNONYM_SIMILARITY:
+            continue
+        return "substitution"
+    return None
+
+
+def _spelling_variant(left: str, right: str) -> bool:
+    if left.startswith(right) or right.startswith(left) or left.endswith(right) or right.endswith(left):
+        return True
+    return len(left) >= 4 and len(right) >= 4 and SequenceMatcher(a=left, b=right).ratio() >= 0.8
+
+
 def comparatives(a: Text, b: Text) -> str | None:
     """Both texts compare, but not the same way: 'best' vs 'worst', 'more' vs 'less'. ('Improve
     my sleep' vs 'sleep better' is a paraphrase: only one side compares.)"""
@@ -419,7 +462,8 @@ def _comparatives(text: Text) -> frozenset[str]:
         if word in NOT_COMPARATIVE or len(word) < 5 or word in COMPARATIVES:
             continue
         followed_by_than = i + 1 < len(text.words) and text.words[i + 1] == "than"
-        if word.endswith("er") and followed_by_than:
+        after_copula = i > 0 and text.words[i - 1] in ("is", "are", "was", "were", "be", "get", "gets")
+        if word.endswith("er") and (followed_by_than or after_copula):
             found.add(_canonical_comparison(word))
         elif word.endswith("est") and i > 0 and text.words[i - 1] == "the":
             found.add(_canonical_comparison(word))
@@ -438,13 +482,17 @@ def _quantifiers(text: Text) -> frozenset[str]:
     return frozenset(found)
 
 
-GUARDS = (numbers, negation, antonym, dates, units, billing, entities, direction, entity_order, comparatives, quantifiers)
+GUARDS = (numbers, negation, antonym, dates, units, billing, entities, direction, entity_order, comparatives,
+          quantifiers)
 
 
-def check(query: str, cached: str, score: float, threshold: float) -> Verdict:
-    """Accept only above the threshold and when no guard objects; name every objection."""
+def check(query: str, cached: str, score: float, threshold: float, similar: WordSimilarity | None = None) -> Verdict:
+    """Accept only above the threshold and when no guard objects; name every objection.
+    `similar(word, word) -> cosine` lets the substitution guard tell synonyms from swapped nouns."""
     if score < threshold:
         return Verdict(False, score, ("below_threshold",))
     a, b = analyse(query), analyse(cached)
-    reasons = tuple(r for guard in GUARDS if (r := guard(a, b)))
-    return Verdict(not reasons, score, reasons)
+    reasons = [r for guard in GUARDS if (r := guard(a, b))]
+    if not reasons and (r := substitution(a, b, similar)):  # the only guard that may embed: run it last
+        reasons.append(r)
+    return Verdict(not reasons, score, tuple(reasons))

@@ -26,16 +26,16 @@ def test_dev_set_passes_the_release_gate(tmp_path):
 
 
 def test_paws_lookalikes_stay_at_or_below_the_measured_rate(tmp_path, embedder):
-    """A regression guard at the measured level (50.6% on this sample), not a target: plain
-    threshold caches serve ~75-90% of these word-order swaps."""
+    """A regression guard near the measured level (28.9% on this sample), not a target: the threshold
+    alone serves 99.4% of these word-order swaps."""
     cache = SemanticCache(embedder, tmp_path / "s.db", SemanticSettings())
     summary = run(load_pairs([DATA / "paws_sample.jsonl"]), cache)
-    assert summary["categories"]["paws_lookalike"]["false_hit_rate"] <= 0.55
+    assert summary["categories"]["paws_lookalike"]["false_hit_rate"] <= 0.33
 
 
 def test_gate_fails_when_a_target_is_missed(tmp_path, embedder):
     cache = SemanticCache(embedder, tmp_path / "s.db", SemanticSettings())
     summary = run(load_pairs([DATA / "dev.jsonl"]), cache)
-    assert gates(summary, max_false_hit_rate=0.01, min_hit_rate=0.999)  # 97% < 99.9%
+    assert gates(summary, max_false_hit_rate=0.01, min_hit_rate=0.999)  # 94.8% < 99.9%
     summary["categories"]["scope_tenant"]["false_hits"] = 1
     assert any("across scopes" in failure for failure in gates(summary, None, None))

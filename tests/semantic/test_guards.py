@@ -24,6 +24,10 @@ LOOKALIKES = [
     ("How do I add a user to a group?", "How do I add a group to a user?", "direction"),
     ("How do I sign up?", "How do I sign in?", "antonym"),
     ("How do I turn off the alarm?", "How do I turn on the alarm?", "antonym"),
+    ("How long should I boil an egg for a soft yolk?", "How long should I boil an egg for a hard yolk?", "antonym"),
+    ("Is the museum free for children?", "Is the museum free for adults?", "substitution"),
+    ("Can I carry liquids in my hand luggage?", "Can I carry liquids in my checked luggage?", "substitution"),
+    ("Which is heavier, a kilo of feathers or of steel?", "Which is lighter, a kilo of feathers or of steel?", "comparative"),
 ]
 
 
@@ -53,3 +57,15 @@ def test_paraphrases_pass_every_guard(cached, query):
 def test_below_threshold_is_refused_whatever_the_guards_say():
     verdict = check("How do I change my email address?", "How do I change my email address?", 0.5, 0.8)
     assert verdict == check("x", "x", 0.5, 0.8).__class__(False, 0.5, ("below_threshold",))
+
+
+def test_substitution_guard_lets_synonyms_through_when_it_can_compare_words(embedder, tmp_path):
+    from semantic import SemanticCache, SemanticSettings
+
+    cache = SemanticCache(embedder, tmp_path / "s.db", SemanticSettings())
+    synonyms = check("How do I upload a photo?", "How do I upload a picture?", 0.95, 0.8, cache.word_similarity)
+    cohyponyms = check("Can I bring my cat on the train?", "Can I bring my dog on the train?", 0.95, 0.8,
+                       cache.word_similarity)
+    assert synonyms.accept and cohyponyms.reasons == ("substitution",)
+    assert not check("How do I upload a photo?", "How do I upload a picture?", 0.95, 0.8).accept  # no similarity
+    cache.close()
