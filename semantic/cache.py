@@ -101,9 +101,8 @@ class SemanticCache:
     def lookup(self, query: str, scope: Scope, context: str, now: float) -> SemanticLookup:
         vector = self.embedder.embed([query])[0]
         best: SemanticLookup | None = None
-        for entry_id, score in self.index.search(scope.partition(context), vector, self.settings.candidates):
-            entry = self.get(entry_id)
-            if entry is None or not self._servable(entry, now):
+        for entry, score in self._candidates(scope.partition(context), vector):
+            if not self._servable(entry, now):
                 continue
             verdict = check(query, entry.prompt, score, self.settings.threshold, self.word_similarity)
             if verdict.accept:
@@ -111,6 +110,18 @@ class SemanticCache:
                 return SemanticLookup("hit", score=score, entry=entry, verdict=verdict, vector=vector)
             best = best or SemanticLookup("miss", ",".join(verdict.reasons), score, verdict=verdict, vector=vector)
         return best or SemanticLookup("miss", "no_candidate", vector=vector)
+
+    def _candidates(self, partition: str, vector: np.ndarray) -> list[tuple[SemanticEntry, float]]:
+        """The index's nearest entries, re-scored with their exact float32 vectors, best first."""
+        found = self.index.search(partition, vector, self.settings.candidates)
+        if not found:
+            return []
+        ids = [entry_id for entry_id, _ in found]
+        with self.lock:
+            rows = self.db.execute(f"SELECT {_COLUMNS}, vector FROM semantic_entries WHERE id IN "
+                                   f"({','.join('?' * len(ids))})", ids).fetchall()
+        scored = [(_entry(row), float(np.frombuffer(row[-1], dtype=np.float32) @ vector)) for row in rows]
+        return sorted(scored, key=lambda pair: -pair[1])
 
     def insert(self, query: str, answer: str, scope: Scope, context: str, now: float,
                ttl_s: float | None = None, vector: np.ndarray | None = None) -> int:
