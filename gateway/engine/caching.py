@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import mlx.core as mx
 
-from kvcache import BlockHash, ExtraSpan, PrefixCache, PrefixSession, TenantSalt, cacheability
+from kvcache import ExtraSpan, PrefixCache, PrefixSession, TenantSalt, cacheability
 from kvcache.quant import QuantConfig
 from kvcache.ssd import SsdConfig, SsdTier
 from vision import VisionCache, image_key
@@ -42,10 +42,8 @@ class VisionReport:
 class PrefixPlan:
     """One request's prefix-cache state, from lookup to the final store."""
 
-    session: PrefixSession
-    root: BlockHash
+    session: PrefixSession  # holds the chain's root and hashes
     spans: tuple[ExtraSpan, ...]
-    hashes: list[BlockHash]
     num_cached_tokens: int
 
 
@@ -79,7 +77,7 @@ class EngineCaches:
         hashes = self.prefix.hash(prompt.token_ids, root, spans)
         session = self.prefix.open(hashes, root)
         match = session.match(prompt.num_tokens)
-        plan = PrefixPlan(session, root, spans, hashes, match.num_cached_tokens)
+        plan = PrefixPlan(session, spans, match.num_cached_tokens)
         status = "hit" if match.num_cached_tokens else "miss"
         ssd_tokens = min(match.num_ssd_tokens, match.num_cached_tokens)
         return plan, PrefixReport(status, match.num_cached_tokens, prompt.num_tokens, match.tier, "", ssd_tokens)
@@ -109,9 +107,10 @@ class EngineCaches:
 
     def store(self, plan: PrefixPlan, token_ids: tuple[int, ...], kv_cache: list, num_tokens: int) -> None:
         """Cache the full blocks of token_ids[:num_tokens] (a prompt, or prompt + generated tokens)."""
-        if num_tokens // self.prefix.block_size > len(plan.hashes):  # generated tokens completed a block
-            plan.hashes = self.prefix.hash(token_ids[:num_tokens], plan.root, plan.spans)
-        plan.session.store(plan.hashes, [c.state for c in kv_cache], num_tokens)
+        hashes = plan.session.hashes
+        if num_tokens // self.prefix.block_size > len(hashes):  # generated tokens completed a block
+            hashes = self.prefix.hash(token_ids[:num_tokens], plan.session.root, plan.spans)
+        plan.session.store(hashes, [c.state for c in kv_cache], num_tokens)
 
     # -- vision ------------------------------------------------------------------------------
 
