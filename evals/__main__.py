@@ -1,10 +1,11 @@
-"""`python -m evals <command>`: false-hits (the semantic cache's regression gate)."""
+"""`python -m evals <command>`: false-hits (the semantic cache's regression gate), risk (the personal-data rule)."""
 
 import sys
 
 from .false_hits import main as false_hits
+from .risk import main as risk
 
-COMMANDS = {"false-hits": false_hits}
+COMMANDS = {"false-hits": false_hits, "risk": risk}
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:

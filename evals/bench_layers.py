@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from semantic import MiniLMEmbedder, Scope, SemanticCache, SemanticSettings
+from semantic import Answer, MiniLMEmbedder, Scope, SemanticCache, SemanticSettings
 
 QUESTION = "How do I export my project to a CSV file?"
 
@@ -106,7 +106,7 @@ def semantic_lookups(sizes: list[int], queries: int) -> dict:
     for size in sizes:
         with tempfile.TemporaryDirectory() as folder:
             cache = SemanticCache(embedder, Path(folder) / "s.db", SemanticSettings())
-            cache.insert(QUESTION, "Use File > Export.", scope, "ctx", time.time())
+            cache.insert(QUESTION, Answer("Use File > Export."), scope, "ctx", time.time())
             cache.insert_many(prompts[:size - 1], ["answer"] * (size - 1), vectors[:size - 1], scope, "ctx", time.time())
             samples, statuses = [], []
             for i in range(queries):

@@ -22,7 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from semantic import MiniLMEmbedder, Scope, SemanticCache, SemanticSettings
+from semantic import Answer, MiniLMEmbedder, Scope, SemanticCache, SemanticSettings
 
 MODEL = "eval-model"
 CONTEXT = "eval-context"
@@ -64,7 +64,7 @@ def run(pairs: list[Pair], cache: SemanticCache) -> dict:
     now = time.time()
     own: dict[str, int] = {}
     for pair in pairs:
-        own[pair.id] = cache.insert(pair.cached_prompt, f"answer for {pair.id}", pair.cached_scope, CONTEXT, now)
+        own[pair.id] = cache.insert(pair.cached_prompt, Answer(f"answer for {pair.id}"), pair.cached_scope, CONTEXT, now)
     outcomes = []
     for pair in pairs:
         result = cache.lookup(pair.query_prompt, pair.query_scope, CONTEXT, now)

@@ -11,26 +11,35 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from litestar import Request, delete, get, post
+from litestar.connection import ASGIConnection
+from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, FromQuery
 
 from .errors import ApiError, bad_request
 
+ADMIN_PAGE_SIZE = 1000  # the most entries one list call returns
+
+
+def require_admin(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    """A route guard: Litestar runs guards before it parses parameters, so a caller without the key
+    learns nothing about the route's parameters (401, never 400)."""
+    connection.app.state.services.auth.require_admin(connection.headers.get("authorization"))
+
 
 def _semantic(request: Request):
     services = request.app.state.services
-    services.auth.require_admin(request.headers.get("authorization"))
     if services.responses.semantic is None:
         raise ApiError(404, "the semantic cache is disabled on this server", "semantic_disabled")
     return services.responses.semantic
 
 
-@get("/admin/semantic/entries")
+@get("/admin/semantic/entries", guards=[require_admin])
 async def list_entries(request: Request, tenant: FromQuery[str | None] = None, status: FromQuery[str | None] = None,
                        limit: FromQuery[int] = 100) -> dict:
     cache = _semantic(request)
     if status is not None and status not in ("unreviewed", "approved", "rejected"):
         raise bad_request("status must be unreviewed, approved or rejected", "invalid_value", "status")
-    entries = cache.list_entries(tenant, status, max(1, min(limit, 1000)))
+    entries = cache.list_entries(tenant, status, max(1, min(limit, ADMIN_PAGE_SIZE)))
     return {"object": "list", "data": [asdict(e) for e in entries]}
 
 
@@ -41,27 +50,26 @@ def _set_status(request: Request, entry_id: int, status: str) -> dict:
     return asdict(cache.get(entry_id))
 
 
-@post("/admin/semantic/entries/{entry_id:int}/approve", status_code=200)
+@post("/admin/semantic/entries/{entry_id:int}/approve", status_code=200, guards=[require_admin])
 async def approve_entry(request: Request, entry_id: FromPath[int]) -> dict:
     return _set_status(request, entry_id, "approved")
 
 
-@post("/admin/semantic/entries/{entry_id:int}/reject", status_code=200)
+@post("/admin/semantic/entries/{entry_id:int}/reject", status_code=200, guards=[require_admin])
 async def reject_entry(request: Request, entry_id: FromPath[int]) -> dict:
     return _set_status(request, entry_id, "rejected")
 
 
-@delete("/admin/semantic/entries/{entry_id:int}", status_code=200)
+@delete("/admin/semantic/entries/{entry_id:int}", status_code=200, guards=[require_admin])
 async def delete_entry(request: Request, entry_id: FromPath[int]) -> dict:
     if not _semantic(request).delete(entry_id):
         raise ApiError(404, f"no semantic entry {entry_id}", "entry_not_found")
     return {"id": entry_id, "deleted": True}
 
 
-@delete("/admin/exact", status_code=200)
+@delete("/admin/exact", status_code=200, guards=[require_admin])
 async def purge_exact(request: Request, tenant: FromQuery[str]) -> dict:
     services = request.app.state.services
-    services.auth.require_admin(request.headers.get("authorization"))
     if services.responses.exact is None:
         raise ApiError(404, "the exact cache is disabled on this server", "exact_disabled")
     return {"tenant": tenant, "purged": services.responses.exact.store.purge_tenant(tenant)}

@@ -2,16 +2,19 @@
 
     POST /v1/chat/completions   OpenAI chat completions (JSON or SSE)
     GET  /v1/models             the served model
-    GET  /healthz               liveness, BLAS in use, queue depth
+    GET  /healthz               liveness; details (model, BLAS, queue) only with the admin key
     GET  /admin/stats           per-layer counters (admin key)
     GET  /schema                OpenAPI (Litestar)
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import anyio
 from litestar import Litestar, Request, Response, get, post
@@ -20,16 +23,17 @@ from litestar.response import Stream
 
 from .auth import Authenticator, load_server_secret
 from .blas import blas_in_use
-from .chat import ChatService
+from .chat import ChatService, Completion
 from kvcache import default_budget_bytes
 from kvcache.quant import QuantConfig
 from kvcache.ssd import AdmissionPolicy, SsdConfig
-from semantic import Embedder
+from semantic import Answer, Embedder
 
 from .engine import CacheConfig, Engine, EngineConfig, resolve_model_path
-from .admin import ADMIN_CACHE_ROUTES
+from .admin import ADMIN_CACHE_ROUTES, require_admin
 from .errors import EXCEPTION_HANDLERS
-from .responses import ResponseCaches
+from .files import private_dir
+from .responses import RequestContext, ResponseCaches
 from .schemas import parse_chat_request, parse_json_body
 from .settings import Settings
 from .stats import LayerCounters
@@ -37,6 +41,7 @@ from .trace import Trace
 
 log = logging.getLogger("strata")
 VERSION = "0.1.0"
+OFF_LOOP_BYTES = 64 * 1024  # bodies above this are parsed and canonicalised in a worker thread
 
 
 @dataclass(slots=True)
@@ -56,28 +61,69 @@ def _services(request: Request) -> Services:
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request) -> Response:
     services = _services(request)
+    settings = services.settings
+    deadline = anyio.current_time() + settings.request_timeout_s
     caller = services.auth.caller(request.headers.get("authorization"))
-    chat_request = parse_chat_request(parse_json_body(await request.body()), services.settings.limits)
+    raw = await request.body()
+    chat_request = await _off_loop(len(raw), _parse, raw, settings.limits)
     services.chat.check_model(chat_request)
     trace = Trace()
     with trace.timed("prepare"):
         images = await services.chat.load_images(chat_request)
-    ctx = services.responses.context(chat_request, caller, request.headers, images)
+        ctx = await _off_loop(len(raw), services.responses.context, chat_request, caller, request.headers, images)
     cached = await services.responses.lookup(ctx, trace)
     if cached is not None:
         prompt_tokens = cached.prompt_tokens or (await services.chat.prepare(chat_request, images)).num_tokens
-        run = services.chat.replay(cached, prompt_tokens, trace)
+        run = services.chat.replay(cached, prompt_tokens, trace, deadline)
     else:
         with trace.timed("prepare"):
             prompt = await services.chat.prepare(chat_request, images)
-        run = await services.chat.start(prompt, chat_request, caller, trace)
-        run.on_complete = lambda c: services.responses.store(ctx, c.text, c.finish_reason, c.prompt_tokens,
-                                                             c.completion_tokens)
+        run = await services.chat.start(prompt, chat_request, caller, trace, deadline)
+        run.on_complete = partial(_store, services.responses, ctx)
     if chat_request.stream:
         headers = {**trace.headers(), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return Stream(services.chat.sse(run, trace, chat_request.include_usage), media_type="text/event-stream", headers=headers)
-    await services.chat.finish(run, trace)
+    if await _client_left_first(request, services.chat.finish(run, trace)):
+        return Response(b"", status_code=499)  # nobody reads it: the job was cancelled
     return Response(services.chat.response_body(run.completion, trace), headers=trace.headers())
+
+
+def _parse(raw: bytes, limits):
+    return parse_chat_request(parse_json_body(raw, limits.max_json_depth), limits)
+
+
+async def _off_loop(size: int, function, *args):
+    """Run CPU work on the event loop only while it is small; large inputs go to a worker thread."""
+    if size <= OFF_LOOP_BYTES:
+        return function(*args)
+    return await anyio.to_thread.run_sync(partial(function, *args))
+
+
+async def _store(responses: ResponseCaches, ctx: RequestContext, completion: Completion) -> None:
+    answer = Answer(completion.text, completion.finish_reason, completion.completion_tokens)
+    await responses.store(ctx, answer, completion.prompt_tokens)
+
+
+async def _client_left_first(request: Request, finishing) -> bool:
+    """Await `finishing` (a non-streaming answer) unless the client disconnects first; then cancel
+    it, which closes the job's events and stops the engine between two steps. True if it left."""
+    task = asyncio.ensure_future(finishing)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    left = not task.done()
+    for pending in (task, watcher):
+        pending.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pending
+    if not left:
+        task.result()  # re-raises the request's own error (ApiError, deadline)
+    return left
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone: after the body, the next ASGI message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @get("/v1/models")
@@ -90,7 +136,10 @@ async def list_models(request: Request) -> dict:
 
 @get("/healthz")
 async def healthz(request: Request) -> dict:
+    """Anyone may ask whether the server lives; the model fingerprint and queue state are for admins."""
     services = _services(request)
+    if not services.auth.is_admin(request.headers.get("authorization")):
+        return {"status": "ok"}
     worker = services.engine.worker
     return {
         "status": "ok",
@@ -103,14 +152,16 @@ async def healthz(request: Request) -> dict:
     }
 
 
-@get("/admin/stats")
+@get("/admin/stats", guards=[require_admin])
 async def admin_stats(request: Request) -> dict:
     services = _services(request)
-    services.auth.require_admin(request.headers.get("authorization"))
     stats = services.engine.worker.stats
     engine = {"num_requests": stats.num_requests, "num_cancelled": stats.num_cancelled,
               "num_failed": stats.num_failed, "num_rejected_full": stats.num_rejected_full}
-    return {**services.counters.snapshot(), "engine": engine, "engine_caches": services.engine.runner.caches.stats()}
+    store_errors = {"exact": services.responses.num_store_errors["exact"],
+                    "semantic": services.responses.num_store_errors["semantic"]}
+    return {**services.counters.snapshot(), "engine": engine, "engine_caches": services.engine.runner.caches.stats(),
+            "response_store_errors": store_errors}
 
 
 def create_app(settings: Settings, engine: Engine | None = None, embedder: Embedder | None = None) -> Litestar:
@@ -120,6 +171,7 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
     @asynccontextmanager
     async def lifespan(app: Litestar):
         owned = engine is None
+        private_dir(settings.data_dir)
         live = engine or await anyio.to_thread.run_sync(_load_engine, settings)
         if owned:
             live.start()

@@ -9,7 +9,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
@@ -20,6 +20,7 @@ from vision import DecodedImage
 from .auth import Caller
 from .engine import Delta, Engine, Failed, Finished, PreparedPrompt, QueueFull, Started
 from .engine.caching import PrefixReport, VisionReport
+from .engine.prompt import PromptError
 from .errors import ApiError, bad_request
 from .images import load_image
 from .schemas import ChatRequest, ImagePart
@@ -39,16 +40,23 @@ class Completion:
     text: str = ""
     completion_tokens: int = 0
     finish_reason: str = "stop"
+    whole: bool = False  # Finished arrived: the text is the complete answer
 
 
 @dataclass(slots=True)
 class Run:
     """A job past its prefill (or a cached answer): the rest of its events, and the completion they
-    fill in. `on_complete` runs once the answer is whole (not when the client left early)."""
+    fill in. `on_complete` is awaited once the answer is whole (not when the client left early);
+    `deadline` (anyio clock) bounds every wait for the next event."""
 
     events: AsyncIterator
     completion: Completion
-    on_complete: Callable[[Completion], None] | None = None
+    deadline: float
+    on_complete: Callable[[Completion], Awaitable[None]] | None = None
+
+
+def deadline_error(timeout_s: float) -> ApiError:
+    return ApiError(504, f"the request did not finish within the server's {timeout_s:g} s deadline", "timeout")
 
 
 class ChatService:
@@ -77,16 +85,21 @@ class ChatService:
         ]
 
     async def prepare(self, request: ChatRequest, images: list[DecodedImage]) -> PreparedPrompt:
-        prompt = await anyio.to_thread.run_sync(self.engine.prepare, request.messages, images)
+        """Tokenise (off the event loop), after a free bound: a token holds at most max_token_bytes
+        bytes, so text that cannot fit whatever its tokens is refused before the tokenizer runs."""
         limit = min(self.settings.limits.max_context_tokens, self.engine.info.max_context_tokens)
-        needed = prompt.num_tokens + request.sampling.max_tokens
-        if needed > limit:
-            raise bad_request(
-                f"this model's context is {limit} tokens; the prompt has {prompt.num_tokens} tokens and "
-                f"max_tokens asks for {request.sampling.max_tokens} more", "context_length_exceeded", "messages")
+        at_least = -(-request.num_text_bytes // self.engine.info.max_token_bytes)
+        if at_least + request.sampling.max_tokens > limit:
+            raise _context_error(limit, f"at least {at_least}", request.sampling.max_tokens)
+        try:
+            prompt = await anyio.to_thread.run_sync(self.engine.prepare, request.messages, images)
+        except PromptError as exc:
+            raise bad_request(str(exc), exc.code, "messages") from None
+        if prompt.num_tokens + request.sampling.max_tokens > limit:
+            raise _context_error(limit, str(prompt.num_tokens), request.sampling.max_tokens)
         return prompt
 
-    def replay(self, stored: StoredResponse, prompt_tokens: int, trace: Trace) -> Run:
+    def replay(self, stored: StoredResponse, prompt_tokens: int, trace: Trace, deadline: float) -> Run:
         """A Run whose events come from a stored answer (exact or semantic hit): same shapes, no model."""
         for layer in ("vision", "prefix"):
             trace.record(layer, LayerOutcome.of(BYPASS, reason=f"answered_by_{trace.served_by}"))
@@ -97,16 +110,21 @@ class ChatService:
                 yield Delta(piece)
             yield Finished(stored.finish_reason, stored.completion_tokens, 0.0, stored.text)
 
-        return Run(events(), completion)
+        return Run(events(), completion, deadline)
 
-    async def start(self, prompt: PreparedPrompt, request: ChatRequest, caller: Caller, trace: Trace) -> Run:
-        """Queue the job and wait until its prefill is done (or it failed)."""
+    async def start(self, prompt: PreparedPrompt, request: ChatRequest, caller: Caller, trace: Trace,
+                    deadline: float) -> Run:
+        """Queue the job and wait until its prefill is done (or it failed, or the deadline passed)."""
         try:
             job = self.engine.submit(prompt, request.sampling, caller.salt)
         except QueueFull:
             raise ApiError(429, "the engine queue is full; retry shortly", "queue_full", headers={"Retry-After": "1"}) from None
         events = self.engine.events(job)
-        first = await events.__anext__()
+        try:
+            first = await self._next(events, deadline)
+        except ApiError:
+            await events.aclose()  # cancels the job
+            raise
         if isinstance(first, Failed):
             raise ApiError(503, first.message, "engine_unavailable")
         assert isinstance(first, Started), f"engine sent {type(first).__name__} before Started"
@@ -116,27 +134,51 @@ class ChatService:
         trace.record("prefix", prefix_outcome(first.prefix))
         trace.record("vision", vision_outcome(first.vision))
         completion = Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), first.num_prompt_tokens, first.num_cached_tokens)
-        return Run(events, completion)
+        return Run(events, completion, deadline)
+
+    async def _next(self, events: AsyncIterator, deadline: float):
+        """The next event, or StopAsyncIteration; ApiError(504) once the deadline has passed."""
+        try:
+            with anyio.fail_after(max(deadline - anyio.current_time(), 0.0)):
+                return await events.__anext__()
+        except TimeoutError:
+            raise deadline_error(self.settings.request_timeout_s) from None
+
+    async def events(self, run: Run) -> AsyncIterator:
+        """The run's events, each applied to its completion; the store step after a whole answer."""
+        while True:
+            try:
+                event = await self._next(run.events, run.deadline)
+            except StopAsyncIteration:
+                break
+            self._apply(event, run.completion)
+            yield event
+        if run.completion.whole and run.on_complete is not None:
+            await run.on_complete(run.completion)
 
     async def finish(self, run: Run, trace: Trace) -> None:
         """Drain a started job into its completion (non-streaming)."""
-        async for event in run.events:
-            self._apply(event, run, trace)
+        try:
+            async for event in self.events(run):
+                self._account(event, trace)
+        finally:
+            await run.events.aclose()
 
-    def _apply(self, event, run: Run, trace: Trace) -> None:
-        completion = run.completion
+    def _apply(self, event, completion: Completion) -> None:
         if isinstance(event, Delta):
             completion.text += event.text
         elif isinstance(event, Finished):
             completion.completion_tokens = event.num_completion_tokens
             completion.finish_reason = event.finish_reason
+            completion.whole = True
+        elif isinstance(event, Failed):
+            raise ApiError(500, event.message, "engine_error")
+
+    def _account(self, event, trace: Trace) -> None:
+        if isinstance(event, Finished):
             if trace.served_by == "engine":
                 trace.time("decode", event.decode_ms)
             self.counters.add(trace)
-            if run.on_complete is not None:
-                run.on_complete(completion)
-        elif isinstance(event, Failed):
-            raise ApiError(500, event.message, "engine_error")
 
     # -- response shapes ---------------------------------------------------------------------
 
@@ -162,8 +204,8 @@ class ChatService:
         completion = run.completion
         yield self._chunk(completion, {"role": "assistant", "content": ""}, None)
         try:
-            async for event in run.events:
-                self._apply(event, run, trace)
+            async for event in self.events(run):
+                self._account(event, trace)
                 if isinstance(event, Delta):
                     yield self._chunk(completion, {"content": event.text}, None)
         except ApiError as exc:
@@ -191,6 +233,11 @@ class ChatService:
         if usage is not None:
             body["usage"] = usage
         return _sse(body)
+
+
+def _context_error(limit: int, prompt_tokens: str, max_tokens: int) -> ApiError:
+    return bad_request(f"this model's context is {limit} tokens; the prompt has {prompt_tokens} tokens and "
+                       f"max_tokens asks for {max_tokens} more", "context_length_exceeded", "messages")
 
 
 def prefix_outcome(report: PrefixReport) -> LayerOutcome:

@@ -39,18 +39,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from .app import create_app
+    from .server import serve
     from .settings import settings_from_env
 
+    os.umask(0o077)  # everything the server writes holds tenants' data: owner-only (gateway/files.py)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = settings_from_env(args.model, args.data_dir, args.host, args.port)
     except ValueError as exc:
         print(f"strata: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    serve(create_app(settings), settings, args.log_level)
     return 0
 
 

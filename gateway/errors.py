@@ -14,15 +14,19 @@ from litestar.exceptions import HTTPException
 
 log = logging.getLogger("strata")
 
+# As OpenAI answers: clients switch on `type`, so unknown models (404) and bad keys (401) are
+# invalid_request_error too (with codes model_not_found and invalid_api_key).
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
-    401: "authentication_error",
+    401: "invalid_request_error",
     403: "permission_error",
-    404: "not_found_error",
+    404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
+    504: "timeout_error",
 }
 
 

@@ -1,15 +1,26 @@
 """Resolve an image_url part into a decoded image: data: URLs always; http(s) and file URLs only
-when settings enable them. Errors are ApiError(400) with the vision library's reason code."""
+when settings enable them. Errors are ApiError(400) with the vision library's reason code.
+
+Remote fetches go through `fetch.py` (public addresses only, one deadline, a byte cap) and fail with
+one generic message whatever the cause; the cause is logged.
+"""
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 from pathlib import Path
 from urllib.parse import unquote, urlparse
+
+import httpx
 
 from vision import DecodedImage, ImageError, ImageLimits, decode_data_url, decode_image_bytes
 
 from .errors import bad_request
+from .fetch import FetchFailed, FetchPolicy, fetch_image
 from .settings import Settings
+
+log = logging.getLogger("strata")
 
 
 def load_image(url: str, settings: Settings, param: str) -> DecodedImage:
@@ -31,28 +42,34 @@ def _fetch_http(url: str, settings: Settings, param: str) -> bytes:
     if not settings.allow_remote_images:
         raise bad_request(f"{param}: http(s) image URLs are disabled on this server; send a data: URL",
                           "image_url_not_allowed", param)
-    import httpx
-
+    policy = FetchPolicy(tuple(ipaddress.ip_network(c, strict=False) for c in settings.remote_image_allow),
+                         settings.remote_image_timeout_s, settings.limits.max_image_bytes,
+                         settings.remote_image_max_redirects)
     try:
-        with httpx.stream("GET", url, timeout=10.0, follow_redirects=False) as response:
-            response.raise_for_status()
-            body = bytearray()
-            for chunk in response.iter_bytes():
-                body += chunk
-                if len(body) > settings.limits.max_image_bytes:
-                    raise ImageError("image_too_large", f"image exceeds {settings.limits.max_image_bytes} bytes")
-            return bytes(body)
-    except httpx.HTTPError as exc:
-        raise bad_request(f"{param}: could not fetch image: {exc}", "image_fetch_failed", param) from None
+        return fetch_image(url, policy)
+    except (FetchFailed, httpx.HTTPError, httpx.InvalidURL, OSError, ValueError) as exc:
+        log.info("image fetch refused or failed (%s): %s", type(exc).__name__, exc)
+        raise bad_request(f"{param}: could not fetch the image (it failed, was refused, took longer than "
+                          f"{settings.remote_image_timeout_s:g} s or exceeded {settings.limits.max_image_bytes} bytes)",
+                          "image_fetch_failed", param) from None
 
 
 def _read_file(url: str, settings: Settings, param: str) -> bytes:
     root = settings.allow_file_images_under
     if root is None:
         raise bad_request(f"{param}: file image URLs are disabled on this server", "image_url_not_allowed", param)
-    path = Path(unquote(urlparse(url).path)).resolve()
-    if not path.is_relative_to(Path(root).resolve()) or not path.is_file():
-        raise bad_request(f"{param}: file is outside the allowed folder or missing", "image_url_not_allowed", param)
-    if path.stat().st_size > settings.limits.max_image_bytes:
-        raise ImageError("image_too_large", f"image exceeds {settings.limits.max_image_bytes} bytes")
-    return path.read_bytes()
+    refused = bad_request(f"{param}: file is outside the allowed folder or missing", "image_url_not_allowed", param)
+    raw_path = unquote(urlparse(url).path)
+    if "\x00" in raw_path:
+        raise refused
+    try:
+        path = Path(raw_path).resolve()  # symlinks resolved: a link inside the folder to outside is outside
+        if not path.is_relative_to(Path(root).resolve()) or not path.is_file():
+            raise refused
+        if path.stat().st_size > settings.limits.max_image_bytes:
+            raise ImageError("image_too_large", f"image exceeds {settings.limits.max_image_bytes} bytes")
+        return path.read_bytes()
+    except (OSError, ValueError, RuntimeError) as exc:  # unreadable, a loop of links, a name too long
+        if isinstance(exc, ImageError):
+            raise
+        raise refused from None

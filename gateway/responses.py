@@ -2,29 +2,46 @@
 
     ResponseCaches.context(request, caller, headers, images) -> RequestContext   (scope, keys, policy)
     ResponseCaches.lookup(ctx, trace) -> StoredResponse | None                   (records both layers)
-    ResponseCaches.store(ctx, completion)                                        (after an engine answer)
+    ResponseCaches.store(ctx, answer)                                            (after an engine answer)
+
+What may be shared, and with whom:
+- Everything that shapes an answer is in both keys: the messages (images by pixel hash), max_tokens,
+  stop, and the sampling (temperature, top_p, seed; at temperature 0 only the greedy choice counts,
+  so seed and top_p are dropped there: they change nothing).
+- The exact layer serves identical deterministic requests (greedy, or seeded). The semantic layer
+  serves only greedy answers: a sampled draw, even a seeded one, must not stand in for another
+  question's answer.
+- Personal questions (the risk rules' personal_data) are keyed to the named end user (OpenAI `user`,
+  else the session) in both layers; with no end user named, the semantic layer is bypassed.
+- A failing store (full disk, locked database) is logged and counted; the client gets its answer.
 """
 
 from __future__ import annotations
 
-import asyncio
+import logging
 import re
 import time
-from functools import partial
+from collections import Counter
 from dataclasses import dataclass
 
 import anyio
 
-from semantic import (CacheControl, Embedder, ExactCache, MemoryStore, MiniLMEmbedder, Scope, SemanticCache, SemanticLookup,
-                      SemanticSettings, SqliteStore, StoredResponse, context_fingerprint, exact_key)
+from semantic import (Answer, CacheControl, Embedder, ExactCache, MemoryStore, MiniLMEmbedder, RiskPolicy, Scope,
+                      SemanticCache, SemanticLookup, SemanticSettings, SqliteStore, StoredResponse, context_fingerprint,
+                      exact_key, load_risk_patterns)
+from semantic.risk import DEFAULT_PATTERNS_FILE, PERSONAL_DATA
 from semantic.scope import VERSION_FIELDS
 from vision import DecodedImage
 
 from .auth import Caller
 from .errors import bad_request
-from .schemas import ChatRequest, TextPart
+from .files import private_file
+from .schemas import ChatRequest, Sampling, TextPart
 from .settings import Settings
 from .trace import BYPASS, HIT, MISS, LayerOutcome, Trace
+
+log = logging.getLogger("strata")
+SESSION_HEADER = "x-strata-session"
 
 
 @dataclass(slots=True)
@@ -32,10 +49,11 @@ class RequestContext:
     tenant: str
     scope: Scope
     control: CacheControl
-    deterministic: bool
+    deterministic: bool  # the engine would give the same answer again (exact layer)
+    greedy: bool  # the default decoding: the only answers the semantic layer shares
     exact_key: str
     query: str | None  # the last user message's text: what the semantic layer embeds
-    context: str  # fingerprint of everything else (system, earlier turns, images)
+    context: str  # fingerprint of everything else (system, earlier turns, images, decoding, owner)
     semantic_bypass: str | None
     semantic_vector: object = None  # the query's embedding, kept from lookup for the insert
 
@@ -44,8 +62,10 @@ class ResponseCaches:
     def __init__(self, settings: Settings, model_fingerprint: str, embedder: Embedder | None = None):
         self.settings = settings
         self.model_fingerprint = model_fingerprint
+        self.risk = RiskPolicy(load_risk_patterns(settings.risk_patterns_file or DEFAULT_PATTERNS_FILE))
         self.exact = _exact_cache(settings)
         self.semantic = _semantic_cache(settings, embedder)
+        self.num_store_errors: Counter[str] = Counter()  # by layer
 
     def close(self) -> None:
         if self.exact:
@@ -56,28 +76,34 @@ class ResponseCaches:
     # -- per request -------------------------------------------------------------------------
 
     def context(self, request: ChatRequest, caller: Caller, headers, images: list[DecodedImage]) -> RequestContext:
+        """CPU work (canonical JSON, SHA-256, RE2 risk rules): large requests call this off the event loop."""
         scope = Scope(caller.tenant, self.model_fingerprint, **_versions(request.metadata, headers))
         hashes = iter(image.pixel_hash for image in images)
         messages = [{"role": m.role, "content": [{"text": p.text} if isinstance(p, TextPart) else {"image": next(hashes)}
                                                  for p in m.parts]} for m in request.messages]
-        sampling = request.sampling
-        key = exact_key(scope, messages, {"max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
-                                          "top_p": sampling.top_p, "seed": sampling.seed, "stop": list(sampling.stop)})
         last = request.messages[-1]
         query = " ".join(p.text for p in last.parts if isinstance(p, TextPart)) if last.role == "user" else None
+        end_user = request.user or request.metadata.get("session_id") or headers.get(SESSION_HEADER)
+        category = self.risk.category(query) if query else None
+        bypass = self._semantic_bypass(request, query, category, end_user is not None)
+        decoding = _decoding(request.sampling)
+        if category == PERSONAL_DATA and end_user is not None:
+            decoding["end_user"] = end_user  # an answer about one user's own data is that user's alone
+        key = exact_key(scope, messages, decoding)
         image_keys = [c["image"] for m in messages for c in m["content"] if "image" in c]
-        # max_tokens shapes the answer (a truncated answer must not serve a request allowing more)
-        context = context_fingerprint(messages[:-1] + [{"max_tokens": sampling.max_tokens}], image_keys)
-        bypass = self._semantic_bypass(request, query)
-        deterministic = sampling.temperature == 0.0 or sampling.seed is not None
-        return RequestContext(caller.tenant, scope, parse_cache_control(headers), deterministic, key, query, context, bypass)
+        context = context_fingerprint(messages[:-1] + [decoding], image_keys)
+        sampling = request.sampling
+        return RequestContext(caller.tenant, scope, parse_cache_control(headers, self.settings.max_cache_ttl_s),
+                              sampling.temperature == 0.0 or sampling.seed is not None, sampling.temperature == 0.0,
+                              key, query, context, bypass)
 
-    def _semantic_bypass(self, request: ChatRequest, query: str | None) -> str | None:
+    def _semantic_bypass(self, request: ChatRequest, query: str | None, category: str | None,
+                         has_end_user: bool) -> str | None:
         if self.semantic is None:
             return "disabled"
         if query is None or not query.strip():
             return "no_user_query"
-        return self.semantic.bypass_reason(query, has_tools=request.uses_tools)
+        return self.semantic.screen(query, request.uses_tools, category, has_end_user).bypass_reason
 
     async def lookup(self, ctx: RequestContext, trace: Trace) -> StoredResponse | None:
         found = self._lookup_exact(ctx, trace)
@@ -114,30 +140,50 @@ class ResponseCaches:
         if result.status != HIT:
             return None
         entry = result.entry
-        return StoredResponse(entry.answer, "stop", 0, 0, entry.created_at, entry.expires_at)
+        return StoredResponse(entry.answer, entry.finish_reason, 0, entry.completion_tokens, entry.created_at,
+                              entry.expires_at)
 
     def _ineligible(self, ctx: RequestContext) -> str | None:
         if ctx.control.no_cache:
-            return "no-cache"
-        if not (ctx.deterministic or self.settings.cache_nondeterministic):
-            return "nondeterministic"
+            return "no_cache"
+        if not ctx.greedy:
+            return "sampled"
         return None
 
-    def store(self, ctx: RequestContext, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> None:
-        """Keep an engine answer in both layers, each subject to its own eligibility."""
+    async def store(self, ctx: RequestContext, answer: Answer, prompt_tokens: int) -> None:
+        """Keep an engine answer in both layers, each subject to its own eligibility. Never raises."""
         now = time.time()
         if self.exact is not None:
-            response = StoredResponse(text, finish_reason, prompt_tokens, completion_tokens, now,
-                                      self.exact.expiry(ctx.control, now))
-            self.exact.store_response(ctx.exact_key, ctx.tenant, response, ctx.control, ctx.deterministic)
-        if self.semantic is not None and ctx.semantic_bypass is None and not ctx.control.no_store \
-                and (ctx.deterministic or self.settings.cache_nondeterministic):
-            insert = partial(self.semantic.insert, ctx.query, text, ctx.scope, ctx.context, now, ctx.control.ttl_s,
-                             ctx.semantic_vector)
-            if ctx.semantic_vector is not None:
-                insert()  # the lookup embedded the query already: a row and a vector add, ~0.1 ms
+            self._guarded("exact", self._store_exact, ctx, answer, prompt_tokens, now)
+        if self.semantic is not None and ctx.semantic_bypass is None and not ctx.control.no_store and ctx.greedy:
+            if ctx.semantic_vector is not None:  # the lookup embedded the query already: ~0.1 ms
+                self._guarded("semantic", self._store_semantic, ctx, answer, now)
             else:  # no-cache skipped the lookup: embedding (~12 ms) must not block the event loop
-                asyncio.get_running_loop().run_in_executor(None, insert)
+                await anyio.to_thread.run_sync(self._guarded, "semantic", self._store_semantic, ctx, answer, now)
+
+    def _store_exact(self, ctx: RequestContext, answer: Answer, prompt_tokens: int, now: float) -> None:
+        response = StoredResponse(answer.text, answer.finish_reason, prompt_tokens, answer.completion_tokens, now,
+                                  self.exact.expiry(ctx.control, now))
+        self.exact.store_response(ctx.exact_key, ctx.tenant, response, ctx.control, ctx.deterministic)
+
+    def _store_semantic(self, ctx: RequestContext, answer: Answer, now: float) -> None:
+        self.semantic.insert(ctx.query, answer, ctx.scope, ctx.context, now, ctx.control.ttl_s, ctx.semantic_vector)
+
+    def _guarded(self, layer: str, write, *args) -> None:
+        try:
+            write(*args)
+        except Exception as exc:  # noqa: BLE001 - a full disk or locked database must not cost the answer
+            self.num_store_errors[layer] += 1
+            log.warning("%s cache write failed: %s: %s", layer, type(exc).__name__, exc)
+
+
+def _decoding(sampling: Sampling) -> dict:
+    """What shapes an answer besides the messages. At temperature 0 the greedy choice ignores top_p
+    and seed, so they are left out: greedy requests share entries whatever they send there."""
+    decoding = {"max_tokens": sampling.max_tokens, "stop": list(sampling.stop), "temperature": sampling.temperature}
+    if sampling.temperature != 0.0:
+        decoding.update(top_p=sampling.top_p, seed=sampling.seed)
+    return decoding
 
 
 def _semantic_outcome(result: SemanticLookup) -> LayerOutcome:
@@ -157,15 +203,19 @@ def _versions(metadata: dict[str, str], headers) -> dict[str, str]:
     return versions
 
 
-_MAX_AGE = re.compile(r"max-age\s*=\s*(\d+)")
+_MAX_AGE = re.compile(r"max-age\s*=\s*([0-9]{1,10})")
+_SECONDS = re.compile(r"[0-9]{1,10}")  # ASCII digits only: str.isdigit() also accepts '²', which int() refuses
 
 
-def parse_cache_control(headers) -> CacheControl:
+def parse_cache_control(headers, max_ttl_s: float) -> CacheControl:
     value = (headers.get("cache-control") or "").lower()
     max_age = _MAX_AGE.search(value)
     ttl = headers.get("x-strata-cache-ttl")
-    if ttl is not None and (not ttl.strip().isdigit() or int(ttl) < 1):
-        raise bad_request("X-Strata-Cache-TTL must be a whole number of seconds, at least 1", "invalid_header")
+    if ttl is not None:
+        ttl = ttl.strip()
+        if not _SECONDS.fullmatch(ttl) or not 1 <= int(ttl) <= max_ttl_s:
+            raise bad_request(f"X-Strata-Cache-TTL must be a whole number of seconds from 1 to {max_ttl_s:.0f}",
+                              "invalid_header")
     return CacheControl(no_store="no-store" in value, no_cache="no-cache" in value,
                         max_age_s=float(max_age.group(1)) if max_age else None,
                         ttl_s=float(ttl) if ttl is not None else None)
@@ -174,7 +224,10 @@ def parse_cache_control(headers) -> CacheControl:
 def _exact_cache(settings: Settings) -> ExactCache | None:
     if settings.exact_store == "off":
         return None
-    store = MemoryStore() if settings.exact_store == "memory" else SqliteStore(settings.data_dir / "responses.db")
+    if settings.exact_store == "memory":
+        store = MemoryStore()
+    else:
+        store = SqliteStore(private_file(settings.data_dir / "responses.db"))
     return ExactCache(store, settings.exact_ttl_s, settings.cache_nondeterministic)
 
 
@@ -183,4 +236,6 @@ def _semantic_cache(settings: Settings, embedder: Embedder | None) -> SemanticCa
         return None
     config = SemanticSettings(threshold=settings.semantic_threshold, require_approved=settings.semantic_require_approved,
                               default_ttl_s=settings.semantic_ttl_s)
-    return SemanticCache(embedder or MiniLMEmbedder(), settings.data_dir / "semantic.db", config)
+    cache = SemanticCache(embedder or MiniLMEmbedder(), private_file(settings.data_dir / "semantic.db"), config)
+    cache.warm_up()
+    return cache

@@ -1,7 +1,9 @@
 """Parse and validate an OpenAI chat-completions body into typed, immutable values.
 
 Every rejection is an ApiError(400) naming the offending parameter; nothing here touches images'
-bytes (decoding is CPU work done later, off the event loop).
+bytes (decoding is CPU work done later, off the event loop). Cheap checks come first: nesting depth,
+string encodability, counts of messages and parts, and the text's byte size, so an oversized prompt
+is refused before anything tokenises it. Large bodies are parsed off the event loop (app.py).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class ChatRequest:
     include_usage: bool
     metadata: dict[str, str]
     uses_tools: bool = False  # tool results or tool calls in the conversation
+    user: str | None = None  # the OpenAI `user` field: the end user, when the app names one
+    num_text_bytes: int = 0  # UTF-8 bytes of all text parts: bounds the token count from below
 
 
     @property
@@ -58,14 +62,46 @@ class ChatRequest:
         return sum(isinstance(p, ImagePart) for m in self.messages for p in m.parts)
 
 
-def parse_json_body(raw: bytes) -> dict[str, Any]:
+def parse_json_body(raw: bytes, max_depth: int) -> dict[str, Any]:
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}", "invalid_json") from None
+    except RecursionError:
+        raise bad_request(f"request body nests deeper than {max_depth} levels", "invalid_json") from None
+    except ValueError as exc:  # JSONDecodeError, bad UTF-8, an integer over Python's 4,300-digit limit
+        raise bad_request(f"request body is not valid JSON: {_short(exc)}", "invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", "invalid_json")
+    _check_values(body, max_depth)
     return body
+
+
+def _check_values(body: dict[str, Any], max_depth: int) -> None:
+    """Depth bound and no lone surrogates (JSON's \\ud800 escapes decode to strings UTF-8 cannot
+    encode; they would fail later in the tokenizer or a store). Iterative: no recursion to exhaust."""
+    pending: list[tuple[Any, int]] = [(body, 1)]
+    while pending:
+        value, depth = pending.pop()
+        if depth > max_depth:
+            raise bad_request(f"request body nests deeper than {max_depth} levels", "invalid_json")
+        if isinstance(value, dict):
+            pending.extend((key, depth) for key in value)
+            pending.extend((item, depth + 1) for item in value.values())
+        elif isinstance(value, list):
+            pending.extend((item, depth + 1) for item in value)
+        elif isinstance(value, str):
+            _utf8_size(value)
+
+
+def _utf8_size(text: str) -> int:
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise bad_request("request body contains a lone UTF-16 surrogate (\\ud800-\\udfff)", "invalid_unicode") from None
+
+
+def _short(exc: Exception) -> str:
+    text = str(exc)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def parse_chat_request(body: dict[str, Any], limits: Limits) -> ChatRequest:
@@ -76,10 +112,14 @@ def parse_chat_request(body: dict[str, Any], limits: Limits) -> ChatRequest:
         raise bad_request("only n=1 is supported", "unsupported_parameter", "n")
     if body.get("tools") or body.get("functions"):
         raise bad_request("tools are not supported by this model", "unsupported_parameter", "tools")
-    messages = _parse_messages(body.get("messages"))
+    messages = _parse_messages(body.get("messages"), limits)
     num_images = sum(isinstance(p, ImagePart) for m in messages for p in m.parts)
     if num_images > limits.max_images:
         raise bad_request(f"at most {limits.max_images} images per request", "too_many_images", "messages")
+    num_text_bytes = sum(_utf8_size(p.text) for m in messages for p in m.parts if isinstance(p, TextPart))
+    if num_text_bytes > limits.max_text_bytes:
+        raise bad_request(f"the messages hold {num_text_bytes} bytes of text; the limit is {limits.max_text_bytes}",
+                          "context_length_exceeded", "messages")
     stream = _typed(body, "stream", bool, False)
     options = _typed(body, "stream_options", dict, None) or {}
     return ChatRequest(
@@ -90,16 +130,28 @@ def parse_chat_request(body: dict[str, Any], limits: Limits) -> ChatRequest:
         include_usage=bool(options.get("include_usage", False)),
         metadata=_parse_metadata(body.get("metadata")),
         uses_tools=any(isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls")) for m in body["messages"]),
+        user=_parse_user(body.get("user"), limits),
+        num_text_bytes=num_text_bytes,
     )
 
 
-def _parse_messages(raw: Any) -> tuple[Message, ...]:
+def _parse_user(raw: Any, limits: Limits) -> str | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or not 0 < len(raw) <= limits.max_user_chars:
+        raise bad_request(f"'user' must be a string of 1 to {limits.max_user_chars} characters", "invalid_type", "user")
+    return raw
+
+
+def _parse_messages(raw: Any, limits: Limits) -> tuple[Message, ...]:
     if not isinstance(raw, list) or not raw:
         raise bad_request("'messages' must be a non-empty array", "invalid_messages", "messages")
-    return tuple(_parse_message(i, item) for i, item in enumerate(raw))
+    if len(raw) > limits.max_messages:
+        raise bad_request(f"at most {limits.max_messages} messages per request", "too_many_messages", "messages")
+    return tuple(_parse_message(i, item, limits) for i, item in enumerate(raw))
 
 
-def _parse_message(index: int, item: Any) -> Message:
+def _parse_message(index: int, item: Any, limits: Limits) -> Message:
     param = f"messages[{index}]"
     if not isinstance(item, dict):
         raise bad_request(f"{param} must be an object", "invalid_type", param)
@@ -113,6 +165,8 @@ def _parse_message(index: int, item: Any) -> Message:
         return Message(role, (TextPart(content),))
     if not isinstance(content, list):
         raise bad_request(f"{param}.content must be a string or an array of parts", "invalid_type", param)
+    if len(content) > limits.max_parts_per_message:
+        raise bad_request(f"{param}: at most {limits.max_parts_per_message} content parts", "too_many_parts", param)
     parts = tuple(_parse_part(f"{param}.content[{j}]", part) for j, part in enumerate(content))
     if role != "user" and any(isinstance(p, ImagePart) for p in parts):
         raise bad_request(f"{param}: images are only accepted in user messages", "invalid_content", param)
@@ -148,8 +202,8 @@ def _parse_sampling(body: dict[str, Any], limits: Limits) -> Sampling:
     if top_p == 0.0:
         raise bad_request("'top_p' must be greater than 0", "invalid_value", "top_p")
     seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise bad_request("'seed' must be an integer", "invalid_type", "seed")
+    if seed is not None and not (_is_int(seed) and -(2**63) <= seed < 2**64):
+        raise bad_request("'seed' must be a 64-bit integer", "invalid_type", "seed")
     return Sampling(max_tokens, temperature, top_p, seed, _parse_stop(body.get("stop"), limits))
 
 
@@ -170,7 +224,7 @@ def _parse_metadata(raw: Any) -> dict[str, str]:
     if not isinstance(raw, dict) or len(raw) > 16:
         raise bad_request("'metadata' must be an object of at most 16 string values", "invalid_type", "metadata")
     for key, value in raw.items():
-        if not isinstance(value, str) or len(key) > 64 or len(value) > 512:
+        if not isinstance(value, str) or len(key) > 64 or len(value) > 512 or not key:
             raise bad_request(f"metadata[{key!r}] must be a string of at most 512 characters", "invalid_type", "metadata")
     return dict(raw)
 

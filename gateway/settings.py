@@ -5,6 +5,7 @@ Nothing here is read at import time; tests build Settings directly.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,11 @@ class Limits:
     """Bounds on what one request may ask for. Violations are 4xx errors, never crashes."""
 
     max_body_bytes: int = 20 * 1024 * 1024
+    max_json_depth: int = 32  # a chat body nests ~6 deep; 10^4 once overflowed the parser's stack
+    max_messages: int = 1024
+    max_parts_per_message: int = 64
+    max_text_bytes: int = 4 * 1024 * 1024  # all text parts, UTF-8: checked before any tokenising
+    max_user_chars: int = 256  # the OpenAI `user` field and session ids
     max_image_bytes: int = 10 * 1024 * 1024
     max_image_pixels: int = 4096 * 4096  # checked from the header, before decoding (bombs)
     max_images: int = 8
@@ -34,6 +40,10 @@ class Settings:
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant
     admin_key: str | None = None
     max_queue: int = 16  # waiting requests; more answer 429
+    request_timeout_s: float = 300.0  # server-side deadline of one request, queue wait included; then 504
+    http_read_timeout_s: float = 30.0  # a request's headers and body must arrive within this; then closed
+    keep_alive_s: int = 5  # idle keep-alive connections are closed after this
+    max_connections: int = 256  # open connections; more are answered 503 by uvicorn
     prefill_chunk_tokens: int = 512  # a multiple of kv_block_size
     kv_block_size: int = 32  # tokens per prefix-cache block (README: how it was chosen)
     kv_budget_bytes: int | None = None  # RAM for prefix KV blocks; None = 25% of available RAM; 0 = off
@@ -47,18 +57,25 @@ class Settings:
     kv_quant_min_tokens: int = 1024  # ... only blocks at least this deep in a prefix
     exact_store: str = "sqlite"  # sqlite (persistent, DATA_DIR/responses.db) | memory | off
     exact_ttl_s: float = 24 * 3600.0  # default entry lifetime; X-Strata-Cache-TTL overrides per request
+    max_cache_ttl_s: float = 30 * 24 * 3600.0  # the largest X-Strata-Cache-TTL a client may ask for
     semantic_enabled: bool = True
     semantic_threshold: float = 0.80  # cosine; tuned on evals/data/dev.jsonl
     semantic_require_approved: bool = False  # serve only entries an admin approved
     semantic_ttl_s: float = 7 * 24 * 3600.0
     cache_nondeterministic: bool = False  # also cache sampled (temperature > 0, no seed) answers
+    risk_patterns_file: Path | None = None  # None: semantic/risk_patterns.json
     allow_remote_images: bool = False  # http(s) image_url parts
+    remote_image_allow: tuple[str, ...] = ()  # CIDRs that may be fetched although not public (e.g. 10.1.0.0/16)
+    remote_image_timeout_s: float = 10.0  # total deadline of one fetch: DNS, connect, redirects, body
+    remote_image_max_redirects: int = 3
     allow_file_images_under: Path | None = None  # file:// image_url parts below this folder
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self):
         if self.exact_store not in ("sqlite", "memory", "off"):
             raise ValueError(f"exact store must be sqlite, memory or off; got {self.exact_store!r}")
+        for cidr in self.remote_image_allow:
+            ipaddress.ip_network(cidr, strict=False)  # ValueError names the bad entry
 
     @property
     def multi_tenant(self) -> bool:
@@ -89,6 +106,10 @@ def settings_from_env(model: str, data_dir: Path, host: str, port: int) -> Setti
         api_keys=parse_api_keys(env.get("STRATA_API_KEYS", "")),
         admin_key=env.get("STRATA_ADMIN_KEY") or None,
         max_queue=int(env.get("STRATA_MAX_QUEUE", "16")),
+        request_timeout_s=float(env.get("STRATA_REQUEST_TIMEOUT_S", "300")),
+        http_read_timeout_s=float(env.get("STRATA_HTTP_READ_TIMEOUT_S", "30")),
+        keep_alive_s=int(env.get("STRATA_KEEP_ALIVE_S", "5")),
+        max_connections=int(env.get("STRATA_MAX_CONNECTIONS", "256")),
         kv_block_size=int(env.get("STRATA_KV_BLOCK_SIZE", "32")),
         kv_budget_bytes=int(env["STRATA_KV_BUDGET_BYTES"]) if env.get("STRATA_KV_BUDGET_BYTES") else None,
         vision_budget_bytes=int(env.get("STRATA_VISION_BUDGET_BYTES", str(256 << 20))),
@@ -99,10 +120,14 @@ def settings_from_env(model: str, data_dir: Path, host: str, port: int) -> Setti
         kv_quant_bits=int(env["STRATA_KV_QUANT_BITS"]) if env.get("STRATA_KV_QUANT_BITS") else None,
         exact_store=env.get("STRATA_EXACT_STORE", "sqlite"),
         exact_ttl_s=float(env.get("STRATA_EXACT_TTL_S", str(24 * 3600))),
+        max_cache_ttl_s=float(env.get("STRATA_MAX_CACHE_TTL_S", str(30 * 24 * 3600))),
         semantic_enabled=env.get("STRATA_SEMANTIC", "1") != "0",
         semantic_threshold=float(env.get("STRATA_SEMANTIC_THRESHOLD", "0.80")),
         semantic_require_approved=env.get("STRATA_SEMANTIC_REQUIRE_APPROVED", "") == "1",
         cache_nondeterministic=env.get("STRATA_CACHE_NONDETERMINISTIC", "") == "1",
+        risk_patterns_file=Path(env["STRATA_RISK_PATTERNS_FILE"]) if env.get("STRATA_RISK_PATTERNS_FILE") else None,
         allow_remote_images=env.get("STRATA_ALLOW_REMOTE_IMAGES", "") == "1",
+        remote_image_allow=tuple(filter(None, (c.strip() for c in env.get("STRATA_REMOTE_IMAGE_ALLOW", "").split(",")))),
+        remote_image_timeout_s=float(env.get("STRATA_REMOTE_IMAGE_TIMEOUT_S", "10")),
         allow_file_images_under=Path(file_root) if file_root else None,
     )

@@ -42,6 +42,7 @@ import xxhash
 from safetensors.numpy import save as save_tensors
 
 log = logging.getLogger("strata.kvcache.ssd")
+PRIVATE_DIR_MODE, PRIVATE_FILE_MODE = 0o700, 0o600  # blocks hold tenants' prompts: owner-only
 FORMAT_VERSION = "2"
 SEGMENT_BLOCKS = 16
 
@@ -112,7 +113,7 @@ class SsdTier:
         self.namespace = namespace
         self.folder = Path(config.root) / hashlib.sha256(namespace.encode()).hexdigest()[:16]
         self.quarantine = Path(config.root) / "quarantine"
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
         self.stats = SsdStats()
         self.lock = threading.Lock()
         self.blocks: dict[str, BlockEntry] = {}
@@ -120,7 +121,9 @@ class SsdTier:
         self.touched: set[str] = set()  # segments read since the index last heard of it
         self.num_bytes = 0
         self.written_today = (time.strftime("%Y-%m-%d"), 0)
-        self.db = sqlite3.connect(str(self.folder / "index.sqlite"), check_same_thread=False, isolation_level=None)
+        index_path = self.folder / "index.sqlite"
+        os.close(os.open(index_path, os.O_CREAT | os.O_WRONLY, PRIVATE_FILE_MODE))  # SQLite's -wal/-shm copy its mode
+        self.db = sqlite3.connect(str(index_path), check_same_thread=False, isolation_level=None)
         self.db.execute("CREATE TABLE IF NOT EXISTS segments (name TEXT PRIMARY KEY, nbytes INTEGER, last_used REAL)")
         self.db.execute("CREATE TABLE IF NOT EXISTS blocks (hash TEXT PRIMARY KEY, segment TEXT, kv_nbytes INTEGER)")
         self.pending: queue.Queue[SpillRequest | None] = queue.Queue(maxsize=config.queue_blocks)
@@ -255,10 +258,10 @@ class SsdTier:
         metadata = {"format_version": FORMAT_VERSION, "namespace": self.namespace, "blocks": json.dumps(described)}
         payload = save_tensors(tensors, metadata=metadata)
         path = self._segment_path(name)
-        path.parent.mkdir(exist_ok=True)
+        path.parent.mkdir(mode=PRIVATE_DIR_MODE, exist_ok=True)
         temp = path.with_name(f".tmp-{uuid.uuid4().hex}")
         try:
-            with open(temp, "wb") as out:
+            with os.fdopen(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE), "wb") as out:
                 out.write(payload)
                 out.flush()
                 os.fsync(out.fileno())
@@ -349,7 +352,7 @@ class SsdTier:
         with self.lock:
             self.stats.num_quarantined += 1
         log.warning("quarantined %s: %s", path.name, why)
-        self.quarantine.mkdir(parents=True, exist_ok=True)
+        self.quarantine.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
         if path.exists():
             shutil.move(str(path), str(self.quarantine / f"{path.name}.{uuid.uuid4().hex[:8]}"))
 

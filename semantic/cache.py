@@ -8,7 +8,6 @@ can never disagree with them. Rejected entries are never served; a setting can r
 from __future__ import annotations
 
 import json
-import re
 import sqlite3
 import threading
 from collections import OrderedDict
@@ -20,21 +19,13 @@ import numpy as np
 from .embedder import Embedder
 from .guards import Verdict, check
 from .index import PartitionedIndex
+from .risk import PERSONAL_DATA
 from .scope import Scope
+from .store import Answer
 
 STATUSES = ("unreviewed", "approved", "rejected")
-
-DEFAULT_RISK_PATTERNS = {
-    # answers about one end user's own data must never be served to another end user of the tenant
-    "personal_data": [r"\bmy (current |account |remaining )?(balance|credit score|test results?)\b",
-                      r"\b(status|tracking)\b[^?.!]*\bmy\b",
-                      r"\b(where|when)\b[^?.!]*\bmy (order|package|parcel|delivery|refund|payment)\b",
-                      r"\bwhy (was|is|did|were|has|have)\b[^?.!]*\bmy\b"],
-    "medical": [r"\b(dosage|dose|overdose|mg\b|milligrams?|prescri\w+|symptoms?|diagnos\w+|side effects?)\b"],
-    "self_harm": [r"\b(suicide|suicidal|kill myself|self[- ]harm|hurt myself)\b"],
-    "legal": [r"\b(lawsuit|sue|legal advice|liable|liability|court)\b"],
-    "financial_advice": [r"\b(should i (buy|sell|invest)|stock tips?|investment advice)\b"],
-}
+MAX_ENTRY_ID = 2**63 - 1  # SQLite INTEGER; a larger id names no entry (and must not raise)
+WORD_VECTOR_CACHE_SIZE = 4096  # single-word MiniLM vectors kept for the substitution guard
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +39,16 @@ class SemanticEntry:
     expires_at: float | None
     hit_count: int
     status: str
+    finish_reason: str = "stop"  # replayed as the original ended: "stop" or "length"
+    completion_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Screening:
+    """Whether a query may use the semantic layer at all, decided before any embedding."""
+
+    bypass_reason: str | None  # None: eligible
+    personal: bool = False  # about the asker's own data: the caller must scope it to the end user
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,25 +67,19 @@ class SemanticSettings:
     candidates: int = 5
     require_approved: bool = False
     default_ttl_s: float = 7 * 24 * 3600.0
-    risk_patterns: dict[str, list[str]] = field(default_factory=lambda: dict(DEFAULT_RISK_PATTERNS))
-
-
-class RiskPolicy:
-    def __init__(self, patterns: dict[str, list[str]]):
-        self.patterns = {category: [re.compile(p, re.I) for p in group] for category, group in patterns.items()}
-
-    def category(self, text: str) -> str | None:
-        return next((c for c, group in self.patterns.items() if any(p.search(text) for p in group)), None)
+    # MiniLM reads at most 256 word pieces (~1,000 characters of English); two longer queries that
+    # differ only after the cut would embed alike, so they are never compared at all.
+    max_query_chars: int = 1000
 
 
 class SemanticCache:
     def __init__(self, embedder: Embedder, db_path: Path, settings: SemanticSettings):
         self.embedder = embedder
         self.settings = settings
-        self.risk = RiskPolicy(settings.risk_patterns)
         self.index = PartitionedIndex(embedder.dim)
-        self.word_vectors: OrderedDict[str, np.ndarray] = OrderedDict()
-        self.lock = threading.Lock()
+        self.word_vectors: OrderedDict[str, np.ndarray] = OrderedDict()  # guarded by word_lock
+        self.word_lock = threading.Lock()
+        self.lock = threading.Lock()  # guards self.db
         Path(db_path).parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None)
         self._create_tables()
@@ -92,11 +87,21 @@ class SemanticCache:
 
     # -- lookup and insert -------------------------------------------------------------------
 
-    def bypass_reason(self, query: str, has_tools: bool) -> str | None:
+    def warm_up(self) -> None:
+        """MiniLM's first call costs ~300 ms (lazy initialisation): pay it at start-up, not on a request."""
+        self.embedder.embed(["warm up the semantic layer"])
+
+    def screen(self, query: str, has_tools: bool, risk_category: str | None, has_end_user: bool) -> Screening:
+        """Tools, over-long queries and risky topics (`RiskPolicy.category` of the query) bypass;
+        personal questions are eligible only when the caller names the end user to scope them to."""
         if has_tools:
-            return "tools"
-        category = self.risk.category(query)
-        return f"risk:{category}" if category else None
+            return Screening("tools")
+        if len(query) > self.settings.max_query_chars:
+            return Screening("query_too_long")
+        category = risk_category
+        if category == PERSONAL_DATA:
+            return Screening(None, personal=True) if has_end_user else Screening(f"risk:{PERSONAL_DATA}")
+        return Screening(f"risk:{category}" if category else None)
 
     def lookup(self, query: str, scope: Scope, context: str, now: float) -> SemanticLookup:
         vector = self.embedder.embed([query])[0]
@@ -123,20 +128,28 @@ class SemanticCache:
         scored = [(_entry(row), float(np.frombuffer(row[-1], dtype=np.float32) @ vector)) for row in rows]
         return sorted(scored, key=lambda pair: -pair[1])
 
-    def insert(self, query: str, answer: str, scope: Scope, context: str, now: float,
+    def insert(self, query: str, answer: Answer, scope: Scope, context: str, now: float,
                ttl_s: float | None = None, vector: np.ndarray | None = None) -> int:
+        """Store an answer; a newer answer to the same question in the same partition replaces the
+        older one (fresh review status and hit count), keeping its id and vector."""
         partition = scope.partition(context)
+        ttl = self.settings.default_ttl_s if ttl_s is None else ttl_s
+        expires = now + ttl if ttl > 0 else None
         existing = self._find(partition, query)
         if existing is not None:
+            with self.lock:
+                self.db.execute("UPDATE semantic_entries SET answer = ?, finish_reason = ?, completion_tokens = ?, "
+                                "created_at = ?, expires_at = ?, hit_count = 0, status = 'unreviewed' WHERE id = ?",
+                                (answer.text, answer.finish_reason, answer.completion_tokens, now, expires, existing))
             return existing
         vector = self.embedder.embed([query])[0] if vector is None else vector
-        ttl = self.settings.default_ttl_s if ttl_s is None else ttl_s
         with self.lock:
             cursor = self.db.execute(
-                "INSERT INTO semantic_entries (partition, tenant, scope, prompt, answer, created_at, expires_at, "
-                "hit_count, status, vector) VALUES (?, ?, ?, ?, ?, ?, ?, 0, 'unreviewed', ?)",
-                (partition, scope.tenant, json.dumps(scope.as_dict()), query, answer, now,
-                 now + ttl if ttl > 0 else None, np.asarray(vector, dtype=np.float32).tobytes()))
+                "INSERT INTO semantic_entries (partition, tenant, scope, prompt, answer, finish_reason, "
+                "completion_tokens, created_at, expires_at, hit_count, status, vector) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, 'unreviewed', ?)",
+                (partition, scope.tenant, json.dumps(scope.as_dict()), query, answer.text, answer.finish_reason,
+                 answer.completion_tokens, now, expires, np.asarray(vector, dtype=np.float32).tobytes()))
             entry_id = int(cursor.lastrowid)
         self.index.add(partition, [entry_id], vector.reshape(1, -1))
         return entry_id
@@ -166,18 +179,24 @@ class SemanticCache:
         return entry.status == "approved" or not self.settings.require_approved
 
     def word_similarity(self, left: str, right: str) -> float:
-        """MiniLM cosine of two single words (vectors kept in a small LRU)."""
-        missing = [w for w in (left, right) if w not in self.word_vectors]
+        """MiniLM cosine of two single words (vectors kept in a small LRU shared by lookup threads)."""
+        with self.word_lock:
+            known = {w: self.word_vectors.get(w) for w in (left, right)}
+        missing = [w for w, vector in known.items() if vector is None]
         if missing:
-            for word, vector in zip(missing, self.embedder.embed(missing)):
-                self.word_vectors[word] = vector
-                if len(self.word_vectors) > 4096:
+            known.update(zip(missing, self.embedder.embed(missing)))
+            with self.word_lock:
+                for word in missing:
+                    self.word_vectors[word] = known[word]
+                while len(self.word_vectors) > WORD_VECTOR_CACHE_SIZE:
                     self.word_vectors.popitem(last=False)
-        return float(self.word_vectors[left] @ self.word_vectors[right])
+        return float(known[left] @ known[right])
 
     # -- administration ----------------------------------------------------------------------
 
     def get(self, entry_id: int) -> SemanticEntry | None:
+        if not 0 < entry_id <= MAX_ENTRY_ID:
+            return None
         with self.lock:
             row = self.db.execute(f"SELECT {_COLUMNS} FROM semantic_entries WHERE id = ?", (entry_id,)).fetchone()
         return _entry(row) if row else None
@@ -194,10 +213,14 @@ class SemanticCache:
 
     def set_status(self, entry_id: int, status: str) -> bool:
         assert status in STATUSES, status
+        if not 0 < entry_id <= MAX_ENTRY_ID:
+            return False
         with self.lock:
             return self.db.execute("UPDATE semantic_entries SET status = ? WHERE id = ?", (status, entry_id)).rowcount > 0
 
     def delete(self, entry_id: int) -> bool:
+        if not 0 < entry_id <= MAX_ENTRY_ID:
+            return False
         self.index.remove(entry_id)
         with self.lock:
             return self.db.execute("DELETE FROM semantic_entries WHERE id = ?", (entry_id,)).rowcount > 0
@@ -220,8 +243,14 @@ class SemanticCache:
             self.db.execute("CREATE TABLE IF NOT EXISTS semantic_entries (id INTEGER PRIMARY KEY AUTOINCREMENT, "
                             "partition TEXT NOT NULL, tenant TEXT NOT NULL, scope TEXT NOT NULL, prompt TEXT NOT NULL, "
                             "answer TEXT NOT NULL, created_at REAL NOT NULL, expires_at REAL, hit_count INTEGER NOT NULL, "
-                            "status TEXT NOT NULL, vector BLOB NOT NULL)")
+                            "status TEXT NOT NULL, vector BLOB NOT NULL, finish_reason TEXT NOT NULL DEFAULT 'stop', "
+                            "completion_tokens INTEGER NOT NULL DEFAULT 0)")
             self.db.execute("CREATE INDEX IF NOT EXISTS semantic_by_partition ON semantic_entries(partition, prompt)")
+            columns = {row[1] for row in self.db.execute("PRAGMA table_info(semantic_entries)")}
+            for column, ddl in (("finish_reason", "TEXT NOT NULL DEFAULT 'stop'"),
+                                ("completion_tokens", "INTEGER NOT NULL DEFAULT 0")):
+                if column not in columns:  # a database written by an earlier version
+                    self.db.execute(f"ALTER TABLE semantic_entries ADD COLUMN {column} {ddl}")
 
     def _rebuild_index(self) -> None:
         with self.lock:
@@ -244,8 +273,9 @@ class SemanticCache:
             self.db.execute("UPDATE semantic_entries SET hit_count = hit_count + 1 WHERE id = ?", (entry_id,))
 
 
-_COLUMNS = "id, tenant, scope, prompt, answer, created_at, expires_at, hit_count, status"
+_COLUMNS = "id, tenant, scope, prompt, answer, created_at, expires_at, hit_count, status, finish_reason, completion_tokens"
 
 
 def _entry(row) -> SemanticEntry:
-    return SemanticEntry(row[0], row[1], json.loads(row[2]), row[3], row[4], row[5], row[6], row[7], row[8])
+    return SemanticEntry(row[0], row[1], json.loads(row[2]), row[3], row[4], row[5], row[6], row[7], row[8], row[9],
+                         row[10])

@@ -50,13 +50,13 @@ class ExactCache:
         if not self.eligible(deterministic):
             return ExactLookup("bypass", key, "nondeterministic")
         if control.no_cache:
-            return ExactLookup("bypass", key, "no-cache")
+            return ExactLookup("bypass", key, "no_cache")
         found = self.store.get(key, now)
         if found is None:
             return ExactLookup("miss", key)
         age = now - found.created_at
         if control.max_age_s is not None and age > control.max_age_s:
-            return ExactLookup("miss", key, "too-old", age_s=age)
+            return ExactLookup("miss", key, "too_old", age_s=age)
         return ExactLookup("hit", key, response=found, age_s=age)
 
     def store_response(self, key: str, tenant: str, response: StoredResponse, control: CacheControl,

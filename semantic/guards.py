@@ -164,11 +164,14 @@ def numbers(a: Text, b: Text) -> str | None:
 
 
 def _numbers(text: Text) -> Counter:
+    """Values with their kind: '10% of 50' holds 10% and 50, so it differs from '50% of 10'."""
     values: Counter = Counter()
-    for word in text.words:
+    for i, word in enumerate(text.words):
         if word[0].isdigit():
             match = ORDINAL_SUFFIX.match(word)
-            values[_number_value(match.group(1) if match else word.rstrip("%"))] += 1
+            value = _number_value(match.group(1) if match else word.rstrip("%"))
+            percent = word.endswith("%") or (i + 1 < len(text.words) and text.words[i + 1] in ("percent", "%"))
+            values[(value, "%") if percent else value] += 1
         elif word in NUMBER_WORDS and word not in ("quarter", "one", "single"):  # "which one", "a single"
             values[float(NUMBER_WORDS[word])] += 1
         elif word in ORDINALS:
@@ -329,8 +332,21 @@ def _entities(raw: str) -> frozenset[str]:
                     words = words[1:]  # "How", "Is", "Can" open a sentence; they name nothing
             if words:
                 found.add(lemma(" ".join(w.lower().rstrip(".") for w in words)))
-    found.update(w.lower() for w in re.findall(r"\b\w*\d\w*[A-Za-z]\w*\b|\b[a-z]+[A-Z]\w*\b", raw))  # iOS17, GPT4
+    found.update(w.lower() for w in WORD_CHARS.findall(raw) if _mixed_token(w))  # 4K, 5G, iOS
     return frozenset(e for e in found if e and e not in STOPWORDS)
+
+
+WORD_CHARS = re.compile(r"\w+")
+MIXED_CASE = re.compile(r"[a-z]+[A-Z]")  # anchored with match(): linear
+
+
+def _mixed_token(word: str) -> bool:
+    """A digit followed later by a letter ('4K', '5G', '3rdParty') or lower case then upper ('iOS').
+    Written as scans, not one regex: `\\w*\\d\\w*[A-Za-z]\\w*` backtracks quadratically on long digit runs."""
+    first_digit = next((i for i, c in enumerate(word) if c.isdigit()), None)
+    if first_digit is not None and any(c.isascii() and c.isalpha() for c in word[first_digit + 1:]):
+        return True
+    return MIXED_CASE.match(word) is not None
 
 
 QUESTION_STARTS = frozenset("""is are was were do does did can could will would should shall may might must has have
@@ -482,7 +498,40 @@ def _quantifiers(text: Text) -> frozenset[str]:
     return frozenset(found)
 
 
-GUARDS = (numbers, negation, antonym, dates, units, billing, entities, direction, entity_order, comparatives,
+# Arithmetic: the operation, not only its numbers. An operator or function word counts when a number
+# stands within ARITHMETIC_REACH tokens of it ('add a user' is not arithmetic; 'add 5 to 7' is).
+ARITHMETIC_TOKEN = re.compile(r"\d+(?:\.\d+)?|[+*×÷^=]|(?<=\s)[-/](?=\s)|[A-Za-z]+")
+OPERATOR_WORDS = {"+": "+", "plus": "+", "add": "+", "added": "+", "sum": "+", "-": "-", "minus": "-",
+                  "subtract": "-", "subtracted": "-", "difference": "-", "*": "*", "×": "*", "x": "*", "times": "*",
+                  "multiplied": "*", "multiply": "*", "product": "*", "/": "/", "÷": "/", "divided": "/",
+                  "divide": "/", "quotient": "/", "^": "^", "power": "^", "exponent": "^", "mod": "mod",
+                  "modulo": "mod", "remainder": "mod"}
+MATH_FUNCTIONS = {"root": "root", "sqrt": "root", "square": "square", "squared": "square", "cube": "cube",
+                  "cubed": "cube", "log": "log", "logarithm": "log", "ln": "ln", "sin": "sin", "sine": "sin",
+                  "cos": "cos", "cosine": "cos", "tan": "tan", "tangent": "tan", "factorial": "factorial",
+                  "derivative": "derivative", "integral": "integral", "average": "mean", "mean": "mean",
+                  "median": "median", "inverse": "inverse", "reciprocal": "inverse", "absolute": "abs"}
+ARITHMETIC_REACH = 3
+
+
+def arithmetic(a: Text, b: Text) -> str | None:
+    """'2+2' vs '2*2', 'square root of 16' vs 'square of 16', '7 times 8' vs '7 plus 8'."""
+    found_a, found_b = _arithmetic(a.raw), _arithmetic(b.raw)
+    return "arithmetic" if (found_a or found_b) and found_a != found_b else None
+
+
+def _arithmetic(raw: str) -> Counter:
+    tokens = [t.lower() for t in ARITHMETIC_TOKEN.findall(raw)]
+    numeric = [t[0].isdigit() or t in NUMBER_WORDS for t in tokens]
+    found: Counter = Counter()
+    for i, token in enumerate(tokens):
+        kind = OPERATOR_WORDS.get(token) or MATH_FUNCTIONS.get(token)
+        if kind and any(numeric[max(0, i - ARITHMETIC_REACH): i + ARITHMETIC_REACH + 1]):
+            found[kind] += 1
+    return found
+
+
+GUARDS = (numbers, arithmetic, negation, antonym, dates, units, billing, entities, direction, entity_order, comparatives,
           quantifiers)
 
 

@@ -19,6 +19,15 @@ from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
+class Answer:
+    """What the model said, as the response layers keep it and replay it."""
+
+    text: str
+    finish_reason: str = "stop"  # "stop" or "length": a replay ends the way the original did
+    completion_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class StoredResponse:
     text: str
     finish_reason: str

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import NewType
 
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps
 
 PixelHash = NewType("PixelHash", str)
 
@@ -62,9 +62,14 @@ def decode_data_url(url: str, limits: ImageLimits) -> DecodedImage:
 def decode_image_bytes(raw: bytes, limits: ImageLimits) -> DecodedImage:
     if len(raw) > limits.max_bytes:
         raise ImageError("image_too_large", f"image exceeds {limits.max_bytes} bytes")
+    # Pillow's plugins raise a zoo of exceptions on hostile files (OSError, ValueError for zTXt/iCCP
+    # chunks that inflate too far, SyntaxError, struct.error, EOFError, ...): at this boundary every
+    # failure to read untrusted bytes is the client's bad image, never a server error.
     try:
         opened = Image.open(io.BytesIO(raw))
-    except (UnidentifiedImageError, OSError):
+    except Image.DecompressionBombError:  # the header declares over 2x Pillow's own pixel bound
+        raise ImageError("image_too_large", f"image header declares more than {limits.max_pixels} pixels") from None
+    except Exception:  # noqa: BLE001 - see above
         raise ImageError("invalid_image", "image data is not a decodable image") from None
     width, height = opened.size  # read from the header: nothing decoded yet
     if width * height > limits.max_pixels:
@@ -73,7 +78,7 @@ def decode_image_bytes(raw: bytes, limits: ImageLimits) -> DecodedImage:
         )
     try:
         image = ImageOps.exif_transpose(opened).convert("RGB")
-    except (OSError, ValueError, Image.DecompressionBombError, SyntaxError):
+    except Exception:  # noqa: BLE001 - see above
         raise ImageError("invalid_image", "image data is truncated or corrupt") from None
     return DecodedImage(image, pixel_hash(image), image.width, image.height)
 

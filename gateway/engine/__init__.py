@@ -43,6 +43,7 @@ class ModelInfo:
     path: Path
     fingerprint: str  # sha256 over config, tokenizer and weights: changes whenever outputs may
     max_context_tokens: int
+    max_token_bytes: int  # the longest token's bytes: n bytes of text are at least n / this tokens
 
 
 class Engine:
@@ -54,6 +55,7 @@ class Engine:
             path=Path(model_path),
             fingerprint=fingerprint,
             max_context_tokens=self.runner.max_positions,
+            max_token_bytes=self.runner.prompts.max_token_bytes,
         )
         self.worker = EngineWorker(self.runner, config.max_queue, config.prefill_chunk_tokens)
         self.prepare = self.runner.prompts.build

@@ -6,6 +6,8 @@ MLX worker, so bad or oversized prompts are rejected before they queue.
 
 from __future__ import annotations
 
+import bisect
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +24,21 @@ class PromptImage:
     grid_thw: tuple[int, int, int]
     token_start: int  # index of the image's first <|image_pad|> token in token_ids
     num_tokens: int
+
+
+class PromptError(ValueError):
+    """Input the model cannot take (an image its processor refuses). `code` is a stable reason."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+# Client text is bracketed by these private-use code points while the chat template renders, so that
+# special tokens can be told apart by origin afterwards; clients' own copies of them are removed.
+CLIENT_START, CLIENT_END = "\ue000", "\ue001"
+_MARKERS = re.compile("[\ue000\ue001]")
+ZERO_WIDTH_SPACE = "\u200b"
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,38 +59,58 @@ class PromptBuilder:
         self.image_processor = processor.image_processor
         self.merge_size = int(getattr(self.image_processor, "merge_size", 2))
         self.image_token_id = image_token_id
-        self.special_tokens = tuple(t for t in self.tokenizer.all_special_tokens if t.startswith("<|"))
+        # Every added token is matched by the tokenizer wherever its text appears, special or not.
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        self.control_tokens = tuple(sorted({t.content for t in added.values() if len(t.content) > 1}
+                                           | {t for t in self.tokenizer.all_special_tokens if len(t) > 1}))
+        # A token decodes to at most this many bytes, so a text of n bytes is at least n / this tokens
+        # (vocabulary strings are at least as long in UTF-8 as the bytes they stand for).
+        self.max_token_bytes = max(len(t.encode("utf-8")) for t in self.tokenizer.get_vocab())
 
     def build(self, messages: tuple[Message, ...], images: list[DecodedImage]) -> PreparedPrompt:
-        text = self.tokenizer.apply_chat_template(
+        marked = self.tokenizer.apply_chat_template(
             [self._template_message(m) for m in messages], tokenize=False, add_generation_prompt=True
         )
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokenizer.encode(self._neutralise(marked), add_special_tokens=False)
         processed = [self._process_image(image) for image in images]
         return self._expand_image_tokens(ids, processed)
-
-    def count_text_tokens(self, text: str) -> int:
-        return len(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _template_message(self, message: Message) -> dict:
         role = "system" if message.role == "developer" else message.role
         parts = [
-            {"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": self._neutralise(p.text)}
+            {"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": _mark_client_text(p.text)}
             for p in message.parts
         ]
         if len(parts) == 1 and parts[0]["type"] == "text":
             return {"role": role, "content": parts[0]["text"]}
         return {"role": role, "content": parts}
 
-    def _neutralise(self, text: str) -> str:
-        """Client text must never inject control tokens (<|im_start|>, <|image_pad|>, ...)."""
-        for token in self.special_tokens:
-            if token in text:
-                text = text.replace(token, token.replace("<|", "<\u200b|"))
-        return text
+    def _neutralise(self, marked: str) -> str:
+        """The rendered prompt without markers, where every control token that contains any client
+        character is broken by a zero-width space: one part ending '<|im_' and the next starting
+        'start|>' no longer make a control token once the template joins them."""
+        text, spans = _unmark(marked)
+        starts = [start for start, _ in spans]
+        cuts = set()
+        for token in self.control_tokens:
+            at = text.find(token)
+            while at >= 0:
+                if _overlaps(spans, starts, at, at + len(token)):
+                    cuts.add(at + 1)
+                at = text.find(token, at + 1)
+        if not cuts:
+            return text
+        pieces, previous = [], 0
+        for cut in sorted(cuts):
+            pieces += [text[previous:cut], ZERO_WIDTH_SPACE]
+            previous = cut
+        return "".join(pieces) + text[previous:]
 
     def _process_image(self, image: DecodedImage) -> tuple[PixelHash, np.ndarray, tuple[int, int, int]]:
-        out = self.image_processor([np.asarray(image.image).transpose(2, 0, 1)])
+        try:
+            out = self.image_processor([np.asarray(image.image).transpose(2, 0, 1)])
+        except ValueError as exc:  # e.g. Qwen's resize: "absolute aspect ratio must be smaller than 200"
+            raise PromptError("invalid_image", f"the model cannot take a {image.width}x{image.height} image: {exc}") from None
         t, h, w = (int(v) for v in out["image_grid_thw"][0])
         return image.pixel_hash, np.asarray(out["pixel_values"], dtype=np.float32), (t, h, w)
 
@@ -92,3 +129,39 @@ class PromptBuilder:
             previous = slot + 1
         out.extend(ids[previous:])
         return PreparedPrompt(tuple(out), tuple(images))
+
+
+def _mark_client_text(text: str) -> str:
+    """Markers go inside the text's outer whitespace, so a template that trims content trims alike."""
+    text = _MARKERS.sub("", text)
+    core = text.strip()
+    if not core:
+        return text
+    start = text.index(core[0])
+    return text[:start] + CLIENT_START + core + CLIENT_END + text[start + len(core):]
+
+
+def _unmark(marked: str) -> tuple[str, list[tuple[int, int]]]:
+    """The text without markers, and the [start, end) spans of client text in it, in order."""
+    pieces: list[str] = []
+    spans: list[tuple[int, int]] = []
+    length, start = 0, None
+    for piece in re.split("([\ue000\ue001])", marked):
+        if piece == CLIENT_START:
+            start = length
+        elif piece == CLIENT_END:
+            spans.append((start, length))
+        else:
+            pieces.append(piece)
+            length += len(piece)
+    return "".join(pieces), spans
+
+
+def _overlaps(spans: list[tuple[int, int]], starts: list[int], begin: int, end: int) -> bool:
+    """Whether [begin, end) shares a character with a span (spans are sorted and disjoint)."""
+    i = max(bisect.bisect_right(starts, begin) - 1, 0)  # the last span starting at or before begin
+    while i < len(spans) and spans[i][0] < end:
+        if spans[i][1] > begin:
+            return True
+        i += 1
+    return False

@@ -205,7 +205,7 @@ class Sampler:
         self.temperature = sampling.temperature
         self.top_p = sampling.top_p
         seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
-        self.key = mx.random.key(seed)
+        self.key = mx.random.key(seed % 2**64)  # negative seeds are valid in the API
 
     def __call__(self, logits: mx.array) -> int:
         if self.temperature == 0.0:

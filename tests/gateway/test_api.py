@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -103,11 +104,16 @@ def test_image_parts_are_accepted_and_counted(client):
     assert "vision;dur=" in response.headers["server-timing"]
 
 
-def test_models_and_healthz_and_openapi(client):
-    models = client.get("/v1/models").json()
-    assert [m["id"] for m in models["data"]] == [TINY]
-    health = client.get("/healthz").json()
-    assert health["status"] == "ok" and health["blas"] in ("openblas", "reference", "accelerate")
+def test_models_and_healthz_and_openapi(settings, engine):
+    with TestClient(create_app(dataclasses.replace(settings, admin_key="admin-key"), engine=engine)) as client:
+        models = client.get("/v1/models").json()
+        assert [m["id"] for m in models["data"]] == [TINY]
+        assert client.get("/healthz").json() == {"status": "ok"}  # the public answer tells nothing more
+        wrong_key = client.get("/healthz", headers={"Authorization": "Bearer nope"}).json()
+        assert wrong_key == {"status": "ok"}
+        health = client.get("/healthz", headers={"Authorization": "Bearer admin-key"}).json()
+        assert health["status"] == "ok" and health["blas"] in ("openblas", "reference", "accelerate")
+        assert health["model_fingerprint"] == engine.info.fingerprint
     schema = client.get("/schema/openapi.json").json()
     assert "/v1/chat/completions" in schema["paths"]
 

@@ -79,7 +79,7 @@ def test_bad_input_gets_openai_error(client, name, body, status, code):
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["code"] == code
-    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert error["type"] == "invalid_request_error"  # as OpenAI: unknown models too
     assert isinstance(error["message"], str) and error["message"]
     ok = client.post("/v1/chat/completions", json={"model": TINY, "messages": USER, "max_tokens": 2})
     assert ok.status_code == 200  # the server keeps serving
@@ -94,7 +94,7 @@ def test_body_over_size_limit_is_413(client):
 
 def test_unknown_route_and_method_are_openai_errors(client):
     missing = client.get("/v1/nothing")
-    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
     wrong_method = client.get("/v1/chat/completions")
     assert wrong_method.status_code == 405 and "error" in wrong_method.json()
 

@@ -142,7 +142,7 @@ def test_server_secret_is_created_private(server):
 
 
 def test_cli_runs_on_openblas_without_ld_preload(server):
-    assert httpx.get(server.url + "/healthz").json()["blas"] == "openblas"
+    assert httpx.get(server.url + "/healthz", headers={"Authorization": f"Bearer {ADMIN}"}).json()["blas"] == "openblas"
 
 
 def _admin_stats(server) -> dict:
@@ -150,7 +150,7 @@ def _admin_stats(server) -> dict:
 
 
 def _health(server) -> dict:
-    return httpx.get(server.url + "/healthz").json()
+    return httpx.get(server.url + "/healthz", headers={"Authorization": f"Bearer {ADMIN}"}).json()
 
 
 def test_client_disconnect_mid_stream_frees_the_engine(server):
@@ -172,27 +172,34 @@ def test_client_disconnect_mid_stream_frees_the_engine(server):
 
 
 def test_full_queue_answers_429_with_retry_after(server):
-    body = {"model": TINY, "messages": [{"role": "user", "content": "long"}], "max_tokens": 512, "temperature": 1.0,
-            "seed": 2}
+    """With the engine busy and a queue of one, of five more requests one waits and four get 429."""
+    body = {"model": TINY, "messages": [{"role": "user", "content": "long"}], "max_tokens": 512, "temperature": 1.0}
     headers = {"Authorization": "Bearer key-a"}
 
     async def burst():
         async with httpx.AsyncClient(timeout=120) as client:
-            return await asyncio.gather(*[client.post(server.url + "/v1/chat/completions", json=body, headers=headers)
-                                          for _ in range(6)])
+            running = asyncio.ensure_future(client.post(server.url + "/v1/chat/completions", json=body, headers=headers))
+            deadline = time.monotonic() + 30
+            while not _health(server)["engine_busy"] and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            others = await asyncio.gather(*[client.post(server.url + "/v1/chat/completions", json=body, headers=headers)
+                                            for _ in range(5)])
+            return [await running, *others]
 
     responses = asyncio.run(burst())
     statuses = sorted(r.status_code for r in responses)
-    assert statuses.count(200) >= 2 and 429 in statuses, statuses
+    assert statuses == [200, 200, 429, 429, 429, 429], statuses
     rejected = next(r for r in responses if r.status_code == 429)
     assert rejected.headers["retry-after"] == "1"
     assert rejected.json()["error"]["code"] == "queue_full"
 
 
 def test_single_tenant_mode_is_announced(tiny_model_path, tmp_path):
-    live = LiveServer(tiny_model_path, tmp_path / "data", {"STRATA_MODEL_NAME": TINY, "STRATA_SEMANTIC": "0"})
+    live = LiveServer(tiny_model_path, tmp_path / "data", {"STRATA_MODEL_NAME": TINY, "STRATA_SEMANTIC": "0",
+                                                           "STRATA_ADMIN_KEY": ADMIN})
     try:
-        assert httpx.get(live.url + "/healthz").json()["multi_tenant"] is False
+        health = httpx.get(live.url + "/healthz", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+        assert health["multi_tenant"] is False
         reply = _client(live, key="anything").chat.completions.create(
             model=TINY, messages=[{"role": "user", "content": "x"}], max_tokens=1)
         assert reply.choices

@@ -2,7 +2,7 @@
 
 import pytest
 
-from semantic import Scope, SemanticCache, SemanticSettings
+from semantic import Answer, RiskPolicy, Scope, SemanticCache, SemanticSettings, load_risk_patterns
 
 SCOPE = Scope("tenant-a", "model-1")
 CONTEXT = "ctx"
@@ -16,7 +16,7 @@ def cache(tmp_path, embedder):
 
 
 def test_paraphrase_hits_and_reports_score(cache):
-    entry_id = cache.insert("How do I reset my password?", "Use the reset link.", SCOPE, CONTEXT, now=0)
+    entry_id = cache.insert("How do I reset my password?", Answer("Use the reset link."), SCOPE, CONTEXT, now=0)
     result = cache.lookup("What is the way to reset my password?", SCOPE, CONTEXT, now=1)
     assert result.status == "hit" and result.entry.id == entry_id and result.score > 0.8
     assert result.entry.answer == "Use the reset link."
@@ -24,13 +24,13 @@ def test_paraphrase_hits_and_reports_score(cache):
 
 
 def test_lookalike_misses_with_the_guard_reason(cache):
-    cache.insert("How do I enable dark mode?", "Settings > Appearance.", SCOPE, CONTEXT, now=0)
+    cache.insert("How do I enable dark mode?", Answer("Settings > Appearance."), SCOPE, CONTEXT, now=0)
     result = cache.lookup("Why can't I enable dark mode?", SCOPE, CONTEXT, now=1)
     assert result.status == "miss" and result.reason == "negation" and result.score > 0.8
 
 
 def test_other_scope_or_context_never_sees_the_entry(cache):
-    cache.insert("What is the refund policy?", "30 days.", SCOPE, CONTEXT, now=0)
+    cache.insert("What is the refund policy?", Answer("30 days."), SCOPE, CONTEXT, now=0)
     for scope, context in [(Scope("tenant-b", "model-1"), CONTEXT), (Scope("tenant-a", "model-2"), CONTEXT),
                            (Scope("tenant-a", "model-1", locale="de-DE"), CONTEXT), (SCOPE, "other-system-prompt")]:
         result = cache.lookup("What is the refund policy?", scope, context, now=1)
@@ -38,18 +38,18 @@ def test_other_scope_or_context_never_sees_the_entry(cache):
 
 
 def test_expired_entries_are_removed_from_index_and_store(cache):
-    entry_id = cache.insert("What are the opening hours?", "9 to 5.", SCOPE, CONTEXT, now=0, ttl_s=10)
+    entry_id = cache.insert("What are the opening hours?", Answer("9 to 5."), SCOPE, CONTEXT, now=0, ttl_s=10)
     assert cache.lookup("What are the opening hours?", SCOPE, CONTEXT, now=5).status == "hit"
     assert cache.lookup("What are the opening hours?", SCOPE, CONTEXT, now=11).status == "miss"
     assert cache.get(entry_id) is None and len(cache.index) == 0
 
 
 def test_rejected_entries_are_never_served_and_approval_can_be_required(cache, tmp_path, embedder):
-    entry_id = cache.insert("Is there a mobile app?", "Yes.", SCOPE, CONTEXT, now=0)
+    entry_id = cache.insert("Is there a mobile app?", Answer("Yes."), SCOPE, CONTEXT, now=0)
     cache.set_status(entry_id, "rejected")
     assert cache.lookup("Is there a mobile app?", SCOPE, CONTEXT, now=1).status == "miss"
     strict = SemanticCache(embedder, tmp_path / "strict.db", SemanticSettings(require_approved=True))
-    other = strict.insert("Is there a mobile app?", "Yes.", SCOPE, CONTEXT, now=0)
+    other = strict.insert("Is there a mobile app?", Answer("Yes."), SCOPE, CONTEXT, now=0)
     assert strict.lookup("Is there a mobile app?", SCOPE, CONTEXT, now=1).status == "miss"
     strict.set_status(other, "approved")
     assert strict.lookup("Is there a mobile app?", SCOPE, CONTEXT, now=1).status == "hit"
@@ -58,7 +58,7 @@ def test_rejected_entries_are_never_served_and_approval_can_be_required(cache, t
 
 def test_entries_and_index_survive_a_restart(tmp_path, embedder):
     first = SemanticCache(embedder, tmp_path / "s.db", SemanticSettings())
-    entry_id = first.insert("How do I export my data?", "Use Export.", SCOPE, CONTEXT, now=0)
+    entry_id = first.insert("How do I export my data?", Answer("Use Export."), SCOPE, CONTEXT, now=0)
     first.close()
     second = SemanticCache(embedder, tmp_path / "s.db", SemanticSettings())
     result = second.lookup("How can I export my data?", SCOPE, CONTEXT, now=1)
@@ -68,9 +68,23 @@ def test_entries_and_index_survive_a_restart(tmp_path, embedder):
 
 
 def test_risky_topics_are_named_for_bypass(cache):
-    assert cache.bypass_reason("What is the status of my order?", has_tools=False) == "risk:personal_data"
-    assert cache.bypass_reason("What dosage of ibuprofen is safe?", has_tools=False) == "risk:medical"
-    assert cache.bypass_reason("Anything", has_tools=True) == "tools"
-    assert cache.bypass_reason("How do I export my data?", has_tools=False) is None
-    assert cache.bypass_reason("Where is my package?", has_tools=False) == "risk:personal_data"
-    assert cache.bypass_reason("Why was my card declined?", has_tools=False) == "risk:personal_data"
+    risk = RiskPolicy(load_risk_patterns())
+
+    def screen(text, has_tools=False, has_end_user=False):
+        return cache.screen(text, has_tools, risk.category(text), has_end_user)
+
+    assert screen("What is the status of my order?").bypass_reason == "risk:personal_data"
+    assert screen("What dosage of ibuprofen is safe?").bypass_reason == "risk:medical"
+    assert screen("Anything", has_tools=True).bypass_reason == "tools"
+    assert screen("How do I export my data?").bypass_reason is None
+    assert screen("Where is my package?").bypass_reason == "risk:personal_data"
+    assert screen("Why was my card declined?").bypass_reason == "risk:personal_data"
+    assert screen("x" * 1001).bypass_reason == "query_too_long"  # beyond what MiniLM reads
+
+
+def test_personal_questions_need_a_named_end_user(cache):
+    risk = RiskPolicy(load_risk_patterns())
+    question = "What is my account number?"
+    assert cache.screen(question, False, risk.category(question), has_end_user=False).bypass_reason == "risk:personal_data"
+    scoped = cache.screen(question, False, risk.category(question), has_end_user=True)
+    assert scoped.bypass_reason is None and scoped.personal
