@@ -4,12 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.strata-installed
 DATA_DIR ?= .strata
-# The Linux mlx-cpu wheel bundles a reference BLAS; Debian's OpenBLAS is ~10-30x faster (NOTES §2).
+# The Linux mlx-cpu wheel bundles a reference BLAS; Debian's OpenBLAS is ~10-30x faster on this CPU.
 OPENBLAS = $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 /usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0))
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test bench clean
+.PHONY: setup serve test mutants bench clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ serve: setup
 
 test: setup
 	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# Each critical one-line breakage applied to a copy of the checkout must fail its tests (tests/mutants.py).
+mutants: setup
+	LD_PRELOAD=$(OPENBLAS) $(BIN)/python tests/mutants.py
 
 bench: setup
 	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m evals.bench_engine

@@ -4,7 +4,7 @@ Each guard compares the query with a cached prompt and names what differs: numbe
 antonyms, dates and relative days, units, billing periods and plan tiers, entities, direction and
 order, comparatives, quantifiers. They are rules over the texts' structure (normalised word forms,
 small closed-class lexicons), not lists of any dataset's sentences. A cosine score alone cannot do
-this: MiniLM puts negations at 0.94-0.98 and swapped directions at 0.99 (NOTES §4).
+this: MiniLM puts negations at 0.94-0.98 and swapped directions at 0.99 (measured on look-alike pairs).
 """
 
 from __future__ import annotations
@@ -406,8 +406,12 @@ def entity_order(a: Text, b: Text) -> str | None:
 def _entity_sequence(raw: str) -> list[str]:
     sequence: list[str] = []
     for match in ENTITY.finditer(raw):
-        name = lemma(" ".join(w.lower().rstrip(".") for w in match.group(1).split()))
-        if match.start() > 0 and name not in STOPWORDS and name not in sequence:
+        words = match.group(1).split()
+        if match.start() == 0:  # "Did Brazil": the opener names nothing, the rest may
+            while words and words[0].lower() in STOPWORDS | QUESTION_STARTS:
+                words = words[1:]
+        name = lemma(" ".join(w.lower().rstrip(".") for w in words))
+        if name and name not in STOPWORDS and name not in sequence:
             sequence.append(name)
     return sequence
 

@@ -1,9 +1,11 @@
-"""Shared fixtures: the tiny model is built once per session, one engine serves the in-process apps."""
+"""Shared fixtures: the tiny model is built once per checkout (keyed by the builder's inputs), one
+engine serves the in-process apps."""
 
 from __future__ import annotations
 
 import base64
 import io
+import os
 from pathlib import Path
 
 import numpy as np
@@ -11,15 +13,18 @@ import pytest
 from PIL import Image
 
 from gateway.engine import CacheConfig, Engine, EngineConfig
-from gateway.engine.builder import ensure_model
+from gateway.engine.builder import builder_digest, ensure_model
 from gateway.settings import Limits, Settings
 
 TINY = "strata-tiny"
+# Built models are kept here across pytest runs; STRATA_TEST_MODELS points copies of the checkout
+# (make mutants) at the same folder.
+MODEL_CACHE = Path(os.environ.get("STRATA_TEST_MODELS", Path(__file__).parent.parent / ".strata" / "test-models"))
 
 
 @pytest.fixture(scope="session")
-def tiny_model_path(tmp_path_factory) -> Path:
-    return ensure_model("tiny", tmp_path_factory.mktemp("models") / TINY)
+def tiny_model_path() -> Path:
+    return ensure_model("tiny", MODEL_CACHE / builder_digest("tiny")[:16] / TINY)
 
 
 @pytest.fixture(scope="session")

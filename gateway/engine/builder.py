@@ -8,7 +8,9 @@ ordinary model folder (config.json, model.safetensors, tokenizer files, preproce
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +53,7 @@ def build_model(size: str, out_dir: Path) -> Path:
     if size not in SIZES:
         raise ValueError(f"unknown model size {size!r}; choose one of {sorted(SIZES)}")
     out_dir = Path(out_dir)
-    tmp_dir = out_dir.with_name(out_dir.name + ".building")
+    tmp_dir = out_dir.with_name(f"{out_dir.name}.building-{os.getpid()}")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     tmp_dir.mkdir(parents=True)
     token_ids = _write_tokenizer(tmp_dir)
@@ -62,6 +64,20 @@ def build_model(size: str, out_dir: Path) -> Path:
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp_dir.rename(out_dir)
     return out_dir
+
+
+def builder_digest(size: str) -> str:
+    """What a built model depends on: this builder, its assets, the size, and the libraries whose
+    classes and trainers write it. Equal digests build identical folders (everything is seeded)."""
+    from importlib.metadata import version
+
+    digest = hashlib.sha256(f"strata-builder-v1|{size}|".encode())
+    digest.update(Path(__file__).read_bytes())
+    for asset in sorted(ASSETS.iterdir()):
+        digest.update(asset.name.encode() + b"\0" + asset.read_bytes())
+    for package in ("mlx", "mlx-vlm", "transformers", "tokenizers"):
+        digest.update(f"{package}=={version(package)}".encode())
+    return digest.hexdigest()
 
 
 def ensure_model(size: str, out_dir: Path) -> Path:

@@ -150,7 +150,10 @@ def test_file_image_urls_work_only_below_the_allowed_folder(settings, engine, tm
 
     allowed = tmp_path / "images"
     allowed.mkdir()
-    (allowed / "cat.png").write_bytes(base64.b64decode(png_data_url(64, 64).split(",", 1)[1]))
+    picture = base64.b64decode(png_data_url(64, 64).split(",", 1)[1])
+    (allowed / "cat.png").write_bytes(picture)
+    (tmp_path / "secret.png").write_bytes(picture)  # a real, readable image outside the folder
+    (allowed / "link.png").symlink_to(tmp_path / "secret.png")  # inside by name, outside in fact
     open_settings = dataclasses.replace(settings, allow_file_images_under=allowed)
     with TestClient(create_app(open_settings, engine=engine)) as client:
         def with_image(url):
@@ -158,5 +161,7 @@ def test_file_image_urls_work_only_below_the_allowed_folder(settings, engine, tm
                 {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}]}])
 
         assert with_image(f"file://{allowed}/cat.png").status_code == 200
-        outside = with_image(f"file://{allowed}/../cat.png")
-        assert outside.status_code == 400 and outside.json()["error"]["code"] == "image_url_not_allowed"
+        for url in (f"file://{allowed}/../secret.png", f"file://{tmp_path}/secret.png", f"file://{allowed}/link.png",
+                    f"file://{allowed}/missing.png"):
+            refused = with_image(url)
+            assert refused.status_code == 400 and refused.json()["error"]["code"] == "image_url_not_allowed", url

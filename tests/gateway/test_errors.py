@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import io
+import struct
+import zlib
 
 import pytest
 from litestar.testing import TestClient
@@ -30,6 +32,43 @@ def _bomb_data_url(side: int) -> str:
 def _truncated_png_url() -> str:
     raw = base64.b64decode(png_data_url(64, 64).split(",", 1)[1])
     return "data:image/png;base64," + base64.b64encode(raw[: len(raw) // 2]).decode()
+
+
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def _png(width: int, height: int, *extra_chunks: bytes) -> bytes:
+    """A PNG whose header claims width x height (1-bit grey), with one tiny IDAT: nothing to decode."""
+    header = _png_chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0))
+    idat = _png_chunk(b"IDAT", zlib.compress(b"\0"))
+    return b"\x89PNG\r\n\x1a\n" + header + b"".join(extra_chunks) + idat + _png_chunk(b"IEND", b"")
+
+
+def _gif(width: int, height: int) -> bytes:
+    screen = struct.pack("<HHBBB", width, height, 0, 0, 0)
+    image = b"," + struct.pack("<HHHHB", 0, 0, width, height, 0) + b"\x02\x02\x44\x01\x00"
+    return b"GIF89a" + screen + image + b";"
+
+
+def _bmp(width: int, height: int) -> bytes:
+    info = struct.pack("<IiiHHIIiiII", 40, width, height, 1, 24, 0, 0, 2835, 2835, 0, 0)
+    return b"BM" + struct.pack("<IHHI", 14 + len(info), 0, 0, 14 + len(info)) + info
+
+
+def _nested(depth: int) -> list:
+    value: list = [1]
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _url(raw: bytes, mime: str = "png") -> str:
+    return f"data:image/{mime};base64," + base64.b64encode(raw).decode()
+
+
+ZTXT_BOMB = _png_chunk(b"zTXt", b"Comment\0\0" + zlib.compress(b"A" * 50_000_000, 9))
+ICCP_BOMB = _png_chunk(b"iCCP", b"icc\0\0" + zlib.compress(b"\0" * 50_000_000, 9))
 
 
 def _image_message(url: str) -> list[dict]:
@@ -67,6 +106,25 @@ CASES = [
     ("metadata not strings", {"model": TINY, "messages": USER, "metadata": {"a": 1}}, 400, "invalid_type"),
     ("prompt longer than context", {"model": TINY, "messages": [{"role": "user", "content": "word " * 3000}]}, 400, "context_length_exceeded"),
     ("unknown model", {"model": "gpt-9", "messages": USER}, 404, "model_not_found"),
+    # -- each of these once answered 500 -------------------------------------------------------
+    ("nesting 10^4 deep", b'{"model": "x", "a": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", 400, "invalid_json"),
+    ("nesting past the bound", {"model": TINY, "messages": USER, "x": _nested(40)}, 400, "invalid_json"),
+    ("5000-digit integer", b'{"model": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400, "invalid_json"),
+    ("lone surrogate in content", b'{"model": "strata-tiny", "messages": [{"role": "user", "content": "hi \\ud800"}]}', 400, "invalid_unicode"),
+    ("lone surrogate in metadata", b'{"model": "strata-tiny", "messages": [{"role": "user", "content": "hi"}], "metadata": {"k": "\\udfff"}}', 400, "invalid_unicode"),
+    ("lone surrogate in stop", b'{"model": "strata-tiny", "messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud83d"]}', 400, "invalid_unicode"),
+    ("lone surrogate in a key", b'{"model": "strata-tiny", "messages": [{"role": "user", "content": "hi"}], "\\ud800": 1}', 400, "invalid_unicode"),
+    ("PNG header 20000x20000", {"model": TINY, "messages": _image_message(_url(_png(20000, 20000)))}, 400, "image_too_large"),
+    ("GIF header 20000x20000", {"model": TINY, "messages": _image_message(_url(_gif(20000, 20000), "gif"))}, 400, "image_too_large"),
+    ("BMP header 20000x20000", {"model": TINY, "messages": _image_message(_url(_bmp(20000, 20000), "bmp"))}, 400, "image_too_large"),
+    ("PNG zTXt bomb", {"model": TINY, "messages": _image_message(_url(_png(8, 8, ZTXT_BOMB)))}, 400, "invalid_image"),
+    ("PNG iCCP bomb", {"model": TINY, "messages": _image_message(_url(_png(8, 8, ICCP_BOMB)))}, 400, "invalid_image"),
+    ("1x300 image", {"model": TINY, "messages": _image_message(png_data_url(1, 300))}, 400, "invalid_image"),
+    ("300x1 image", {"model": TINY, "messages": _image_message(png_data_url(300, 1))}, 400, "invalid_image"),
+    ("seed beyond 64 bits", {"model": TINY, "messages": USER, "seed": 2**70}, 400, "invalid_type"),
+    ("too many messages", {"model": TINY, "messages": USER * 1025}, 400, "too_many_messages"),
+    ("too many parts", {"model": TINY, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 65}]}, 400, "too_many_parts"),
+    ("user not a string", {"model": TINY, "messages": USER, "user": 5}, 400, "invalid_type"),
 ]
 
 

@@ -152,3 +152,39 @@ def test_admission_policy_and_daily_budget(tmp_path):
     assert not tier.offer(_request(2))  # the day's budget is spent
     assert tier.stats.num_not_admitted == 1
     tier.close()
+
+
+def test_segment_names_appear_only_once_the_file_is_complete(tmp_path, monkeypatch):
+    """Mid-write (at fsync) only a temp name may exist: a crash there must leave nothing that looks whole."""
+    tier = _tier(tmp_path)
+    seen: list[list[str]] = []
+    real_fsync = os.fsync
+
+    def observing_fsync(fd):
+        seen.append(sorted(path.name for path in tier.folder.glob("*/*")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", observing_fsync)
+    _spill(tier, 1, 2)
+    complete = [[name for name in names if not name.startswith(".tmp-")] for names in seen]
+    temps = [[name for name in names if name.startswith(".tmp-")] for names in seen]
+    assert [len(names) for names in complete] == [0, 1], seen  # only the segments written before
+    assert [len(names) for names in temps] == [1, 1], seen
+    assert _file(tier, 1).exists() and _file(tier, 2).exists()
+    tier.close()
+
+
+def test_reconcile_verifies_checksums_of_files_the_index_lacks(tmp_path):
+    tier = _tier(tmp_path)
+    _spill(tier, 1, 2)
+    damaged = _file(tier, 2)
+    tier.close()
+    raw = bytearray(damaged.read_bytes())
+    raw[-1] ^= 0xFF  # a flipped byte in the tensor data, the header intact
+    damaged.write_bytes(bytes(raw))
+    (tier.folder / "index.sqlite").unlink()
+    again = _tier(tmp_path)
+    assert again.stats.num_quarantined == 1 and again.stats.num_reindexed == 1
+    assert sorted(again.blocks) == [(1).to_bytes(32, "big").hex()]
+    assert not damaged.exists()
+    again.close()

@@ -28,6 +28,11 @@ LOOKALIKES = [
     ("Is the museum free for children?", "Is the museum free for adults?", "substitution"),
     ("Can I carry liquids in my hand luggage?", "Can I carry liquids in my checked luggage?", "substitution"),
     ("Which is heavier, a kilo of feathers or of steel?", "Which is lighter, a kilo of feathers or of steel?", "comparative"),
+    ("What is 6+3?", "What is 6*3?", "arithmetic"),
+    ("What is the square root of 49?", "What is the square of 49?", "arithmetic"),
+    ("What is 8 divided by 2?", "What is 8 times 2?", "arithmetic"),
+    ("What is 25% of 40?", "What is 40% of 25?", "numbers"),
+    ("Did Brazil beat Germany in the final?", "Did Germany beat Brazil in the final?", "order"),
 ]
 
 

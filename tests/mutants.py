@@ -1,0 +1,167 @@
+"""`make mutants`: apply each critical one-line breakage to a copy of the checkout and run the tests
+that guard it; every mutant must be caught (its tests fail). Prints a table; exits 1 if one survives.
+
+    python tests/mutants.py [--only NAME ...] [--list]
+
+A mutant is (name, file, the exact text it replaces, the replacement, the tests to run). The text
+must occur exactly once in the file: `tests/test_mutants.py` checks that in `make test`, so a
+refactor that moves a line fails there and the mutant is updated with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 900
+
+
+@dataclass(frozen=True, slots=True)
+class Mutant:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+HARDENING = "tests/gateway/test_hardening.py"
+GUARDS = "tests/semantic/test_guards.py::test_lookalikes_are_refused_with_the_right_reason"
+
+MUTANTS = (
+    Mutant("tenant out of the exact key", "semantic/exact.py",
+           '{"scope": scope.as_dict(), "messages"', '{"scope": {**scope.as_dict(), "tenant": ""}, "messages"',
+           (f"{HARDENING}::test_tenants_never_share_response_layers",)),
+    Mutant("tenant out of the semantic partition", "semantic/scope.py",
+           '{**asdict(self), "context": context_fingerprint}', '{**asdict(self), "tenant": "", "context": context_fingerprint}',
+           ("tests/semantic/test_semantic_cache.py::test_other_scope_or_context_never_sees_the_entry",
+            f"{HARDENING}::test_tenants_never_share_response_layers")),
+    Mutant("tenant out of the KV chain root", "kvcache/keys.py",
+           'b"strata-kv-root-v1|" + salt + b"|"', 'b"strata-kv-root-v1|" + b"|"',
+           ("tests/kvcache/test_chain.py::test_tenant_salt_changes_the_whole_chain",
+            "tests/gateway/test_engine_caches.py::test_other_tenant_reuses_nothing")),
+    Mutant("tenant out of the vision key", "vision/cache.py",
+           "(pixel_hash.encode(), processor.encode(), model.encode(), scope)",
+           "(pixel_hash.encode(), processor.encode(), model.encode())",
+           ("tests/gateway/test_engine_caches.py::test_other_tenant_reuses_nothing",)),
+    Mutant("end user out of personal keys", "gateway/responses.py",
+           'decoding["end_user"] = end_user', "pass",
+           (f"{HARDENING}::test_personal_questions_are_scoped_to_the_named_end_user",)),
+    Mutant("SSD checksum skipped on read", "kvcache/ssd.py",
+           'described[hex_hash]["checksum"] != tensor_checksum(mine)', "False",
+           ("tests/kvcache/test_ssd.py::test_damaged_file_is_quarantined_on_read",)),
+    Mutant("SSD checksum skipped on reindex", "kvcache/ssd.py",
+           'if tensor_checksum(mine) != block["checksum"]:', "if False:",
+           ("tests/kvcache/test_ssd.py::test_reconcile_verifies_checksums_of_files_the_index_lacks",)),
+    Mutant("SSD writes in place", "kvcache/ssd.py",
+           'temp = path.with_name(f".tmp-{uuid.uuid4().hex}")', "temp = path",
+           ("tests/kvcache/test_ssd.py::test_segment_names_appear_only_once_the_file_is_complete",)),
+    Mutant("file:// folder containment", "gateway/images.py",
+           "if not path.is_relative_to(Path(root).resolve()) or not path.is_file():", "if not path.is_file():",
+           ("tests/gateway/test_api.py::test_file_image_urls_work_only_below_the_allowed_folder",)),
+    Mutant("remote images: any address", "gateway/fetch.py",
+           "return ip.is_global and not (ip.is_multicast", "return True or not (ip.is_multicast",
+           ("tests/gateway/test_fetch.py",)),
+    Mutant("exact layer stores no-store answers", "semantic/exact.py",
+           "if control.no_store or not self.eligible(deterministic):", "if not self.eligible(deterministic):",
+           ("tests/gateway/test_response_caches.py::test_cache_control_no_store_no_cache_and_max_age",)),
+    Mutant("semantic layer stores no-store answers", "gateway/responses.py",
+           "and not ctx.control.no_store and ctx.greedy:", "and ctx.greedy:",
+           (f"{HARDENING}::test_no_store_answers_reach_neither_layer",)),
+    Mutant("exact layer caches sampled answers", "semantic/exact.py",
+           "return deterministic or self.cache_nondeterministic", "return True",
+           ("tests/gateway/test_response_caches.py::test_nondeterministic_requests_bypass_both_layers",)),
+    Mutant("semantic layer serves sampled answers", "gateway/responses.py",
+           'if not ctx.greedy:\n            return "sampled"', 'if False:\n            return "sampled"',
+           (f"{HARDENING}::test_a_sampled_answer_never_serves_greedy_requests",)),
+    Mutant("decoding out of the semantic partition", "gateway/responses.py",
+           "context_fingerprint(messages[:-1] + [decoding], image_keys)", "context_fingerprint(messages[:-1], image_keys)",
+           (f"{HARDENING}::test_max_tokens_is_part_of_the_semantic_key",
+            f"{HARDENING}::test_an_answer_cut_by_stop_serves_only_requests_with_the_same_stop")),
+    Mutant("control tokens across parts", "gateway/engine/prompt.py",
+           "cuts.add(at + 1)", "pass",
+           (f"{HARDENING}::test_special_tokens_split_across_parts_are_not_control_tokens",)),
+    *(Mutant(f"guard removed: {guard}", "semantic/guards.py", f"GUARDS = (numbers, arithmetic, negation, antonym, dates, units, "
+             f"billing, entities, direction, entity_order, comparatives,\n          quantifiers)",
+             "GUARDS = " + repr(tuple(g for g in ("numbers", "arithmetic", "negation", "antonym", "dates", "units",
+                                                  "billing", "entities", "direction", "entity_order", "comparatives",
+                                                  "quantifiers") if g != guard)).replace("'", ""), (GUARDS,))
+      for guard in ("numbers", "arithmetic", "negation", "antonym", "dates", "units", "billing", "entities",
+                    "direction", "entity_order", "comparatives", "quantifiers")),
+    Mutant("guard removed: substitution", "semantic/guards.py",
+           "if not reasons and (r := substitution(a, b, similar)):", "if False:", (GUARDS,)),
+)
+
+
+def copy_checkout(target: Path) -> None:
+    """The working tree as git sees it (tracked and new files, nothing ignored)."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+                            capture_output=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source = ROOT / name
+        if source.is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target / name)
+
+
+def apply(mutant: Mutant, checkout: Path) -> None:
+    path = checkout / mutant.path
+    text = path.read_text()
+    if text.count(mutant.old) != 1:
+        raise ValueError(f"{mutant.name}: the text to replace occurs {text.count(mutant.old)} times in {mutant.path}")
+    path.write_text(text.replace(mutant.old, mutant.new))
+
+
+def run_tests(checkout: Path, tests: tuple[str, ...]) -> int:
+    env = {**os.environ, "STRATA_TEST_MODELS": str(ROOT / ".strata" / "test-models"), "PYTHONDONTWRITEBYTECODE": "1"}
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]
+    done = subprocess.run(command, cwd=checkout, env=env, capture_output=True, timeout=TIMEOUT_S)
+    return done.returncode
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python tests/mutants.py")
+    parser.add_argument("--only", nargs="*", help="run only mutants whose name contains one of these words")
+    parser.add_argument("--list", action="store_true")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.only or any(word in m.name for word in args.only)]
+    if args.list:
+        print("\n".join(m.name for m in chosen))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="strata-mutants-") as folder:
+        pristine = Path(folder) / "pristine"
+        copy_checkout(pristine)
+        baseline = sorted({t for m in chosen for t in m.tests})
+        if run_tests(pristine, tuple(baseline)) != 0:
+            print("the guarding tests fail without any mutation: fix them first", file=sys.stderr)
+            return 2
+        rows = [_run_one(mutant, pristine, Path(folder) / f"m{i}") for i, mutant in enumerate(chosen)]
+    print(f"\n{'mutant':<46} {'verdict':<9} {'seconds':>7}  tests")
+    for name, verdict, seconds, tests in rows:
+        print(f"{name:<46} {verdict:<9} {seconds:>7.1f}  {', '.join(t.rsplit('::', 1)[-1] for t in tests)}")
+    survived = [row for row in rows if row[1] != "caught"]
+    print(f"\n{len(rows) - len(survived)} of {len(rows)} mutants caught")
+    return 1 if survived else 0
+
+
+def _run_one(mutant: Mutant, pristine: Path, checkout: Path) -> tuple[str, str, float, tuple[str, ...]]:
+    shutil.copytree(pristine, checkout)
+    apply(mutant, checkout)
+    started = time.monotonic()
+    code = run_tests(checkout, mutant.tests)
+    verdict = "caught" if code == 1 else ("SURVIVED" if code == 0 else f"error {code}")
+    print(f"{mutant.name}: {verdict}", flush=True)
+    shutil.rmtree(checkout, ignore_errors=True)
+    return mutant.name, verdict, time.monotonic() - started, mutant.tests
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
