@@ -110,11 +110,21 @@ def test_api_keys_are_required_and_map_to_tenants(server, tiny_model_path):
     assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(server.url + "/v1/models").status_code == 401
     assert httpx.get(server.url + "/admin/stats", headers={"Authorization": "Bearer key-a"}).status_code == 401
+
+
+def test_admin_stats_count_each_layer(server):
+    """Self-contained (it once passed only after the tests before it had made the traffic it counts)."""
+    before = _admin_stats(server)
+    client = _client(server)
+    messages = [{"role": "user", "content": "Count me in the stats, please."}]
+    client.chat.completions.create(model=TINY, messages=messages, max_tokens=4, temperature=0)
+    list(client.chat.completions.create(model=TINY, messages=messages, max_tokens=4, temperature=0, stream=True))
     stats = httpx.get(server.url + "/admin/stats", headers={"Authorization": f"Bearer {ADMIN}"})
-    layers = stats.json()["layers"]
-    assert stats.status_code == 200 and layers["prefix"]["hit"] + layers["prefix"]["miss"] >= 2
-    assert layers["exact"]["hit"] >= 1 and layers["exact"]["miss"] >= 1  # the stream replayed the plain answer
-    assert stats.json()["served_by"]["exact"] >= 1
+    layers, old = stats.json()["layers"], before["layers"]
+    assert stats.status_code == 200
+    assert layers["exact"]["miss"] == old["exact"]["miss"] + 1 and layers["exact"]["hit"] == old["exact"]["hit"] + 1
+    assert layers["prefix"]["miss"] + layers["prefix"]["hit"] == old["prefix"]["miss"] + old["prefix"]["hit"] + 1
+    assert stats.json()["served_by"]["exact"] == before["served_by"].get("exact", 0) + 1
     caches = stats.json()["engine_caches"]
     assert caches["prefix"]["num_lookups"] >= 1 and caches["prefix"]["num_bytes"] > 0
     assert caches["ssd"]["num_write_errors"] == 0 and "num_quarantined" in caches["ssd"]
