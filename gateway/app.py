@@ -74,7 +74,7 @@ async def chat_completions(request: Request) -> Response:
     cached = await services.responses.lookup(ctx, trace)
     if cached is not None:
         prompt_tokens = cached.prompt_tokens or (await services.chat.prepare(chat_request, images)).num_tokens
-        run = services.chat.replay(cached, prompt_tokens, trace, deadline)
+        run = services.chat.replay(cached, prompt_tokens, trace)
     else:
         with trace.timed("prepare"):
             prompt = await services.chat.prepare(chat_request, images)
@@ -83,7 +83,9 @@ async def chat_completions(request: Request) -> Response:
     if chat_request.stream:
         headers = {**trace.headers(), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return Stream(services.chat.sse(run, trace, chat_request.include_usage), media_type="text/event-stream", headers=headers)
-    if await _client_left_first(request, services.chat.finish(run, trace)):
+    if cached is not None:  # a replay finishes at once: nothing to abandon
+        await services.chat.finish(run, trace)
+    elif await _client_left_first(request, services.chat.finish(run, trace)):
         return Response(b"", status_code=499)  # nobody reads it: the job was cancelled
     return Response(services.chat.response_body(run.completion, trace), headers=trace.headers())
 

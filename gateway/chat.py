@@ -47,11 +47,11 @@ class Completion:
 class Run:
     """A job past its prefill (or a cached answer): the rest of its events, and the completion they
     fill in. `on_complete` is awaited once the answer is whole (not when the client left early);
-    `deadline` (anyio clock) bounds every wait for the next event."""
+    `deadline` (anyio clock) bounds every wait for the next event; None for a replay, which never waits."""
 
     events: AsyncIterator
     completion: Completion
-    deadline: float
+    deadline: float | None
     on_complete: Callable[[Completion], Awaitable[None]] | None = None
 
 
@@ -99,7 +99,7 @@ class ChatService:
             raise _context_error(limit, str(prompt.num_tokens), request.sampling.max_tokens)
         return prompt
 
-    def replay(self, stored: StoredResponse, prompt_tokens: int, trace: Trace, deadline: float) -> Run:
+    def replay(self, stored: StoredResponse, prompt_tokens: int, trace: Trace) -> Run:
         """A Run whose events come from a stored answer (exact or semantic hit): same shapes, no model."""
         for layer in ("vision", "prefix"):
             trace.record(layer, LayerOutcome.of(BYPASS, reason=f"answered_by_{trace.served_by}"))
@@ -110,7 +110,7 @@ class ChatService:
                 yield Delta(piece)
             yield Finished(stored.finish_reason, stored.completion_tokens, 0.0, stored.text)
 
-        return Run(events(), completion, deadline)
+        return Run(events(), completion, None)
 
     async def start(self, prompt: PreparedPrompt, request: ChatRequest, caller: Caller, trace: Trace,
                     deadline: float) -> Run:
@@ -136,8 +136,10 @@ class ChatService:
         completion = Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), first.num_prompt_tokens, first.num_cached_tokens)
         return Run(events, completion, deadline)
 
-    async def _next(self, events: AsyncIterator, deadline: float):
+    async def _next(self, events: AsyncIterator, deadline: float | None):
         """The next event, or StopAsyncIteration; ApiError(504) once the deadline has passed."""
+        if deadline is None:
+            return await events.__anext__()
         try:
             with anyio.fail_after(max(deadline - anyio.current_time(), 0.0)):
                 return await events.__anext__()

@@ -43,19 +43,24 @@ def load_risk_patterns(path: Path = DEFAULT_PATTERNS_FILE) -> RiskPatterns:
 
 
 class RiskPolicy:
+    """Each category's patterns are one RE2 alternation: one linear scan per category, not per pattern."""
+
     def __init__(self, patterns: RiskPatterns):
-        self.categories = {name: [_compile(p) for p in group] for name, group in patterns.categories.items()}
-        self.exemptions = {name: [_compile(p) for p in group] for name, group in patterns.exemptions.items()}
+        self.categories = {name: _compile(group) for name, group in patterns.categories.items()}
+        self.exemptions = {name: _compile(group) for name, group in patterns.exemptions.items() if group}
 
     def category(self, text: str) -> str | None:
-        for name, group in self.categories.items():
-            if any(p.search(text) for p in group) and not any(p.search(text) for p in self.exemptions.get(name, ())):
+        for name, pattern in self.categories.items():
+            exemption = self.exemptions.get(name)
+            if pattern.search(text) and not (exemption and exemption.search(text)):
                 return name
         return None
 
 
-def _compile(pattern: str):
-    try:
-        return re2.compile("(?i)" + pattern)
-    except re2.error as exc:
-        raise ValueError(f"risk pattern {pattern!r} is not valid RE2: {exc}") from None
+def _compile(group: tuple[str, ...]):
+    for pattern in group:  # one by one first, so the error names the bad pattern
+        try:
+            re2.compile(pattern)
+        except re2.error as exc:
+            raise ValueError(f"risk pattern {pattern!r} is not valid RE2: {exc}") from None
+    return re2.compile("(?i)" + "|".join(f"(?:{pattern})" for pattern in group))
