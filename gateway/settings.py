@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+EXACT_STORES = ("sqlite", "memory", "off")
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """Bounds on what one request may ask for. Violations are 4xx errors, never crashes."""
@@ -72,7 +75,7 @@ class Settings:
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self):
-        if self.exact_store not in ("sqlite", "memory", "off"):
+        if self.exact_store not in EXACT_STORES:
             raise ValueError(f"exact store must be sqlite, memory or off; got {self.exact_store!r}")
         for cidr in self.remote_image_allow:
             ipaddress.ip_network(cidr, strict=False)  # ValueError names the bad entry
@@ -93,41 +96,78 @@ def parse_api_keys(text: str) -> dict[str, str]:
     return keys
 
 
-def settings_from_env(model: str, data_dir: Path, host: str, port: int) -> Settings:
-    """Settings for `strata serve`: the CLI gives model and address, the environment the rest."""
-    env = os.environ
-    file_root = env.get("STRATA_FILE_IMAGES_UNDER")
-    return Settings(
-        model=model,
-        data_dir=Path(data_dir),
-        host=host,
-        port=port,
-        model_name=env.get("STRATA_MODEL_NAME") or None,
-        api_keys=parse_api_keys(env.get("STRATA_API_KEYS", "")),
-        admin_key=env.get("STRATA_ADMIN_KEY") or None,
-        max_queue=int(env.get("STRATA_MAX_QUEUE", "16")),
-        request_timeout_s=float(env.get("STRATA_REQUEST_TIMEOUT_S", "300")),
-        http_read_timeout_s=float(env.get("STRATA_HTTP_READ_TIMEOUT_S", "30")),
-        keep_alive_s=int(env.get("STRATA_KEEP_ALIVE_S", "5")),
-        max_connections=int(env.get("STRATA_MAX_CONNECTIONS", "256")),
-        kv_block_size=int(env.get("STRATA_KV_BLOCK_SIZE", "32")),
-        kv_budget_bytes=int(env["STRATA_KV_BUDGET_BYTES"]) if env.get("STRATA_KV_BUDGET_BYTES") else None,
-        vision_budget_bytes=int(env.get("STRATA_VISION_BUDGET_BYTES", str(256 << 20))),
-        ssd_capacity_bytes=int(env.get("STRATA_SSD_CAPACITY_BYTES", str(20 << 30))),
-        ssd_min_hits=int(env.get("STRATA_SSD_MIN_HITS", "1")),
-        ssd_min_prefix_tokens=int(env.get("STRATA_SSD_MIN_PREFIX_TOKENS", "0")),
-        ssd_daily_write_bytes=int(env.get("STRATA_SSD_DAILY_WRITE_BYTES", str(10 << 30))),
-        kv_quant_bits=int(env["STRATA_KV_QUANT_BITS"]) if env.get("STRATA_KV_QUANT_BITS") else None,
-        exact_store=env.get("STRATA_EXACT_STORE", "sqlite"),
-        exact_ttl_s=float(env.get("STRATA_EXACT_TTL_S", str(24 * 3600))),
-        max_cache_ttl_s=float(env.get("STRATA_MAX_CACHE_TTL_S", str(30 * 24 * 3600))),
-        semantic_enabled=env.get("STRATA_SEMANTIC", "1") != "0",
-        semantic_threshold=float(env.get("STRATA_SEMANTIC_THRESHOLD", "0.80")),
-        semantic_require_approved=env.get("STRATA_SEMANTIC_REQUIRE_APPROVED", "") == "1",
-        cache_nondeterministic=env.get("STRATA_CACHE_NONDETERMINISTIC", "") == "1",
-        risk_patterns_file=Path(env["STRATA_RISK_PATTERNS_FILE"]) if env.get("STRATA_RISK_PATTERNS_FILE") else None,
-        allow_remote_images=env.get("STRATA_ALLOW_REMOTE_IMAGES", "") == "1",
-        remote_image_allow=tuple(filter(None, (c.strip() for c in env.get("STRATA_REMOTE_IMAGE_ALLOW", "").split(",")))),
-        remote_image_timeout_s=float(env.get("STRATA_REMOTE_IMAGE_TIMEOUT_S", "10")),
-        allow_file_images_under=Path(file_root) if file_root else None,
-    )
+def parse_flag(text: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{text!r} is not a boolean (use one of {', '.join(_TRUE + _FALSE)})")
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _cidrs(text: str) -> tuple[str, ...]:
+    cidrs = tuple(filter(None, (c.strip() for c in text.split(","))))
+    for cidr in cidrs:
+        ipaddress.ip_network(cidr, strict=False)  # ValueError names the bad entry
+    return cidrs
+
+
+def _exact_store(text: str) -> str:
+    if text not in EXACT_STORES:
+        raise ValueError(f"must be one of {', '.join(EXACT_STORES)}; got {text!r}")
+    return text
+
+
+# environment variable -> (Settings field, parser); an unset or empty variable keeps the field's default
+ENVIRONMENT = {
+    "STRATA_MODEL_NAME": ("model_name", str),
+    "STRATA_API_KEYS": ("api_keys", parse_api_keys),
+    "STRATA_ADMIN_KEY": ("admin_key", str),
+    "STRATA_MAX_QUEUE": ("max_queue", int),
+    "STRATA_REQUEST_TIMEOUT_S": ("request_timeout_s", float),
+    "STRATA_HTTP_READ_TIMEOUT_S": ("http_read_timeout_s", float),
+    "STRATA_KEEP_ALIVE_S": ("keep_alive_s", int),
+    "STRATA_MAX_CONNECTIONS": ("max_connections", int),
+    "STRATA_KV_BLOCK_SIZE": ("kv_block_size", int),
+    "STRATA_KV_BUDGET_BYTES": ("kv_budget_bytes", int),
+    "STRATA_VISION_BUDGET_BYTES": ("vision_budget_bytes", int),
+    "STRATA_SSD_CAPACITY_BYTES": ("ssd_capacity_bytes", int),
+    "STRATA_SSD_MIN_HITS": ("ssd_min_hits", int),
+    "STRATA_SSD_MIN_PREFIX_TOKENS": ("ssd_min_prefix_tokens", int),
+    "STRATA_SSD_DAILY_WRITE_BYTES": ("ssd_daily_write_bytes", int),
+    "STRATA_KV_QUANT_BITS": ("kv_quant_bits", int),
+    "STRATA_EXACT_STORE": ("exact_store", _exact_store),
+    "STRATA_EXACT_TTL_S": ("exact_ttl_s", float),
+    "STRATA_MAX_CACHE_TTL_S": ("max_cache_ttl_s", float),
+    "STRATA_SEMANTIC": ("semantic_enabled", parse_flag),
+    "STRATA_SEMANTIC_THRESHOLD": ("semantic_threshold", float),
+    "STRATA_SEMANTIC_REQUIRE_APPROVED": ("semantic_require_approved", parse_flag),
+    "STRATA_CACHE_NONDETERMINISTIC": ("cache_nondeterministic", parse_flag),
+    "STRATA_RISK_PATTERNS_FILE": ("risk_patterns_file", Path),
+    "STRATA_ALLOW_REMOTE_IMAGES": ("allow_remote_images", parse_flag),
+    "STRATA_REMOTE_IMAGE_ALLOW": ("remote_image_allow", _cidrs),
+    "STRATA_REMOTE_IMAGE_TIMEOUT_S": ("remote_image_timeout_s", float),
+    "STRATA_FILE_IMAGES_UNDER": ("allow_file_images_under", Path),
+}
+
+
+def settings_from_env(model: str, data_dir: Path, host: str, port: int, env=None) -> Settings:
+    """Settings for `strata serve`: the CLI gives model and address, the environment the rest.
+    A value that does not parse raises ValueError naming its variable."""
+    env = os.environ if env is None else env
+    values = {}
+    for variable, (name, parse) in ENVIRONMENT.items():
+        text = env.get(variable, "")
+        if not text.strip():
+            continue
+        try:
+            values[name] = parse(text.strip())
+        except ValueError as exc:
+            raise ValueError(f"{variable}: {exc}") from None
+    try:
+        return Settings(model=model, data_dir=Path(data_dir), host=host, port=port, **values)
+    except ValueError as exc:
+        raise ValueError(f"bad setting: {exc}") from None

@@ -1,11 +1,15 @@
 """Small units: trace rendering, settings parsing, tenant salts, schema defaults."""
 
+import re
+from pathlib import Path
+
 import pytest
 
 from gateway.auth import Authenticator, load_server_secret
 from gateway.errors import ApiError
 from gateway.schemas import parse_chat_request
-from gateway.settings import Limits, parse_api_keys
+from gateway.engine.builder import builder_digest
+from gateway.settings import ENVIRONMENT, Limits, Settings, parse_api_keys, settings_from_env
 from gateway.trace import HIT, LayerOutcome, Trace
 
 
@@ -56,3 +60,32 @@ def test_request_defaults_and_content_parts():
     assert request.sampling.max_tokens == 77 and request.sampling.temperature == 1.0
     assert request.num_images == 1 and request.stream is False
     assert request.messages[2].parts[0].text == ""
+
+
+@pytest.mark.parametrize("text,value", [(t, True) for t in ("1", "true", "TRUE", "yes", "on", " On ")]
+                         + [(f, False) for f in ("0", "false", "False", "no", "off")])
+def test_boolean_settings_accept_every_usual_spelling(text, value, tmp_path):
+    settings = settings_from_env("demo", tmp_path, "h", 1, {"STRATA_ALLOW_REMOTE_IMAGES": text, "STRATA_SEMANTIC": text})
+    assert settings.allow_remote_images is value and settings.semantic_enabled is value
+
+
+@pytest.mark.parametrize("variable,value", [("STRATA_SEMANTIC", "maybe"), ("STRATA_MAX_QUEUE", "ten"),
+                                            ("STRATA_EXACT_STORE", "redis"), ("STRATA_REMOTE_IMAGE_ALLOW", "10.0.0.0/33"),
+                                            ("STRATA_REQUEST_TIMEOUT_S", "soon")])
+def test_a_bad_setting_names_its_variable(variable, value, tmp_path):
+    with pytest.raises(ValueError, match=variable):
+        settings_from_env("demo", tmp_path, "h", 1, {variable: value})
+
+
+def test_unset_variables_keep_the_defaults_declared_once(tmp_path):
+    assert settings_from_env("demo", tmp_path, "h", 1, {}) == Settings(model="demo", data_dir=tmp_path, host="h", port=1)
+
+
+def test_the_readme_lists_every_environment_variable():
+    readme = (Path(__file__).parent.parent.parent / "README.md").read_text()
+    documented = set(re.findall(r"^\| `(STRATA_[A-Z_]+)", readme, re.M))
+    assert documented == set(ENVIRONMENT), (documented ^ set(ENVIRONMENT))
+
+
+def test_builder_digest_keys_the_cached_test_model():
+    assert builder_digest("tiny") == builder_digest("tiny") != builder_digest("demo")
