@@ -13,25 +13,10 @@ from litestar.testing import TestClient
 from gateway.app import create_app
 from gateway.schemas import Message, TextPart
 from tests.conftest import TINY, png_data_url
+from tests.gateway.test_response_caches import ask, cached_settings, client  # noqa: F401 - fixtures
 
 ADMIN = {"Authorization": "Bearer admin-key"}
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
-
-
-@pytest.fixture
-def cached_settings(settings):
-    return dataclasses.replace(settings, exact_store="sqlite", semantic_enabled=True, admin_key="admin-key")
-
-
-@pytest.fixture
-def client(cached_settings, engine, embedder):
-    with TestClient(create_app(cached_settings, engine=engine, embedder=embedder)) as test_client:
-        yield test_client
-
-
-def ask(client, text, headers=None, **body):
-    body = {"model": TINY, "messages": [{"role": "user", "content": text}], "max_tokens": 6, "temperature": 0, **body}
-    return client.post("/v1/chat/completions", json=body, headers=headers or {})
 
 
 # -- 1. nothing heavy before the cheap checks ----------------------------------------------------
