@@ -518,13 +518,22 @@ MATH_FUNCTIONS = {"root": "root", "sqrt": "root", "square": "square", "squared":
 ARITHMETIC_REACH = 3
 
 
+COMMUTATIVE = frozenset({"+", "*", "mean", "median"})  # the operands' order changes nothing
+
+
 def arithmetic(a: Text, b: Text) -> str | None:
-    """'2+2' vs '2*2', 'square root of 16' vs 'square of 16', '7 times 8' vs '7 plus 8'."""
-    found_a, found_b = _arithmetic(a.raw), _arithmetic(b.raw)
-    return "arithmetic" if (found_a or found_b) and found_a != found_b else None
+    """'2+2' vs '2*2', 'square root of 16' vs 'square of 16', '7 times 8' vs '7 plus 8'; and, where
+    an operation is not commutative, the operands' order: '10 divided by 2' vs '2 divided by 10'."""
+    (found_a, order_a), (found_b, order_b) = _arithmetic(a.raw), _arithmetic(b.raw)
+    if not (found_a or found_b):
+        return None
+    if found_a != found_b or (set(found_a) - COMMUTATIVE and order_a != order_b):
+        return "arithmetic"
+    return None
 
 
-def _arithmetic(raw: str) -> Counter:
+def _arithmetic(raw: str) -> tuple[Counter, list[float]]:
+    """The operations next to numbers, and the numbers in the order they appear."""
     tokens = [t.lower() for t in ARITHMETIC_TOKEN.findall(raw)]
     numeric = [t[0].isdigit() or t in NUMBER_WORDS for t in tokens]
     found: Counter = Counter()
@@ -532,7 +541,8 @@ def _arithmetic(raw: str) -> Counter:
         kind = OPERATOR_WORDS.get(token) or MATH_FUNCTIONS.get(token)
         if kind and any(numeric[max(0, i - ARITHMETIC_REACH): i + ARITHMETIC_REACH + 1]):
             found[kind] += 1
-    return found
+    order = [float(t) if t[0].isdigit() else float(NUMBER_WORDS[t]) for t, n in zip(tokens, numeric) if n]
+    return found, order
 
 
 GUARDS = (numbers, arithmetic, negation, antonym, dates, units, billing, entities, direction, entity_order, comparatives,

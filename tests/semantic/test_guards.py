@@ -32,6 +32,8 @@ LOOKALIKES = [
     ("What is the square root of 49?", "What is the square of 49?", "arithmetic"),
     ("What is 8 divided by 2?", "What is 8 times 2?", "arithmetic"),
     ("What is 25% of 40?", "What is 40% of 25?", "numbers"),
+    ("What is 12 divided by 3?", "What is 3 divided by 12?", "arithmetic"),
+    ("What is 5^2?", "What is 2^5?", "arithmetic"),
     ("Did Brazil beat Germany in the final?", "Did Germany beat Brazil in the final?", "order"),
 ]
 
@@ -50,6 +52,8 @@ PARAPHRASES = [
     ("Is there a limit on file uploads?", "Are file uploads limited?"),
     ("How do I rename a file in Linux?", "What command renames a file on Linux?"),
     ("What is the meaning of life according to philosophers?", "According to philosophers, what is the meaning of life?"),
+    ("What is 8 plus 5?", "What is 5 plus 8?"),
+    ("What is 3 times 4?", "What do you get for 3 multiplied by 4?"),
 ]
 
 
