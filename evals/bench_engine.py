@@ -24,11 +24,7 @@ DECODE_TOKENS = 64
 
 def _child(model: str, data_dir: Path, lengths: list[int], repeats: int) -> dict:
     from gateway.blas import blas_in_use
-    from gateway.engine import resolve_model_path
-    from gateway.engine.caching import CacheConfig
-    from gateway.engine.prompt import PreparedPrompt
-    from gateway.engine.runner import ModelRunner
-    from gateway.schemas import Sampling
+    from gateway.engine import CacheConfig, ModelRunner, PreparedPrompt, Sampling, resolve_model_path
 
     runner = ModelRunner(resolve_model_path(model, data_dir), CacheConfig(0, 0, 64), "bench")
     corpus = (Path(__file__).resolve().parents[1] / "gateway/engine/assets/corpus.txt").read_text()

@@ -24,11 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway.engine import model_fingerprint, resolve_model_path
-from gateway.engine.caching import CacheConfig
-from gateway.engine.prompt import PreparedPrompt
-from gateway.engine.runner import ModelRunner
-from gateway.schemas import Sampling
+from gateway.engine import CacheConfig, ModelRunner, PreparedPrompt, Sampling, model_fingerprint, resolve_model_path
 from kvcache import TenantSalt
 from kvcache.quant import QuantConfig
 from kvcache.ssd import AdmissionPolicy, SsdConfig

@@ -23,10 +23,8 @@ import mlx.core as mx
 import numpy as np
 from PIL import Image
 
-from gateway.engine import model_fingerprint, resolve_model_path
-from gateway.engine.caching import CacheConfig
-from gateway.engine.runner import ModelRunner, Sampler
-from gateway.schemas import ImagePart, Message, Sampling, TextPart
+from gateway.engine import (CacheConfig, ImagePart, Message, ModelRunner, Sampler, Sampling, TextPart, model_fingerprint,
+                            resolve_model_path)
 from kvcache import PrefixCache, TenantSalt
 from vision import DecodedImage, pixel_hash
 

@@ -18,9 +18,9 @@ from semantic import StoredResponse
 from vision import DecodedImage
 
 from .auth import Caller
-from .engine import Delta, Engine, Failed, Finished, PreparedPrompt, QueueFull, Started
+from .engine import Delta, Engine, Failed, Finished, PreparedPrompt, PromptError, QueueFull, Started
 from .engine.caching import PrefixReport, VisionReport
-from .engine.prompt import PromptError
+
 from .errors import ApiError, bad_request
 from .images import load_image
 from .schemas import ChatRequest, ImagePart

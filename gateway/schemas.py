@@ -13,35 +13,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .engine.types import ImagePart, Message, Sampling, TextPart
 from .errors import ApiError, bad_request
 from .settings import Limits
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-@dataclass(frozen=True, slots=True)
-class TextPart:
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class ImagePart:
-    url: str
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    role: str
-    parts: tuple[TextPart | ImagePart, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
-    stop: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,10 @@
     Engine.prepare(messages, images) -> PreparedPrompt     (any thread: tokenizer + numpy)
     Engine.submit(prompt, sampling)  -> Job                (event loop; QueueFull when full)
     Engine.events(job)               -> async Started, Delta..., Finished | Failed
+
+`ModelRunner` is the same model run step by step on the caller's thread (prefill, decode, finish),
+for benchmarks and tools that time one step at a time; only one thread may use a runner.
+Everything public is exported here: code outside the engine imports `gateway.engine`, never its modules.
 """
 
 from __future__ import annotations
@@ -14,15 +18,17 @@ from pathlib import Path
 
 from .builder import SIZES, ensure_model
 from .caching import CacheConfig
-from .prompt import PreparedPrompt
-from .runner import ModelRunner
+from .prompt import PreparedPrompt, PromptError
+from .runner import ModelRunner, Sampler
+from .types import ImagePart, Message, Sampling, TextPart
 from .worker import Delta, EngineWorker, Failed, Finished, Job, QueueFull, Started
 
 log = logging.getLogger("strata.engine")
 
 __all__ = [
-    "CacheConfig", "Delta", "Engine", "EngineConfig", "Failed", "Finished", "Job", "PreparedPrompt", "QueueFull", "Started",
-    "model_fingerprint", "resolve_model_path",
+    "CacheConfig", "Delta", "Engine", "EngineConfig", "Failed", "Finished", "ImagePart", "Job", "Message", "ModelRunner",
+    "PreparedPrompt", "PromptError", "QueueFull", "Sampler", "Sampling", "Started", "TextPart", "model_fingerprint",
+    "resolve_model_path",
 ]
 
 

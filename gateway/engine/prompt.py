@@ -14,7 +14,7 @@ import numpy as np
 
 from vision import DecodedImage, PixelHash
 
-from ..schemas import ImagePart, Message
+from .types import ImagePart, Message
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ import numpy as np
 from kvcache import TenantSalt
 from vision import processor_fingerprint
 
-from ..schemas import Sampling
+from .types import Sampling
 from .attention import install_cpu_prefill_attention
 from .caching import CacheConfig, EngineCaches, PrefixPlan, PrefixReport, VisionReport
 from .prompt import PreparedPrompt, PromptBuilder, PromptImage

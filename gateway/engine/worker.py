@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from kvcache import TenantSalt
 
-from ..schemas import Sampling
+from .types import Sampling
 from .caching import PrefixReport, VisionReport
 from .prompt import PreparedPrompt
 from .runner import Cancelled, ModelRunner

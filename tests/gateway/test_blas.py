@@ -17,7 +17,7 @@ import numpy as np
 from gateway.blas import blas_in_use
 from gateway.engine.caching import CacheConfig
 from gateway.engine.runner import ModelRunner
-from gateway.schemas import Message, TextPart
+from gateway.engine import Message, TextPart
 
 runner = ModelRunner(sys.argv[1], CacheConfig(0, 0, 64), 'probe')
 prompt = runner.prompts.build((Message("user", (TextPart("The quick brown fox jumps over the lazy dog. " * 20),)),), [])

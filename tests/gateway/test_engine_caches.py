@@ -11,7 +11,7 @@ import pytest
 
 from gateway.engine.caching import CacheConfig
 from gateway.engine.runner import Cancelled, ModelRunner
-from gateway.schemas import ImagePart, Message, Sampling, TextPart
+from gateway.engine import ImagePart, Message, Sampling, TextPart
 from kvcache import TenantSalt
 from tests.conftest import png_data_url
 from vision import ImageLimits, decode_data_url

@@ -13,7 +13,7 @@ import pytest
 
 from gateway.engine.caching import CacheConfig
 from gateway.engine.runner import ModelRunner
-from gateway.schemas import Message, Sampling, TextPart
+from gateway.engine import Message, Sampling, TextPart
 from kvcache import TenantSalt
 from kvcache.quant import QuantConfig
 from kvcache.ssd import AdmissionPolicy, SsdConfig
@@ -92,7 +92,7 @@ SPILLER = """
 import sys
 from gateway.engine.caching import CacheConfig
 from gateway.engine.runner import ModelRunner
-from gateway.schemas import Message, Sampling, TextPart
+from gateway.engine import Message, Sampling, TextPart
 from kvcache.ssd import AdmissionPolicy, SsdConfig
 runner = ModelRunner(sys.argv[1], CacheConfig(1 << 19, 0, 16, SsdConfig(sys.argv[2], admission=AdmissionPolicy(min_hits=0))), "tiny")
 print("ready", flush=True)
