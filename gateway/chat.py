@@ -108,7 +108,7 @@ class ChatService:
         async def events() -> AsyncIterator:
             for piece in re.findall(r"\S*\s*", stored.text)[:-1] or [""]:
                 yield Delta(piece)
-            yield Finished(stored.finish_reason, stored.completion_tokens, 0.0, stored.text)
+            yield Finished(stored.finish_reason, stored.completion_tokens, 0.0)
 
         return Run(events(), completion, None)
 

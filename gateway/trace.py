@@ -11,14 +11,16 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Literal
 
 LAYERS = ("exact", "semantic", "vision", "prefix")
+Status = Literal["hit", "miss", "bypass"]
 HIT, MISS, BYPASS = "hit", "miss", "bypass"
 
 
 @dataclass(frozen=True, slots=True)
 class LayerOutcome:
-    status: str  # hit | miss | bypass
+    status: Status
     details: tuple[tuple[str, str], ...] = ()
 
     @classmethod

@@ -43,6 +43,7 @@ from safetensors.numpy import save as save_tensors
 
 log = logging.getLogger("strata.kvcache.ssd")
 PRIVATE_DIR_MODE, PRIVATE_FILE_MODE = 0o700, 0o600  # blocks hold tenants' prompts: owner-only
+READER_THREADS = 4  # segment reads in flight at once while a chain is promoted
 FORMAT_VERSION = "2"
 SEGMENT_BLOCKS = 16
 
@@ -127,7 +128,7 @@ class SsdTier:
         self.db.execute("CREATE TABLE IF NOT EXISTS segments (name TEXT PRIMARY KEY, nbytes INTEGER, last_used REAL)")
         self.db.execute("CREATE TABLE IF NOT EXISTS blocks (hash TEXT PRIMARY KEY, segment TEXT, kv_nbytes INTEGER)")
         self.pending: queue.Queue[SpillRequest | None] = queue.Queue(maxsize=config.queue_blocks)
-        self.readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="strata-ssd-reader")
+        self.readers = ThreadPoolExecutor(max_workers=READER_THREADS, thread_name_prefix="strata-ssd-reader")
         self.writer = threading.Thread(target=self._write_loop, name="strata-ssd-writer", daemon=True)
         self.reconcile()
         self.writer.start()
@@ -169,10 +170,6 @@ class SsdTier:
         with self.lock:
             entry = self.blocks.get(hex_hash)
         return entry.kv_nbytes if entry else None
-
-    def read(self, hex_hash: str) -> dict[str, np.ndarray] | None:
-        found = self.read_chain([hex_hash])
-        return found[0] if found else None
 
     def read_chain(self, hex_hashes: list[str]) -> list[dict[str, np.ndarray]]:
         """Verified tensors of consecutive blocks, each segment read and verified once, several in
@@ -338,11 +335,6 @@ class SsdTier:
 
     def _segment_path(self, name: str) -> Path:
         return self.folder / name[4:6] / f"{name}.safetensors"
-
-    def segment_of(self, hex_hash: str) -> Path | None:
-        with self.lock:
-            entry = self.blocks.get(hex_hash)
-        return self._segment_path(entry.segment) if entry else None
 
     def _quarantine(self, name: str, why: str) -> None:
         self._forget(name)

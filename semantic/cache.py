@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from .embedder import Embedder
+from .exact import Status
 from .guards import Verdict, check
 from .index import PartitionedIndex
 from .risk import PERSONAL_DATA
@@ -53,8 +54,8 @@ class Screening:
 
 @dataclass(frozen=True, slots=True)
 class SemanticLookup:
-    status: str  # hit | miss | bypass
-    reason: str = ""
+    status: Status
+    reason: str = ""  # a miss: "no_candidate", or the guards' reasons (GuardReason) joined by commas
     score: float | None = None
     entry: SemanticEntry | None = None
     verdict: Verdict | None = None

@@ -10,6 +10,9 @@ from typing import Protocol
 import numpy as np
 
 
+EMBED_BATCH = 64  # texts per forward pass in bulk loads (a query is one text)
+
+
 class Embedder(Protocol):
     dim: int
     name: str
@@ -42,8 +45,8 @@ class MiniLMEmbedder:
         batches = []
         with self.lock, torch.inference_mode():
             self.num_texts += len(texts)
-            for start in range(0, len(texts), 64):
-                features = self.model.preprocess(texts[start:start + 64])
+            for start in range(0, len(texts), EMBED_BATCH):
+                features = self.model.preprocess(texts[start:start + EMBED_BATCH])
                 vectors = self.model.forward(features)["sentence_embedding"]
                 batches.append(torch.nn.functional.normalize(vectors, dim=1).numpy())
         return np.ascontiguousarray(np.concatenate(batches), dtype=np.float32)

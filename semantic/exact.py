@@ -7,9 +7,9 @@ among many, and replaying it would hide that. Settings may opt in to caching tho
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from .scope import Scope, canonical_digest
+from .scope import Scope, digest
 from .store import ResponseStore, StoredResponse
 
 
@@ -23,18 +23,22 @@ class CacheControl:
     ttl_s: float | None = None  # keep what this request stores for this long
 
 
+Status = Literal["hit", "miss", "bypass"]
+ExactReason = Literal["", "nondeterministic", "no_cache", "too_old"]
+
+
 @dataclass(frozen=True, slots=True)
 class ExactLookup:
-    status: str  # hit | miss | bypass
+    status: Status
     key: str
-    reason: str = ""
+    reason: ExactReason = ""
     response: StoredResponse | None = None
     age_s: float = 0.0
 
 
 def exact_key(scope: Scope, messages: list[dict[str, Any]], sampling: dict[str, Any]) -> str:
     """Messages are canonical dicts (images as content hashes); sampling holds what changes answers."""
-    return canonical_digest("exact", {"scope": scope.as_dict(), "messages": messages, "sampling": sampling})
+    return digest("exact", {"scope": scope.as_dict(), "messages": messages, "sampling": sampling})
 
 
 class ExactCache:

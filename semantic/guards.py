@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from difflib import SequenceMatcher
 from functools import lru_cache
+from typing import Literal
 
 WordSimilarity = Callable[[str, str], float]
 WORD = re.compile(r"[A-Za-z][A-Za-z'’-]*|\d+(?:[.,:/-]\d+)*%?|[$€£¥%]")
@@ -119,11 +120,15 @@ ORDINALS = {w: i + 1 for i, w in enumerate("first second third fourth fifth sixt
 ORDINAL_SUFFIX = re.compile(r"^(\d+)(st|nd|rd|th)$")
 
 
+GuardReason = Literal["below_threshold", "numbers", "arithmetic", "negation", "antonym", "date", "unit", "billing_period",
+                      "plan_tier", "entity", "direction", "order", "comparative", "quantifier", "substitution"]
+
+
 @dataclass(frozen=True, slots=True)
 class Verdict:
     accept: bool
     score: float
-    reasons: tuple[str, ...] = ()
+    reasons: tuple[GuardReason, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

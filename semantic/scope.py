@@ -23,12 +23,9 @@ class Scope:
     data_version: str = ""
     locale: str = ""
 
-    def key(self) -> str:
-        return _digest("scope", asdict(self))
-
     def partition(self, context_fingerprint: str) -> str:
         """The semantic index partition: scope plus the conversation's context."""
-        return _digest("partition", {**asdict(self), "context": context_fingerprint})
+        return digest("partition", {**asdict(self), "context": context_fingerprint})
 
     def as_dict(self) -> dict[str, str]:
         return asdict(self)
@@ -36,13 +33,11 @@ class Scope:
 
 def context_fingerprint(system_and_history: list, image_hashes: list[str]) -> str:
     """Digest of everything but the last user message: system prompt, tools, earlier turns, images."""
-    return _digest("context", {"messages": system_and_history, "images": image_hashes})
+    return digest("context", {"messages": system_and_history, "images": image_hashes})
 
 
-def _digest(kind: str, payload: dict) -> str:
+def digest(kind: str, payload: dict) -> str:
+    """SHA-256 of canonical JSON (sorted keys, no spaces), domain-separated by `kind`."""
     canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(f"strata-{kind}-v1|".encode() + canonical.encode()).hexdigest()
 
-
-def canonical_digest(kind: str, payload: dict) -> str:
-    return _digest(kind, payload)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import mlx.core as mx
 
@@ -21,11 +22,11 @@ from .prompt import PreparedPrompt, PromptImage
 
 @dataclass(frozen=True, slots=True)
 class PrefixReport:
-    status: str  # hit | miss | bypass
+    status: Literal["hit", "miss", "bypass"]
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
-    tier: str = ""  # ram | ssd | ram+ssd
-    reason: str = ""
+    tier: Literal["", "ram", "ssd", "ram+ssd"] = ""
+    reason: str = ""  # a bypass: "disabled", or "uncacheable:<cache classes>" (kvcache.Cacheability)
     num_ssd_tokens: int = 0  # of the reused tokens, promoted from SSD
 
 

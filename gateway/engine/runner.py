@@ -60,7 +60,7 @@ class ModelRunner:
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model type {config.model_type!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}")
         self.lm = self.model.language_model
-        self.num_cpu_attention_layers = install_cpu_prefill_attention(self.lm)
+        install_cpu_prefill_attention(self.lm)
         self.image_token_id = int(config.image_token_id)
         self.prompts = PromptBuilder(self.processor, self.image_token_id)
         self.tokenizer = self.processor.tokenizer

@@ -7,6 +7,11 @@ sequence, or that ends in an incomplete UTF-8 sequence, is held back until it is
 from __future__ import annotations
 
 
+# Tokens re-decoded together on every push: byte-level BPE decodes piecewise (a character's bytes may
+# span tokens), so a window is settled only once it decodes to whole characters.
+DECODE_WINDOW_TOKENS = 32
+
+
 class TextStream:
     def __init__(self, tokenizer, stop: tuple[str, ...]):
         self.tokenizer = tokenizer
@@ -24,7 +29,7 @@ class TextStream:
         self.num_tokens += 1
         self.window.append(token_id)
         self.text = self.settled_text + self.tokenizer.decode(self.window, skip_special_tokens=True)
-        if len(self.window) >= 32 and not self.text.endswith("\ufffd"):  # byte-level BPE decodes piecewise
+        if len(self.window) >= DECODE_WINDOW_TOKENS and not self.text.endswith("\ufffd"):
             self.settled_text, self.window = self.text, []
         cut = self._stop_position()
         if cut is not None:

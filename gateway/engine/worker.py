@@ -54,7 +54,6 @@ class Finished:
     finish_reason: str  # "stop" | "length"
     num_completion_tokens: int
     decode_ms: float
-    text: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,4 +182,4 @@ class EngineWorker:
         if tail := text.finish():
             job.send(Delta(tail))
         reason = "stop" if text.stopped or text.num_tokens < job.sampling.max_tokens else "length"
-        job.send(Finished(reason, text.num_tokens, (time.perf_counter() - start) * 1000, text.final_text))
+        job.send(Finished(reason, text.num_tokens, (time.perf_counter() - start) * 1000))

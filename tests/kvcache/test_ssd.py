@@ -30,7 +30,13 @@ def _spill(tier: SsdTier, *indices: int) -> None:
 
 
 def _file(tier: SsdTier, i: int):
-    return tier.segment_of(i.to_bytes(32, "big").hex())
+    segment = tier.blocks[i.to_bytes(32, "big").hex()].segment
+    return next(tier.folder.glob(f"*/{segment}.safetensors"))
+
+
+def _read(tier: SsdTier, i: int):
+    found = tier.read_chain([i.to_bytes(32, "big").hex()])
+    return found[0] if found else None
 
 
 def test_blocks_spilled_together_share_one_segment_file(tmp_path, monkeypatch):
@@ -51,7 +57,7 @@ def test_blocks_spilled_together_share_one_segment_file(tmp_path, monkeypatch):
 def test_spilled_block_reads_back_verified(tmp_path):
     tier = _tier(tmp_path)
     _spill(tier, 1)
-    tensors = tier.read((1).to_bytes(32, "big").hex())
+    tensors = _read(tier, 1)
     np.testing.assert_array_equal(tensors["0.v"], np.full((1, 2, 4, 8), -1, np.float32))
     assert tier.stats.num_spilled == 1 and tier.num_bytes == _file(tier, 1).stat().st_size
     assert not list(tier.folder.glob("*/.tmp-*"))
@@ -69,7 +75,7 @@ def test_damaged_file_is_quarantined_on_read(tmp_path, damage):
     else:
         raw = raw[: len(raw) // 2]
     path.write_bytes(bytes(raw))
-    assert tier.read((2).to_bytes(32, "big").hex()) is None
+    assert _read(tier, 2) is None
     assert tier.stats.num_quarantined == 1 and not path.exists()
     assert len(list((tmp_path / "kv" / "quarantine").iterdir())) == 1
     assert not tier.contains((2).to_bytes(32, "big").hex())
@@ -96,7 +102,7 @@ def test_reconcile_repairs_index_and_files(tmp_path):
     assert stats.num_temp_removed == 1 and stats.num_quarantined == 1
     assert stats.num_reindexed == 2  # blocks 2 and 3, verified from the files alone
     assert sorted(again.blocks) == sorted(i.to_bytes(32, "big").hex() for i in (2, 3))
-    assert again.read((3).to_bytes(32, "big").hex()) is not None
+    assert _read(again, 3) is not None
     again.close()
 
 
@@ -132,7 +138,7 @@ def test_capacity_evicts_least_recently_used_files_and_retention_expires_them(tm
     probe.close()
     tier = _tier(tmp_path, capacity_bytes=2 * size)
     _spill(tier, 1, 2)
-    tier.read((1).to_bytes(32, "big").hex())  # block 1 is used again: block 2 is now the LRU file
+    _read(tier, 1)  # block 1 is used again: block 2 is now the LRU file
     _spill(tier, 3)
     assert tier.contains((1).to_bytes(32, "big").hex()) and not tier.contains((2).to_bytes(32, "big").hex())
     assert tier.stats.num_evicted_files == 1 and tier.num_bytes <= 2 * size
