@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from .settings import SETTINGS, add_setting_flags
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description="Strata: a caching gateway for multimodal LLMs")
@@ -18,6 +20,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default="demo", help="'demo', 'tiny', a model folder, or a hub id")
     serve.add_argument("--data-dir", type=Path, default=Path(os.environ.get("STRATA_DATA_DIR", "strata-data")))
     serve.add_argument("--log-level", default="info")
+    add_setting_flags(serve)
     build = commands.add_parser("build-model", help="build a seeded random-init Qwen2.5-VL model folder")
     build.add_argument("--size", choices=("tiny", "demo"), default="tiny")
     build.add_argument("--out", type=Path, required=True)
@@ -46,7 +49,8 @@ def _serve(args: argparse.Namespace) -> int:
     os.umask(0o077)  # everything the server writes holds tenants' data: owner-only (gateway/files.py)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        settings = settings_from_env(args.model, args.data_dir, args.host, args.port)
+        flags = {s.field: getattr(args, s.field) for s in SETTINGS if s.flag}
+        settings = settings_from_env(args.model, args.data_dir, args.host, args.port, flags=flags)
     except ValueError as exc:
         print(f"strata: {exc}", file=sys.stderr)
         return 2

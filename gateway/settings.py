@@ -7,11 +7,24 @@ from __future__ import annotations
 
 import ipaddress
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+from typing import Any
+
+from kvcache.quant import QuantConfig
+from kvcache.ssd import AdmissionPolicy, SsdConfig
+from semantic import SemanticSettings
+
+from .engine import EngineConfig
 
 
 EXACT_STORES = ("sqlite", "memory", "off")
+
+
+def _default(config: type, name: str):
+    """A library's own default for one of its config fields: each default is written once, there."""
+    return next(f.default for f in fields(config) if f.name == name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,29 +55,29 @@ class Settings:
     model_name: str | None = None  # the id clients send; defaults to the folder name
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant
     admin_key: str | None = None
-    max_queue: int = 16  # waiting requests; more answer 429
+    max_queue: int = _default(EngineConfig, "max_queue")  # waiting requests; more answer 429
     request_timeout_s: float = 300.0  # server-side deadline of one request, queue wait included; then 504
     http_read_timeout_s: float = 30.0  # a request's headers and body must arrive within this; then closed
     keep_alive_s: int = 5  # idle keep-alive connections are closed after this
     max_connections: int = 256  # open connections; more are answered 503 by uvicorn
-    prefill_chunk_tokens: int = 512  # a multiple of kv_block_size
+    prefill_chunk_tokens: int = _default(EngineConfig, "prefill_chunk_tokens")  # a multiple of kv_block_size
     kv_block_size: int = 32  # tokens per prefix-cache block (README: how it was chosen)
     kv_budget_bytes: int | None = None  # RAM for prefix KV blocks; None = 25% of available RAM; 0 = off
     vision_budget_bytes: int = 256 << 20  # RAM for cached image features; 0 = off
-    ssd_capacity_bytes: int = 20 << 30  # KV blocks on disk under DATA_DIR/kv; 0 = no SSD tier
-    ssd_retention_s: float = 7 * 24 * 3600.0
-    ssd_min_hits: int = 1  # admission: spill only blocks reused at least this often
-    ssd_min_prefix_tokens: int = 0  # admission: only blocks at least this deep in a prefix
-    ssd_daily_write_bytes: int = 10 << 30  # admission: write budget per day
+    ssd_capacity_bytes: int = _default(SsdConfig, "capacity_bytes")  # KV blocks under DATA_DIR/kv; 0 = no SSD tier
+    ssd_retention_s: float = _default(SsdConfig, "retention_s")
+    ssd_min_hits: int = _default(AdmissionPolicy, "min_hits")  # admission: spill only blocks reused this often
+    ssd_min_prefix_tokens: int = _default(AdmissionPolicy, "min_prefix_tokens")  # only blocks this deep in a prefix
+    ssd_daily_write_bytes: int = _default(AdmissionPolicy, "daily_write_bytes")  # admission: write budget per day
     kv_quant_bits: int | None = None  # 8 or 4 quantises stored KV blocks (off by default)
-    kv_quant_min_tokens: int = 1024  # ... only blocks at least this deep in a prefix
+    kv_quant_min_tokens: int = _default(QuantConfig, "min_tokens")  # ... only blocks at least this deep in a prefix
     exact_store: str = "sqlite"  # sqlite (persistent, DATA_DIR/responses.db) | memory | off
     exact_ttl_s: float = 24 * 3600.0  # default entry lifetime; X-Strata-Cache-TTL overrides per request
     max_cache_ttl_s: float = 30 * 24 * 3600.0  # the largest X-Strata-Cache-TTL a client may ask for
     semantic_enabled: bool = True
-    semantic_threshold: float = 0.80  # cosine; tuned on evals/data/dev.jsonl
+    semantic_threshold: float = _default(SemanticSettings, "threshold")  # cosine; tuned on evals/data/dev.jsonl
     semantic_require_approved: bool = False  # serve only entries an admin approved
-    semantic_ttl_s: float = 7 * 24 * 3600.0
+    semantic_ttl_s: float = _default(SemanticSettings, "default_ttl_s")
     cache_nondeterministic: bool = False  # also cache sampled (temperature > 0, no seed) answers
     risk_patterns_file: Path | None = None  # None: semantic/risk_patterns.json
     allow_remote_images: bool = False  # http(s) image_url parts
@@ -121,52 +134,83 @@ def _exact_store(text: str) -> str:
     return text
 
 
-# environment variable -> (Settings field, parser); an unset or empty variable keeps the field's default
-ENVIRONMENT = {
-    "STRATA_MODEL_NAME": ("model_name", str),
-    "STRATA_API_KEYS": ("api_keys", parse_api_keys),
-    "STRATA_ADMIN_KEY": ("admin_key", str),
-    "STRATA_MAX_QUEUE": ("max_queue", int),
-    "STRATA_REQUEST_TIMEOUT_S": ("request_timeout_s", float),
-    "STRATA_HTTP_READ_TIMEOUT_S": ("http_read_timeout_s", float),
-    "STRATA_KEEP_ALIVE_S": ("keep_alive_s", int),
-    "STRATA_MAX_CONNECTIONS": ("max_connections", int),
-    "STRATA_KV_BLOCK_SIZE": ("kv_block_size", int),
-    "STRATA_KV_BUDGET_BYTES": ("kv_budget_bytes", int),
-    "STRATA_VISION_BUDGET_BYTES": ("vision_budget_bytes", int),
-    "STRATA_SSD_CAPACITY_BYTES": ("ssd_capacity_bytes", int),
-    "STRATA_SSD_MIN_HITS": ("ssd_min_hits", int),
-    "STRATA_SSD_MIN_PREFIX_TOKENS": ("ssd_min_prefix_tokens", int),
-    "STRATA_SSD_DAILY_WRITE_BYTES": ("ssd_daily_write_bytes", int),
-    "STRATA_KV_QUANT_BITS": ("kv_quant_bits", int),
-    "STRATA_EXACT_STORE": ("exact_store", _exact_store),
-    "STRATA_EXACT_TTL_S": ("exact_ttl_s", float),
-    "STRATA_MAX_CACHE_TTL_S": ("max_cache_ttl_s", float),
-    "STRATA_SEMANTIC": ("semantic_enabled", parse_flag),
-    "STRATA_SEMANTIC_THRESHOLD": ("semantic_threshold", float),
-    "STRATA_SEMANTIC_REQUIRE_APPROVED": ("semantic_require_approved", parse_flag),
-    "STRATA_CACHE_NONDETERMINISTIC": ("cache_nondeterministic", parse_flag),
-    "STRATA_RISK_PATTERNS_FILE": ("risk_patterns_file", Path),
-    "STRATA_ALLOW_REMOTE_IMAGES": ("allow_remote_images", parse_flag),
-    "STRATA_REMOTE_IMAGE_ALLOW": ("remote_image_allow", _cidrs),
-    "STRATA_REMOTE_IMAGE_TIMEOUT_S": ("remote_image_timeout_s", float),
-    "STRATA_FILE_IMAGES_UNDER": ("allow_file_images_under", Path),
-}
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One setting, declared once: the Settings field (and its default), the environment variable,
+    the `strata serve` flag (none for secrets: flags show in the process list), a parser, one line of help."""
+
+    field: str
+    env: str
+    parse: Callable[[str], Any]
+    help: str
+    secret: bool = False
+
+    @property
+    def flag(self) -> str | None:
+        return None if self.secret else "--" + self.field.replace("_", "-")
 
 
-def settings_from_env(model: str, data_dir: Path, host: str, port: int, env=None) -> Settings:
-    """Settings for `strata serve`: the CLI gives model and address, the environment the rest.
-    A value that does not parse raises ValueError naming its variable."""
+SETTINGS = (
+    Setting("model_name", "STRATA_MODEL_NAME", str, "the model id clients send (default: the model folder's name)"),
+    Setting("api_keys", "STRATA_API_KEYS", parse_api_keys, "key1:tenantA,key2:tenantB; unset: single-tenant", secret=True),
+    Setting("admin_key", "STRATA_ADMIN_KEY", str, "guards /admin/*; unset: admin routes answer 403", secret=True),
+    Setting("max_queue", "STRATA_MAX_QUEUE", int, "requests that may wait for the engine; more answer 429"),
+    Setting("request_timeout_s", "STRATA_REQUEST_TIMEOUT_S", float, "deadline of one request, queue wait included; then 504"),
+    Setting("http_read_timeout_s", "STRATA_HTTP_READ_TIMEOUT_S", float, "a request's headers and body must arrive within this"),
+    Setting("keep_alive_s", "STRATA_KEEP_ALIVE_S", int, "idle keep-alive connections are closed after this"),
+    Setting("max_connections", "STRATA_MAX_CONNECTIONS", int, "open connections; more are answered 503"),
+    Setting("kv_block_size", "STRATA_KV_BLOCK_SIZE", int, "tokens per prefix KV block"),
+    Setting("kv_budget_bytes", "STRATA_KV_BUDGET_BYTES", int, "RAM for prefix KV blocks (unset: 25% of available RAM; 0: off)"),
+    Setting("vision_budget_bytes", "STRATA_VISION_BUDGET_BYTES", int, "RAM for cached image features (0: off)"),
+    Setting("ssd_capacity_bytes", "STRATA_SSD_CAPACITY_BYTES", int, "byte cap of the KV SSD tier (0: no SSD tier)"),
+    Setting("ssd_min_hits", "STRATA_SSD_MIN_HITS", int, "spill only blocks reused at least this often in RAM"),
+    Setting("ssd_min_prefix_tokens", "STRATA_SSD_MIN_PREFIX_TOKENS", int, "spill only blocks at least this deep in a prefix"),
+    Setting("ssd_daily_write_bytes", "STRATA_SSD_DAILY_WRITE_BYTES", int, "the SSD tier's write budget per day"),
+    Setting("kv_quant_bits", "STRATA_KV_QUANT_BITS", int, "8 or 4: quantise stored KV blocks (unset: off)"),
+    Setting("exact_store", "STRATA_EXACT_STORE", _exact_store, "sqlite, memory or off"),
+    Setting("exact_ttl_s", "STRATA_EXACT_TTL_S", float, "default lifetime of exact entries"),
+    Setting("max_cache_ttl_s", "STRATA_MAX_CACHE_TTL_S", float, "the largest X-Strata-Cache-TTL a client may ask for"),
+    Setting("semantic_enabled", "STRATA_SEMANTIC", parse_flag, "the semantic layer (loads MiniLM at start-up)"),
+    Setting("semantic_threshold", "STRATA_SEMANTIC_THRESHOLD", float, "cosine threshold before the guards"),
+    Setting("semantic_require_approved", "STRATA_SEMANTIC_REQUIRE_APPROVED", parse_flag, "serve only approved semantic entries"),
+    Setting("cache_nondeterministic", "STRATA_CACHE_NONDETERMINISTIC", parse_flag, "also cache sampled answers (exact layer)"),
+    Setting("risk_patterns_file", "STRATA_RISK_PATTERNS_FILE", Path, "risk rules as JSON (default semantic/risk_patterns.json)"),
+    Setting("allow_remote_images", "STRATA_ALLOW_REMOTE_IMAGES", parse_flag, "accept http(s) image URLs"),
+    Setting("remote_image_allow", "STRATA_REMOTE_IMAGE_ALLOW", _cidrs, "CIDRs that may be fetched although not public"),
+    Setting("remote_image_timeout_s", "STRATA_REMOTE_IMAGE_TIMEOUT_S", float, "total deadline of one image fetch"),
+    Setting("allow_file_images_under", "STRATA_FILE_IMAGES_UNDER", Path, "accept file:// image URLs below this folder"),
+)
+
+
+def add_setting_flags(parser) -> None:
+    """One flag per non-secret setting on an argparse parser; its help names the variable and default."""
+    defaults = {f.name: f.default for f in fields(Settings)}
+    for setting in SETTINGS:
+        if setting.flag:
+            default = defaults[setting.field]
+            shown = "" if default is None or default is MISSING else f"; default {default}"
+            help_text = f"{setting.help} [{setting.env}{shown}]".replace("%", "%%")  # argparse formats help with %
+            parser.add_argument(setting.flag, dest=setting.field, metavar="VALUE", default=None, help=help_text)
+    secrets = "; ".join(f"{s.env}: {s.help}" for s in SETTINGS if s.secret)
+    parser.epilog = f"Flags beat the environment. Secrets come only from the environment: {secrets}."
+
+
+def settings_from_env(model: str, data_dir: Path, host: str, port: int, env=None, flags=None) -> Settings:
+    """Settings for `strata serve`: the CLI gives model and address; each setting comes from its flag,
+    else its environment variable, else the Settings default. A value that does not parse raises
+    ValueError naming its flag or variable."""
     env = os.environ if env is None else env
+    flags = flags or {}
     values = {}
-    for variable, (name, parse) in ENVIRONMENT.items():
-        text = env.get(variable, "")
+    for setting in SETTINGS:
+        source, text = (setting.flag, flags[setting.field]) if flags.get(setting.field) is not None \
+            else (setting.env, env.get(setting.env, ""))
         if not text.strip():
             continue
         try:
-            values[name] = parse(text.strip())
+            values[setting.field] = setting.parse(text.strip())
         except ValueError as exc:
-            raise ValueError(f"{variable}: {exc}") from None
+            raise ValueError(f"{source}: {exc}") from None
     try:
         return Settings(model=model, data_dir=Path(data_dir), host=host, port=port, **values)
     except ValueError as exc:

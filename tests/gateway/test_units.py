@@ -1,5 +1,6 @@
 """Small units: trace rendering, settings parsing, tenant salts, schema defaults."""
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -9,7 +10,7 @@ from gateway.auth import Authenticator, load_server_secret
 from gateway.errors import ApiError
 from gateway.schemas import parse_chat_request
 from gateway.engine.builder import builder_digest
-from gateway.settings import ENVIRONMENT, Limits, Settings, parse_api_keys, settings_from_env
+from gateway.settings import SETTINGS, Limits, Settings, parse_api_keys, settings_from_env
 from gateway.trace import HIT, LayerOutcome, Trace
 
 
@@ -84,7 +85,33 @@ def test_unset_variables_keep_the_defaults_declared_once(tmp_path):
 def test_the_readme_lists_every_environment_variable():
     readme = (Path(__file__).parent.parent.parent / "README.md").read_text()
     documented = set(re.findall(r"^\| `(STRATA_[A-Z_]+)", readme, re.M))
-    assert documented == set(ENVIRONMENT), (documented ^ set(ENVIRONMENT))
+    declared = {s.env for s in SETTINGS}
+    assert documented == declared, documented ^ declared
+
+
+def test_every_setting_names_a_real_field_once():
+    names = {f.name for f in dataclasses.fields(Settings)}
+    assert all(s.field in names for s in SETTINGS)
+    assert len({s.field for s in SETTINGS}) == len({s.env for s in SETTINGS}) == len(SETTINGS)
+
+
+def test_serve_help_lists_every_flag_and_keeps_secrets_off_the_command_line(capsys):
+    from gateway.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    shown = capsys.readouterr().out
+    for setting in SETTINGS:
+        assert setting.env in shown
+        assert (setting.flag is not None and setting.flag in shown) is not setting.secret
+
+
+def test_a_flag_beats_the_environment_and_its_errors_name_the_flag(tmp_path):
+    env = {"STRATA_MAX_QUEUE": "3"}
+    assert settings_from_env("demo", tmp_path, "h", 1, env, {"max_queue": "7"}).max_queue == 7
+    assert settings_from_env("demo", tmp_path, "h", 1, env, {"max_queue": None}).max_queue == 3
+    with pytest.raises(ValueError, match="--max-queue"):
+        settings_from_env("demo", tmp_path, "h", 1, env, {"max_queue": "seven"})
 
 
 def test_builder_digest_keys_the_cached_test_model():
