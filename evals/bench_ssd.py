@@ -113,7 +113,8 @@ def _block_read_mb_s(runner: ModelRunner, files: list[Path]) -> float:
     """Verified reads (open, read, parse, per-block checksum) of every block, from the disk."""
     drop_from_page_cache(files)
     ssd = runner.caches.prefix.ssd
-    chain = [h for name in sorted(ssd.segments, key=lambda n: ssd.segments[n].blocks[0]) for h in ssd.segments[name].blocks]
+    segments = ssd.index.segments
+    chain = [h for name in sorted(segments, key=lambda n: segments[n].blocks[0]) for h in segments[name].blocks]
     start = time.perf_counter()
     blocks = ssd.read_chain(chain)
     elapsed = time.perf_counter() - start

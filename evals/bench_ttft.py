@@ -25,7 +25,7 @@ from PIL import Image
 
 from gateway.engine import (CacheConfig, ImagePart, Message, ModelRunner, Sampler, Sampling, TextPart, model_fingerprint,
                             resolve_model_path)
-from kvcache import PrefixCache, TenantSalt
+from kvcache import PrefixCache, TenantSalt, chain_root, hash_blocks
 from vision import DecodedImage, pixel_hash
 
 REPLY_TOKENS = 24
@@ -146,31 +146,28 @@ def micro_costs() -> dict:
     tokens = list(np.random.default_rng(0).integers(0, 8000, 8192))
     for block_size in (16, 32, 64, 128):
         cache = PrefixCache(8 << 30, block_size)
-        root = cache.root(SALT, "bench")
+        root = chain_root(SALT, f"bench|block={block_size}")
         start = time.perf_counter()
         for _ in range(5):
-            hashes = cache.hash(tokens, root)
+            hash_blocks(tokens, block_size, root)
         out["hash_ns_per_token"][block_size] = (time.perf_counter() - start) / 5 / len(tokens) * 1e9
         kv = [(mx.random.normal((1, heads, 8192, dim)), mx.random.normal((1, heads, 8192, dim))) for _ in range(layers)]
-        session = cache.open(hashes)
-        session.match(8192)
-        session.store(hashes, kv, 8192)
-        out["gather_ms"][block_size] = {n: _gather_ms(session, n) for n in (2048, 8192)}
-        out.setdefault("store_ms_8k", {})[block_size] = _store_ms(cache, hashes, kv)
-        session.close()
+        with cache.open(SALT, "bench", tokens) as session:
+            session.match(8192)
+            session.store(tokens, kv, 8192)
+            out["gather_ms"][block_size] = {n: _gather_ms(session, n) for n in (2048, 8192)}
+        out.setdefault("store_ms_8k", {})[block_size] = _store_ms(cache, tokens, kv)
     out["shared_prompt"] = shared_prompt_bytes(layers, heads, dim)
     return out
 
 
-def _store_ms(cache: PrefixCache, hashes, kv) -> float:
+def _store_ms(cache: PrefixCache, tokens, kv) -> float:
     """Cost of caching 8k tokens of KV as new blocks (slice + copy + pool insert)."""
     fresh = PrefixCache(8 << 30, cache.block_size)
-    session = fresh.open(hashes)
-    start = time.perf_counter()
-    session.store(hashes, kv, 8192)
-    elapsed = (time.perf_counter() - start) * 1000
-    session.close()
-    return elapsed
+    with fresh.open(SALT, "bench", tokens) as session:
+        start = time.perf_counter()
+        session.store(tokens, kv, 8192)
+        return (time.perf_counter() - start) * 1000
 
 
 def _gather_ms(session, num_tokens: int) -> float:
@@ -184,15 +181,13 @@ def _gather_ms(session, num_tokens: int) -> float:
 
 def shared_prompt_bytes(layers: int, heads: int, dim: int, sessions: int = 100) -> dict:
     cache = PrefixCache(8 << 30, 64)
-    root = cache.root(SALT, "bench")
     system = list(range(1000))
     for index in range(sessions):
         tokens = system + [5000 + index] * 100
         kv = [(mx.zeros((1, heads, len(tokens), dim)), mx.zeros((1, heads, len(tokens), dim))) for _ in range(layers)]
-        session = cache.open(cache.hash(tokens, root))
-        session.match(len(tokens))
-        session.store(session.hashes, kv, len(tokens))
-        session.close()
+        with cache.open(SALT, "bench", tokens) as session:
+            session.match(len(tokens))
+            session.store(tokens, kv, len(tokens))
     per_token = layers * 2 * heads * dim * 4
     unshared = sessions * (1100 // 64 * 64) * per_token
     return {"sessions": sessions, "held_bytes": cache.pool.num_bytes, "unshared_bytes": unshared,

@@ -23,13 +23,14 @@ class ExtraSpan:
 
 
 def hash_blocks(token_ids: Sequence[int], block_size: int, root: BlockHash,
-                spans: Sequence[ExtraSpan] = ()) -> list[BlockHash]:
-    """Chained hashes of every full block of `token_ids`, starting from `root`."""
+                spans: Sequence[ExtraSpan] = (), first_block: int = 0) -> list[BlockHash]:
+    """Chained hashes of the full blocks of `token_ids` from block `first_block` on; `root` is the
+    parent of that block (the chain root for block 0, else the previous block's hash)."""
     raw = token_bytes(token_ids)
     width = block_size * 4
     hashes: list[BlockHash] = []
     parent = root
-    for index in range(len(token_ids) // block_size):
+    for index in range(first_block, len(token_ids) // block_size):
         begin, end = index * block_size, (index + 1) * block_size
         extra = b"".join(s.key for s in spans if s.start < end and s.end > begin)
         parent = block_hash(parent, raw[index * width:(index + 1) * width], extra)

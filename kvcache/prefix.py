@@ -1,9 +1,12 @@
 """Prefix caching policy: find the longest cached prefix, gather it, store new blocks.
 
-    PrefixCache.open(hashes) -> PrefixSession        one per request; close() exactly once
+    PrefixCache.open(salt, model, token_ids, spans) -> PrefixSession   one per request; a context manager
     session.match(num_prompt_tokens) -> PrefixMatch  longest cached prefix (first missing block ends it)
     session.gather(num_tokens) -> [(keys, values)]   per layer, ready to seed a KV cache
-    session.store(hashes, layer_states, num_tokens)  cache the full blocks of the first num_tokens
+    session.store(token_ids, layer_states, num_tokens)   cache the full blocks of the first num_tokens
+
+The session owns its chain: it derives the tenant-salted root and the block hashes from the tokens,
+and extends the chain itself when `store` is given more tokens (the prompt plus the reply).
 
 A session holds a reference on every block it matched or stored, so nothing it uses can be evicted
 under it; close() releases them last-block-first, which leaves a chain's tail older in the LRU
@@ -80,7 +83,7 @@ class PrefixCache:
         if self.ssd.admits(block.num_hits, block.end_token):
             self.ssd.offer(_spill_request(block, self.block_size))
         else:
-            self.ssd.stats.num_not_admitted += 1
+            self.ssd.refused()
 
     def persist(self) -> int:
         """Offer every admissible RAM block to the SSD tier (at shutdown). Returns how many."""
@@ -91,25 +94,33 @@ class PrefixCache:
             self.ssd.offer(_spill_request(block, self.block_size))
         return len(blocks)
 
-    def root(self, salt: TenantSalt, model_fingerprint: str) -> BlockHash:
-        return chain_root(salt, f"{model_fingerprint}|block={self.block_size}")
-
-    def hash(self, token_ids: Sequence[int], root: BlockHash, spans: Sequence[ExtraSpan] = ()) -> list[BlockHash]:
-        return hash_blocks(token_ids, self.block_size, root, spans)
-
-    def open(self, hashes: Sequence[BlockHash], root: BlockHash | None = None) -> PrefixSession:
-        return PrefixSession(self, list(hashes), root)
+    def open(self, salt: TenantSalt, model_fingerprint: str, token_ids: Sequence[int],
+             spans: Sequence[ExtraSpan] = ()) -> PrefixSession:
+        root = chain_root(salt, f"{model_fingerprint}|block={self.block_size}")
+        return PrefixSession(self, root, tuple(token_ids), tuple(spans))
 
 
 class PrefixSession:
-    def __init__(self, cache: PrefixCache, hashes: list[BlockHash], root: BlockHash | None):
+    """Invariant: hashes == hash_blocks(token_ids, block size, root, spans); held[i] is the block of
+    hashes[i], acquired once, for i < len(held)."""
+
+    def __init__(self, cache: PrefixCache, root: BlockHash, token_ids: tuple[int, ...], spans: tuple[ExtraSpan, ...]):
         self.cache = cache
         self.pool = cache.pool
-        self.hashes = hashes
         self.root = root
-        self.scope = root.hex()[:16] if root else ""
-        self.held: list[Block] = []  # blocks [0, len(held)) of the chain, each acquired once
+        self.spans = spans
+        self.token_ids = token_ids
+        self.hashes = hash_blocks(token_ids, cache.block_size, root, spans)
+        self.scope = root.hex()[:16]
+        self.held: list[Block] = []
         self.closed = False
+
+    def __enter__(self) -> PrefixSession:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if not self.closed:
+            self.close()
 
     def match(self, num_prompt_tokens: int) -> PrefixMatch:
         """Walk the chain in RAM, then continue the same chain on SSD; the first miss ends it."""
@@ -176,14 +187,13 @@ class PrefixSession:
             layers.append((keys, values))
         return layers
 
-    def store(self, hashes: Sequence[BlockHash], layer_states: Sequence[tuple[mx.array, mx.array]], num_tokens: int) -> int:
-        """Cache every full block of the first `num_tokens` tokens that this session does not hold.
-        `hashes` must extend the session's chain (a longer sequence with the same prefix)."""
+    def store(self, token_ids: Sequence[int], layer_states: Sequence[tuple[mx.array, mx.array]], num_tokens: int) -> int:
+        """Cache every full block of the first `num_tokens` of `token_ids` that this session does not
+        hold. `token_ids` is the session's tokens or a continuation of them (the prompt and the reply)."""
+        self._extend(tuple(token_ids[:num_tokens]))
         size = self.cache.block_size
-        num_blocks = min(num_tokens // size, len(hashes))
-        assert all(b.block_hash == h for b, h in zip(self.held, hashes)), "store() on a different chain"
+        num_blocks = min(num_tokens // size, len(self.hashes))
         new_arrays, num_new = [], 0
-        self.hashes = list(hashes)
         for index in range(len(self.held), num_blocks):
             block, created = self._block_for(index, layer_states)
             if block is None:
@@ -194,6 +204,17 @@ class PrefixSession:
                 num_new += 1
         mx.eval(new_arrays)  # copy the new blocks out now, so the request's cache buffers can be freed
         return num_new
+
+    def _extend(self, token_ids: tuple[int, ...]) -> None:
+        """Grow the chain to cover `token_ids`, hashing only the blocks it does not have yet."""
+        shared = min(len(token_ids), len(self.token_ids))
+        assert token_ids[:shared] == self.token_ids[:shared], "store() with tokens that do not continue the session's"
+        if len(token_ids) <= len(self.token_ids):
+            return
+        known = len(self.hashes)
+        parent = self.hashes[-1] if known else self.root
+        self.hashes += hash_blocks(token_ids, self.cache.block_size, parent, self.spans, first_block=known)
+        self.token_ids = token_ids
 
     def _block_for(self, index: int, layer_states) -> tuple[Block | None, bool]:
         existing = self.pool.get(self.hashes[index])

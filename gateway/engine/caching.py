@@ -43,8 +43,7 @@ class VisionReport:
 class PrefixPlan:
     """One request's prefix-cache state, from lookup to the final store."""
 
-    session: PrefixSession  # holds the chain's root and hashes
-    spans: tuple[ExtraSpan, ...]
+    session: PrefixSession  # owns the chain: root, hashes, image spans
     num_cached_tokens: int
 
 
@@ -72,13 +71,11 @@ class EngineCaches:
         verdict = cacheability(kv_cache)
         if not verdict.ok:
             return None, PrefixReport("bypass", num_prompt_tokens=prompt.num_tokens, reason=verdict.reason)
-        root = self.prefix.root(salt, self.model_fingerprint)
         spans = tuple(ExtraSpan(i.token_start, i.token_start + i.num_tokens, self._image_key(i, salt).encode())
                       for i in prompt.images)
-        hashes = self.prefix.hash(prompt.token_ids, root, spans)
-        session = self.prefix.open(hashes, root)
+        session = self.prefix.open(salt, self.model_fingerprint, prompt.token_ids, spans)
         match = session.match(prompt.num_tokens)
-        plan = PrefixPlan(session, spans, match.num_cached_tokens)
+        plan = PrefixPlan(session, match.num_cached_tokens)
         status = "hit" if match.num_cached_tokens else "miss"
         ssd_tokens = min(match.num_ssd_tokens, match.num_cached_tokens)
         return plan, PrefixReport(status, match.num_cached_tokens, prompt.num_tokens, match.tier, "", ssd_tokens)
@@ -92,9 +89,10 @@ class EngineCaches:
                              "num_bytes": pool.num_bytes, "budget_bytes": pool.budget_bytes}
             if self.prefix.ssd is not None:
                 ssd = self.prefix.ssd
-                out["ssd"] = {**asdict(ssd.stats), "num_files": len(ssd.segments), "num_blocks": len(ssd.blocks),
-                              "num_bytes": ssd.num_bytes,
-                              "queue_depth": ssd.pending.qsize()}
+                snapshot = ssd.snapshot()
+                out["ssd"] = {**asdict(snapshot.stats), "num_files": snapshot.num_files,
+                              "num_blocks": snapshot.num_blocks, "num_bytes": snapshot.num_bytes,
+                              "queue_depth": snapshot.queue_depth}
         if self.vision is not None:
             out["vision"] = {**asdict(self.vision.stats), "num_entries": len(self.vision.entries),
                              "num_bytes": self.vision.num_bytes}
@@ -108,10 +106,7 @@ class EngineCaches:
 
     def store(self, plan: PrefixPlan, token_ids: tuple[int, ...], kv_cache: list, num_tokens: int) -> None:
         """Cache the full blocks of token_ids[:num_tokens] (a prompt, or prompt + generated tokens)."""
-        hashes = plan.session.hashes
-        if num_tokens // self.prefix.block_size > len(hashes):  # generated tokens completed a block
-            hashes = self.prefix.hash(token_ids[:num_tokens], plan.session.root, plan.spans)
-        plan.session.store(hashes, [c.state for c in kv_cache], num_tokens)
+        plan.session.store(token_ids, [c.state for c in kv_cache], num_tokens)
 
     # -- vision ------------------------------------------------------------------------------
 

@@ -117,9 +117,9 @@ def test_kill_9_during_heavy_spilling_then_restart(tiny_model_path, tmp_path, co
     child.wait(10)
     runner = _runner(tiny_model_path, folder)  # reconcile runs here
     ssd = runner.caches.prefix.ssd
-    assert ssd.stats.num_quarantined == 0 and len(ssd.segments) >= 10
+    assert ssd.stats.num_quarantined == 0 and ssd.snapshot().num_files >= 10
     assert not list(folder.glob("*/*/.tmp-*"))
-    assert all(len(ssd.read_chain([h])) == 1 for h in list(ssd.blocks))  # every indexed block is whole
+    assert all(len(ssd.read_chain([h])) == 1 for h in list(ssd.index.blocks))  # every indexed block is whole
     logits, tokens, _ = _run(runner, TEXT)
     _assert_same_as_cold((logits, tokens), cold_result)
     runner.caches.shutdown(10)

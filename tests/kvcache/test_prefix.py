@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from kvcache import PrefixCache, TenantSalt, cacheability
+from kvcache.chain import hash_blocks
 
 BS = 16
 LAYERS, HEADS, DIM = 2, 2, 8
@@ -17,11 +18,10 @@ def _kv_for(tokens):
     return [(rows + layer, rows - layer) for layer in range(LAYERS)]
 
 
-def _store(cache, root, tokens):
-    session = cache.open(cache.hash(tokens, root))
-    session.match(len(tokens))
-    session.store(session.hashes, _kv_for(tokens), len(tokens))
-    session.close()
+def _store(cache, salt, tokens):
+    with cache.open(salt, "model", tokens) as session:
+        session.match(len(tokens))
+        session.store(tokens, _kv_for(tokens), len(tokens))
 
 
 @pytest.fixture
@@ -29,14 +29,14 @@ def cache():
     return PrefixCache(budget_bytes=1 << 30, block_size=BS)
 
 
-ROOT_A = PrefixCache(1, BS).root(TenantSalt(b"a" * 32), "model")
+SALT_A = TenantSalt(b"a" * 32)
 
 
 def test_supersequence_match_reuses_every_full_block_of_the_shorter_prompt(cache):
     stored = list(range(100))
-    _store(cache, ROOT_A, stored)
+    _store(cache, SALT_A, stored)
     query = stored[:50]
-    session = cache.open(cache.hash(query, ROOT_A))
+    session = cache.open(SALT_A, "model", query)
     match = session.match(len(query))
     assert (match.num_matched_tokens, match.num_cached_tokens, match.tier) == (48, 48, "ram")
     keys, values = session.gather(match.num_cached_tokens)[1]
@@ -47,17 +47,17 @@ def test_supersequence_match_reuses_every_full_block_of_the_shorter_prompt(cache
 
 
 def test_longest_common_prefix_ends_at_the_first_missing_block(cache):
-    _store(cache, ROOT_A, list(range(100)))
+    _store(cache, SALT_A, list(range(100)))
     query = list(range(40)) + [999] * 30  # diverges inside block 2 (tokens 32-47)
-    session = cache.open(cache.hash(query, ROOT_A))
+    session = cache.open(SALT_A, "model", query)
     assert session.match(len(query)).num_cached_tokens == 32
     session.close()
 
 
 def test_fully_cached_prompt_still_recomputes_its_last_token(cache):
     tokens = list(range(64))
-    _store(cache, ROOT_A, tokens)
-    session = cache.open(cache.hash(tokens, ROOT_A))
+    _store(cache, SALT_A, tokens)
+    session = cache.open(SALT_A, "model", tokens)
     match = session.match(len(tokens))
     assert (match.num_matched_tokens, match.num_cached_tokens) == (64, 63)
     keys, _ = session.gather(63)[0]
@@ -67,9 +67,8 @@ def test_fully_cached_prompt_still_recomputes_its_last_token(cache):
 
 def test_other_tenant_never_matches(cache):
     tokens = list(range(64))
-    _store(cache, ROOT_A, tokens)
-    root_b = cache.root(TenantSalt(b"b" * 32), "model")
-    session = cache.open(cache.hash(tokens, root_b))
+    _store(cache, SALT_A, tokens)
+    session = cache.open(TenantSalt(b"b" * 32), "model", tokens)
     assert session.match(len(tokens)).num_cached_tokens == 0
     session.close()
 
@@ -78,7 +77,7 @@ def test_hundred_conversations_share_one_copy_of_the_system_prompt_by_bytes(cach
     system = list(range(1000))
     before = mx.get_active_memory()
     for conversation in range(100):
-        _store(cache, ROOT_A, system + [5000 + conversation] * 100)
+        _store(cache, SALT_A, system + [5000 + conversation] * 100)
     block_bytes = LAYERS * 2 * HEADS * BS * DIM * 4
     shared_blocks, own_blocks = 1000 // BS, 1100 // BS - 1000 // BS
     assert cache.pool.num_bytes == (shared_blocks + 100 * own_blocks) * block_bytes
@@ -91,15 +90,17 @@ def test_hundred_conversations_share_one_copy_of_the_system_prompt_by_bytes(cach
 
 def test_store_continues_a_chain_with_generated_tokens(cache):
     prompt = list(range(40))
-    session = cache.open(cache.hash(prompt, ROOT_A))
+    session = cache.open(SALT_A, "model", prompt)
     session.match(len(prompt))
-    session.store(session.hashes, _kv_for(prompt), len(prompt))
+    session.store(prompt, _kv_for(prompt), len(prompt))
     assert len(session.held) == 2
     sequence = prompt + [7] * 30
-    session.store(cache.hash(sequence, ROOT_A), _kv_for(sequence), len(sequence))
-    assert len(session.held) == 4
+    session.store(sequence, _kv_for(sequence), len(sequence))
+    assert len(session.held) == 4 and session.hashes == hash_blocks(sequence, BS, session.root)
+    with pytest.raises(AssertionError):
+        session.store(prompt + [8] * 30, _kv_for(sequence), len(sequence))  # not a continuation
     session.close()
-    follow_up = cache.open(cache.hash(sequence + [1, 2, 3], ROOT_A))
+    follow_up = cache.open(SALT_A, "model", sequence + [1, 2, 3])
     assert follow_up.match(73).num_cached_tokens == 64
     follow_up.close()
 
@@ -119,20 +120,20 @@ def test_promotion_that_cannot_reserve_ram_recomputes_and_counts(tmp_path):
     ssd = SsdTier(SsdConfig(tmp_path / "kv", admission=AdmissionPolicy(min_hits=0)), "ns")
     writer = PrefixCache(1 << 30, BS, ssd)
     tokens = list(range(64))
-    _store(writer, ROOT_A, tokens)
+    _store(writer, SALT_A, tokens)
     writer.persist()
     ssd.drain(10)
     block_bytes = LAYERS * 2 * HEADS * BS * DIM * 4
     tight = PrefixCache(block_bytes, BS, ssd)  # room for one block, but four are on disk
-    held = tight.open(tight.hash(list(range(1000, 1016)), ROOT_A))
+    held = tight.open(SALT_A, "model", list(range(1000, 1016)))
     held.match(16)
-    held.store(held.hashes, _kv_for(list(range(1000, 1016))), 16)  # the only slot, and in use
-    session = tight.open(tight.hash(tokens, ROOT_A), ROOT_A)
+    held.store(list(range(1000, 1016)), _kv_for(list(range(1000, 1016))), 16)  # the only slot, and in use
+    session = tight.open(SALT_A, "model", tokens)
     match = session.match(len(tokens))
     assert match.num_cached_tokens == 0 and tight.stats.num_promotion_failures == 1
     session.close()
     held.close()
-    again = tight.open(tight.hash(tokens[:16] + [5] * 4, ROOT_A), ROOT_A)
+    again = tight.open(SALT_A, "model", tokens[:16] + [5] * 4)
     assert again.match(20).num_ssd_tokens == 16  # with the slot free, the first block is promoted
     again.close()
     ssd.close()

@@ -30,7 +30,7 @@ def _spill(tier: SsdTier, *indices: int) -> None:
 
 
 def _file(tier: SsdTier, i: int):
-    segment = tier.blocks[i.to_bytes(32, "big").hex()].segment
+    segment = tier.index.blocks[i.to_bytes(32, "big").hex()].segment
     return next(tier.folder.glob(f"*/{segment}.safetensors"))
 
 
@@ -59,7 +59,7 @@ def test_spilled_block_reads_back_verified(tmp_path):
     _spill(tier, 1)
     tensors = _read(tier, 1)
     np.testing.assert_array_equal(tensors["0.v"], np.full((1, 2, 4, 8), -1, np.float32))
-    assert tier.stats.num_spilled == 1 and tier.num_bytes == _file(tier, 1).stat().st_size
+    assert tier.stats.num_spilled == 1 and tier.index.num_bytes == _file(tier, 1).stat().st_size
     assert not list(tier.folder.glob("*/.tmp-*"))
     tier.close()
 
@@ -101,7 +101,7 @@ def test_reconcile_repairs_index_and_files(tmp_path):
     stats = again.stats
     assert stats.num_temp_removed == 1 and stats.num_quarantined == 1
     assert stats.num_reindexed == 2  # blocks 2 and 3, verified from the files alone
-    assert sorted(again.blocks) == sorted(i.to_bytes(32, "big").hex() for i in (2, 3))
+    assert sorted(again.index.blocks) == sorted(i.to_bytes(32, "big").hex() for i in (2, 3))
     assert _read(again, 3) is not None
     again.close()
 
@@ -127,23 +127,23 @@ def test_failing_disk_is_counted_and_leaves_no_partial_file(tmp_path, monkeypatc
     tier.drain(10)
     assert tier.stats.num_write_errors == 1 and tier.stats.num_spilled == 0
     assert not list(tier.folder.glob("*/*"))
-    assert not tier.contains((5).to_bytes(32, "big").hex()) and tier.num_bytes == 0
+    assert not tier.contains((5).to_bytes(32, "big").hex()) and tier.index.num_bytes == 0
     tier.close()
 
 
 def test_capacity_evicts_least_recently_used_files_and_retention_expires_them(tmp_path):
     probe = _tier(tmp_path / "probe")
     _spill(probe, 1)
-    size = probe.num_bytes
+    size = probe.index.num_bytes
     probe.close()
     tier = _tier(tmp_path, capacity_bytes=2 * size)
     _spill(tier, 1, 2)
     _read(tier, 1)  # block 1 is used again: block 2 is now the LRU file
     _spill(tier, 3)
     assert tier.contains((1).to_bytes(32, "big").hex()) and not tier.contains((2).to_bytes(32, "big").hex())
-    assert tier.stats.num_evicted_files == 1 and tier.num_bytes <= 2 * size
+    assert tier.stats.num_evicted_files == 1 and tier.index.num_bytes <= 2 * size
     tier._enforce_capacity(now=time.time() + 8 * 24 * 3600)
-    assert tier.stats.num_expired_files == 2 and not tier.blocks
+    assert tier.stats.num_expired_files == 2 and not tier.index.blocks
     tier.close()
 
 
@@ -191,6 +191,6 @@ def test_reconcile_verifies_checksums_of_files_the_index_lacks(tmp_path):
     (tier.folder / "index.sqlite").unlink()
     again = _tier(tmp_path)
     assert again.stats.num_quarantined == 1 and again.stats.num_reindexed == 1
-    assert sorted(again.blocks) == [(1).to_bytes(32, "big").hex()]
+    assert sorted(again.index.blocks) == [(1).to_bytes(32, "big").hex()]
     assert not damaged.exists()
     again.close()

@@ -1,0 +1,120 @@
+"""The SSD tier's file format: pure functions, no state.
+
+    encode(namespace, blocks) -> bytes            one safetensors segment of up to SEGMENT_BLOCKS blocks
+    verified_blocks(raw, namespace) -> ({hash: tensors}, problem)   XXH3-128 checked, up to the first bad block
+    write_atomically(path, payload)               temp file in the same folder, fsync, os.replace
+
+A segment is a safetensors file: tensors named "<block hash hex>/<tensor name>", and metadata with the
+format version, the namespace (model fingerprint, block size, quantisation), and per block its hash,
+parent hash, token count, tenant scope and checksum. A reader sees a whole file or none: a torn file
+can only be a temp file (".tmp-*"), never a segment name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import xxhash
+from safetensors.numpy import save as save_tensors
+
+FORMAT_VERSION = "2"
+SEGMENT_BLOCKS = 16  # blocks spilled together share a file: reads within 2x of the raw disk (README)
+PRIVATE_DIR_MODE, PRIVATE_FILE_MODE = 0o700, 0o600  # blocks hold tenants' prompts: owner-only
+TEMP_PREFIX = ".tmp-"
+
+
+@dataclass(frozen=True, slots=True)
+class SpillRequest:
+    block_hash: bytes
+    parent_hash: bytes
+    num_tokens: int
+    tenant_scope: str
+    tensors: dict[str, np.ndarray] = field(repr=False)
+
+
+def encode(namespace: str, requests: list[SpillRequest]) -> bytes:
+    described, tensors = [], {}
+    for request in requests:
+        hex_hash = request.block_hash.hex()
+        described.append({"hash": hex_hash, "parent": request.parent_hash.hex(), "num_tokens": request.num_tokens,
+                          "scope": request.tenant_scope, "checksum": tensor_checksum(request.tensors)})
+        tensors.update({f"{hex_hash}/{key}": value for key, value in request.tensors.items()})
+    metadata = {"format_version": FORMAT_VERSION, "namespace": namespace, "blocks": json.dumps(described)}
+    return save_tensors(tensors, metadata=metadata)
+
+
+def verified_blocks(raw: bytes, namespace: str,
+                    wanted: list[str] | None = None) -> tuple[dict[str, dict[str, np.ndarray]], str | None]:
+    """The blocks of a segment (the `wanted` ones in order, or all), each checksum-verified, up to the
+    first that fails; and what failed (None: nothing). Unreadable files and other formats or
+    namespaces fail before any block."""
+    try:
+        tensors, meta = parse(raw)
+        described = {block["hash"]: block for block in json.loads(meta.get("blocks", "[]"))}
+    except Exception as exc:  # noqa: BLE001 - JSON, header and dtype errors alike mean unreadable
+        return {}, f"unreadable: {type(exc).__name__}"
+    if meta.get("format_version") != FORMAT_VERSION or meta.get("namespace") != namespace:
+        return {}, "another format or namespace"
+    by_block: dict[str, dict[str, np.ndarray]] = {}
+    for key, value in tensors.items():
+        block, _, tensor = key.partition("/")
+        by_block.setdefault(block, {})[tensor] = value
+    verified = {}
+    for hex_hash in described if wanted is None else wanted:
+        mine = by_block.get(hex_hash, {})
+        if hex_hash not in described or described[hex_hash]["checksum"] != tensor_checksum(mine):
+            return verified, f"checksum mismatch in block {hex_hash[:12]}"
+        verified[hex_hash] = mine
+    return verified, None
+
+
+def write_atomically(path: Path, payload: bytes) -> None:
+    path.parent.mkdir(mode=PRIVATE_DIR_MODE, exist_ok=True)
+    temp = path.with_name(f"{TEMP_PREFIX}{uuid.uuid4().hex}")
+    try:
+        with os.fdopen(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE), "wb") as out:
+            out.write(payload)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temp, path)
+    except OSError:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def tensor_checksum(tensors: dict[str, np.ndarray]) -> str:
+    """XXH3-128 over names, dtypes, shapes and bytes: it detects torn and flipped files at ~10 GB/s
+    (SHA-256 took 8x longer per block read). It guards against corruption, not against an attacker
+    who can write the data dir, who could rewrite the checksum as well."""
+    digest = xxhash.xxh3_128()
+    for name in sorted(tensors):
+        array = np.ascontiguousarray(tensors[name])
+        digest.update(f"{name}|{array.dtype.str}|{array.shape}|".encode())
+        digest.update(memoryview(array).cast("B"))
+    return digest.hexdigest()
+
+
+_DTYPES = {"F32": np.float32, "F16": np.float16, "U32": np.uint32, "I32": np.int32, "U8": np.uint8}
+
+
+def parse(raw: bytes) -> tuple[dict[str, np.ndarray], dict]:
+    """A safetensors file's tensors (zero-copy views of `raw`) and metadata; raises ValueError."""
+    header_len = int.from_bytes(raw[:8], "little")
+    if header_len <= 0 or 8 + header_len > len(raw):
+        raise ValueError("bad safetensors header length")
+    header = json.loads(raw[8:8 + header_len])
+    metadata = header.pop("__metadata__", {})
+    base, tensors = 8 + header_len, {}
+    for name, info in header.items():
+        dtype = _DTYPES.get(info["dtype"])
+        begin, end = info["data_offsets"]
+        if dtype is None or base + end > len(raw):
+            raise ValueError(f"tensor {name} is truncated or of an unknown dtype")
+        tensors[name] = np.frombuffer(raw, dtype=dtype, count=(end - begin) // np.dtype(dtype).itemsize,
+                                      offset=base + begin).reshape(info["shape"])
+    return tensors, metadata
