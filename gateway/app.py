@@ -1,4 +1,4 @@
-"""The Litestar app: routes, lifespan, and the one place HTTP meets the layers.
+"""The Litestar app: routes and lifespan only; a request's way through the layers is pipeline.py.
 
     POST /v1/chat/completions   OpenAI chat completions (JSON or SSE)
     GET  /v1/models             the served model
@@ -23,17 +23,20 @@ from litestar.response import Stream
 
 from .auth import Authenticator, load_server_secret
 from .blas import blas_in_use
-from .chat import ChatService, Completion
+from . import openai_format
+from .chat import ChatService
+from .openai_format import ModelStamp
+from .pipeline import OFF_LOOP_BYTES, Pipeline
 from kvcache import default_budget_bytes
 from kvcache.quant import QuantConfig
 from kvcache.ssd import AdmissionPolicy, SsdConfig
-from semantic import Answer, Embedder
+from semantic import Embedder
 
 from .engine import CacheConfig, Engine, EngineConfig, resolve_model_path
 from .admin import ADMIN_CACHE_ROUTES, require_admin
 from .errors import EXCEPTION_HANDLERS
 from .files import private_dir
-from .responses import RequestContext, ResponseCaches
+from .responses import ResponseCaches
 from .schemas import parse_chat_request, parse_json_body
 from .settings import Settings
 from .stats import LayerCounters
@@ -41,7 +44,6 @@ from .trace import Trace
 
 log = logging.getLogger("strata")
 VERSION = "0.1.0"
-OFF_LOOP_BYTES = 64 * 1024  # bodies above this are parsed and canonicalised in a worker thread
 
 
 @dataclass(slots=True)
@@ -49,9 +51,10 @@ class Services:
     settings: Settings
     engine: Engine
     auth: Authenticator
-    chat: ChatService
+    pipeline: Pipeline
     counters: LayerCounters
     responses: ResponseCaches
+    stamp: ModelStamp
 
 
 def _services(request: Request) -> Services:
@@ -61,49 +64,24 @@ def _services(request: Request) -> Services:
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request) -> Response:
     services = _services(request)
-    settings = services.settings
-    deadline = anyio.current_time() + settings.request_timeout_s
     caller = services.auth.caller(request.headers.get("authorization"))
     raw = await request.body()
-    chat_request = await _off_loop(len(raw), _parse, raw, settings.limits)
-    services.chat.check_model(chat_request)
-    trace = Trace()
-    with trace.timed("prepare"):
-        images = await services.chat.load_images(chat_request)
-        ctx = await _off_loop(len(raw), services.responses.context, chat_request, caller, request.headers, images)
-    cached = await services.responses.lookup(ctx, trace)
-    if cached is not None:
-        prompt_tokens = cached.prompt_tokens or (await services.chat.prepare(chat_request, images)).num_tokens
-        run = services.chat.replay(cached, prompt_tokens, trace)
-    else:
-        with trace.timed("prepare"):
-            prompt = await services.chat.prepare(chat_request, images)
-        run = await services.chat.start(prompt, chat_request, caller, trace, deadline)
-        run.on_complete = partial(_store, services.responses, ctx)
+    parse = partial(_parse, raw, services.settings.limits)
+    chat_request = parse() if len(raw) <= OFF_LOOP_BYTES else await anyio.to_thread.run_sync(parse)
+    turn = await services.pipeline.start(chat_request, caller, request.headers, len(raw))
     if chat_request.stream:
-        headers = {**trace.headers(), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return Stream(services.chat.sse(run, trace, chat_request.include_usage), media_type="text/event-stream", headers=headers)
-    if cached is not None:  # a replay finishes at once: nothing to abandon
-        await services.chat.finish(run, trace)
-    elif await _client_left_first(request, services.chat.finish(run, trace)):
+        headers = {**turn.trace.headers(), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        chunks = openai_format.sse(turn.events(), turn.completion, turn.trace, services.stamp, chat_request.include_usage)
+        return Stream(chunks, media_type="text/event-stream", headers=headers)
+    if turn.cached:  # a replay finishes at once: nothing to abandon
+        await turn.finish()
+    elif await _client_left_first(request, turn.finish()):
         return Response(b"", status_code=499)  # nobody reads it: the job was cancelled
-    return Response(services.chat.response_body(run.completion, trace), headers=trace.headers())
+    return Response(openai_format.response_body(turn.completion, turn.trace, services.stamp), headers=turn.trace.headers())
 
 
 def _parse(raw: bytes, limits):
     return parse_chat_request(parse_json_body(raw, limits.max_json_depth), limits)
-
-
-async def _off_loop(size: int, function, *args):
-    """Run CPU work on the event loop only while it is small; large inputs go to a worker thread."""
-    if size <= OFF_LOOP_BYTES:
-        return function(*args)
-    return await anyio.to_thread.run_sync(partial(function, *args))
-
-
-async def _store(responses: ResponseCaches, ctx: RequestContext, completion: Completion) -> None:
-    answer = Answer(completion.text, completion.finish_reason, completion.completion_tokens)
-    await responses.store(ctx, answer, completion.prompt_tokens)
 
 
 async def _client_left_first(request: Request, finishing) -> bool:
@@ -180,7 +158,9 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
         counters = LayerCounters()
         auth = Authenticator(settings.api_keys, settings.admin_key, load_server_secret(settings.data_dir))
         responses = await anyio.to_thread.run_sync(ResponseCaches, settings, live.info.fingerprint, embedder)
-        app.state.services = Services(settings, live, auth, ChatService(settings, live, counters), counters, responses)
+        pipeline = Pipeline(ChatService(settings, live), responses, counters)
+        stamp = ModelStamp(live.info.name, live.info.fingerprint)
+        app.state.services = Services(settings, live, auth, pipeline, counters, responses, stamp)
         _log_startup(settings, live)
         try:
             yield

@@ -1,15 +1,20 @@
-"""One chat completion through the layers: validate -> prepare -> (caches) -> engine -> response.
+"""The engine's side of a chat completion: the model check, images, the prompt (with its cheap
+bounds), replays of stored answers, the engine job, and a deadline on every wait for it.
 
-Builds OpenAI response bodies and SSE chunks; knows nothing of routing (see app.py).
+    ChatService.start(prompt, request, caller, trace, deadline) -> Run     (after prefill)
+    ChatService.replay(stored, trace) -> Run                              (a cached answer, same events)
+    ChatService.events(run) -> Started.. Delta.. Finished                 (applied to run.completion)
+
+Knows neither routing (app.py), nor the order of layers (pipeline.py), nor OpenAI shapes
+(openai_format.py).
 """
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import anyio
@@ -23,36 +28,21 @@ from .engine.caching import PrefixReport, VisionReport
 
 from .errors import ApiError, bad_request
 from .images import load_image
+from .openai_format import Completion
 from .schemas import ChatRequest, ImagePart
 from .settings import Settings
-from .stats import LayerCounters
 from .trace import BYPASS, HIT, MISS, LayerOutcome, Trace
-
-
-@dataclass(slots=True)
-class Completion:
-    """What the engine produced for one request, in the shape the response builders need."""
-
-    id: str
-    created: int
-    prompt_tokens: int
-    cached_tokens: int
-    text: str = ""
-    completion_tokens: int = 0
-    finish_reason: str = "stop"
-    whole: bool = False  # Finished arrived: the text is the complete answer
 
 
 @dataclass(slots=True)
 class Run:
     """A job past its prefill (or a cached answer): the rest of its events, and the completion they
-    fill in. `on_complete` is awaited once the answer is whole (not when the client left early);
-    `deadline` (anyio clock) bounds every wait for the next event; None for a replay, which never waits."""
+    fill in. `deadline` (anyio clock) bounds every wait for the next event; None for a replay, which
+    never waits."""
 
     events: AsyncIterator
     completion: Completion
     deadline: float | None
-    on_complete: Callable[[Completion], Awaitable[None]] | None = None
 
 
 def deadline_error(timeout_s: float) -> ApiError:
@@ -60,10 +50,9 @@ def deadline_error(timeout_s: float) -> ApiError:
 
 
 class ChatService:
-    def __init__(self, settings: Settings, engine: Engine, counters: LayerCounters):
+    def __init__(self, settings: Settings, engine: Engine):
         self.settings = settings
         self.engine = engine
-        self.counters = counters
 
     def check_model(self, request: ChatRequest) -> None:
         if request.model != self.engine.info.name:
@@ -99,11 +88,13 @@ class ChatService:
             raise _context_error(limit, str(prompt.num_tokens), request.sampling.max_tokens)
         return prompt
 
-    def replay(self, stored: StoredResponse, prompt_tokens: int, trace: Trace) -> Run:
-        """A Run whose events come from a stored answer (exact or semantic hit): same shapes, no model."""
+    def replay(self, stored: StoredResponse, trace: Trace) -> Run:
+        """A Run whose events come from a stored answer (exact or semantic hit): same shapes, no model.
+        Its prompt tokens are the stored ones (a semantic hit reports the stored question's count)."""
         for layer in ("vision", "prefix"):
             trace.record(layer, LayerOutcome.of(BYPASS, reason=f"answered_by_{trace.served_by}"))
-        completion = Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), prompt_tokens, prompt_tokens)
+        tokens = stored.prompt_tokens
+        completion = Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), tokens, tokens)
 
         async def events() -> AsyncIterator:
             for piece in re.findall(r"\S*\s*", stored.text)[:-1] or [""]:
@@ -147,94 +138,25 @@ class ChatService:
             raise deadline_error(self.settings.request_timeout_s) from None
 
     async def events(self, run: Run) -> AsyncIterator:
-        """The run's events, each applied to its completion; the store step after a whole answer."""
+        """The run's events, each applied to its completion as it passes."""
         while True:
             try:
                 event = await self._next(run.events, run.deadline)
             except StopAsyncIteration:
-                break
-            self._apply(event, run.completion)
+                return
+            _apply(event, run.completion)
             yield event
-        if run.completion.whole and run.on_complete is not None:
-            await run.on_complete(run.completion)
 
-    async def finish(self, run: Run, trace: Trace) -> None:
-        """Drain a started job into its completion (non-streaming)."""
-        try:
-            async for event in self.events(run):
-                self._account(event, trace)
-        finally:
-            await run.events.aclose()
 
-    def _apply(self, event, completion: Completion) -> None:
-        if isinstance(event, Delta):
-            completion.text += event.text
-        elif isinstance(event, Finished):
-            completion.completion_tokens = event.num_completion_tokens
-            completion.finish_reason = event.finish_reason
-            completion.whole = True
-        elif isinstance(event, Failed):
-            raise ApiError(500, event.message, "engine_error")
-
-    def _account(self, event, trace: Trace) -> None:
-        if isinstance(event, Finished):
-            if trace.served_by == "engine":
-                trace.time("decode", event.decode_ms)
-            self.counters.add(trace)
-
-    # -- response shapes ---------------------------------------------------------------------
-
-    def usage(self, completion: Completion, trace: Trace) -> dict:
-        return {
-            "prompt_tokens": completion.prompt_tokens,
-            "completion_tokens": completion.completion_tokens,
-            "total_tokens": completion.prompt_tokens + completion.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": completion.cached_tokens},
-            "strata": trace.summary(),
-        }
-
-    def response_body(self, completion: Completion, trace: Trace) -> dict:
-        message = {"role": "assistant", "content": completion.text}
-        return {
-            **self._base(completion, "chat.completion"),
-            "choices": [{"index": 0, "message": message, "finish_reason": completion.finish_reason, "logprobs": None}],
-            "usage": self.usage(completion, trace),
-        }
-
-    async def sse(self, run: Run, trace: Trace, include_usage: bool) -> AsyncIterator[bytes]:
-        """SSE chunks of a started job, ending with `data: [DONE]`. Closing early cancels the job."""
-        completion = run.completion
-        yield self._chunk(completion, {"role": "assistant", "content": ""}, None)
-        try:
-            async for event in self.events(run):
-                self._account(event, trace)
-                if isinstance(event, Delta):
-                    yield self._chunk(completion, {"content": event.text}, None)
-        except ApiError as exc:
-            yield _sse(exc.body())
-            return
-        finally:
-            await run.events.aclose()
-        usage = self.usage(completion, trace)
-        yield self._chunk(completion, {}, completion.finish_reason, None if include_usage else usage)
-        if include_usage:
-            yield _sse({**self._base(completion, "chat.completion.chunk"), "choices": [], "usage": usage})
-        yield b"data: [DONE]\n\n"
-
-    def _base(self, completion: Completion, kind: str) -> dict:
-        return {
-            "id": completion.id,
-            "object": kind,
-            "created": completion.created,
-            "model": self.engine.info.name,
-            "system_fingerprint": self.engine.info.fingerprint[:16],
-        }
-
-    def _chunk(self, completion: Completion, delta: dict, finish_reason: str | None, usage: dict | None = None) -> bytes:
-        body = {**self._base(completion, "chat.completion.chunk"), "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
-        if usage is not None:
-            body["usage"] = usage
-        return _sse(body)
+def _apply(event, completion: Completion) -> None:
+    if isinstance(event, Delta):
+        completion.text += event.text
+    elif isinstance(event, Finished):
+        completion.completion_tokens = event.num_completion_tokens
+        completion.finish_reason = event.finish_reason
+        completion.whole = True
+    elif isinstance(event, Failed):
+        raise ApiError(500, event.message, "engine_error")
 
 
 def _context_error(limit: int, prompt_tokens: str, max_tokens: int) -> ApiError:
@@ -262,6 +184,3 @@ def vision_outcome(report: VisionReport) -> LayerOutcome:
     return LayerOutcome.of(status, images=report.num_images, hits=report.num_hits, misses=report.num_misses,
                            skipped=report.num_skipped)
 
-
-def _sse(body: dict) -> bytes:
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"

@@ -1,8 +1,9 @@
 """The response layers in front of the engine: exact, then semantic. Answers here never run the model.
 
     ResponseCaches.context(request, caller, headers, images) -> RequestContext   (scope, keys, policy)
-    ResponseCaches.lookup(ctx, trace) -> StoredResponse | None                   (records both layers)
-    ResponseCaches.store(ctx, answer)                                            (after an engine answer)
+    ResponseCaches.layers -> (ExactLayer, SemanticLayer), the enabled ones, cheapest first, each:
+        lookup(ctx, trace) -> StoredResponse | None    records its outcome in the trace
+        store(ctx, answer)                             after an engine answer; never raises
 
 What may be shared, and with whom:
 - Everything that shapes an answer is in both keys: the messages (images by pixel hash), max_tokens,
@@ -66,6 +67,9 @@ class ResponseCaches:
         self.exact = _exact_cache(settings)
         self.semantic = _semantic_cache(settings, embedder)
         self.num_store_errors: Counter[str] = Counter()  # by layer
+        self.layers = tuple(layer for layer in (ExactLayer(self.exact, self.num_store_errors) if self.exact else None,
+                                                SemanticLayer(self.semantic, self.num_store_errors) if self.semantic else None)
+                            if layer is not None)
 
     def close(self) -> None:
         if self.exact:
@@ -105,76 +109,77 @@ class ResponseCaches:
             return "no_user_query"
         return self.semantic.screen(query, request.uses_tools, category, has_end_user).bypass_reason
 
-    async def lookup(self, ctx: RequestContext, trace: Trace) -> StoredResponse | None:
-        found = self._lookup_exact(ctx, trace)
-        if found is not None:
-            trace.served_by = "exact"
-            trace.record("semantic", LayerOutcome.of(BYPASS, reason="exact_hit"))
-            return found
-        with trace.timed("semantic"):
-            found = await self._lookup_semantic(ctx, trace)
-        if found is not None:
-            trace.served_by = "semantic"
-        return found
 
-    def _lookup_exact(self, ctx: RequestContext, trace: Trace) -> StoredResponse | None:
-        if self.exact is None:
-            return None
-        with trace.timed("exact"):
-            result = self.exact.lookup(ctx.exact_key, ctx.control, ctx.deterministic, time.time())
-        details = {"reason": result.reason} if result.reason else {}
-        if result.status == HIT:
-            details = {"age": f"{result.age_s:.1f}"}
+
+class ExactLayer:
+    name = "exact"
+
+    def __init__(self, cache: ExactCache, store_errors: Counter):
+        self.cache = cache
+        self.store_errors = store_errors
+
+    async def lookup(self, ctx: RequestContext, trace: Trace) -> StoredResponse | None:
+        result = self.cache.lookup(ctx.exact_key, ctx.control, ctx.deterministic, time.time())
+        details = {"age": f"{result.age_s:.1f}"} if result.status == HIT else ({"reason": result.reason} if result.reason else {})
         trace.record("exact", LayerOutcome.of(result.status, **details))
         return result.response
 
-    async def _lookup_semantic(self, ctx: RequestContext, trace: Trace) -> StoredResponse | None:
-        reason = ctx.semantic_bypass or self._ineligible(ctx)
+    async def store(self, ctx: RequestContext, answer: Answer) -> None:
+        now = time.time()
+        response = StoredResponse(answer.text, answer.finish_reason, answer.prompt_tokens, answer.completion_tokens,
+                                  now, self.cache.expiry(ctx.control, now))
+        _guarded(self.store_errors, "exact", self.cache.store_response, ctx.exact_key, ctx.tenant, response,
+                 ctx.control, ctx.deterministic)
+
+
+class SemanticLayer:
+    name = "semantic"
+
+    def __init__(self, cache: SemanticCache, store_errors: Counter):
+        self.cache = cache
+        self.store_errors = store_errors
+
+    async def lookup(self, ctx: RequestContext, trace: Trace) -> StoredResponse | None:
+        reason = ctx.semantic_bypass or _ineligible(ctx)
         if reason:
             trace.record("semantic", LayerOutcome.of(BYPASS, reason=reason))
             return None
         result: SemanticLookup = await anyio.to_thread.run_sync(
-            self.semantic.lookup, ctx.query, ctx.scope, ctx.context, time.time())
+            self.cache.lookup, ctx.query, ctx.scope, ctx.context, time.time())
         ctx.semantic_vector = result.vector
         trace.record("semantic", _semantic_outcome(result))
         if result.status != HIT:
             return None
         entry = result.entry
-        return StoredResponse(entry.answer, entry.finish_reason, 0, entry.completion_tokens, entry.created_at,
-                              entry.expires_at)
+        return StoredResponse(entry.answer, entry.finish_reason, entry.prompt_tokens, entry.completion_tokens,
+                              entry.created_at, entry.expires_at)
 
-    def _ineligible(self, ctx: RequestContext) -> str | None:
-        if ctx.control.no_cache:
-            return "no_cache"
-        if not ctx.greedy:
-            return "sampled"
-        return None
+    async def store(self, ctx: RequestContext, answer: Answer) -> None:
+        if ctx.semantic_bypass is not None or ctx.control.no_store or not ctx.greedy:
+            return
+        insert = (self.cache.insert, ctx.query, answer, ctx.scope, ctx.context, time.time(), ctx.control.ttl_s,
+                  ctx.semantic_vector)
+        if ctx.semantic_vector is not None:  # the lookup embedded the query already: ~0.1 ms
+            _guarded(self.store_errors, "semantic", *insert)
+        else:  # no-cache skipped the lookup: embedding (~12 ms) must not block the event loop
+            await anyio.to_thread.run_sync(_guarded, self.store_errors, "semantic", *insert)
 
-    async def store(self, ctx: RequestContext, answer: Answer, prompt_tokens: int) -> None:
-        """Keep an engine answer in both layers, each subject to its own eligibility. Never raises."""
-        now = time.time()
-        if self.exact is not None:
-            self._guarded("exact", self._store_exact, ctx, answer, prompt_tokens, now)
-        if self.semantic is not None and ctx.semantic_bypass is None and not ctx.control.no_store and ctx.greedy:
-            if ctx.semantic_vector is not None:  # the lookup embedded the query already: ~0.1 ms
-                self._guarded("semantic", self._store_semantic, ctx, answer, now)
-            else:  # no-cache skipped the lookup: embedding (~12 ms) must not block the event loop
-                await anyio.to_thread.run_sync(self._guarded, "semantic", self._store_semantic, ctx, answer, now)
 
-    def _store_exact(self, ctx: RequestContext, answer: Answer, prompt_tokens: int, now: float) -> None:
-        response = StoredResponse(answer.text, answer.finish_reason, prompt_tokens, answer.completion_tokens, now,
-                                  self.exact.expiry(ctx.control, now))
-        self.exact.store_response(ctx.exact_key, ctx.tenant, response, ctx.control, ctx.deterministic)
+def _ineligible(ctx: RequestContext) -> str | None:
+    if ctx.control.no_cache:
+        return "no_cache"
+    if not ctx.greedy:
+        return "sampled"
+    return None
 
-    def _store_semantic(self, ctx: RequestContext, answer: Answer, now: float) -> None:
-        self.semantic.insert(ctx.query, answer, ctx.scope, ctx.context, now, ctx.control.ttl_s, ctx.semantic_vector)
 
-    def _guarded(self, layer: str, write, *args) -> None:
-        try:
-            write(*args)
-        except Exception as exc:  # noqa: BLE001 - a full disk or locked database must not cost the answer
-            self.num_store_errors[layer] += 1
-            log.warning("%s cache write failed: %s: %s", layer, type(exc).__name__, exc)
+def _guarded(errors: Counter, layer: str, write, *args) -> None:
+    """A failing store (full disk, locked database) is logged and counted; it never costs the answer."""
+    try:
+        write(*args)
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        errors[layer] += 1
+        log.warning("%s cache write failed: %s: %s", layer, type(exc).__name__, exc)
 
 
 def _decoding(sampling: Sampling) -> dict:

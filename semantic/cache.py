@@ -42,6 +42,7 @@ class SemanticEntry:
     status: str
     finish_reason: str = "stop"  # replayed as the original ended: "stop" or "length"
     completion_tokens: int = 0
+    prompt_tokens: int = 0  # of the stored question: a hit reports it without tokenising
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +127,7 @@ class SemanticCache:
         with self.lock:
             rows = self.db.execute(f"SELECT {_COLUMNS}, vector FROM semantic_entries WHERE id IN "
                                    f"({','.join('?' * len(ids))})", ids).fetchall()
-        scored = [(_entry(row), float(np.frombuffer(row[-1], dtype=np.float32) @ vector)) for row in rows]
+        scored = [(_entry(row[:-1]), float(np.frombuffer(row[-1], dtype=np.float32) @ vector)) for row in rows]
         return sorted(scored, key=lambda pair: -pair[1])
 
     def insert(self, query: str, answer: Answer, scope: Scope, context: str, now: float,
@@ -140,17 +141,19 @@ class SemanticCache:
         if existing is not None:
             with self.lock:
                 self.db.execute("UPDATE semantic_entries SET answer = ?, finish_reason = ?, completion_tokens = ?, "
-                                "created_at = ?, expires_at = ?, hit_count = 0, status = 'unreviewed' WHERE id = ?",
-                                (answer.text, answer.finish_reason, answer.completion_tokens, now, expires, existing))
+                                "prompt_tokens = ?, created_at = ?, expires_at = ?, hit_count = 0, status = 'unreviewed' "
+                                "WHERE id = ?", (answer.text, answer.finish_reason, answer.completion_tokens,
+                                                 answer.prompt_tokens, now, expires, existing))
             return existing
         vector = self.embedder.embed([query])[0] if vector is None else vector
         with self.lock:
             cursor = self.db.execute(
                 "INSERT INTO semantic_entries (partition, tenant, scope, prompt, answer, finish_reason, "
-                "completion_tokens, created_at, expires_at, hit_count, status, vector) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, 'unreviewed', ?)",
+                "completion_tokens, prompt_tokens, created_at, expires_at, hit_count, status, vector) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, 'unreviewed', ?)",
                 (partition, scope.tenant, json.dumps(scope.as_dict()), query, answer.text, answer.finish_reason,
-                 answer.completion_tokens, now, expires, np.asarray(vector, dtype=np.float32).tobytes()))
+                 answer.completion_tokens, answer.prompt_tokens, now, expires,
+                 np.asarray(vector, dtype=np.float32).tobytes()))
             entry_id = int(cursor.lastrowid)
         self.index.add(partition, [entry_id], vector.reshape(1, -1))
         return entry_id
@@ -245,11 +248,12 @@ class SemanticCache:
                             "partition TEXT NOT NULL, tenant TEXT NOT NULL, scope TEXT NOT NULL, prompt TEXT NOT NULL, "
                             "answer TEXT NOT NULL, created_at REAL NOT NULL, expires_at REAL, hit_count INTEGER NOT NULL, "
                             "status TEXT NOT NULL, vector BLOB NOT NULL, finish_reason TEXT NOT NULL DEFAULT 'stop', "
-                            "completion_tokens INTEGER NOT NULL DEFAULT 0)")
+                            "completion_tokens INTEGER NOT NULL DEFAULT 0, prompt_tokens INTEGER NOT NULL DEFAULT 0)")
             self.db.execute("CREATE INDEX IF NOT EXISTS semantic_by_partition ON semantic_entries(partition, prompt)")
             columns = {row[1] for row in self.db.execute("PRAGMA table_info(semantic_entries)")}
             for column, ddl in (("finish_reason", "TEXT NOT NULL DEFAULT 'stop'"),
-                                ("completion_tokens", "INTEGER NOT NULL DEFAULT 0")):
+                                ("completion_tokens", "INTEGER NOT NULL DEFAULT 0"),
+                                ("prompt_tokens", "INTEGER NOT NULL DEFAULT 0")):
                 if column not in columns:  # a database written by an earlier version
                     self.db.execute(f"ALTER TABLE semantic_entries ADD COLUMN {column} {ddl}")
 
@@ -274,9 +278,9 @@ class SemanticCache:
             self.db.execute("UPDATE semantic_entries SET hit_count = hit_count + 1 WHERE id = ?", (entry_id,))
 
 
-_COLUMNS = "id, tenant, scope, prompt, answer, created_at, expires_at, hit_count, status, finish_reason, completion_tokens"
+_COLUMNS = ("id, tenant, scope, prompt, answer, created_at, expires_at, hit_count, status, finish_reason, "
+            "completion_tokens, prompt_tokens")
 
 
 def _entry(row) -> SemanticEntry:
-    return SemanticEntry(row[0], row[1], json.loads(row[2]), row[3], row[4], row[5], row[6], row[7], row[8], row[9],
-                         row[10])
+    return SemanticEntry(row[0], row[1], json.loads(row[2]), *row[3:])

@@ -25,6 +25,7 @@ class Answer:
     text: str
     finish_reason: str = "stop"  # "stop" or "length": a replay ends the way the original did
     completion_tokens: int = 0
+    prompt_tokens: int = 0  # replayed as usage, so a hit never runs the tokenizer
 
 
 @dataclass(frozen=True, slots=True)

@@ -202,6 +202,8 @@ def test_a_semantic_hit_replays_how_the_answer_ended(client):
     assert hit.headers["x-cache-layer"] == "semantic"
     assert hit.json()["choices"][0]["finish_reason"] == "length"
     assert hit.json()["usage"]["completion_tokens"] == original.json()["usage"]["completion_tokens"] == 3
+    assert hit.json()["usage"]["prompt_tokens"] == original.json()["usage"]["prompt_tokens"] > 0  # stored, not re-counted
+    assert "tokenize" not in hit.headers["server-timing"] and "tokenize" in original.headers["server-timing"]
 
 
 def test_minilm_is_warmed_up_at_start(cached_settings, engine, embedder):
