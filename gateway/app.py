@@ -40,7 +40,6 @@ from .responses import ResponseCaches
 from .schemas import parse_chat_request, parse_json_body
 from .settings import Settings
 from .stats import LayerCounters
-from .trace import Trace
 
 log = logging.getLogger("strata")
 VERSION = "0.1.0"

@@ -4,10 +4,8 @@ real tiny model, MiniLM and SQLite. Each test names the finding it guards."""
 from __future__ import annotations
 
 import dataclasses
-import sqlite3
 import time
 
-import pytest
 from litestar.testing import TestClient
 
 from gateway.app import create_app
