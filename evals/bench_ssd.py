@@ -138,7 +138,7 @@ def quant_quality(model_path: Path, work: Path, length: int = 2048) -> dict:
         persisted.caches.shutdown(60)
         disk = sum(f.stat().st_size for f in folder.glob("*/*/*.safetensors"))
         results[f"{bits or 32}-bit"] = {
-            "ram_bytes": runner.caches.prefix.pool.num_bytes,
+            "ram_bytes": runner.caches.prefix.stats().num_bytes,
             "disk_bytes_per_token": disk / (length // BLOCK * BLOCK),
             "max_logit_drift": float(np.abs(logits - reference[0]).max()),
             "greedy_agreement": sum(a == b for a, b in zip(tokens, reference[1])) / len(reference[1]),

@@ -72,7 +72,7 @@ async def purge_exact(request: Request, tenant: FromQuery[str]) -> dict:
     services = request.app.state.services
     if services.responses.exact is None:
         raise ApiError(404, "the exact cache is disabled on this server", "exact_disabled")
-    return {"tenant": tenant, "purged": services.responses.exact.store.purge_tenant(tenant)}
+    return {"tenant": tenant, "purged": services.responses.exact.purge_tenant(tenant)}
 
 
 ADMIN_CACHE_ROUTES = [list_entries, approve_entry, reject_entry, delete_entry, purge_exact]

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 
 import anyio
@@ -119,27 +119,26 @@ async def healthz(request: Request) -> dict:
     services = _services(request)
     if not services.auth.is_admin(request.headers.get("authorization")):
         return {"status": "ok"}
-    worker = services.engine.worker
+    engine = services.engine.snapshot()
     return {
         "status": "ok",
         "model": services.engine.info.name,
         "model_fingerprint": services.engine.info.fingerprint,
         "blas": blas_in_use(),
         "multi_tenant": services.settings.multi_tenant,
-        "queue_depth": worker.queue_depth,
-        "engine_busy": worker.busy,
+        "queue_depth": engine.queue_depth,
+        "engine_busy": engine.busy,
     }
 
 
 @get("/admin/stats", guards=[require_admin])
 async def admin_stats(request: Request) -> dict:
+    """Built from snapshots only: the per-layer outcome counters, the engine's, and each cache's stats()."""
     services = _services(request)
-    stats = services.engine.worker.stats
-    engine = {"num_requests": stats.num_requests, "num_cancelled": stats.num_cancelled,
-              "num_failed": stats.num_failed, "num_rejected_full": stats.num_rejected_full}
     store_errors = {"exact": services.responses.num_store_errors["exact"],
                     "semantic": services.responses.num_store_errors["semantic"]}
-    return {**services.counters.snapshot(), "engine": engine, "engine_caches": services.engine.runner.caches.stats(),
+    return {**services.counters.snapshot(), "engine": asdict(services.engine.snapshot().counters),
+            "engine_caches": services.engine.cache_stats(), "response_caches": services.responses.stats(),
             "response_store_errors": store_errors}
 
 

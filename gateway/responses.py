@@ -23,7 +23,7 @@ import logging
 import re
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import anyio
 
@@ -71,11 +71,16 @@ class ResponseCaches:
                                                 SemanticLayer(self.semantic, self.num_store_errors) if self.semantic else None)
                             if layer is not None)
 
+    def caches(self) -> list:
+        """The response caches that are on (each speaks the cache protocol, gateway/caches.py)."""
+        return [cache for cache in (self.exact, self.semantic) if cache is not None]
+
+    def stats(self) -> dict:
+        return {cache.name: asdict(cache.stats()) for cache in self.caches()}
+
     def close(self) -> None:
-        if self.exact:
-            self.exact.store.close()
-        if self.semantic:
-            self.semantic.close()
+        for cache in self.caches():
+            cache.close()
 
     # -- per request -------------------------------------------------------------------------
 

@@ -67,6 +67,15 @@ class FreeBlockQueue:
             node = node.next
 
 
+@dataclass(frozen=True, slots=True)
+class Purged:
+    """What a purge removed (the cache protocol's result; every layer reports these three)."""
+
+    num_entries: int = 0  # blocks
+    num_bytes: int = 0
+    num_files: int = 0
+
+
 @dataclass(slots=True)
 class PoolStats:
     num_inserted: int = 0
@@ -81,7 +90,7 @@ class BlockPool:
         self.by_hash: dict[BlockHash, Block] = {}
         self.free = FreeBlockQueue()
         self.num_bytes = 0
-        self.stats = PoolStats()
+        self.counters = PoolStats()
 
     def get(self, block_hash: BlockHash) -> Block | None:
         return self.by_hash.get(block_hash)
@@ -103,12 +112,12 @@ class BlockPool:
         block_hash, nbytes = block.block_hash, block.nbytes
         assert block_hash not in self.by_hash, "insert of a block that is cached already"
         if not self.make_room(nbytes):
-            self.stats.num_rejected += 1
+            self.counters.num_rejected += 1
             return None
         block.ref_count = 1
         self.by_hash[block_hash] = block
         self.num_bytes += nbytes
-        self.stats.num_inserted += 1
+        self.counters.num_inserted += 1
         return block
 
     def make_room(self, nbytes: int) -> bool:
@@ -124,8 +133,18 @@ class BlockPool:
             del self.by_hash[victim.block_hash]
             self.num_bytes -= victim.nbytes
             victim.kv = ()
-            self.stats.num_evicted += 1
+            self.counters.num_evicted += 1
         return True
+
+    def drop_free(self) -> Purged:
+        """Remove every block no session holds, without the eviction callback (nothing spills)."""
+        num_blocks, num_bytes = 0, 0
+        while (victim := self.free.pop_oldest()) is not None:
+            del self.by_hash[victim.block_hash]
+            self.num_bytes -= victim.nbytes
+            num_blocks, num_bytes = num_blocks + 1, num_bytes + victim.nbytes
+            victim.kv = ()
+        return Purged(num_blocks, num_bytes)
 
     def check(self) -> None:
         """Assert the invariants above; for tests."""

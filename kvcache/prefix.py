@@ -16,13 +16,13 @@ than its head (tails are evicted before the prefixes that other chains share).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
 from .chain import ExtraSpan, hash_blocks
 from .keys import BlockHash, TenantSalt, chain_root
-from .pool import Block, BlockPool
+from .pool import Block, BlockPool, PoolStats, Purged
 from .quant import QuantConfig, from_tensors, quantize, restore, to_tensors
 from .ssd import SpillRequest, SsdTier
 
@@ -71,13 +71,39 @@ class PrefixCacheStats:
     num_promotion_failures: int = 0  # the RAM budget could not be reserved: recomputed instead
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixSnapshot:
+    counters: PrefixCacheStats
+    pool: PoolStats
+    num_blocks: int
+    num_bytes: int
+    budget_bytes: int
+
+
 class PrefixCache:
+    """The RAM tier. Cache protocol: `name`, `stats()`, `purge()`, `close()`; like every call here
+    they belong to the one thread that runs the model (blocks are MLX arrays)."""
+
+    name = "prefix"
+
     def __init__(self, budget_bytes: int, block_size: int, ssd: SsdTier | None = None, quant: QuantConfig | None = None):
         self.block_size = block_size
         self.ssd = ssd
         self.quant = quant
         self.pool = BlockPool(budget_bytes, on_evict=self._spill if ssd else None)
-        self.stats = PrefixCacheStats()
+        self.counters = PrefixCacheStats()
+
+    def stats(self) -> PrefixSnapshot:
+        pool = self.pool
+        return PrefixSnapshot(replace(self.counters), replace(pool.counters), len(pool.by_hash), pool.num_bytes,
+                              pool.budget_bytes)
+
+    def purge(self) -> Purged:
+        """Every block in RAM that no running request holds (nothing is spilled to SSD on the way)."""
+        return self.pool.drop_free()
+
+    def close(self) -> None:
+        self.purge()
 
     def _spill(self, block: Block) -> None:
         if self.ssd.admits(block.num_hits, block.end_token):
@@ -137,7 +163,7 @@ class PrefixSession:
         size = self.cache.block_size
         matched = len(self.held) * size
         cached = min(matched, num_prompt_tokens - 1)  # the last prompt token is always recomputed
-        stats = self.cache.stats
+        stats = self.cache.counters
         stats.num_lookups += 1
         stats.num_hits += cached > 0
         stats.num_prompt_tokens += num_prompt_tokens
@@ -159,16 +185,16 @@ class PrefixSession:
         if not run:
             return
         if not self.pool.make_room(sum(sizes)):
-            self.cache.stats.num_promotion_failures += 1
+            self.cache.counters.num_promotion_failures += 1
             return
         for offset, tensors in enumerate(ssd.read_chain(run)):
             block = self.pool.insert(self._new_block(start + offset, from_tensors(tensors, self.cache.quant)))
             if block is None:
-                self.cache.stats.num_promotion_failures += 1
+                self.cache.counters.num_promotion_failures += 1
                 return
             block.num_hits += 1
             self.held.append(block)
-            self.cache.stats.num_ssd_promoted += 1
+            self.cache.counters.num_ssd_promoted += 1
 
     def _new_block(self, index: int, kv: tuple) -> Block:
         parent = self.hashes[index - 1] if index else self.root
@@ -226,7 +252,7 @@ class PrefixSession:
                    for k, v in layer_states)
         block = self.pool.insert(self._new_block(index, kv))
         if block is not None:
-            self.cache.stats.num_blocks_stored += 1
+            self.cache.counters.num_blocks_stored += 1
         return block, block is not None
 
     def _keep(self, x: mx.array, end_token: int):

@@ -36,19 +36,21 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
+from .pool import Purged
 from .segment import (PRIVATE_DIR_MODE, SEGMENT_BLOCKS, TEMP_PREFIX, SpillRequest, encode, verified_blocks,
                       write_atomically)
 from .ssd_index import SegmentIndex
 
 log = logging.getLogger("strata.kvcache.ssd")
 READER_THREADS = 4  # segment reads in flight at once while a chain is promoted
+PURGE_DRAIN_S = 10.0  # a purge first lets queued spills land, so none reappears after it
 
-__all__ = ["AdmissionPolicy", "SpillRequest", "SsdConfig", "SsdSnapshot", "SsdStats", "SsdTier"]
+__all__ = ["AdmissionPolicy", "Purged", "SpillRequest", "SsdConfig", "SsdSnapshot", "SsdStats", "SsdTier"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +92,7 @@ class SsdStats:
 class SsdSnapshot:
     """The tier at one instant, for operators: counters plus what it holds."""
 
-    stats: SsdStats
+    counters: SsdStats
     num_files: int
     num_blocks: int
     num_bytes: int
@@ -100,6 +102,10 @@ class SsdSnapshot:
 
 
 class SsdTier:
+    """Cache protocol: `name`, `stats()`, `purge()`, `close()` (any thread)."""
+
+    name = "ssd"
+
     def __init__(self, config: SsdConfig, namespace: str):
         self.config = config
         self.namespace = namespace
@@ -107,7 +113,7 @@ class SsdTier:
         self.quarantine = Path(config.root) / "quarantine"
         self.folder.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
         self.lock = threading.Lock()  # guards stats and written_today
-        self.stats = SsdStats()
+        self.counters = SsdStats()
         self.written_today = (time.strftime("%Y-%m-%d"), 0)
         self.index = SegmentIndex(self.folder / "index.sqlite")
         self.pending: queue.Queue[SpillRequest | None] = queue.Queue(maxsize=config.queue_blocks)
@@ -116,17 +122,28 @@ class SsdTier:
         self.reconcile()
         self.writer.start()
 
-    def snapshot(self) -> SsdSnapshot:
+    def stats(self) -> SsdSnapshot:
         num_files, num_blocks, num_bytes = self.index.counts()
         with self.lock:
-            stats = SsdStats(**{f: getattr(self.stats, f) for f in SsdStats.__dataclass_fields__})
+            counters = replace(self.counters)
             written = self.written_today[1]
-        return SsdSnapshot(stats, num_files, num_blocks, num_bytes, self.config.capacity_bytes, written,
+        return SsdSnapshot(counters, num_files, num_blocks, num_bytes, self.config.capacity_bytes, written,
                            self.pending.qsize())
+
+    def purge(self) -> Purged:
+        """Every segment file and its index rows, after the spills already queued are written."""
+        self.drain(PURGE_DRAIN_S)
+        num_files, num_blocks, num_bytes = 0, 0, 0
+        for name, _ in self.index.least_recently_used():
+            segment = self.index.forget(name)
+            if segment is not None:
+                self._segment_path(name).unlink(missing_ok=True)
+                num_files, num_blocks, num_bytes = num_files + 1, num_blocks + len(segment.blocks), num_bytes + segment.nbytes
+        return Purged(num_blocks, num_bytes, num_files)
 
     def _count(self, name: str, amount: int = 1) -> None:
         with self.lock:
-            setattr(self.stats, name, getattr(self.stats, name) + amount)
+            setattr(self.counters, name, getattr(self.counters, name) + amount)
 
     # -- spill (any thread; never blocks) ----------------------------------------------------
 
@@ -233,8 +250,8 @@ class SsdTier:
         with self.lock:
             day, written = self.written_today
             self.written_today = (day, written + len(payload))
-            self.stats.num_spilled += len(requests)
-            self.stats.num_segments_written += 1
+            self.counters.num_spilled += len(requests)
+            self.counters.num_segments_written += 1
         if self.pending.empty():
             self.index.flush_touches()
         self._enforce_capacity()

@@ -4,17 +4,18 @@ A library: never imports `gateway`, never reads HTTP headers; returns typed resu
 (`ExactLookup`, `SemanticLookup`, `Verdict`). See README.md in this folder.
 """
 
-from .cache import Screening, SemanticCache, SemanticEntry, SemanticLookup, SemanticSettings
+from .cache import Screening, SemanticCache, SemanticEntry, SemanticLookup, SemanticSettings, SemanticSnapshot
 from .risk import PERSONAL_DATA, RiskPatterns, RiskPolicy, load_risk_patterns
 from .embedder import Embedder, MiniLMEmbedder
-from .exact import CacheControl, ExactCache, ExactLookup, exact_key
+from .exact import CacheControl, ExactCache, ExactLookup, ExactSnapshot, exact_key
 from .guards import Verdict, check
 from .index import PartitionedIndex
 from .scope import Scope, context_fingerprint
-from .store import Answer, MemoryStore, ResponseStore, SqliteStore, StoredResponse
+from .store import Answer, MemoryStore, Purged, ResponseStore, SqliteStore, StoredResponse
 
 __all__ = [
-    "PERSONAL_DATA", "Answer", "CacheControl", "Embedder", "ExactCache", "ExactLookup", "MemoryStore", "MiniLMEmbedder",
+    "PERSONAL_DATA", "Answer", "CacheControl", "Embedder", "ExactCache", "ExactLookup", "ExactSnapshot", "MemoryStore",
+    "MiniLMEmbedder", "Purged", "SemanticSnapshot",
     "PartitionedIndex", "ResponseStore", "RiskPatterns", "RiskPolicy", "Scope", "Screening", "SemanticCache",
     "SemanticEntry", "SemanticLookup", "SemanticSettings", "SqliteStore", "StoredResponse", "Verdict", "check",
     "context_fingerprint", "exact_key", "load_risk_patterns",

@@ -22,7 +22,7 @@ from .guards import Verdict, check
 from .index import PartitionedIndex
 from .risk import PERSONAL_DATA
 from .scope import Scope
-from .store import Answer
+from .store import Answer, Purged
 
 STATUSES = ("unreviewed", "approved", "rejected")
 MAX_ENTRY_ID = 2**63 - 1  # SQLite INTEGER; a larger id names no entry (and must not raise)
@@ -74,7 +74,18 @@ class SemanticSettings:
     max_query_chars: int = 1000
 
 
+@dataclass(frozen=True, slots=True)
+class SemanticSnapshot:
+    num_entries: int
+    num_partitions: int
+    num_by_status: dict[str, int]
+
+
 class SemanticCache:
+    """Cache protocol: `name`, `stats()`, `purge()`, `close()` (any thread)."""
+
+    name = "semantic"
+
     def __init__(self, embedder: Embedder, db_path: Path, settings: SemanticSettings):
         self.embedder = embedder
         self.settings = settings
@@ -228,6 +239,17 @@ class SemanticCache:
         self.index.remove(entry_id)
         with self.lock:
             return self.db.execute("DELETE FROM semantic_entries WHERE id = ?", (entry_id,)).rowcount > 0
+
+    def stats(self) -> SemanticSnapshot:
+        with self.lock:
+            by_status = dict(self.db.execute("SELECT status, COUNT(*) FROM semantic_entries GROUP BY status").fetchall())
+            num_partitions = self.db.execute("SELECT COUNT(DISTINCT partition) FROM semantic_entries").fetchone()[0]
+        return SemanticSnapshot(sum(by_status.values()), num_partitions, {s: by_status.get(s, 0) for s in STATUSES})
+
+    def purge(self) -> Purged:
+        with self.lock:
+            ids = [row[0] for row in self.db.execute("SELECT id FROM semantic_entries")]
+        return Purged(sum(self.delete(i) for i in ids))
 
     def purge_expired(self, now: float) -> int:
         with self.lock:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .scope import Scope, digest
-from .store import ResponseStore, StoredResponse
+from .store import Purged, ResponseStore, StoredResponse
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +41,16 @@ def exact_key(scope: Scope, messages: list[dict[str, Any]], sampling: dict[str, 
     return digest("exact", {"scope": scope.as_dict(), "messages": messages, "sampling": sampling})
 
 
+@dataclass(frozen=True, slots=True)
+class ExactSnapshot:
+    num_entries: int
+
+
 class ExactCache:
+    """Cache protocol: `name`, `stats()`, `purge()`, `close()` (any thread: the stores lock)."""
+
+    name = "exact"
+
     def __init__(self, store: ResponseStore, default_ttl_s: float, cache_nondeterministic: bool = False):
         self.store = store
         self.default_ttl_s = default_ttl_s
@@ -69,6 +78,18 @@ class ExactCache:
             return False
         self.store.put(key, tenant, response)
         return True
+
+    def stats(self) -> ExactSnapshot:
+        return ExactSnapshot(self.store.count())
+
+    def purge(self) -> Purged:
+        return Purged(self.store.purge_all())
+
+    def purge_tenant(self, tenant: str) -> int:
+        return self.store.purge_tenant(tenant)
+
+    def close(self) -> None:
+        self.store.close()
 
     def expiry(self, control: CacheControl, now: float) -> float | None:
         ttl = control.ttl_s if control.ttl_s is not None else self.default_ttl_s

@@ -42,9 +42,20 @@ class ResponseStore(Protocol):
     def get(self, key: str, now: float) -> StoredResponse | None: ...
     def put(self, key: str, tenant: str, response: StoredResponse) -> None: ...
     def delete(self, key: str) -> bool: ...
+    def count(self) -> int: ...
     def purge_expired(self, now: float) -> int: ...
     def purge_tenant(self, tenant: str) -> int: ...
+    def purge_all(self) -> int: ...
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Purged:
+    """What a purge removed (the cache protocol's result)."""
+
+    num_entries: int = 0
+    num_bytes: int = 0
+    num_files: int = 0
 
 
 def _live(response: StoredResponse, now: float) -> bool:
@@ -82,6 +93,16 @@ class MemoryStore:
             for key in dead:
                 del self.entries[key]
         return len(dead)
+
+    def count(self) -> int:
+        with self.lock:
+            return len(self.entries)
+
+    def purge_all(self) -> int:
+        with self.lock:
+            removed = len(self.entries)
+            self.entries.clear()
+        return removed
 
     def close(self) -> None:
         pass
@@ -122,6 +143,14 @@ class SqliteStore:
     def purge_tenant(self, tenant: str) -> int:
         with self.lock:
             return self.db.execute("DELETE FROM exact_entries WHERE tenant = ?", (tenant,)).rowcount
+
+    def count(self) -> int:
+        with self.lock:
+            return self.db.execute("SELECT COUNT(*) FROM exact_entries").fetchone()[0]
+
+    def purge_all(self) -> int:
+        with self.lock:
+            return self.db.execute("DELETE FROM exact_entries").rowcount
 
     def close(self) -> None:
         with self.lock:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NewType
 
 from .images import PixelHash
@@ -43,23 +43,55 @@ class VisionCacheStats:
     num_evicted: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class VisionSnapshot:
+    counters: VisionCacheStats
+    num_entries: int
+    num_bytes: int
+    budget_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Purged:
+    """What a purge removed (the cache protocol's result)."""
+
+    num_entries: int = 0
+    num_bytes: int = 0
+    num_files: int = 0
+
+
 class VisionCache:
-    """Invariant: num_bytes == sum of the entries' nbytes <= budget_bytes."""
+    """Invariant: num_bytes == sum of the entries' nbytes <= budget_bytes. Cache protocol: `name`,
+    `stats()`, `purge()`, `close()`, all on the one thread that runs the model (features are MLX arrays)."""
+
+    name = "vision"
 
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
         self.entries: OrderedDict[ImageKey, Any] = OrderedDict()  # least recently used first; O(1) moves
         self.num_bytes = 0
-        self.stats = VisionCacheStats()
+        self.counters = VisionCacheStats()
 
     def get(self, key: ImageKey) -> Any | None:
         features = self.entries.get(key)
         if features is None:
-            self.stats.num_misses += 1
+            self.counters.num_misses += 1
             return None
         self.entries.move_to_end(key)
-        self.stats.num_hits += 1
+        self.counters.num_hits += 1
         return features
+
+    def stats(self) -> VisionSnapshot:
+        return VisionSnapshot(replace(self.counters), len(self.entries), self.num_bytes, self.budget_bytes)
+
+    def purge(self) -> Purged:
+        removed = Purged(len(self.entries), self.num_bytes)
+        self.entries.clear()
+        self.num_bytes = 0
+        return removed
+
+    def close(self) -> None:
+        self.purge()
 
     def put(self, key: ImageKey, features: Any) -> bool:
         """Store features; False if they alone exceed the budget."""
@@ -71,7 +103,7 @@ class VisionCache:
         while self.num_bytes + size > self.budget_bytes:
             _, evicted = self.entries.popitem(last=False)
             self.num_bytes -= int(evicted.nbytes)
-            self.stats.num_evicted += 1
+            self.counters.num_evicted += 1
         self.entries[key] = features
         self.num_bytes += size
         return True

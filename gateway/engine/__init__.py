@@ -21,7 +21,7 @@ from .caching import CacheConfig
 from .prompt import PreparedPrompt, PromptError
 from .runner import ModelRunner, Sampler
 from .types import ImagePart, Message, Sampling, TextPart
-from .worker import Delta, EngineWorker, Failed, Finished, Job, QueueFull, Started
+from .worker import Delta, EngineWorker, Failed, Finished, Job, QueueFull, Started, WorkerSnapshot
 
 log = logging.getLogger("strata.engine")
 
@@ -70,6 +70,14 @@ class Engine:
 
     def start(self) -> None:
         self.worker.start()
+
+    def snapshot(self) -> WorkerSnapshot:
+        """The worker's counters, queue depth and whether a job is on the model (any thread)."""
+        return self.worker.snapshot()
+
+    def cache_stats(self) -> dict:
+        """The engine's cache layers' snapshots (prefix, ssd, vision), by layer name."""
+        return self.runner.caches.stats()
 
     def stop(self, drain_s: float = 10.0) -> None:
         """Stop the worker, then persist admissible KV blocks; the SSD writer drains within drain_s."""

@@ -80,22 +80,19 @@ class EngineCaches:
         ssd_tokens = min(match.num_ssd_tokens, match.num_cached_tokens)
         return plan, PrefixReport(status, match.num_cached_tokens, prompt.num_tokens, match.tier, "", ssd_tokens)
 
+    def layers(self) -> list:
+        """The engine's cache layers that are on (each speaks the cache protocol, gateway/caches.py)."""
+        ssd = self.prefix.ssd if self.prefix is not None else None
+        return [layer for layer in (self.prefix, ssd, self.vision) if layer is not None]
+
     def stats(self) -> dict:
-        """Counters of the prefix, SSD and vision caches, for operators (read from any thread)."""
+        """The layers' snapshots for operators, counters flattened beside sizes (any thread)."""
         out: dict = {}
-        if self.prefix is not None:
-            pool = self.prefix.pool
-            out["prefix"] = {**asdict(self.prefix.stats), **asdict(pool.stats), "num_blocks": len(pool.by_hash),
-                             "num_bytes": pool.num_bytes, "budget_bytes": pool.budget_bytes}
-            if self.prefix.ssd is not None:
-                ssd = self.prefix.ssd
-                snapshot = ssd.snapshot()
-                out["ssd"] = {**asdict(snapshot.stats), "num_files": snapshot.num_files,
-                              "num_blocks": snapshot.num_blocks, "num_bytes": snapshot.num_bytes,
-                              "queue_depth": snapshot.queue_depth}
-        if self.vision is not None:
-            out["vision"] = {**asdict(self.vision.stats), "num_entries": len(self.vision.entries),
-                             "num_bytes": self.vision.num_bytes}
+        for layer in self.layers():
+            snapshot = asdict(layer.stats())
+            nested = [value for value in snapshot.values() if isinstance(value, dict)]
+            out[layer.name] = {k: v for part in nested for k, v in part.items()} | {
+                k: v for k, v in snapshot.items() if not isinstance(v, dict)}
         return out
 
     def shutdown(self, drain_s: float) -> None:

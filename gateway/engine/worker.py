@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvcache import TenantSalt
 
@@ -86,6 +86,13 @@ class EngineStats:
     num_rejected_full: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerSnapshot:
+    counters: EngineStats
+    queue_depth: int
+    busy: bool  # a job is on the model right now
+
+
 class EngineWorker:
     def __init__(self, runner: ModelRunner, max_queue: int, prefill_chunk_tokens: int):
         self.runner = runner
@@ -125,9 +132,8 @@ class EngineWorker:
             raise QueueFull() from None
         return job
 
-    @property
-    def queue_depth(self) -> int:
-        return self.jobs.qsize()
+    def snapshot(self) -> WorkerSnapshot:
+        return WorkerSnapshot(replace(self.stats), self.jobs.qsize(), self.busy)
 
     async def events(self, job: Job) -> AsyncIterator[Event]:
         """The job's events until Finished or Failed. Leaving early (client gone) cancels the job."""

@@ -82,7 +82,7 @@ def test_corrupt_block_is_quarantined_and_the_request_recomputes(tiny_model_path
     second = _runner(tiny_model_path, tmp_path / "kv")
     logits, tokens, report = _run(second, TEXT)
     ssd = second.caches.prefix.ssd
-    assert ssd.stats.num_quarantined == 1
+    assert ssd.counters.num_quarantined == 1
     assert report.num_cached_tokens < report.num_prompt_tokens // 16 * 16  # the chain stops at the bad file
     _assert_same_as_cold((logits, tokens), cold_result)
     second.caches.shutdown(10)
@@ -117,7 +117,7 @@ def test_kill_9_during_heavy_spilling_then_restart(tiny_model_path, tmp_path, co
     child.wait(10)
     runner = _runner(tiny_model_path, folder)  # reconcile runs here
     ssd = runner.caches.prefix.ssd
-    assert ssd.stats.num_quarantined == 0 and ssd.snapshot().num_files >= 10
+    assert ssd.counters.num_quarantined == 0 and ssd.stats().num_files >= 10
     assert not list(folder.glob("*/*/.tmp-*"))
     assert all(len(ssd.read_chain([h])) == 1 for h in list(ssd.index.blocks))  # every indexed block is whole
     logits, tokens, _ = _run(runner, TEXT)

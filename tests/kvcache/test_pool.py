@@ -30,7 +30,7 @@ def test_pool_evicts_least_recently_used_free_blocks_to_fit_the_budget():
     pool.release(pool.insert(Block(_h(3), (), 100)))
     assert pool.get(_h(1)) is None  # the LRU one went
     assert all(pool.get(_h(i)) is not None for i in (0, 2, 3))
-    assert pool.stats.num_evicted == 1
+    assert pool.counters.num_evicted == 1
     pool.check()
 
 
@@ -38,7 +38,7 @@ def test_blocks_in_use_are_never_evicted_and_inserts_are_refused_instead():
     pool = BlockPool(budget_bytes=200)
     held = [pool.insert(Block(_h(i), (), 100)) for i in range(2)]  # both held (ref 1)
     assert pool.insert(Block(_h(9), (), 100)) is None
-    assert pool.stats.num_rejected == 1
+    assert pool.counters.num_rejected == 1
     assert all(pool.get(_h(i)) is b for i, b in enumerate(held))
     pool.release(held[0])
     assert pool.insert(Block(_h(9), (), 100)) is not None

@@ -130,7 +130,7 @@ def test_promotion_that_cannot_reserve_ram_recomputes_and_counts(tmp_path):
     held.store(list(range(1000, 1016)), _kv_for(list(range(1000, 1016))), 16)  # the only slot, and in use
     session = tight.open(SALT_A, "model", tokens)
     match = session.match(len(tokens))
-    assert match.num_cached_tokens == 0 and tight.stats.num_promotion_failures == 1
+    assert match.num_cached_tokens == 0 and tight.counters.num_promotion_failures == 1
     session.close()
     held.close()
     again = tight.open(SALT_A, "model", tokens[:16] + [5] * 4)

@@ -49,7 +49,7 @@ def test_blocks_spilled_together_share_one_segment_file(tmp_path, monkeypatch):
     gate.set()
     assert tier.drain(10)
     files = {_file(tier, i) for i in range(1, 6)}
-    assert len(files) <= 2 and tier.stats.num_spilled == 5  # the first, then the four queued behind it
+    assert len(files) <= 2 and tier.counters.num_spilled == 5  # the first, then the four queued behind it
     assert len(tier.read_chain([i.to_bytes(32, "big").hex() for i in range(1, 6)])) == 5
     tier.close()
 
@@ -59,7 +59,7 @@ def test_spilled_block_reads_back_verified(tmp_path):
     _spill(tier, 1)
     tensors = _read(tier, 1)
     np.testing.assert_array_equal(tensors["0.v"], np.full((1, 2, 4, 8), -1, np.float32))
-    assert tier.stats.num_spilled == 1 and tier.index.num_bytes == _file(tier, 1).stat().st_size
+    assert tier.counters.num_spilled == 1 and tier.index.num_bytes == _file(tier, 1).stat().st_size
     assert not list(tier.folder.glob("*/.tmp-*"))
     tier.close()
 
@@ -76,7 +76,7 @@ def test_damaged_file_is_quarantined_on_read(tmp_path, damage):
         raw = raw[: len(raw) // 2]
     path.write_bytes(bytes(raw))
     assert _read(tier, 2) is None
-    assert tier.stats.num_quarantined == 1 and not path.exists()
+    assert tier.counters.num_quarantined == 1 and not path.exists()
     assert len(list((tmp_path / "kv" / "quarantine").iterdir())) == 1
     assert not tier.contains((2).to_bytes(32, "big").hex())
     tier.close()
@@ -98,7 +98,7 @@ def test_reconcile_repairs_index_and_files(tmp_path):
     stray.write_bytes(foreign_file.read_bytes())  # another model's file in our folder
     (tier.folder / "index.sqlite").unlink()  # and no index at all
     again = _tier(tmp_path)
-    stats = again.stats
+    stats = again.counters
     assert stats.num_temp_removed == 1 and stats.num_quarantined == 1
     assert stats.num_reindexed == 2  # blocks 2 and 3, verified from the files alone
     assert sorted(again.index.blocks) == sorted(i.to_bytes(32, "big").hex() for i in (2, 3))
@@ -112,7 +112,7 @@ def test_full_queue_drops_and_counts_without_blocking(tmp_path, monkeypatch):
     start = time.perf_counter()
     accepted = [tier.offer(_request(i)) for i in range(1, 20)]
     assert time.perf_counter() - start < 0.1
-    assert accepted.count(False) == tier.stats.num_dropped_queue_full >= 15
+    assert accepted.count(False) == tier.counters.num_dropped_queue_full >= 15
     tier.close(timeout_s=2)
 
 
@@ -125,7 +125,7 @@ def test_failing_disk_is_counted_and_leaves_no_partial_file(tmp_path, monkeypatc
     monkeypatch.setattr(os, "fsync", full_disk)
     assert tier.offer(_request(5))
     tier.drain(10)
-    assert tier.stats.num_write_errors == 1 and tier.stats.num_spilled == 0
+    assert tier.counters.num_write_errors == 1 and tier.counters.num_spilled == 0
     assert not list(tier.folder.glob("*/*"))
     assert not tier.contains((5).to_bytes(32, "big").hex()) and tier.index.num_bytes == 0
     tier.close()
@@ -141,9 +141,9 @@ def test_capacity_evicts_least_recently_used_files_and_retention_expires_them(tm
     _read(tier, 1)  # block 1 is used again: block 2 is now the LRU file
     _spill(tier, 3)
     assert tier.contains((1).to_bytes(32, "big").hex()) and not tier.contains((2).to_bytes(32, "big").hex())
-    assert tier.stats.num_evicted_files == 1 and tier.index.num_bytes <= 2 * size
+    assert tier.counters.num_evicted_files == 1 and tier.index.num_bytes <= 2 * size
     tier._enforce_capacity(now=time.time() + 8 * 24 * 3600)
-    assert tier.stats.num_expired_files == 2 and not tier.index.blocks
+    assert tier.counters.num_expired_files == 2 and not tier.index.blocks
     tier.close()
 
 
@@ -156,7 +156,7 @@ def test_admission_policy_and_daily_budget(tmp_path):
     assert tier.offer(_request(1))
     tier.drain(10)
     assert not tier.offer(_request(2))  # the day's budget is spent
-    assert tier.stats.num_not_admitted == 1
+    assert tier.counters.num_not_admitted == 1
     tier.close()
 
 
@@ -190,7 +190,7 @@ def test_reconcile_verifies_checksums_of_files_the_index_lacks(tmp_path):
     damaged.write_bytes(bytes(raw))
     (tier.folder / "index.sqlite").unlink()
     again = _tier(tmp_path)
-    assert again.stats.num_quarantined == 1 and again.stats.num_reindexed == 1
+    assert again.counters.num_quarantined == 1 and again.counters.num_reindexed == 1
     assert sorted(again.index.blocks) == [(1).to_bytes(32, "big").hex()]
     assert not damaged.exists()
     again.close()
