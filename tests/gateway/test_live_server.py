@@ -183,7 +183,9 @@ def test_client_disconnect_mid_stream_frees_the_engine(server):
 
 def test_full_queue_answers_429_with_retry_after(server):
     """With the engine busy and a queue of one, of five more requests one waits and four get 429."""
-    body = {"model": TINY, "messages": [{"role": "user", "content": "long"}], "max_tokens": 512, "temperature": 1.0}
+    # greedy: this prompt runs all 500 tokens on the tiny model (~1.8 s); a sampled one may stop early
+    body = {"model": TINY, "messages": [{"role": "user", "content": "Tell a very long story."}], "max_tokens": 500,
+            "temperature": 0}
     headers = {"Authorization": "Bearer key-a"}
 
     async def burst():
