@@ -100,7 +100,7 @@ def measure_length(model_path: Path, length: int, work: Path) -> dict:
     cold = runner_for(model_path, folder)
     drop_from_page_cache(files)
     ssd_s, ssd_report = ttft(cold, prompt)
-    read_mb_s = statistics.median(_block_read_mb_s(cold, files) for _ in range(3))
+    read_mb_s = statistics.median(_block_read_mb_s(cold, files, prompt) for _ in range(3))
     cold.caches.shutdown(10)
     return {"tokens": length, "recompute_s": recompute_s, "ram_s": ram_s, "ssd_s": ssd_s,
             "ram_cached": ram_report.num_cached_tokens, "ssd_cached": ssd_report.num_ssd_tokens,
@@ -109,16 +109,19 @@ def measure_length(model_path: Path, length: int, work: Path) -> dict:
             "disk_bytes_per_token": disk_bytes / length}
 
 
-def _block_read_mb_s(runner: ModelRunner, files: list[Path]) -> float:
-    """Verified reads (open, read, parse, per-block checksum) of every block, from the disk."""
+def _block_read_mb_s(runner: ModelRunner, files: list[Path], ids: list[int]) -> float:
+    """Verified reads (open, read, parse, per-block checksum) of every block on disk: the chain of
+    the prompt's full blocks (those persisted at shutdown), from the disk."""
+    caches = runner.caches
+    with caches.prefix.open(SALT, caches.model_fingerprint, ids) as session:
+        chain = [h.hex() for h in session.hashes]
+    chain = [h for h in chain if caches.prefix.ssd.contains(h)]
+    assert len(chain) == caches.prefix.ssd.stats().num_blocks, "blocks on disk that the prompt's chain does not name"
     drop_from_page_cache(files)
-    ssd = runner.caches.prefix.ssd
-    segments = ssd.index.segments
-    chain = [h for name in sorted(segments, key=lambda n: segments[n].blocks[0]) for h in segments[name].blocks]
     start = time.perf_counter()
-    blocks = ssd.read_chain(chain)
+    blocks = caches.prefix.ssd.read_chain(chain)
     elapsed = time.perf_counter() - start
-    assert len(blocks) == len(chain), "a block failed verification"
+    assert chain and len(blocks) == len(chain), "a block failed verification"
     return sum(path.stat().st_size for path in files) / elapsed / 1e6
 
 
