@@ -26,7 +26,7 @@ from .blas import blas_in_use
 from . import openai_format
 from .chat import ChatService
 from .openai_format import ModelStamp
-from .pipeline import OFF_LOOP_BYTES, Pipeline
+from .pipeline import Pipeline, off_loop
 from kvcache import default_budget_bytes
 from kvcache.quant import QuantConfig
 from kvcache.ssd import AdmissionPolicy, SsdConfig
@@ -65,8 +65,7 @@ async def chat_completions(request: Request) -> Response:
     services = _services(request)
     caller = services.auth.caller(request.headers.get("authorization"))
     raw = await request.body()
-    parse = partial(_parse, raw, services.settings.limits)
-    chat_request = parse() if len(raw) <= OFF_LOOP_BYTES else await anyio.to_thread.run_sync(parse)
+    chat_request = await off_loop(len(raw), partial(_parse, raw, services.settings.limits))
     turn = await services.pipeline.start(chat_request, caller, request.headers, len(raw))
     if chat_request.stream:
         headers = {**turn.trace.headers(), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -25,7 +25,6 @@ from vision import DecodedImage
 from .auth import Caller
 from .engine import Delta, Engine, Failed, Finished, PreparedPrompt, PromptError, QueueFull, Started
 from .engine.caching import PrefixReport, VisionReport
-
 from .errors import ApiError, bad_request
 from .images import load_image
 from .openai_format import Completion

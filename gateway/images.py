@@ -7,7 +7,6 @@ one generic message whatever the cause; the cause is logged.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -42,8 +41,7 @@ def _fetch_http(url: str, settings: Settings, param: str) -> bytes:
     if not settings.allow_remote_images:
         raise bad_request(f"{param}: http(s) image URLs are disabled on this server; send a data: URL",
                           "image_url_not_allowed", param)
-    policy = FetchPolicy(tuple(ipaddress.ip_network(c, strict=False) for c in settings.remote_image_allow),
-                         settings.remote_image_timeout_s, settings.limits.max_image_bytes,
+    policy = FetchPolicy(settings.remote_image_allow, settings.remote_image_timeout_s, settings.limits.max_image_bytes,
                          settings.remote_image_max_redirects)
     try:
         return fetch_image(url, policy)
@@ -69,7 +67,7 @@ def _read_file(url: str, settings: Settings, param: str) -> bytes:
         if path.stat().st_size > settings.limits.max_image_bytes:
             raise ImageError("image_too_large", f"image exceeds {settings.limits.max_image_bytes} bytes")
         return path.read_bytes()
-    except (OSError, ValueError, RuntimeError) as exc:  # unreadable, a loop of links, a name too long
-        if isinstance(exc, ImageError):
-            raise
+    except ImageError:  # a ValueError too, but the client's to see
+        raise
+    except (OSError, ValueError, RuntimeError):  # unreadable, a loop of links, a name too long
         raise refused from None

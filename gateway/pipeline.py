@@ -12,9 +12,10 @@ Each response layer has one interface (`lookup(ctx, trace) -> StoredResponse | N
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TypeVar
 
 import anyio
 
@@ -29,7 +30,15 @@ from .schemas import ChatRequest
 from .stats import LayerCounters
 from .trace import BYPASS, LayerOutcome, Trace
 
-OFF_LOOP_BYTES = 64 * 1024  # bodies above this are canonicalised (keys, risk rules) in a worker thread
+T = TypeVar("T")
+
+OFF_LOOP_BYTES = 64 * 1024  # bodies above this are parsed and canonicalised in a worker thread
+
+
+async def off_loop(body_size: int, work: Callable[[], T]) -> T:
+    """CPU work on a request body (parsing, canonical keys, risk rules): on the event loop while the
+    body is small, in a worker thread above OFF_LOOP_BYTES, so one large body never stalls the rest."""
+    return work() if body_size <= OFF_LOOP_BYTES else await anyio.to_thread.run_sync(work)
 
 
 @dataclass(slots=True)
@@ -82,8 +91,7 @@ class Pipeline:
         trace = Trace()
         with trace.timed("prepare"):
             images = await self.chat.load_images(request)
-            context = partial(self.responses.context, request, caller, headers, images)
-            ctx = context() if body_size <= OFF_LOOP_BYTES else await anyio.to_thread.run_sync(context)
+            ctx = await off_loop(body_size, partial(self.responses.context, request, caller, headers, images))
         cached = await self._lookup(ctx, trace)
         if cached is not None:
             return Turn(self, ctx, trace, self.chat.replay(cached, trace), cached=True)

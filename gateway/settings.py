@@ -20,6 +20,7 @@ from .engine import EngineConfig
 
 
 EXACT_STORES = ("sqlite", "memory", "off")
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 def _default(config: type, name: str):
@@ -81,7 +82,7 @@ class Settings:
     cache_nondeterministic: bool = False  # also cache sampled (temperature > 0, no seed) answers
     risk_patterns_file: Path | None = None  # None: semantic/risk_patterns.json
     allow_remote_images: bool = False  # http(s) image_url parts
-    remote_image_allow: tuple[str, ...] = ()  # CIDRs that may be fetched although not public (e.g. 10.1.0.0/16)
+    remote_image_allow: tuple[Network, ...] = ()  # networks that may be fetched although not public (10.1.0.0/16)
     remote_image_timeout_s: float = 10.0  # total deadline of one fetch: DNS, connect, redirects, body
     remote_image_max_redirects: int = 3
     allow_file_images_under: Path | None = None  # file:// image_url parts below this folder
@@ -90,8 +91,8 @@ class Settings:
     def __post_init__(self):
         if self.exact_store not in EXACT_STORES:
             raise ValueError(f"exact store must be sqlite, memory or off; got {self.exact_store!r}")
-        for cidr in self.remote_image_allow:
-            ipaddress.ip_network(cidr, strict=False)  # ValueError names the bad entry
+        # CIDR strings are parsed here, once (ValueError names a bad one); fetches use the networks
+        object.__setattr__(self, "remote_image_allow", tuple(_network(c) for c in self.remote_image_allow))
 
     @property
     def multi_tenant(self) -> bool:
@@ -121,11 +122,12 @@ def parse_flag(text: str) -> bool:
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def _cidrs(text: str) -> tuple[str, ...]:
-    cidrs = tuple(filter(None, (c.strip() for c in text.split(","))))
-    for cidr in cidrs:
-        ipaddress.ip_network(cidr, strict=False)  # ValueError names the bad entry
-    return cidrs
+def _cidrs(text: str) -> tuple[Network, ...]:
+    return tuple(_network(c.strip()) for c in text.split(",") if c.strip())
+
+
+def _network(cidr: str | Network) -> Network:
+    return ipaddress.ip_network(cidr, strict=False)
 
 
 def _exact_store(text: str) -> str:

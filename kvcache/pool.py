@@ -130,9 +130,7 @@ class BlockPool:
                 return False
             if self.on_evict is not None:
                 self.on_evict(victim)
-            del self.by_hash[victim.block_hash]
-            self.num_bytes -= victim.nbytes
-            victim.kv = ()
+            self._discard(victim)
             self.counters.num_evicted += 1
         return True
 
@@ -140,11 +138,15 @@ class BlockPool:
         """Remove every block no session holds, without the eviction callback (nothing spills)."""
         num_blocks, num_bytes = 0, 0
         while (victim := self.free.pop_oldest()) is not None:
-            del self.by_hash[victim.block_hash]
-            self.num_bytes -= victim.nbytes
             num_blocks, num_bytes = num_blocks + 1, num_bytes + victim.nbytes
-            victim.kv = ()
+            self._discard(victim)
         return Purged(num_blocks, num_bytes)
+
+    def _discard(self, block: Block) -> None:
+        """Forget a block already out of the free queue, and drop its data."""
+        del self.by_hash[block.block_hash]
+        self.num_bytes -= block.nbytes
+        block.kv = ()
 
     def check(self) -> None:
         """Assert the invariants above; for tests."""

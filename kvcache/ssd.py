@@ -44,7 +44,7 @@ import numpy as np
 from .pool import Purged
 from .segment import (PRIVATE_DIR_MODE, SEGMENT_BLOCKS, TEMP_PREFIX, SpillRequest, encode, verified_blocks,
                       write_atomically)
-from .ssd_index import SegmentIndex
+from .ssd_index import Segment, SegmentIndex
 
 log = logging.getLogger("strata.kvcache.ssd")
 READER_THREADS = 4  # segment reads in flight at once while a chain is promoted
@@ -135,9 +135,7 @@ class SsdTier:
         self.drain(PURGE_DRAIN_S)
         num_files, num_blocks, num_bytes = 0, 0, 0
         for name, _ in self.index.least_recently_used():
-            segment = self.index.forget(name)
-            if segment is not None:
-                self._segment_path(name).unlink(missing_ok=True)
+            if (segment := self._delete_segment(name)) is not None:
                 num_files, num_blocks, num_bytes = num_files + 1, num_blocks + len(segment.blocks), num_bytes + segment.nbytes
         return Purged(num_blocks, num_bytes, num_files)
 
@@ -264,10 +262,15 @@ class SsdTier:
             expired = now - segment.last_used > self.config.retention_s
             if not expired and excess <= 0:
                 break
-            self.index.forget(name)
-            self._segment_path(name).unlink(missing_ok=True)
+            self._delete_segment(name)
             excess -= segment.nbytes
             self._count("num_expired_files" if expired else "num_evicted_files")
+
+    def _delete_segment(self, name: str) -> Segment | None:
+        """A segment out of the index and off the disk; what the index held of it (None: nothing)."""
+        segment = self.index.forget(name)
+        self._segment_path(name).unlink(missing_ok=True)
+        return segment
 
     def _segment_path(self, name: str) -> Path:
         return self.folder / name[4:6] / f"{name}.safetensors"

@@ -111,10 +111,9 @@ class SemanticCache:
             return Screening("tools")
         if len(query) > self.settings.max_query_chars:
             return Screening("query_too_long")
-        category = risk_category
-        if category == PERSONAL_DATA:
+        if risk_category == PERSONAL_DATA:
             return Screening(None, personal=True) if has_end_user else Screening(f"risk:{PERSONAL_DATA}")
-        return Screening(f"risk:{category}" if category else None)
+        return Screening(f"risk:{risk_category}" if risk_category else None)
 
     def lookup(self, query: str, scope: Scope, context: str, now: float) -> SemanticLookup:
         vector = self.embedder.embed([query])[0]

@@ -331,12 +331,9 @@ def _entities(raw: str) -> frozenset[str]:
     found = set()
     for sentence in re.split(r"(?<=[.!?])\s+|\n+", raw.strip()):
         for match in ENTITY.finditer(sentence):
-            words = match.group(1).split()
-            if match.start() == 0 or sentence[: match.start()].strip() in ("", '"', "'", "(", "-"):
-                while words and words[0].lower() in STOPWORDS | QUESTION_STARTS:
-                    words = words[1:]  # "How", "Is", "Can" open a sentence; they name nothing
-            if words:
-                found.add(lemma(" ".join(w.lower().rstrip(".") for w in words)))
+            opens_sentence = match.start() == 0 or sentence[: match.start()].strip() in ("", '"', "'", "(", "-")
+            if name := _entity_name(match.group(1), opens_sentence):
+                found.add(name)
     found.update(w.lower() for w in WORD_CHARS.findall(raw) if _mixed_token(w))  # 4K, 5G, iOS
     return frozenset(e for e in found if e and e not in STOPWORDS)
 
@@ -358,6 +355,17 @@ QUESTION_STARTS = frozenset("""is are was were do does did can could will would 
 had what which who whom whose when where why how please tell give show explain list describe help hey hi hello i
 find compare convert calculate translate check set change update reset cancel delete create make book order buy get
 send add remove open close turn enable disable""".split())
+OPENERS = STOPWORDS | QUESTION_STARTS
+
+
+def _entity_name(capitalised: str, opens_sentence: bool) -> str:
+    """The lemma of a run of capitalised words; at a sentence's start its opening words ("How", "Is",
+    "Did", "Can") name nothing and are dropped. Empty if nothing is left."""
+    words = capitalised.split()
+    if opens_sentence:
+        while words and words[0].lower() in OPENERS:
+            words = words[1:]
+    return lemma(" ".join(w.lower().rstrip(".") for w in words)) if words else ""
 
 
 def direction(a: Text, b: Text) -> str | None:
@@ -411,11 +419,7 @@ def entity_order(a: Text, b: Text) -> str | None:
 def _entity_sequence(raw: str) -> list[str]:
     sequence: list[str] = []
     for match in ENTITY.finditer(raw):
-        words = match.group(1).split()
-        if match.start() == 0:  # "Did Brazil": the opener names nothing, the rest may
-            while words and words[0].lower() in STOPWORDS | QUESTION_STARTS:
-                words = words[1:]
-        name = lemma(" ".join(w.lower().rstrip(".") for w in words))
+        name = _entity_name(match.group(1), opens_sentence=match.start() == 0)  # "Did Brazil": Brazil
         if name and name not in STOPWORDS and name not in sequence:
             sequence.append(name)
     return sequence

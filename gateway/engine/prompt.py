@@ -37,7 +37,7 @@ class PromptError(ValueError):
 # Client text is bracketed by these private-use code points while the chat template renders, so that
 # special tokens can be told apart by origin afterwards; clients' own copies of them are removed.
 CLIENT_START, CLIENT_END = "\ue000", "\ue001"
-_MARKERS = re.compile("[\ue000\ue001]")
+_MARKERS = re.compile("([\ue000\ue001])")  # captured: _unmark splits on them and keeps which one
 ZERO_WIDTH_SPACE = "\u200b"
 
 
@@ -146,7 +146,7 @@ def _unmark(marked: str) -> tuple[str, list[tuple[int, int]]]:
     pieces: list[str] = []
     spans: list[tuple[int, int]] = []
     length, start = 0, None
-    for piece in re.split("([\ue000\ue001])", marked):
+    for piece in _MARKERS.split(marked):
         if piece == CLIENT_START:
             start = length
         elif piece == CLIENT_END:

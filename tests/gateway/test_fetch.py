@@ -16,6 +16,7 @@ from litestar.testing import TestClient
 from gateway.app import create_app
 from gateway.fetch import FetchFailed, FetchPolicy, address_allowed, fetch_image
 from tests.conftest import TINY, png_data_url
+from tests.gateway.test_live_server import _free_port
 
 PNG = base64.b64decode(png_data_url(32, 32).split(",", 1)[1])
 LOOPBACK = (ipaddress.ip_network("127.0.0.1/32"),)
@@ -145,10 +146,3 @@ def _ask_with_image(client, url: str) -> dict:
     error = response.json().get("error", {})
     return {"status": response.status_code, "code": error.get("code"), "message": error.get("message")}
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

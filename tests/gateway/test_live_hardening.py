@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.conftest import TINY
-from tests.gateway.test_live_server import ADMIN, LiveServer
+from tests.gateway.test_live_server import ADMIN, LiveServer, _admin_stats, _health
 
 READ_TIMEOUT_S = 1.0
 MAX_CONNECTIONS = 8
@@ -28,10 +28,6 @@ def server(tiny_model_path, tmp_path_factory):
     })
     yield live
     assert live.stop()
-
-
-def _admin(server, path: str) -> dict:
-    return httpx.get(server.url + path, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10).json()
 
 
 def _closed_within(sock: socket.socket, seconds: float) -> bool:
@@ -71,7 +67,7 @@ def test_connections_over_the_limit_are_refused(server):
 
 def test_an_abandoned_plain_request_is_cancelled(server):
     """Two clients that left after 0.5 s once held the engine for 80 s."""
-    before = _admin(server, "/admin/stats")["engine"]["num_cancelled"]
+    before = _admin_stats(server)["engine"]["num_cancelled"]
     # greedy: this prompt runs all 500 tokens on the tiny model (~1.8 s); a sampled one may stop early
     body = json.dumps({"model": TINY, "messages": [{"role": "user", "content": "Tell a very long story."}],
                        "max_tokens": 500, "temperature": 0}).encode()
@@ -81,10 +77,10 @@ def test_an_abandoned_plain_request_is_cancelled(server):
         sock.sendall(request)
         time.sleep(0.5)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _admin(server, "/admin/stats")["engine"]["num_cancelled"] == before:
+    while time.monotonic() < deadline and _admin_stats(server)["engine"]["num_cancelled"] == before:
         time.sleep(0.05)
-    assert _admin(server, "/admin/stats")["engine"]["num_cancelled"] == before + 1
-    assert not _admin(server, "/healthz")["engine_busy"]
+    assert _admin_stats(server)["engine"]["num_cancelled"] == before + 1
+    assert not _health(server)["engine_busy"]
 
 
 def test_hostile_text_never_holds_the_event_loop(server):
