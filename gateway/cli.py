@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from .engine.builder import DEFAULT_FAMILY, DTYPES, RECIPES, SIZES
 from .settings import SETTINGS, add_setting_flags
 
 
@@ -17,12 +18,18 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible gateway")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--model", default="demo", help="'demo', 'tiny', a model folder, or a hub id")
+    serve.add_argument("--model", default="demo",
+                       help="'demo' or 'tiny' (built in), '<family>-demo' / '<family>-tiny' for another built-in family, "
+                            "a model folder, or a hub id")
     serve.add_argument("--data-dir", type=Path, default=Path(os.environ.get("STRATA_DATA_DIR", "strata-data")))
     serve.add_argument("--log-level", default="info")
     add_setting_flags(serve)
-    build = commands.add_parser("build-model", help="build a seeded random-init Qwen2.5-VL model folder")
-    build.add_argument("--size", choices=("tiny", "demo"), default="tiny")
+    build = commands.add_parser("build-model", help="build a seeded random-init model folder of one family")
+    build.add_argument("--family", choices=sorted(RECIPES), default=DEFAULT_FAMILY,
+                       help="the library's own model_type (default %(default)s)")
+    build.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    build.add_argument("--dtype", choices=DTYPES, default="float32")
+    build.add_argument("--quantize", type=int, choices=(4, 8), default=None, help="quantise the language model's weights")
     build.add_argument("--out", type=Path, required=True)
     return parser
 
@@ -31,9 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
     if args.command == "build-model":
-        from .engine.builder import build_model
+        from .engine.builder import BuildSpec, build_model
 
-        print(build_model(args.size, args.out))
+        print(build_model(BuildSpec(args.family, args.size, args.dtype, args.quantize), args.out))
         return 0
     from .blas import reexec_with_openblas
 

@@ -27,6 +27,9 @@ from .quant import QuantConfig, from_tensors, quantize, restore, to_tensors
 from .ssd import SpillRequest, SsdTier
 
 SLICEABLE_CACHE_TYPES = ("KVCache",)  # caches whose state is (keys, values) along a token axis
+# Recurrent layers (Mamba, gated delta) carry one state for the whole prefix: it cannot be cut at a
+# block boundary, so models with them run without prefix reuse.
+RECURRENT_CACHE_TYPES = ("ArraysCache", "MambaCache")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +41,8 @@ class Cacheability:
 def cacheability(cache_layers: Sequence[object]) -> Cacheability:
     """Rotating/sliding-window or SSM caches cannot be cut into blocks: report, never guess."""
     kinds = {type(c).__name__ for c in cache_layers}
+    if kinds.intersection(RECURRENT_CACHE_TYPES):
+        return Cacheability(False, "recurrent_state")
     unsupported = kinds.difference(SLICEABLE_CACHE_TYPES)
     if unsupported:
         return Cacheability(False, "uncacheable:" + "+".join(sorted(unsupported)))

@@ -49,15 +49,16 @@ def restore(x) -> mx.array:
 
 
 def to_tensors(kv: tuple) -> dict[str, np.ndarray]:
-    """A block's per-layer (keys, values) as named numpy tensors for a safetensors file."""
+    """A block's per-layer (keys, values) as named numpy tensors for a safetensors file. numpy has no
+    bfloat16: such a tensor is stored as its raw 16-bit words under the name + BF16_SUFFIX."""
     tensors = {}
     for layer, pair in enumerate(kv):
         for name, value in zip(("k", "v"), pair):
             if isinstance(value, Quantized):
-                tensors.update({f"{layer}.{name}.q": np.array(value.data), f"{layer}.{name}.s": np.array(value.scales),
-                                f"{layer}.{name}.b": np.array(value.biases)})
+                for part, array in (("q", value.data), ("s", value.scales), ("b", value.biases)):
+                    tensors.update(_numpy(f"{layer}.{name}.{part}", array))
             else:
-                tensors[f"{layer}.{name}"] = np.array(value)
+                tensors.update(_numpy(f"{layer}.{name}", value))
     return tensors
 
 
@@ -69,9 +70,27 @@ def from_tensors(tensors: dict[str, np.ndarray], config: QuantConfig | None) -> 
     return tuple(layers)
 
 
-def _load_one(tensors: dict[str, np.ndarray], name: str, config: QuantConfig | None):
+BF16_SUFFIX = "@bf16"
+
+
+def _numpy(name: str, array: mx.array) -> dict[str, np.ndarray]:
+    if array.dtype == mx.bfloat16:
+        return {name + BF16_SUFFIX: np.array(array.view(mx.uint16))}
+    return {name: np.array(array)}
+
+
+def _mlx(tensors: dict[str, np.ndarray], name: str) -> mx.array | None:
     if name in tensors:
         return mx.array(tensors[name])
+    if name + BF16_SUFFIX in tensors:
+        return mx.array(tensors[name + BF16_SUFFIX]).view(mx.bfloat16)
+    return None
+
+
+def _load_one(tensors: dict[str, np.ndarray], name: str, config: QuantConfig | None):
+    full = _mlx(tensors, name)
+    if full is not None:
+        return full
     assert config is not None, f"{name} is quantised but this cache is not"
-    return Quantized(mx.array(tensors[name + ".q"]), mx.array(tensors[name + ".s"]), mx.array(tensors[name + ".b"]),
+    return Quantized(_mlx(tensors, name + ".q"), _mlx(tensors, name + ".s"), _mlx(tensors, name + ".b"),
                      config.bits, config.group_size)

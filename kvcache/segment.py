@@ -99,7 +99,8 @@ def tensor_checksum(tensors: dict[str, np.ndarray]) -> str:
     return digest.hexdigest()
 
 
-_DTYPES = {"F32": np.float32, "F16": np.float16, "U32": np.uint32, "I32": np.int32, "U8": np.uint8}
+_DTYPES = {"F32": np.float32, "F16": np.float16, "U32": np.uint32, "I32": np.int32, "U16": np.uint16,
+           "U8": np.uint8}
 
 
 def parse(raw: bytes) -> tuple[dict[str, np.ndarray], dict]:

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from gateway.engine import CacheConfig, Engine, EngineConfig
-from gateway.engine.builder import builder_digest, ensure_model
+from gateway.engine.builder import BuildSpec, builder_digest, ensure_model
 from gateway.settings import Limits, Settings
 
 TINY = "strata-tiny"
@@ -24,7 +24,12 @@ MODEL_CACHE = Path(os.environ.get("STRATA_TEST_MODELS", Path(__file__).parent.pa
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:
-    return ensure_model("tiny", MODEL_CACHE / builder_digest("tiny")[:16] / TINY)
+    return built_model(BuildSpec(size="tiny"))
+
+
+def built_model(spec: BuildSpec) -> Path:
+    """A built model folder, kept across runs under MODEL_CACHE (keyed by everything it depends on)."""
+    return ensure_model(spec, MODEL_CACHE / builder_digest(spec)[:16] / spec.name)
 
 
 @pytest.fixture(scope="session")

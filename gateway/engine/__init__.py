@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from .builder import SIZES, ensure_model
+from .builder import ensure_model, parse_model_name
 from .caching import CacheConfig
 from .prompt import PreparedPrompt, PromptError
 from .runner import ModelRunner, Sampler
@@ -88,10 +88,10 @@ class Engine:
 
 
 def resolve_model_path(model: str, data_dir: Path) -> Path:
-    """'demo' and 'tiny' name the embedded models (built into data_dir on first use); a folder is
-    used as it is; anything else is treated as a hub id and fetched by mlx-vlm."""
-    if model in SIZES:
-        return ensure_model(model, Path(data_dir) / "models" / f"strata-{model}")
+    """'demo' and 'tiny' (and '<family>-demo', '<family>-tiny') name the embedded models, built into
+    data_dir on first use; a folder is used as it is; anything else is a hub id fetched by mlx-vlm."""
+    if (spec := parse_model_name(model)) is not None:
+        return ensure_model(spec, Path(data_dir) / "models" / spec.name)
     if Path(model).exists():
         return Path(model)
     from mlx_vlm.utils import get_model_path

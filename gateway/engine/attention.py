@@ -16,6 +16,7 @@ Decode steps (one query) keep MLX's kernel: nothing to gain there. On Metal noth
 
 from __future__ import annotations
 
+import sys
 from functools import lru_cache
 
 import mlx.core as mx
@@ -24,20 +25,25 @@ import numpy as np
 LOG2E = 1.4426950408889634
 
 
-def causal_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
-    """Attention of L queries that are the last L positions of T keys (grouped-query heads)."""
-    q, k, v = np.asarray(queries), np.asarray(keys), np.asarray(values)
+def causal_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                     mask: np.ndarray | None = None) -> mx.array:
+    """Attention of L queries that are the last L positions of T keys (grouped-query heads). `mask`
+    (L, T), True where a query may attend, replaces the plain causal mask (e.g. a sliding window)."""
+    q, k, v = (np.asarray(x.astype(mx.float32)) for x in (queries, keys, values))  # numpy has no bfloat16
     batch, num_heads, num_queries, head_dim = q.shape
     num_kv_heads, num_keys = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
     grouped = q.reshape(batch, num_kv_heads, group * num_queries, head_dim) * np.float32(scale * LOG2E)
     scores = np.matmul(grouped, k.transpose(0, 1, 3, 2)).reshape(batch, num_kv_heads, group, num_queries, num_keys)
-    scores[..., num_keys - num_queries:] += _causal_bias(num_queries)
+    if mask is None:
+        scores[..., num_keys - num_queries:] += _causal_bias(num_queries)
+    else:
+        scores += np.where(mask, np.float32(0), np.float32(-np.inf))
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp2(scores, out=scores)
     denominator = scores.sum(axis=-1).reshape(batch, num_kv_heads, group * num_queries, 1)
     out = np.matmul(scores.reshape(batch, num_kv_heads, group * num_queries, num_keys), v) / denominator
-    return mx.array(out.reshape(batch, num_heads, num_queries, head_dim))
+    return mx.array(out.reshape(batch, num_heads, num_queries, head_dim)).astype(queries.dtype)
 
 
 @lru_cache(maxsize=8)
@@ -45,20 +51,37 @@ def _causal_bias(size: int) -> np.ndarray:
     return np.triu(np.full((size, size), -np.inf, dtype=np.float32), 1)
 
 
-def install_cpu_prefill_attention(language_model) -> int:
-    """Swap the Qwen2.5-VL attention modules of this model instance (not the class) to the CPU
-    prefill path. Returns how many layers were swapped (0 when MLX runs on a GPU)."""
+def install_cpu_prefill_attention(language_model) -> list[str]:
+    """Route the prefill attention of this model's family through `causal_attention`: the library
+    module of each attention layer calls its module-level `scaled_dot_product_attention`, which is
+    wrapped once per module (every family of mlx-vlm and mlx-lm is written this way). Returns the
+    modules wrapped; none when MLX runs on a GPU."""
     if mx.default_device().type != mx.DeviceType.cpu:
-        return 0
-    from mlx_vlm.models.qwen2_5_vl import language
-
+        return []
     _limit_numpy_blas_threads()
-    swapped = 0
-    for layer in language_model.model.layers:
-        if type(layer.self_attn) is language.Attention:
-            layer.self_attn.__class__ = _cpu_attention_class(language)
-            swapped += 1
-    return swapped
+    wrapped = []
+    for name in sorted({type(layer.self_attn).__module__ for layer in language_model.layers if hasattr(layer, "self_attn")}):
+        module = sys.modules[name]
+        original = getattr(module, "scaled_dot_product_attention", None)
+        if original is not None and not getattr(original, "strata_cpu_prefill", False):
+            module.scaled_dot_product_attention = _cpu_prefill(original)
+        wrapped.append(name)
+    return wrapped
+
+
+def _cpu_prefill(original):
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *args, **kwargs):
+        """Prefill (queries > 1) with a causal or a 2-D boolean mask runs on numpy; the rest (decode,
+        quantised caches, attention sinks, batched masks) stays on the library's own kernel."""
+        if queries.shape[2] > 1 and not args and kwargs.get("sinks") is None and isinstance(keys, mx.array):
+            if isinstance(mask, str) and mask == "causal":
+                return causal_attention(queries, keys, values, scale)
+            if isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.ndim == 2:
+                return causal_attention(queries, keys, values, scale, np.asarray(mask))
+        return original(queries, keys, values, cache, scale, mask, *args, **kwargs)
+
+    scaled_dot_product_attention.strata_cpu_prefill = True
+    return scaled_dot_product_attention
 
 
 def _limit_numpy_blas_threads() -> None:
@@ -70,32 +93,3 @@ def _limit_numpy_blas_threads() -> None:
     bundled = {pool["prefix"]: 1 for pool in threadpool_info() if pool["prefix"].startswith("libscipy_openblas")}
     if bundled:
         threadpool_limits(limits=bundled)
-
-
-@lru_cache(maxsize=1)
-def _cpu_attention_class(language):
-    class CpuPrefillAttention(language.Attention):
-        """mlx-vlm 0.7.10's Qwen2.5-VL Attention.__call__, with the prefill attention swapped."""
-
-        def __call__(self, x, mask=None, cache=None, position_ids=None, position_embeddings=None):
-            B, L, _ = x.shape
-            queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
-            keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-            values = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-            assert position_embeddings is not None or position_ids is not None, "Strata always passes positions"
-            if position_embeddings is None:
-                queries, keys = self.rotary_emb.apply_rotary(queries, keys, position_ids, unsqueeze_dim=1)
-            else:
-                cos, sin = position_embeddings
-                queries, keys = language.apply_multimodal_rotary_pos_emb(queries, keys, cos, sin, unqueeze_dim=1)
-            if cache is not None:
-                keys, values = cache.update_and_fetch(keys, values)
-            if L > 1 and (mask is None or isinstance(mask, str)):
-                output = causal_attention(queries, keys, values, self.scale)
-            else:
-                if isinstance(mask, mx.array):
-                    mask = mask[..., : language.kv_sequence_length(keys)]
-                output = language.scaled_dot_product_attention(queries, keys, values, cache, scale=self.scale, mask=mask)
-            return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-    return CpuPrefillAttention

@@ -1,9 +1,12 @@
-"""Build a seeded random-init Qwen2.5-VL checkpoint that `mlx_vlm.load` reads.
+"""Build a seeded random-init checkpoint of one model family that its library loads as it would a real one.
 
-No weights can be downloaded here, so tests and the demo server run on a model the project builds
-itself: mlx-vlm's own `qwen2_5_vl` classes, re-initialised with a fixed seed, a byte-level BPE
-tokenizer trained locally on `assets/corpus.txt`, and the Qwen2-VL chat template. The output is an
-ordinary model folder (config.json, model.safetensors, tokenizer files, preprocessor_config.json).
+No weights can be downloaded here, so tests and the demo server run on models the project builds
+itself: the library's own model classes (mlx-vlm for vision families, mlx-lm for text models) with
+scaled-down configs, re-initialised with a fixed seed; a byte-level BPE tokenizer trained locally on
+`assets/corpus.txt` with the family's special tokens; the family's chat template; and for vision
+families the processor configuration its real processor code reads. Weights can be stored in
+float32, bfloat16 or float16, and quantised to 4 or 8 bits as mlx-community checkpoints are. The
+output is an ordinary model folder (config.json, model.safetensors, tokenizer files, processor files).
 """
 
 from __future__ import annotations
@@ -12,22 +15,15 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 ASSETS = Path(__file__).parent / "assets"
-SPECIAL_TOKENS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
 VOCAB_SIZE = 8192
 SEED = 20261129
+DTYPES = ("float32", "bfloat16", "float16")
+QUANT_GROUP_SIZE = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,99 +36,37 @@ class ModelSize:
     vision_depth: int
     vision_hidden_size: int
     vision_heads: int
+    sliding_window: int  # for families with sliding-window layers
 
 
 SIZES = {
-    "tiny": ModelSize(256, 2, 4, 2, 512, 1, 64, 2),
-    "demo": ModelSize(512, 4, 8, 2, 1376, 2, 128, 4),
+    "tiny": ModelSize(256, 2, 4, 2, 512, 1, 64, 2, 64),
+    "demo": ModelSize(512, 4, 8, 2, 1376, 2, 128, 4, 512),
 }
 
 
-def build_model(size: str, out_dir: Path) -> Path:
-    """Write a complete model folder for `size` ("tiny" or "demo") into `out_dir`; return it."""
-    if size not in SIZES:
-        raise ValueError(f"unknown model size {size!r}; choose one of {sorted(SIZES)}")
-    out_dir = Path(out_dir)
-    tmp_dir = out_dir.with_name(f"{out_dir.name}.building-{os.getpid()}")
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    tmp_dir.mkdir(parents=True)
-    token_ids = _write_tokenizer(tmp_dir)
-    config = _model_config(SIZES[size], token_ids)
-    (tmp_dir / "config.json").write_text(json.dumps(config, indent=2))
-    _write_weights(config, tmp_dir)
-    _write_processor_config(tmp_dir)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp_dir.rename(out_dir)
-    return out_dir
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    """One family's scaled-down build: its library, tokens, template, config and processor files."""
+
+    library: str  # "mlx_vlm" or "mlx_lm": whose classes build (and later load) the weights
+    special_tokens: tuple[str, ...]
+    eos_token: str
+    bos_token: str | None
+    pad_token: str
+    config: Callable[[ModelSize, dict[str, int]], dict]
+    processor_files: Callable[[ModelSize], dict[str, dict]] = lambda size: {}
 
 
-def builder_digest(size: str) -> str:
-    """What a built model depends on: this builder, its assets, the size, and the libraries whose
-    classes and trainers write it. Equal digests build identical folders (everything is seeded)."""
-    from importlib.metadata import version
-
-    digest = hashlib.sha256(f"strata-builder-v1|{size}|".encode())
-    digest.update(Path(__file__).read_bytes())
-    for asset in sorted(ASSETS.iterdir()):
-        digest.update(asset.name.encode() + b"\0" + asset.read_bytes())
-    for package in ("mlx", "mlx-vlm", "transformers", "tokenizers"):
-        digest.update(f"{package}=={version(package)}".encode())
-    return digest.hexdigest()
-
-
-def ensure_model(size: str, out_dir: Path) -> Path:
-    """Build the model once; later calls reuse the folder (it is complete once renamed in place)."""
-    out_dir = Path(out_dir)
-    if not (out_dir / "config.json").exists():
-        build_model(size, out_dir)
-    return out_dir
-
-
-def _write_tokenizer(out_dir: Path) -> dict[str, int]:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE - len(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    lines = (ASSETS / "corpus.txt").read_text().splitlines()[1:]
-    tokenizer.train_from_iterator(lines, trainer=trainer)
-    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=list(SPECIAL_TOKENS[1:]),
-    )
-    fast.chat_template = (ASSETS / "chat_template.jinja").read_text()
-    fast.save_pretrained(str(out_dir))
-    (out_dir / "chat_template.jinja").write_text(fast.chat_template)
-    return {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
-
-
-def _model_config(size: ModelSize, ids: dict[str, int]) -> dict:
+def _qwen2_5_vl_config(size: ModelSize, ids: dict[str, int]) -> dict:
     head_dim = size.hidden_size // size.num_heads
     quarter = head_dim // 2 // 4  # mRoPE sections split head_dim/2 as 1:1.5:1.5 (t, h, w)
-    return {
+    return _text_fields(size) | {
         "model_type": "qwen2_5_vl",
         "architectures": ["Qwen2_5_VLForConditionalGeneration"],
-        "hidden_size": size.hidden_size,
-        "num_hidden_layers": size.num_layers,
-        "intermediate_size": size.intermediate_size,
-        "num_attention_heads": size.num_heads,
-        "num_key_value_heads": size.num_kv_heads,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": VOCAB_SIZE,
-        "max_position_embeddings": 32768,
         "rope_theta": 1000000.0,
         "rope_scaling": {"type": "mrope", "mrope_section": [quarter, quarter * 3 // 2, quarter * 3 // 2]},
         "tie_word_embeddings": True,
-        "torch_dtype": "float32",
         "image_token_id": ids["<|image_pad|>"],
         "video_token_id": ids["<|video_pad|>"],
         "vision_start_token_id": ids["<|vision_start|>"],
@@ -159,19 +93,283 @@ def _model_config(size: ModelSize, ids: dict[str, int]) -> dict:
     }
 
 
-def _write_weights(config: dict, out_dir: Path) -> None:
+def _qwen2_5_vl_processor(size: ModelSize) -> dict[str, dict]:
+    return {"preprocessor_config.json": {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2_5_VLProcessor",
+        "patch_size": 14,
+        "merge_size": 2,
+        "temporal_patch_size": 2,
+        "min_pixels": 56 * 56,
+        "max_pixels": 448 * 448,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+    }}
+
+
+GEMMA3_IMAGE_SIZE, GEMMA3_IMAGE_TOKENS = 224, 64  # 16x16 patches of 14 px, pooled 2x2
+
+
+def _gemma3_config(size: ModelSize, ids: dict[str, int]) -> dict:
+    head_dim = size.hidden_size // size.num_heads
+    return {
+        "model_type": "gemma3",
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "torch_dtype": "float32",
+        "image_token_index": ids["<image_soft_token>"],
+        "boi_token_index": ids["<start_of_image>"],
+        "eoi_token_index": ids["<end_of_image>"],
+        "pad_token_id": ids["<pad>"],
+        "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]],
+        "mm_tokens_per_image": GEMMA3_IMAGE_TOKENS,
+        "text_config": {
+            "model_type": "gemma3_text",
+            "hidden_size": size.hidden_size,
+            "num_hidden_layers": size.num_layers,
+            "intermediate_size": size.intermediate_size,
+            "num_attention_heads": size.num_heads,
+            "num_key_value_heads": size.num_kv_heads,
+            "head_dim": head_dim,
+            "query_pre_attn_scalar": head_dim,
+            "vocab_size": VOCAB_SIZE,
+            "rms_norm_eps": 1e-6,
+            # one global layer per `pattern` layers, the others local with a sliding window
+            "sliding_window": size.sliding_window,
+            "sliding_window_pattern": size.num_layers,
+            "mm_tokens_per_image": GEMMA3_IMAGE_TOKENS,
+            "max_position_embeddings": 32768,
+        },
+        "vision_config": {
+            "model_type": "siglip_vision_model",
+            "hidden_size": size.vision_hidden_size,
+            "num_hidden_layers": size.vision_depth,
+            "intermediate_size": size.vision_hidden_size * 2,
+            "num_attention_heads": size.vision_heads,
+            "patch_size": 14,
+            "image_size": GEMMA3_IMAGE_SIZE,
+        },
+    }
+
+
+def _gemma3_processor(size: ModelSize) -> dict[str, dict]:
+    return {
+        "preprocessor_config.json": {
+            "image_processor_type": "Gemma3ImageProcessor",
+            "processor_class": "Gemma3Processor",
+            "size": {"height": GEMMA3_IMAGE_SIZE, "width": GEMMA3_IMAGE_SIZE},
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "do_resize": True,
+            "resample": 2,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "do_convert_rgb": True,
+            "do_pan_and_scan": False,
+        },
+        "processor_config.json": {"processor_class": "Gemma3Processor", "image_seq_length": GEMMA3_IMAGE_TOKENS},
+    }
+
+
+def _llama_config(size: ModelSize, ids: dict[str, int]) -> dict:
+    return _text_fields(size) | {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": ids["<|begin_of_text|>"],
+        "eos_token_id": [ids["<|eot_id|>"], ids["<|end_of_text|>"]],
+    }
+
+
+def _qwen3_config(size: ModelSize, ids: dict[str, int]) -> dict:
+    return _text_fields(size) | {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "head_dim": size.hidden_size // size.num_heads,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+    }
+
+
+def _text_fields(size: ModelSize) -> dict:
+    return {
+        "hidden_size": size.hidden_size,
+        "num_hidden_layers": size.num_layers,
+        "intermediate_size": size.intermediate_size,
+        "num_attention_heads": size.num_heads,
+        "num_key_value_heads": size.num_kv_heads,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": 32768,
+        "torch_dtype": "float32",
+    }
+
+
+QWEN_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+RECIPES = {
+    "qwen2_5_vl": Recipe("mlx_vlm", QWEN_TOKENS + ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
+                                                    "<|video_pad|>"),
+                         "<|im_end|>", None, "<|endoftext|>", _qwen2_5_vl_config, _qwen2_5_vl_processor),
+    "gemma3": Recipe("mlx_vlm", ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+                                 "<end_of_image>", "<image_soft_token>"),
+                     "<end_of_turn>", "<bos>", "<pad>", _gemma3_config, _gemma3_processor),
+    "llama": Recipe("mlx_lm", ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                               "<|eot_id|>"), "<|eot_id|>", "<|begin_of_text|>", "<|end_of_text|>", _llama_config),
+    "qwen3": Recipe("mlx_lm", QWEN_TOKENS, "<|im_end|>", None, "<|endoftext|>", _qwen3_config),
+}
+# Tokens the family's processor reads as tokenizer attributes (Gemma 3: tokenizer.boi_token ...).
+NAMED_TOKENS = {"gemma3": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}}
+DEFAULT_FAMILY = "qwen2_5_vl"
+
+
+@dataclass(frozen=True, slots=True)
+class BuildSpec:
+    family: str = DEFAULT_FAMILY
+    size: str = "tiny"
+    dtype: str = "float32"
+    quantize: int | None = None  # 4 or 8 bits: affine, group 64, language model only
+
+    def __post_init__(self):
+        if self.family not in RECIPES:
+            raise ValueError(f"unknown family {self.family!r}; choose one of {sorted(RECIPES)}")
+        if self.size not in SIZES:
+            raise ValueError(f"unknown model size {self.size!r}; choose one of {sorted(SIZES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {DTYPES}")
+        if self.quantize not in (None, 4, 8):
+            raise ValueError("quantize takes 4 or 8 bits")
+
+    @property
+    def name(self) -> str:
+        """The folder name: strata-<size> for the default family in fp32, else with the variant."""
+        parts = [] if self.family == DEFAULT_FAMILY else [self.family]
+        parts.append(self.size)
+        if self.dtype != "float32":
+            parts.append(self.dtype)
+        if self.quantize:
+            parts.append(f"{self.quantize}bit")
+        return "strata-" + "-".join(parts)
+
+
+def build_model(spec: BuildSpec | str, out_dir: Path) -> Path:
+    """Write a complete model folder for `spec` (a BuildSpec, or a size of the default family)."""
+    spec = BuildSpec(size=spec) if isinstance(spec, str) else spec
+    recipe = RECIPES[spec.family]
+    out_dir = Path(out_dir)
+    tmp_dir = out_dir.with_name(f"{out_dir.name}.building-{os.getpid()}")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir(parents=True)
+    token_ids = _write_tokenizer(tmp_dir, spec.family, recipe)
+    config = recipe.config(SIZES[spec.size], token_ids)
+    _write_weights(config, tmp_dir, spec, recipe)
+    for name, content in recipe.processor_files(SIZES[spec.size]).items():
+        (tmp_dir / name).write_text(json.dumps(content, indent=2))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp_dir.rename(out_dir)
+    return out_dir
+
+
+def builder_digest(spec: BuildSpec | str) -> str:
+    """What a built model depends on: this builder, its assets, the spec, and the libraries whose
+    classes and trainers write it. Equal digests build identical folders (everything is seeded)."""
+    from importlib.metadata import version
+
+    spec = BuildSpec(size=spec) if isinstance(spec, str) else spec
+    digest = hashlib.sha256(f"strata-builder-v2|{spec}|".encode())
+    digest.update(Path(__file__).read_bytes())
+    for asset in sorted(ASSETS.rglob("*")):
+        if asset.is_file():
+            digest.update(asset.name.encode() + b"\0" + asset.read_bytes())
+    for package in ("mlx", "mlx-vlm", "mlx-lm", "transformers", "tokenizers"):
+        digest.update(f"{package}=={version(package)}".encode())
+    return digest.hexdigest()
+
+
+def ensure_model(spec: BuildSpec | str, out_dir: Path) -> Path:
+    """Build the model once; later calls reuse the folder (it is complete once renamed in place)."""
+    out_dir = Path(out_dir)
+    if not (out_dir / "config.json").exists():
+        build_model(spec, out_dir)
+    return out_dir
+
+
+def parse_model_name(name: str) -> BuildSpec | None:
+    """The embedded model a --model name stands for ('demo', 'tiny', 'gemma3-tiny', 'llama-demo'), or None."""
+    family, _, size = name.rpartition("-")
+    if size in SIZES and (family in RECIPES or not family):
+        return BuildSpec(family=family or DEFAULT_FAMILY, size=size)
+    return None
+
+
+def _write_tokenizer(out_dir: Path, family: str, recipe: Recipe) -> dict[str, int]:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE - len(recipe.special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = (ASSETS / "corpus.txt").read_text().splitlines()[1:]
+    tokenizer.train_from_iterator(lines, trainer=trainer)
+    tokenizer.add_special_tokens(list(recipe.special_tokens))
+    named = NAMED_TOKENS.get(family, {})
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=recipe.eos_token,
+        bos_token=recipe.bos_token,
+        pad_token=recipe.pad_token,
+        additional_special_tokens=[t for t in recipe.special_tokens if t not in (recipe.eos_token, recipe.bos_token, recipe.pad_token)],
+        extra_special_tokens=named,
+    )
+    fast.chat_template = (ASSETS / "templates" / f"{family}.jinja").read_text()
+    fast.save_pretrained(str(out_dir))
+    (out_dir / "chat_template.jinja").write_text(fast.chat_template)
+    return {t: tokenizer.token_to_id(t) for t in recipe.special_tokens}
+
+
+def _write_weights(config: dict, out_dir: Path, spec: BuildSpec, recipe: Recipe) -> None:
+    import importlib
+
     import mlx.core as mx
+    import mlx.nn as nn
     from mlx.utils import tree_flatten, tree_map_with_path
-    from mlx_vlm.models.qwen2_5_vl import Model, ModelConfig, TextConfig, VisionConfig
 
     mx.random.seed(SEED)
-    model_config = ModelConfig.from_dict(dict(config))
-    model_config.vision_config = VisionConfig.from_dict(config["vision_config"])
-    model_config.text_config = TextConfig.from_dict(model_config.text_config)
-    model = Model(model_config)
+    module = importlib.import_module(f"{recipe.library}.models.{spec.family}")
+    model = module.Model(_library_config(module, config, recipe.library))
     model.update(tree_map_with_path(_reinit, model.parameters()))
+    if spec.dtype != "float32":
+        dtype = getattr(mx, spec.dtype)
+        model.update(tree_map_with_path(lambda path, p: p.astype(dtype), model.parameters()))
+    config["torch_dtype"] = spec.dtype
+    if spec.quantize:
+        quantized = model.language_model if recipe.library == "mlx_vlm" else model
+        nn.quantize(quantized, group_size=QUANT_GROUP_SIZE, bits=spec.quantize,
+                    class_predicate=lambda path, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % QUANT_GROUP_SIZE == 0)
+        config["quantization"] = {"group_size": QUANT_GROUP_SIZE, "bits": spec.quantize}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+
+
+def _library_config(module, config: dict, library: str):
+    """The library's own config object for a config.json dict, built as its loader builds it."""
+    if library == "mlx_lm":
+        return module.ModelArgs.from_dict(dict(config))
+    model_config = module.ModelConfig.from_dict(dict(config))
+    model_config.vision_config = module.VisionConfig.from_dict(config["vision_config"])
+    model_config.text_config = module.TextConfig.from_dict(config.get("text_config") or dict(config))
+    return model_config
 
 
 def _reinit(path: str, param):
@@ -190,22 +388,3 @@ def _is_norm_like(param) -> bool:
     import mlx.core as mx
 
     return bool(mx.all(param == 1).item())
-
-
-def _write_processor_config(out_dir: Path) -> None:
-    config = {
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2_5_VLProcessor",
-        "patch_size": 14,
-        "merge_size": 2,
-        "temporal_patch_size": 2,
-        "min_pixels": 56 * 56,
-        "max_pixels": 448 * 448,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "do_convert_rgb": True,
-    }
-    (out_dir / "preprocessor_config.json").write_text(json.dumps(config, indent=2))

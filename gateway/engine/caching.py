@@ -103,7 +103,7 @@ class EngineCaches:
 
     def store(self, plan: PrefixPlan, token_ids: tuple[int, ...], kv_cache: list, num_tokens: int) -> None:
         """Cache the full blocks of token_ids[:num_tokens] (a prompt, or prompt + generated tokens)."""
-        plan.session.store(token_ids, [c.state for c in kv_cache], num_tokens)
+        plan.session.store(token_ids, [(c.keys, c.values) for c in kv_cache], num_tokens)  # buffers: tokens [0, offset) valid
 
     # -- vision ------------------------------------------------------------------------------
 

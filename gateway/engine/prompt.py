@@ -8,22 +8,34 @@ from __future__ import annotations
 
 import bisect
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from vision import DecodedImage, PixelHash
 
+from .families import Family
 from .types import ImagePart, Message
 
 
 @dataclass(frozen=True, slots=True)
 class PromptImage:
     pixel_hash: PixelHash
-    pixel_values: np.ndarray  # (num_patches, patch_dim) float32, as the vision tower takes it
-    grid_thw: tuple[int, int, int]
-    token_start: int  # index of the image's first <|image_pad|> token in token_ids
-    num_tokens: int
+    # What the family's processor made of the image, as the model's get_input_embeddings takes it:
+    # pixel_values plus the family's metadata (image_grid_thw, pixel_attention_mask, image_sizes...).
+    inputs: dict[str, np.ndarray]
+    token_ids: tuple[int, ...]  # the image's expansion: placeholders and the family's markers around them
+    token_start: int  # index of the expansion's first token in the prompt's token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def grid_thw(self) -> tuple[int, int, int] | None:
+        """The Qwen VL line's (temporal, height, width) patch grid; None for other families."""
+        grid = self.inputs.get("image_grid_thw")
+        return None if grid is None else tuple(int(v) for v in grid[0])
 
 
 class PromptError(ValueError):
@@ -54,11 +66,11 @@ class PreparedPrompt:
 class PromptBuilder:
     """Chat template + tokenizer + image processor of one model."""
 
-    def __init__(self, processor, image_token_id: int):
-        self.tokenizer = processor.tokenizer
-        self.image_processor = processor.image_processor
-        self.merge_size = int(getattr(self.image_processor, "merge_size", 2))
-        self.image_token_id = image_token_id
+    def __init__(self, processor, family: Family):
+        self.processor = processor
+        self.tokenizer = _hf_tokenizer(processor)
+        self.placeholder = family.image_placeholder
+        self.placeholder_id = self.tokenizer.convert_tokens_to_ids(self.placeholder) if self.placeholder else None
         # Every added token is matched by the tokenizer wherever its text appears, special or not.
         added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
         self.control_tokens = tuple(sorted({t.content for t in added.values() if len(t.content) > 1}
@@ -68,11 +80,13 @@ class PromptBuilder:
         self.max_token_bytes = max(len(t.encode("utf-8")) for t in self.tokenizer.get_vocab())
 
     def build(self, messages: tuple[Message, ...], images: list[DecodedImage]) -> PreparedPrompt:
+        if images and self.placeholder is None:
+            raise PromptError("images_unsupported", "this model is a text model: it does not take images")
         marked = self.tokenizer.apply_chat_template(
             [self._template_message(m) for m in messages], tokenize=False, add_generation_prompt=True
         )
         ids = self.tokenizer.encode(self._neutralise(marked), add_special_tokens=False)
-        processed = [self._process_image(image) for image in images]
+        processed = [self.process_image(image) for image in images]
         return self._expand_image_tokens(ids, processed)
 
     def _template_message(self, message: Message) -> dict:
@@ -106,29 +120,41 @@ class PromptBuilder:
             previous = cut
         return "".join(pieces) + text[previous:]
 
-    def _process_image(self, image: DecodedImage) -> tuple[PixelHash, np.ndarray, tuple[int, int, int]]:
+    def process_image(self, image: DecodedImage) -> PromptImage:
+        """The image through the family's own processor: its token expansion and pixel inputs
+        (token_start is filled in when the expansion takes its place in the prompt)."""
         try:
-            out = self.image_processor([np.asarray(image.image).transpose(2, 0, 1)])
+            out = self.processor(text=[self.placeholder], images=[image.image], add_special_tokens=False,
+                                 return_tensors="np")
         except ValueError as exc:  # e.g. Qwen's resize: "absolute aspect ratio must be smaller than 200"
             raise PromptError("invalid_image", f"the model cannot take a {image.width}x{image.height} image: {exc}") from None
-        t, h, w = (int(v) for v in out["image_grid_thw"][0])
-        return image.pixel_hash, np.asarray(out["pixel_values"], dtype=np.float32), (t, h, w)
+        inputs = {k: np.asarray(v) for k, v in out.items() if k not in _TEXT_OUTPUTS}
+        return PromptImage(image.pixel_hash, inputs, tuple(int(t) for t in out["input_ids"][0]), 0)
 
-    def _expand_image_tokens(self, ids: list[int], processed: list) -> PreparedPrompt:
-        slots = [i for i, tok in enumerate(ids) if tok == self.image_token_id]
+    def _expand_image_tokens(self, ids: list[int], processed: list[PromptImage]) -> PreparedPrompt:
+        slots = [i for i, tok in enumerate(ids) if tok == self.placeholder_id]
         if len(slots) != len(processed):
             raise ValueError(f"template produced {len(slots)} image slots for {len(processed)} images")
         out: list[int] = []
         images: list[PromptImage] = []
         previous = 0
-        for slot, (digest, pixels, grid) in zip(slots, processed):
+        for slot, image in zip(slots, processed):
             out.extend(ids[previous:slot])
-            count = grid[0] * grid[1] * grid[2] // (self.merge_size**2)
-            images.append(PromptImage(digest, pixels, grid, len(out), count))
-            out.extend([self.image_token_id] * count)
+            images.append(replace(image, token_start=len(out)))
+            out.extend(image.token_ids)
             previous = slot + 1
         out.extend(ids[previous:])
         return PreparedPrompt(tuple(out), tuple(images))
+
+
+# Processor outputs about the text, not the image: the prompt's own ids replace them.
+_TEXT_OUTPUTS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
+
+
+def _hf_tokenizer(processor):
+    """A processor's tokenizer (mlx-vlm), or the tokenizer itself (mlx-lm's TokenizerWrapper, which
+    forwards the Hugging Face tokenizer's methods)."""
+    return getattr(processor, "tokenizer", processor)
 
 
 def _mark_client_text(text: str) -> str:

@@ -1,8 +1,12 @@
 """The MLX model run: embeddings (with image features), chunked prefill, sampling, decode steps.
 
+One generic implementation for every family (gateway/engine/families.py holds the per-family data):
+the library's own loader, processor, cache classes and language-model call; Strata's own block
+hashing, image keys, vision-feature reuse and explicit positions. Positions come from the cache
+offset (plain RoPE), or for the Qwen VL line are mRoPE ids computed once per prompt, so any chunking
+of the prompt (and any cached prefix) sees exactly the positions a one-shot prefill would.
+
 Owned by the engine's single worker thread: MLX is not thread-safe, so no other thread may call in.
-Positions are explicit mRoPE ids computed once per prompt, so any chunking of the prompt (and,
-later, any cached prefix) sees exactly the positions a one-shot prefill would.
 """
 
 from __future__ import annotations
@@ -14,17 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from kvcache import TenantSalt
-from vision import processor_fingerprint
+from vision import DecodedImage, pixel_hash, processor_fingerprint
 
 from .types import Sampling
 from .attention import install_cpu_prefill_attention
 from .caching import CacheConfig, EngineCaches, PrefixPlan, PrefixReport, VisionReport
+from .families import family_of, read_config
 from .prompt import PreparedPrompt, PromptBuilder, PromptImage
-
-SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
 
 
 class Cancelled(Exception):
@@ -34,15 +38,15 @@ class Cancelled(Exception):
 @dataclass(frozen=True, slots=True)
 class ModelInputs:
     ids: mx.array  # (1, L) all prompt token ids
-    embeds: mx.array  # (1, L - cached, hidden): embeddings of the tokens still to run
-    positions: mx.array  # (3, 1, L) mRoPE positions of the whole prompt
+    embeds: mx.array | None  # (1, L - cached, hidden) with image features spliced in; None: no image to run
+    positions: mx.array | None  # (3, 1, L) mRoPE positions of the whole prompt; None: from the cache offset
 
 
 @dataclass(slots=True)
 class PrefillResult:
     logits: mx.array  # (vocab,) for the last prompt position
     cache: list
-    rope_delta: int  # mRoPE: decode position = cache offset + rope_delta
+    rope_delta: int | None  # mRoPE: decode position = cache offset + rope_delta; None: plain RoPE
     prompt: PreparedPrompt
     plan: PrefixPlan | None  # held until finish(): its blocks cannot be evicted meanwhile
     prefix: PrefixReport
@@ -53,42 +57,60 @@ class PrefillResult:
 
 class ModelRunner:
     def __init__(self, model_path: Path | str, cache_config: CacheConfig, model_fingerprint: str):
-        import mlx_vlm
+        self.family = family_of(Path(model_path))  # UnsupportedModel before anything loads
+        config = read_config(Path(model_path))
+        if self.family.library == "mlx_vlm":
+            import mlx_vlm
+            from mlx_vlm.models import cache as cache_classes
 
-        self.model, self.processor = mlx_vlm.load(str(model_path))
-        config = self.model.config
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model type {config.model_type!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}")
-        self.lm = self.model.language_model
+            self.model, self.processor = mlx_vlm.load(str(model_path))
+            self.lm = self.model.language_model
+        else:
+            import mlx_lm
+            from mlx_lm.models import cache as cache_classes
+
+            self.model, self.processor = mlx_lm.load(str(model_path))
+            self.lm = self.model
+        self.cache_classes = cache_classes
         install_cpu_prefill_attention(self.lm)
-        self.image_token_id = int(config.image_token_id)
-        self.prompts = PromptBuilder(self.processor, self.image_token_id)
-        self.tokenizer = self.processor.tokenizer
+        keep_last_position_logits(self.lm)
+        self.prompts = PromptBuilder(self.processor, self.family)
+        self.tokenizer = self.prompts.tokenizer
         self.eos_ids = _eos_ids(config, self.tokenizer)
-        self.max_positions = int(config.text_config.max_position_embeddings or 32768)
-        self.caches = EngineCaches(cache_config, model_fingerprint, processor_fingerprint(vars(self.processor.image_processor)))
+        self.max_positions = _max_positions(config)
+        image_processor = getattr(self.processor, "image_processor", None)
+        fingerprint = processor_fingerprint(vars(image_processor)) if image_processor is not None else "text"
+        self.caches = EngineCaches(cache_config, model_fingerprint, fingerprint)
         self.num_encoder_calls = 0
 
     def warm_up(self) -> None:
         """Run the text and vision paths once: MLX builds its kernels on first use (~2 s here),
         which would otherwise land on the first request's TTFT. Touches no cache."""
-        from mlx_vlm.models.cache import make_prompt_cache
-
         ids = mx.array([self.tokenizer.encode("warm up " * 8, add_special_tokens=False)], dtype=mx.int32)
-        positions = mx.broadcast_to(mx.arange(ids.shape[1])[None, None], (3, 1, ids.shape[1]))
-        mx.eval(self.lm.model(ids, cache=make_prompt_cache(self.lm), position_ids=positions))
-        pixels = self.processor.image_processor([np.zeros((3, 56, 56), dtype=np.uint8)])
-        mx.eval(self.model.vision_tower(mx.array(pixels["pixel_values"]), mx.array(pixels["image_grid_thw"]),
-                                        output_hidden_states=False))
+        positions = _plain_mrope(ids.shape[1]) if self.family.positions == "mrope" else None
+        mx.eval(self._forward(ids, None, self.new_cache(), positions))
+        if self.family.image_placeholder:
+            from PIL import Image
+
+            image = Image.new("RGB", (56, 56))
+            decoded = DecodedImage(image, pixel_hash(image), 56, 56)
+            mx.eval(self._encode_image(self.prompts.process_image(decoded)))
+        self.num_encoder_calls = 0
+
+    def new_cache(self) -> list:
+        """The family's own cache classes; sliding-window layers of a window_as_mask family get a
+        full KVCache (the library then applies the window as a mask), so their KV fits in blocks."""
+        cache = self.cache_classes.make_prompt_cache(self.lm)
+        if self.family.window_as_mask:
+            cache = [self.cache_classes.KVCache() if type(c).__name__ == "RotatingKVCache" else c for c in cache]
+        return cache
 
     # -- prefill -----------------------------------------------------------------------------
 
     def prefill(self, prompt: PreparedPrompt, salt: TenantSalt, chunk_tokens: int, cancelled: Callable[[], bool]) -> PrefillResult:
         """Reuse the longest cached prefix, run the rest in chunks, cache new blocks as they fill."""
-        from mlx_vlm.models.cache import make_prompt_cache
-
         start = time.perf_counter()
-        cache = make_prompt_cache(self.lm)
+        cache = self.new_cache()
         plan, prefix_report = self.caches.open_prefix(prompt, salt, cache)
         try:
             cached = plan.num_cached_tokens if plan else 0
@@ -96,14 +118,13 @@ class ModelRunner:
             features, vision_report = self.caches.image_features(prompt, salt, cached, self._encode_image)
             vision_ms = (time.perf_counter() - vision_start) * 1000
             ids = mx.array(prompt.token_ids, dtype=mx.int32)[None]
-            embeds = self._embed(ids, prompt, features, cached)
+            embeds = self._embed(ids, prompt, features, cached) if features else None
             positions, rope_delta = self._positions(ids, prompt)
             if cached:
-                for layer, state in zip(cache, plan.session.gather(cached)):
-                    layer.state = state
+                for layer, (keys, values) in zip(cache, plan.session.gather(cached)):
+                    layer.update_and_fetch(keys, values)  # the libraries' KVCache append: offset follows
             inputs = ModelInputs(ids, embeds, positions)
-            hidden = self._run_chunks(prompt, inputs, cache, plan, chunk_tokens, cancelled)
-            logits = self._logits(hidden[:, -1, :])[0]
+            logits = self._run_chunks(prompt, inputs, cache, plan, chunk_tokens, cancelled)
             mx.eval(logits)
         except BaseException:
             if plan:
@@ -114,22 +135,33 @@ class ModelRunner:
 
     def _run_chunks(self, prompt, inputs: ModelInputs, cache, plan, chunk_tokens, cancelled) -> mx.array:
         """Prefill tokens [cached, L) in chunks ending on multiples of chunk_tokens; after each chunk
-        the blocks it completed are cached, so a long prompt cut short still leaves its prefix."""
+        the blocks it completed are cached, so a long prompt cut short still leaves its prefix.
+        Returns the last position's logits."""
         ids, embeds, positions = inputs.ids, inputs.embeds, inputs.positions
         total = prompt.num_tokens
-        first = begin = total - embeds.shape[1]  # embeds start at the first uncached token
-        hidden = None
+        first = begin = cache_offset(cache, 0)  # the first uncached token: the reused prefix ends here
+        logits = None
         while begin < total:
             if cancelled():
                 raise Cancelled()
             end = min((begin // chunk_tokens + 1) * chunk_tokens, total)
-            hidden = self.lm.model(ids[:, begin:end], inputs_embeds=embeds[:, begin - first:end - first], cache=cache,
-                                   position_ids=positions[..., begin:end])
-            mx.eval([c.state for c in cache])
+            logits = self._forward(ids[:, begin:end], None if embeds is None else embeds[:, begin - first:end - first],
+                                   cache, None if positions is None else positions[..., begin:end])
+            mx.eval(_state_arrays(cache))
             if plan:
                 self.caches.store(plan, prompt.token_ids, cache, end)
             begin = end
-        return hidden
+        return logits
+
+    def _forward(self, ids: mx.array, embeds: mx.array | None, cache: list, positions: mx.array | None) -> mx.array:
+        """One language-model call through the library's own entry point; the last position's logits."""
+        kwargs = {"cache": cache}
+        if embeds is not None:
+            kwargs["inputs_embeds"] = embeds
+        if positions is not None:
+            kwargs["position_ids"] = positions
+        out = self.lm(ids, **kwargs)
+        return getattr(out, "logits", out)[0, -1]
 
     def finish(self, prefill: PrefillResult, generated: list[int]) -> None:
         """Cache prompt + generated blocks (the next turn reuses the reply), then release the
@@ -138,21 +170,24 @@ class ModelRunner:
         if plan is None:
             return
         try:
-            kv_tokens = prefill.cache[0].offset  # the last sampled token was never fed back
             sequence = prefill.prompt.token_ids + tuple(generated)
+            kv_tokens = cache_offset(prefill.cache, len(sequence))  # the last sampled token was never fed back
             self.caches.store(plan, sequence, prefill.cache, min(kv_tokens, len(sequence)))
         finally:
             plan.session.close()
 
     def _encode_image(self, image: PromptImage) -> mx.array:
+        """The input embeddings of the image's expansion (its tokens' rows), through the family's
+        own get_input_embeddings: vision tower, projector and any scaling, as the library does it."""
         self.num_encoder_calls += 1
-        pixels = mx.array(image.pixel_values)
-        features = self.model.vision_tower(pixels, mx.array([image.grid_thw]), output_hidden_states=False)
+        ids = mx.array([image.token_ids], dtype=mx.int32)
+        inputs = {name: mx.array(value) for name, value in image.inputs.items()}
+        features = self.model.get_input_embeddings(ids, mask=mx.ones_like(ids), **inputs).inputs_embeds[0]
         mx.eval(features)
         return features
 
     def _embed(self, ids: mx.array, prompt: PreparedPrompt, features: dict[int, mx.array], start: int) -> mx.array:
-        """Input embeddings of tokens [start, L): token embeddings with image features spliced in."""
+        """Input embeddings of tokens [start, L): token embeddings with each image's rows spliced in."""
         text = self.lm.model.embed_tokens(ids[:, start:])[0]
         pieces, cursor = [], start
         for index, image in enumerate(prompt.images):
@@ -165,18 +200,14 @@ class ModelRunner:
         pieces.append(text[cursor - start:])
         return mx.concatenate(pieces, axis=0)[None]
 
-    def _positions(self, ids: mx.array, prompt: PreparedPrompt) -> tuple[mx.array, int]:
+    def _positions(self, ids: mx.array, prompt: PreparedPrompt) -> tuple[mx.array | None, int | None]:
+        if self.family.positions != "mrope":
+            return None, None
         if not prompt.images:
-            positions = mx.broadcast_to(mx.arange(prompt.num_tokens)[None, None], (3, 1, prompt.num_tokens))
-            return positions, 0
+            return _plain_mrope(prompt.num_tokens), 0
         grids = mx.array([image.grid_thw for image in prompt.images])
         positions, deltas = self.lm.get_rope_index(ids, image_grid_thw=grids)
         return positions, int(deltas.reshape(-1)[0].item())
-
-    def _logits(self, hidden: mx.array) -> mx.array:
-        if self.lm.args.tie_word_embeddings:
-            return self.lm.model.embed_tokens.as_linear(hidden)
-        return self.lm.lm_head(hidden)
 
     # -- decode ------------------------------------------------------------------------------
 
@@ -191,11 +222,11 @@ class ModelRunner:
             yield token
             if cancelled():
                 raise Cancelled()
-            position = cache[0].offset + prefill.rope_delta
-            hidden = self.lm.model(
-                mx.array([[token]], dtype=mx.int32), cache=cache, position_ids=mx.full((3, 1, 1), position, dtype=mx.int32)
-            )
-            logits = self._logits(hidden[:, -1, :])[0]
+            positions = None
+            if prefill.rope_delta is not None:
+                position = cache_offset(cache, 0) + prefill.rope_delta
+                positions = mx.full((3, 1, 1), position, dtype=mx.int32)
+            logits = self._forward(mx.array([[token]], dtype=mx.int32), None, cache, positions)
 
 
 class Sampler:
@@ -226,9 +257,57 @@ def _nucleus(logits: mx.array, top_p: float) -> mx.array:
     return mx.where(logits >= threshold, logits, -mx.inf)
 
 
-def _eos_ids(config, tokenizer) -> frozenset[int]:
-    ids = config.eos_token_id or []
+def _eos_ids(config: dict, tokenizer) -> frozenset[int]:
+    ids = config.get("eos_token_id") or (config.get("text_config") or {}).get("eos_token_id") or []
     ids = [ids] if isinstance(ids, int) else list(ids)
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return frozenset(int(i) for i in ids)
+
+
+def _state_arrays(cache: list) -> list[mx.array]:
+    """Every array a cache holds (mlx-lm's KVCache.state also carries its offset, an int)."""
+    states = (c.state if isinstance(c.state, (tuple, list)) else (c.state,) for c in cache)
+    return [x for state in states for x in state if isinstance(x, mx.array)]
+
+
+def _max_positions(config: dict) -> int:
+    text = config.get("text_config") or {}
+    return int(text.get("max_position_embeddings") or config.get("max_position_embeddings") or 32768)
+
+
+def _plain_mrope(num_tokens: int) -> mx.array:
+    return mx.broadcast_to(mx.arange(num_tokens)[None, None], (3, 1, num_tokens))
+
+
+def cache_offset(cache: list, default: int) -> int:
+    """Tokens the KV cache holds (its first layer with an offset; recurrent layers have none)."""
+    for layer in cache:
+        if hasattr(layer, "offset"):
+            return int(layer.offset)
+    return default
+
+
+def keep_last_position_logits(language_model) -> None:
+    """Make this model instance compute logits for the last position only: prefill needs no others,
+    and a 512-token chunk's full logits cost as much as a quarter of its layers. The output head
+    (an untied lm_head, or the tied embedding's as_linear) gets a subclass that slices first."""
+    head = getattr(language_model, "lm_head", None)
+    target = head if isinstance(head, nn.Module) else language_model.model.embed_tokens
+    method = "__call__" if target is head else "as_linear"
+    target.__class__ = _last_position_class(type(target), method)
+
+
+_LAST_POSITION_CLASSES: dict = {}
+
+
+def _last_position_class(base: type, method: str) -> type:
+    key = (base, method)
+    if key not in _LAST_POSITION_CLASSES:
+        original = getattr(base, method)
+
+        def last_position(self, x, *args, **kwargs):
+            return original(self, x[:, -1:] if x.ndim == 3 else x, *args, **kwargs)
+
+        _LAST_POSITION_CLASSES[key] = type(f"LastPosition{base.__name__}", (base,), {method: last_position})
+    return _LAST_POSITION_CLASSES[key]

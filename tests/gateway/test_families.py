@@ -1,0 +1,238 @@
+"""Every supported family on its tiny model: warm output equals cold output with every cache on top.
+
+One generic runner serves all families (gateway/engine/families.py holds their data). For each one:
+a text chat crossing chunk boundaries (and, for Gemma 3, its sliding window), an image chat, a
+multi-turn chat with an image in turn 1, tenant isolation, vision-encoder skipping, and a bfloat16
+variant whose blocks go to SSD and come back equal after a restart. A 4-bit variant runs too.
+
+Tolerance: fp32 logits within 1e-4 absolute of the cold run; bfloat16 and 4-bit weights within 0.05
+(the cached path sums attention in another order, and bf16 rounds each step); greedy tokens equal.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from gateway.engine import ImagePart, Message, PromptError, Sampling, TextPart
+from gateway.engine.builder import RECIPES, SIZES, BuildSpec
+from gateway.engine.caching import CacheConfig
+from gateway.engine.families import VISION_FAMILIES, UnsupportedModel, family_of
+from gateway.engine.runner import ModelRunner
+from kvcache import TenantSalt
+from kvcache.ssd import AdmissionPolicy, SsdConfig
+from tests.conftest import built_model, png_data_url
+from vision import ImageLimits, decode_data_url
+
+TENANT_A, TENANT_B = TenantSalt(b"A" * 32), TenantSalt(b"B" * 32)
+GREEDY = Sampling(12, 0.0, 1.0, None, ())
+CHUNK, BLOCK = 64, 16
+FAMILIES = sorted(RECIPES)
+VISION = sorted(set(FAMILIES) & set(VISION_FAMILIES))
+LONG = ("The committee met in the old library to discuss the river crossing, the budget and the bridge, "
+        "and then the ferry timetable for the winter months. ") * 8
+
+
+def _runner(path, prefix_bytes=64 << 20, vision_bytes=16 << 20, ssd=None) -> ModelRunner:
+    return ModelRunner(path, CacheConfig(prefix_bytes, vision_bytes, BLOCK, ssd), "fp-" + path.name)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model_path(family):
+    return built_model(BuildSpec(family, "tiny"))
+
+
+@pytest.fixture(scope="module")
+def cold(model_path):
+    return _runner(model_path, 0, 0)
+
+
+@pytest.fixture
+def warm(model_path):
+    return _runner(model_path)
+
+
+def _image(seed: int):
+    return decode_data_url(png_data_url(120, 90, seed=seed), ImageLimits(10**7, 10**8))
+
+
+def _user(text, image=False):
+    return Message("user", ((ImagePart("x"), TextPart(text)) if image else (TextPart(text),)))
+
+
+def _run(runner, turns, images=(), salt=TENANT_A):
+    prompt = runner.prompts.build(tuple(turns), list(images))
+    prefill = runner.prefill(prompt, salt, CHUNK, lambda: False)
+    logits = np.array(prefill.logits.astype(mx.float32))
+    generated = list(runner.decode(prefill, GREEDY, lambda: False))
+    runner.finish(prefill, generated)
+    return logits, generated, prefill
+
+
+def _assert_same(cold_result, warm_result, atol=1e-4):
+    np.testing.assert_allclose(warm_result[0], cold_result[0], atol=atol, rtol=0)
+    assert warm_result[1] == cold_result[1]
+
+
+def _vision_only(family):
+    if family not in VISION_FAMILIES:
+        pytest.skip(f"{family} is a text family")
+
+
+def test_text_chat_warm_equals_cold_across_chunks_and_windows(family, cold, warm):
+    turns = [_user(LONG)]
+    reference = _run(cold, turns)
+    first, second = _run(warm, turns), _run(warm, turns)
+    num_tokens = second[2].prompt.num_tokens
+    assert num_tokens > 2 * CHUNK and num_tokens > 2 * SIZES["tiny"].sliding_window
+    assert first[2].prefix.num_cached_tokens == 0
+    assert second[2].prefix.num_cached_tokens == min(num_tokens // BLOCK * BLOCK, num_tokens - 1)
+    _assert_same(reference, first)
+    _assert_same(reference, second)
+
+
+def test_a_longer_prompt_reuses_the_earlier_one_past_the_window(family, cold, warm):
+    """Gemma 3's local layers only see the last `sliding_window` tokens: a prefix longer than the
+    window must still be reused exactly (full KV in blocks, the window applied as a mask)."""
+    _run(warm, [_user(LONG)])
+    turns = [_user(LONG + " What did they decide about the ferry? Answer in two sentences, please." * 2)]
+    result = _run(warm, turns)
+    assert result[2].prefix.num_cached_tokens > 2 * SIZES["tiny"].sliding_window
+    _assert_same(_run(cold, turns), result)
+
+
+def test_image_chat_warm_equals_cold_and_skips_the_encoder(family, cold, warm):
+    _vision_only(family)
+    turns, images = [_user("What is in this picture?", image=True)], [_image(1)]
+    reference = _run(cold, turns, images)
+    first = _run(warm, turns, images)
+    calls = warm.num_encoder_calls
+    second = _run(warm, turns, images)
+    assert warm.num_encoder_calls == calls and second[2].vision.num_skipped == 1
+    assert second[2].prefix.num_cached_tokens > second[2].prompt.images[0].token_start
+    _assert_same(reference, first)
+    _assert_same(reference, second)
+
+
+def test_multi_turn_with_an_image_in_turn_one(family, cold, warm):
+    _vision_only(family)
+    image = _image(3)
+    turn1 = [_user("Look at this image and remember it.", image=True)]
+    _, reply_tokens, first = _run(warm, turn1, [image])
+    reply = warm.tokenizer.decode(reply_tokens, skip_special_tokens=True)
+    turn2 = turn1 + [Message("assistant", (TextPart(reply),)), _user("Now tell me more about its colours.")]
+    result = _run(warm, turn2, [image])
+    image_end = result[2].prompt.images[0].token_start + result[2].prompt.images[0].num_tokens
+    assert result[2].prefix.num_cached_tokens >= image_end and result[2].vision.num_skipped == 1
+    _assert_same(_run(cold, turn2, [image]), result)
+
+
+def test_the_vision_cache_serves_an_image_behind_another_prefix(family, warm):
+    _vision_only(family)
+    image = _image(2)
+    _run(warm, [Message("system", (TextPart("You are terse."),)), _user("Describe.", image=True)], [image])
+    calls = warm.num_encoder_calls
+    result = _run(warm, [Message("system", (TextPart("You are verbose and kind."),)), _user("Describe.", image=True)],
+                  [image])
+    assert warm.num_encoder_calls == calls
+    assert (result[2].vision.num_hits, result[2].vision.num_misses) == (1, 0)
+
+
+def test_another_tenant_reuses_nothing(family, warm):
+    with_image = family in VISION_FAMILIES
+    turns, images = [_user("Same words, same picture.", image=with_image)], [_image(4)] if with_image else []
+    _run(warm, turns, images, TENANT_A)
+    calls = warm.num_encoder_calls
+    result = _run(warm, turns, images, TENANT_B)
+    assert result[2].prefix.num_cached_tokens == 0
+    assert warm.num_encoder_calls == calls + len(images)
+
+
+def test_a_text_family_refuses_images_with_a_reason(family, warm):
+    if family in VISION_FAMILIES:
+        pytest.skip(f"{family} takes images")
+    with pytest.raises(PromptError) as refused:
+        warm.prompts.build((_user("What is this?", image=True),), [_image(5)])
+    assert refused.value.code == "images_unsupported"
+
+
+def test_bfloat16_blocks_go_to_ssd_and_come_back_equal_after_a_restart(family, tmp_path):
+    path = built_model(BuildSpec(family, "tiny", dtype="bfloat16"))
+    ssd = SsdConfig(tmp_path / "kv", admission=AdmissionPolicy(min_hits=0))
+    turns = [_user(LONG)]
+    reference = _run(_runner(path, 0, 0), turns)
+    first = _runner(path, ssd=ssd)
+    _run(first, turns)
+    first.caches.shutdown(10)  # persists RAM blocks to SSD
+    restarted = _runner(path, ssd=ssd)
+    result = _run(restarted, turns)
+    assert result[2].prefix.tier == "ssd" and result[2].prefix.num_ssd_tokens > 2 * CHUNK
+    assert restarted.lm.model.embed_tokens.weight.dtype == mx.bfloat16
+    _assert_same(reference, result, atol=0.05)
+    restarted.caches.shutdown(10)
+
+
+def test_a_4bit_model_runs_warm_equals_cold(family):
+    path = built_model(BuildSpec(family, "tiny", quantize=4))
+    turns = [_user(LONG)]
+    warm = _runner(path)
+    _run(warm, turns)
+    _assert_same(_run(_runner(path, 0, 0), turns), _run(warm, turns), atol=0.05)
+
+
+def test_a_vision_family_without_family_data_is_refused_at_start_up(tmp_path):
+    config = '{"model_type": "made_up_vl", "vision_config": {}}'
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(UnsupportedModel, match="made_up_vl.*no family data.*image placeholder"):
+        family_of(tmp_path)
+
+
+def test_a_text_model_type_neither_library_knows_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "made_up_lm"}')
+    with pytest.raises(UnsupportedModel, match="made_up_lm"):
+        family_of(tmp_path)
+
+
+def _library_logits(runner, content: list[dict], images=()) -> np.ndarray:
+    """The last-position logits of the library's own one-shot forward, as mlx-vlm's generate runs it:
+    its processor expands the whole rendered prompt (text and images at once), get_input_embeddings
+    embeds it (and for the Qwen VL line computes positions), one language-model call runs it, and the
+    library's own cache classes hold the KV (Gemma 3's sliding layers in a RotatingKVCache)."""
+    text = runner.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                add_generation_prompt=True)
+    if not images:
+        ids = mx.array([runner.tokenizer.encode(text, add_special_tokens=False)])
+        out = runner.lm(ids, cache=runner.cache_classes.make_prompt_cache(runner.lm))
+        return ids, np.array(getattr(out, "logits", out)[0, -1].astype(mx.float32))
+    inputs = runner.processor(text=[text], images=[i.image for i in images], add_special_tokens=False, return_tensors="np")
+    ids = mx.array(inputs.pop("input_ids"))
+    extra = {k: mx.array(v) for k, v in inputs.items() if k not in ("attention_mask", "token_type_ids")}
+    embedded = runner.model.get_input_embeddings(ids, mask=mx.ones_like(ids), **extra).to_dict()
+    embeds = embedded.pop("inputs_embeds")
+    kwargs = {k: v for k, v in embedded.items() if v is not None}
+    out = runner.lm(ids, inputs_embeds=embeds, cache=runner.cache_classes.make_prompt_cache(runner.lm), **kwargs)
+    return ids, np.array(out.logits[0, -1].astype(mx.float32))
+
+
+def test_chunked_cold_prefill_equals_the_library_one_shot_forward(family, cold):
+    """Strata's own steps (per-image expansion, chunked prefill, explicit positions, window as mask)
+    give what the library itself computes in one call on a prompt longer than window and chunk."""
+    ids, expected = _library_logits(cold, [{"type": "text", "text": LONG}])
+    result = _run(cold, [_user(LONG)])
+    assert result[2].prompt.token_ids == tuple(ids[0].tolist())
+    np.testing.assert_allclose(result[0], expected, atol=1e-4, rtol=0)
+
+
+def test_image_prompt_equals_the_library_one_shot_forward(family, cold):
+    _vision_only(family)
+    image = _image(6)
+    ids, expected = _library_logits(cold, [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}], [image])
+    result = _run(cold, [_user("What is in this picture?", image=True)], [image])
+    assert result[2].prompt.token_ids == tuple(ids[0].tolist())
+    np.testing.assert_allclose(result[0], expected, atol=1e-4, rtol=0)
