@@ -151,7 +151,7 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
         private_dir(settings.data_dir)
         live = engine or await anyio.to_thread.run_sync(_load_engine, settings)
         if owned:
-            live.start()
+            await anyio.to_thread.run_sync(live.start)  # waits for warm-up: a model that cannot run stops start-up
         counters = LayerCounters()
         auth = Authenticator(settings.api_keys, settings.admin_key, load_server_secret(settings.data_dir))
         responses = await anyio.to_thread.run_sync(ResponseCaches, settings, live.info.fingerprint, embedder)

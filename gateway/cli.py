@@ -61,6 +61,14 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"strata: {exc}", file=sys.stderr)
         return 2
+    if Path(settings.model).is_dir():  # a local folder: refuse an unsupported family before anything loads
+        from .engine.families import UnsupportedModel, family_of
+
+        try:
+            family_of(Path(settings.model))
+        except (UnsupportedModel, OSError, ValueError) as exc:
+            print(f"strata: cannot serve {settings.model}: {exc}", file=sys.stderr)
+            return 2
     serve(create_app(settings), settings, args.log_level)
     return 0
 

@@ -111,6 +111,61 @@ def _qwen2_5_vl_processor(size: ModelSize) -> dict[str, dict]:
     }}
 
 
+def _qwen3_vl_config(size: ModelSize, ids: dict[str, int]) -> dict:
+    """Qwen3-VL: mRoPE (interleaved sections), a 16-px patch vision tower whose early layers also feed
+    the first decoder layers ("deepstack")."""
+    head_dim = size.hidden_size // size.num_heads
+    half = head_dim // 2
+    return {
+        "model_type": "qwen3_vl",
+        "architectures": ["Qwen3VLForConditionalGeneration"],
+        "torch_dtype": "float32",
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "vision_token_id": ids["<|vision_pad|>"],
+        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+        "tie_word_embeddings": True,
+        "text_config": _text_fields(size) | {
+            "model_type": "qwen3_vl", "head_dim": head_dim, "rope_theta": 5000000.0, "tie_word_embeddings": True,
+            "rope_scaling": {"rope_type": "default", "mrope_section": [half - 2 * (half * 5 // 16), half * 5 // 16,
+                                                                       half * 5 // 16], "mrope_interleaved": True},
+        },
+        "vision_config": {
+            "model_type": "qwen3_vl",
+            "depth": size.vision_depth,
+            "hidden_size": size.vision_hidden_size,
+            "intermediate_size": size.vision_hidden_size * 2,
+            "out_hidden_size": size.hidden_size,
+            "num_heads": size.vision_heads,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 256,
+            "deepstack_visual_indexes": [0],
+            "in_channels": 3,
+        },
+    }
+
+
+def _qwen3_vl_processor(size: ModelSize) -> dict[str, dict]:
+    return {"preprocessor_config.json": {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen3VLProcessor",
+        "patch_size": 16,
+        "merge_size": 2,
+        "temporal_patch_size": 2,
+        "size": {"shortest_edge": 64 * 64, "longest_edge": 448 * 448},
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+    }}
+
+
 GEMMA3_IMAGE_SIZE, GEMMA3_IMAGE_TOKENS = 224, 64  # 16x16 patches of 14 px, pooled 2x2
 
 
@@ -175,6 +230,161 @@ def _gemma3_processor(size: ModelSize) -> dict[str, dict]:
     }
 
 
+SMOLVLM_TILE, SMOLVLM_IMAGE_TOKENS = 224, 64  # 16x16 patches of 14 px per tile, pixel-shuffled 2x2
+
+
+def _smolvlm_config(size: ModelSize, ids: dict[str, int]) -> dict:
+    return {
+        "model_type": "smolvlm",
+        "architectures": ["SmolVLMForConditionalGeneration"],
+        "torch_dtype": "float32",
+        "image_token_id": ids["<image>"],
+        "scale_factor": 2,
+        "eos_token_id": [ids["<end_of_utterance>"]],
+        "pad_token_id": ids["<|endoftext|>"],
+        "text_config": _text_fields(size) | {"model_type": "llama", "rope_theta": 100000.0, "tie_word_embeddings": False},
+        "vision_config": {
+            "model_type": "smolvlm_vision",
+            "hidden_size": size.vision_hidden_size,
+            "num_hidden_layers": size.vision_depth,
+            "intermediate_size": size.vision_hidden_size * 2,
+            "num_attention_heads": size.vision_heads,
+            "patch_size": 14,
+            "image_size": SMOLVLM_TILE,
+        },
+    }
+
+
+def _smolvlm_processor(size: ModelSize) -> dict[str, dict]:
+    """Images are split into tiles of SMOLVLM_TILE px plus a global view, as SmolVLM's processor does."""
+    return {
+        "preprocessor_config.json": {
+            "image_processor_type": "SmolVLMImageProcessor",
+            "processor_class": "SmolVLMProcessor",
+            "do_image_splitting": True,
+            "max_image_size": {"longest_edge": SMOLVLM_TILE},
+            "size": {"longest_edge": 2 * SMOLVLM_TILE},
+            "do_resize": True,
+            "resample": 1,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "do_convert_rgb": True,
+            "do_pad": True,
+        },
+        "processor_config.json": {"processor_class": "SmolVLMProcessor", "image_seq_len": SMOLVLM_IMAGE_TOKENS},
+    }
+
+
+PIXTRAL_LONGEST_EDGE = 224  # images keep their aspect ratio: one token per 28x28 px, a break per row
+
+
+def _mistral3_config(size: ModelSize, ids: dict[str, int]) -> dict:
+    return {
+        "model_type": "mistral3",
+        "architectures": ["Mistral3ForConditionalGeneration"],
+        "torch_dtype": "float32",
+        "image_token_index": ids["[IMG]"],
+        "spatial_merge_size": 2,
+        "multimodal_projector_bias": False,
+        "projector_hidden_act": "gelu",
+        "vision_feature_layer": -1,
+        "eos_token_id": [ids["</s>"]],
+        "text_config": _text_fields(size) | {"model_type": "mistral", "head_dim": size.hidden_size // size.num_heads,
+                                              "rope_theta": 1000000000.0, "tie_word_embeddings": False,
+                                              "rms_norm_eps": 1e-5},
+        "vision_config": {
+            "model_type": "pixtral",
+            "hidden_size": size.vision_hidden_size,
+            "head_dim": size.vision_hidden_size // size.vision_heads,
+            "num_hidden_layers": size.vision_depth,
+            "intermediate_size": size.vision_hidden_size * 2,
+            "num_attention_heads": size.vision_heads,
+            "patch_size": 14,
+            "image_size": PIXTRAL_LONGEST_EDGE,
+            "rope_theta": 10000.0,
+        },
+    }
+
+
+def _mistral3_processor(size: ModelSize) -> dict[str, dict]:
+    return {
+        "preprocessor_config.json": {
+            "image_processor_type": "PixtralImageProcessor",
+            "processor_class": "PixtralProcessor",
+            "patch_size": {"height": 14, "width": 14},
+            "size": {"longest_edge": PIXTRAL_LONGEST_EDGE},
+            "do_resize": True,
+            "resample": 3,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": [0.48145466, 0.4578275, 0.40821073],
+            "image_std": [0.26862954, 0.26130258, 0.27577711],
+            "do_convert_rgb": True,
+        },
+        "processor_config.json": {"processor_class": "PixtralProcessor", "image_token": "[IMG]",
+                                  "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]",
+                                  "patch_size": 14, "spatial_merge_size": 2},
+    }
+
+
+ONEVISION_TILE = 112  # 8x8 patches of 14 px: 64 tokens per tile, AnyRes over up to 2x2 tiles
+ONEVISION_PINPOINTS = [[112, 112], [112, 224], [224, 112], [224, 224]]
+
+
+def _llava_onevision_config(size: ModelSize, ids: dict[str, int]) -> dict:
+    return {
+        "model_type": "llava_onevision",
+        "architectures": ["LlavaOnevisionForConditionalGeneration"],
+        "torch_dtype": "float32",
+        "image_token_index": ids["<image>"],
+        "video_token_index": ids["<video>"],
+        "image_grid_pinpoints": ONEVISION_PINPOINTS,
+        "vision_aspect_ratio": "anyres_max_9",
+        "vision_feature_select_strategy": "full",
+        "vision_feature_layer": -1,
+        "projector_hidden_act": "gelu",
+        "use_image_newline_parameter": True,
+        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+        "text_config": _text_fields(size) | {"model_type": "qwen2", "rope_theta": 1000000.0, "tie_word_embeddings": True},
+        "vision_config": {
+            "model_type": "siglip_vision_model",
+            "hidden_size": size.vision_hidden_size,
+            "num_hidden_layers": size.vision_depth,
+            "intermediate_size": size.vision_hidden_size * 2,
+            "num_attention_heads": size.vision_heads,
+            "patch_size": 14,
+            "image_size": ONEVISION_TILE,
+            "vision_use_head": False,
+        },
+    }
+
+
+def _llava_onevision_processor(size: ModelSize) -> dict[str, dict]:
+    return {
+        "preprocessor_config.json": {
+            "image_processor_type": "LlavaOnevisionImageProcessor",
+            "processor_class": "LlavaOnevisionProcessor",
+            "size": {"height": ONEVISION_TILE, "width": ONEVISION_TILE},
+            "image_grid_pinpoints": ONEVISION_PINPOINTS,
+            "do_resize": True,
+            "resample": 3,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "do_pad": True,
+            "do_convert_rgb": True,
+        },
+        "processor_config.json": {"processor_class": "LlavaOnevisionProcessor", "num_image_tokens": (ONEVISION_TILE // 14) ** 2,
+                                  "vision_feature_select_strategy": "full", "image_token": "<image>", "video_token": "<video>"},
+    }
+
+
 def _llama_config(size: ModelSize, ids: dict[str, int]) -> dict:
     return _text_fields(size) | {
         "model_type": "llama",
@@ -197,6 +407,30 @@ def _qwen3_config(size: ModelSize, ids: dict[str, int]) -> dict:
     }
 
 
+def _qwen3_next_config(size: ModelSize, ids: dict[str, int]) -> dict:
+    """A hybrid model: gated-delta (recurrent) layers with a full-attention layer every second layer,
+    and a small mixture of experts. Its recurrent state cannot be cut into blocks."""
+    head_dim = size.hidden_size // size.num_heads
+    return _qwen3_config(size, ids) | {
+        "model_type": "qwen3_next",
+        "architectures": ["Qwen3NextForCausalLM"],
+        "full_attention_interval": 2,
+        "partial_rotary_factor": 0.25,
+        "linear_num_value_heads": size.num_heads,
+        "linear_num_key_heads": size.num_kv_heads,
+        "linear_key_head_dim": head_dim,
+        "linear_value_head_dim": head_dim,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": size.intermediate_size // 4,
+        "shared_expert_intermediate_size": size.intermediate_size // 4,
+        "norm_topk_prob": True,
+    }
+
+
 def _text_fields(size: ModelSize) -> dict:
     return {
         "hidden_size": size.hidden_size,
@@ -216,15 +450,31 @@ RECIPES = {
     "qwen2_5_vl": Recipe("mlx_vlm", QWEN_TOKENS + ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
                                                     "<|video_pad|>"),
                          "<|im_end|>", None, "<|endoftext|>", _qwen2_5_vl_config, _qwen2_5_vl_processor),
+    "qwen3_vl": Recipe("mlx_vlm", QWEN_TOKENS + ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
+                                                  "<|video_pad|>"),
+                       "<|im_end|>", None, "<|endoftext|>", _qwen3_vl_config, _qwen3_vl_processor),
     "gemma3": Recipe("mlx_vlm", ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
                                  "<end_of_image>", "<image_soft_token>"),
                      "<end_of_turn>", "<bos>", "<pad>", _gemma3_config, _gemma3_processor),
+    "smolvlm": Recipe("mlx_vlm", ("<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<fake_token_around_image>",
+                                  "<image>", "<global-img>")
+                      + tuple(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)),
+                      "<end_of_utterance>", "<|im_start|>", "<|endoftext|>", _smolvlm_config, _smolvlm_processor),
+    "mistral3": Recipe("mlx_vlm", ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]",
+                                   "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"),
+                       "</s>", "<s>", "<unk>", _mistral3_config, _mistral3_processor),
+    "llava_onevision": Recipe("mlx_vlm", QWEN_TOKENS + ("<image>", "<video>"), "<|im_end|>", None, "<|endoftext|>",
+                              _llava_onevision_config, _llava_onevision_processor),
     "llama": Recipe("mlx_lm", ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                                "<|eot_id|>"), "<|eot_id|>", "<|begin_of_text|>", "<|end_of_text|>", _llama_config),
     "qwen3": Recipe("mlx_lm", QWEN_TOKENS, "<|im_end|>", None, "<|endoftext|>", _qwen3_config),
+    "qwen3_next": Recipe("mlx_lm", QWEN_TOKENS, "<|im_end|>", None, "<|endoftext|>", _qwen3_next_config),
 }
 # Tokens the family's processor reads as tokenizer attributes (Gemma 3: tokenizer.boi_token ...).
-NAMED_TOKENS = {"gemma3": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}}
+NAMED_TOKENS = {
+    "gemma3": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
+    "smolvlm": {"fake_image_token": "<fake_token_around_image>", "image_token": "<image>", "global_image_token": "<global-img>"},
+}
 DEFAULT_FAMILY = "qwen2_5_vl"
 
 

@@ -35,7 +35,12 @@ class Family:
 VISION_FAMILIES = {f.model_type: f for f in (
     Family("qwen2_5_vl", "mlx_vlm", "<|image_pad|>", positions="mrope"),
     Family("qwen2_vl", "mlx_vlm", "<|image_pad|>", positions="mrope"),
+    Family("qwen3_vl", "mlx_vlm", "<|image_pad|>", positions="mrope"),
     Family("gemma3", "mlx_vlm", "<start_of_image>", window_as_mask=True),
+    Family("smolvlm", "mlx_vlm", "<image>"),
+    Family("idefics3", "mlx_vlm", "<image>"),
+    Family("mistral3", "mlx_vlm", "[IMG]"),
+    Family("llava_onevision", "mlx_vlm", "<image>"),
 )}
 
 

@@ -71,6 +71,11 @@ class PromptBuilder:
         self.tokenizer = _hf_tokenizer(processor)
         self.placeholder = family.image_placeholder
         self.placeholder_id = self.tokenizer.convert_tokens_to_ids(self.placeholder) if self.placeholder else None
+        # Processors tokenise with the tokenizer's defaults (some cannot be told otherwise): the tokens it
+        # adds around a lone placeholder (a BOS, say) are cut from each image's expansion.
+        alone = self.tokenizer.encode(self.placeholder) if self.placeholder else []
+        self.added_before = alone.index(self.placeholder_id) if self.placeholder else 0
+        self.added_after = len(alone) - self.added_before - 1 if self.placeholder else 0
         # Every added token is matched by the tokenizer wherever its text appears, special or not.
         added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
         self.control_tokens = tuple(sorted({t.content for t in added.values() if len(t.content) > 1}
@@ -124,12 +129,12 @@ class PromptBuilder:
         """The image through the family's own processor: its token expansion and pixel inputs
         (token_start is filled in when the expansion takes its place in the prompt)."""
         try:
-            out = self.processor(text=[self.placeholder], images=[image.image], add_special_tokens=False,
-                                 return_tensors="np")
+            out = self.processor(text=[self.placeholder], images=[image.image], return_tensors="np")
         except ValueError as exc:  # e.g. Qwen's resize: "absolute aspect ratio must be smaller than 200"
             raise PromptError("invalid_image", f"the model cannot take a {image.width}x{image.height} image: {exc}") from None
+        ids = [int(t) for t in out["input_ids"][0]]
         inputs = {k: np.asarray(v) for k, v in out.items() if k not in _TEXT_OUTPUTS}
-        return PromptImage(image.pixel_hash, inputs, tuple(int(t) for t in out["input_ids"][0]), 0)
+        return PromptImage(image.pixel_hash, inputs, tuple(ids[self.added_before:len(ids) - self.added_after]), 0)
 
     def _expand_image_tokens(self, ids: list[int], processed: list[PromptImage]) -> PreparedPrompt:
         slots = [i for i, tok in enumerate(ids) if tok == self.placeholder_id]

@@ -40,6 +40,10 @@ class ModelInputs:
     ids: mx.array  # (1, L) all prompt token ids
     embeds: mx.array | None  # (1, L - cached, hidden) with image features spliced in; None: no image to run
     positions: mx.array | None  # (3, 1, L) mRoPE positions of the whole prompt; None: from the cache offset
+    # Qwen3-VL's "deepstack": visual features added to the first decoder layers' hidden states at the
+    # image tokens. (layers, L - cached, hidden), and which of those L - cached positions are image rows.
+    deepstack: mx.array | None = None
+    visual: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -72,9 +76,13 @@ class ModelRunner:
             self.model, self.processor = mlx_lm.load(str(model_path))
             self.lm = self.model
         self.cache_classes = cache_classes
+        mx.eval(_reachable_arrays(self.model))
         install_cpu_prefill_attention(self.lm)
         keep_last_position_logits(self.lm)
         self.prompts = PromptBuilder(self.processor, self.family)
+        # The token the model's own code treats as an image row (deepstack rows go there).
+        model_config = getattr(self.model, "config", None)
+        self.image_token_id = getattr(model_config, "image_token_index", None) or getattr(model_config, "image_token_id", None)
         self.tokenizer = self.prompts.tokenizer
         self.eos_ids = _eos_ids(config, self.tokenizer)
         self.max_positions = _max_positions(config)
@@ -119,11 +127,12 @@ class ModelRunner:
             vision_ms = (time.perf_counter() - vision_start) * 1000
             ids = mx.array(prompt.token_ids, dtype=mx.int32)[None]
             embeds = self._embed(ids, prompt, features, cached) if features else None
+            deepstack, visual = self._deepstack(prompt, features, cached)
             positions, rope_delta = self._positions(ids, prompt)
             if cached:
                 for layer, (keys, values) in zip(cache, plan.session.gather(cached)):
                     layer.update_and_fetch(keys, values)  # the libraries' KVCache append: offset follows
-            inputs = ModelInputs(ids, embeds, positions)
+            inputs = ModelInputs(ids, embeds, positions, deepstack, visual)
             logits = self._run_chunks(prompt, inputs, cache, plan, chunk_tokens, cancelled)
             mx.eval(logits)
         except BaseException:
@@ -146,16 +155,18 @@ class ModelRunner:
                 raise Cancelled()
             end = min((begin // chunk_tokens + 1) * chunk_tokens, total)
             logits = self._forward(ids[:, begin:end], None if embeds is None else embeds[:, begin - first:end - first],
-                                   cache, None if positions is None else positions[..., begin:end])
+                                   cache, None if positions is None else positions[..., begin:end],
+                                   _deepstack_kwargs(inputs, begin - first, end - first))
             mx.eval(_state_arrays(cache))
             if plan:
                 self.caches.store(plan, prompt.token_ids, cache, end)
             begin = end
         return logits
 
-    def _forward(self, ids: mx.array, embeds: mx.array | None, cache: list, positions: mx.array | None) -> mx.array:
+    def _forward(self, ids: mx.array, embeds: mx.array | None, cache: list, positions: mx.array | None,
+                 extra: dict | None = None) -> mx.array:
         """One language-model call through the library's own entry point; the last position's logits."""
-        kwargs = {"cache": cache}
+        kwargs = {"cache": cache} | (extra or {})
         if embeds is not None:
             kwargs["inputs_embeds"] = embeds
         if positions is not None:
@@ -178,27 +189,54 @@ class ModelRunner:
 
     def _encode_image(self, image: PromptImage) -> mx.array:
         """The input embeddings of the image's expansion (its tokens' rows), through the family's
-        own get_input_embeddings: vision tower, projector and any scaling, as the library does it."""
+        own get_input_embeddings: vision tower, projector and any scaling, as the library does it.
+        Shape (1 + d, span, hidden): row block 0 the embeddings, then one per deepstack layer (d = 0
+        for families without deepstack; rows of non-image tokens in the span are zero there)."""
         self.num_encoder_calls += 1
         ids = mx.array([image.token_ids], dtype=mx.int32)
         inputs = {name: mx.array(value) for name, value in image.inputs.items()}
-        features = self.model.get_input_embeddings(ids, mask=mx.ones_like(ids), **inputs).inputs_embeds[0]
+        out = self.model.get_input_embeddings(ids, mask=mx.ones_like(ids), **inputs)
+        blocks = [out.inputs_embeds[0]]
+        deepstack = getattr(out, "deepstack_visual_embeds", None)
+        if deepstack is not None:
+            rows = mx.array(np.flatnonzero(np.array(out.visual_pos_masks[0])), dtype=mx.uint32)
+            for layer in deepstack:
+                blocks.append(mx.zeros_like(blocks[0]).at[rows].add(layer.astype(blocks[0].dtype)))
+        features = mx.stack(blocks)
         mx.eval(features)
         return features
 
     def _embed(self, ids: mx.array, prompt: PreparedPrompt, features: dict[int, mx.array], start: int) -> mx.array:
         """Input embeddings of tokens [start, L): token embeddings with each image's rows spliced in."""
-        text = self.lm.model.embed_tokens(ids[:, start:])[0]
+        text = token_embedding(self.lm)(ids[:, start:])[0]
         pieces, cursor = [], start
         for index, image in enumerate(prompt.images):
             end = image.token_start + image.num_tokens
             if end <= start:
                 continue
             first = max(image.token_start, start)
-            pieces += [text[cursor - start:first - start], features[index][first - image.token_start:].astype(text.dtype)]
+            pieces += [text[cursor - start:first - start], features[index][0, first - image.token_start:].astype(text.dtype)]
             cursor = end
         pieces.append(text[cursor - start:])
         return mx.concatenate(pieces, axis=0)[None]
+
+    def _deepstack(self, prompt: PreparedPrompt, features: dict[int, mx.array],
+                   start: int) -> tuple[mx.array | None, np.ndarray | None]:
+        """Deepstack rows for tokens [start, L), and which of them are image tokens; (None, None) when
+        no image there carries deepstack features."""
+        needed = [i for i in features if features[i].shape[0] > 1]
+        if not needed:
+            return None, None
+        layers, hidden = features[needed[0]].shape[0] - 1, features[needed[0]].shape[-1]
+        deep = mx.zeros((layers, prompt.num_tokens - start, hidden), dtype=features[needed[0]].dtype)
+        visual = np.zeros(prompt.num_tokens - start, dtype=bool)
+        for index in needed:
+            image = prompt.images[index]
+            first = max(image.token_start, start)
+            end = image.token_start + image.num_tokens
+            deep[:, first - start:end - start] = features[index][1:, first - image.token_start:]
+            visual[first - start:end - start] = np.asarray(image.token_ids[first - image.token_start:]) == self.image_token_id
+        return deep, visual
 
     def _positions(self, ids: mx.array, prompt: PreparedPrompt) -> tuple[mx.array | None, int | None]:
         if self.family.positions != "mrope":
@@ -265,6 +303,42 @@ def _eos_ids(config: dict, tokenizer) -> frozenset[int]:
     return frozenset(int(i) for i in ids)
 
 
+def _reachable_arrays(root) -> list[mx.array]:
+    """Every array the model holds, parameters or not. Some families keep lazily computed arrays on
+    helper objects (Pixtral's rotary inv_freq); evaluated on the loading thread, they would fail on
+    the worker thread ("There is no Stream(cpu, 0) in current thread"), so loading evaluates them all."""
+    found, seen, stack = [], set(), [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, mx.array):
+            found.append(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        if hasattr(obj, "__dict__") and not isinstance(obj, type):
+            stack.extend(vars(obj).values())
+    return found
+
+
+def _deepstack_kwargs(inputs: ModelInputs, begin: int, end: int) -> dict:
+    """The library's deepstack arguments for rows [begin, end) of the uncached part (none without)."""
+    if inputs.deepstack is None or not inputs.visual[begin:end].any():
+        return {}
+    rows = mx.array(np.flatnonzero(inputs.visual[begin:end]), dtype=mx.uint32)
+    return {"visual_pos_masks": mx.array(inputs.visual[begin:end])[None],
+            "deepstack_visual_embeds": [layer[begin:end][rows] for layer in inputs.deepstack]}
+
+
+def token_embedding(language_model) -> nn.Module:
+    """The token embedding table: under `.model` in most families, on the language model itself in Idefics3's."""
+    inner = getattr(language_model, "model", None)
+    return inner.embed_tokens if hasattr(inner, "embed_tokens") else language_model.embed_tokens
+
+
 def _state_arrays(cache: list) -> list[mx.array]:
     """Every array a cache holds (mlx-lm's KVCache.state also carries its offset, an int)."""
     states = (c.state if isinstance(c.state, (tuple, list)) else (c.state,) for c in cache)
@@ -293,7 +367,7 @@ def keep_last_position_logits(language_model) -> None:
     and a 512-token chunk's full logits cost as much as a quarter of its layers. The output head
     (an untied lm_head, or the tied embedding's as_linear) gets a subclass that slices first."""
     head = getattr(language_model, "lm_head", None)
-    target = head if isinstance(head, nn.Module) else language_model.model.embed_tokens
+    target = head if isinstance(head, nn.Module) else token_embedding(language_model)
     method = "__call__" if target is head else "as_linear"
     target.__class__ = _last_position_class(type(target), method)
 

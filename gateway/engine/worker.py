@@ -102,9 +102,17 @@ class EngineWorker:
         self.busy = False  # a job is on the model right now
         self.current: Job | None = None  # that job, so that stop() can cancel it
         self.thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
+        self.warmed_up = threading.Event()  # set once warm-up ended, well or not (warm_up_error says)
+        self.warm_up_error: BaseException | None = None
 
-    def start(self) -> None:
+    def start(self, warm_up_timeout_s: float = 600.0) -> None:
+        """Start the thread and wait for its warm-up: a model that cannot run fails here, at start-up,
+        with the reason, never on the first request."""
         self.thread.start()
+        if not self.warmed_up.wait(warm_up_timeout_s):
+            raise RuntimeError(f"engine warm-up did not finish within {warm_up_timeout_s:.0f} s")
+        if self.warm_up_error is not None:
+            raise RuntimeError(f"engine warm-up failed: {self.warm_up_error!r}") from self.warm_up_error
 
     def stop(self, timeout_s: float = 10.0) -> bool:
         """Cancel the running job, fail the waiting ones, end the thread. True when it ended."""
@@ -147,7 +155,13 @@ class EngineWorker:
             job.cancelled.set()
 
     def _loop(self) -> None:
-        self.runner.warm_up()
+        try:
+            self.runner.warm_up()
+        except BaseException as exc:  # reported by start(); the thread ends, serving nothing
+            self.warm_up_error = exc
+            return
+        finally:
+            self.warmed_up.set()
         while (job := self.jobs.get()) is not None:
             if job.cancelled.is_set():
                 self.stats.num_cancelled += 1

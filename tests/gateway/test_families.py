@@ -19,7 +19,7 @@ from gateway.engine import ImagePart, Message, PromptError, Sampling, TextPart
 from gateway.engine.builder import RECIPES, SIZES, BuildSpec
 from gateway.engine.caching import CacheConfig
 from gateway.engine.families import VISION_FAMILIES, UnsupportedModel, family_of
-from gateway.engine.runner import ModelRunner
+from gateway.engine.runner import Cancelled, ModelRunner, token_embedding
 from kvcache import TenantSalt
 from kvcache.ssd import AdmissionPolicy, SsdConfig
 from tests.conftest import built_model, png_data_url
@@ -28,7 +28,8 @@ from vision import ImageLimits, decode_data_url
 TENANT_A, TENANT_B = TenantSalt(b"A" * 32), TenantSalt(b"B" * 32)
 GREEDY = Sampling(12, 0.0, 1.0, None, ())
 CHUNK, BLOCK = 64, 16
-FAMILIES = sorted(RECIPES)
+HYBRID = ("qwen3_next",)  # recurrent layers: served without prefix reuse
+FAMILIES = sorted(set(RECIPES) - set(HYBRID))
 VISION = sorted(set(FAMILIES) & set(VISION_FAMILIES))
 LONG = ("The committee met in the old library to discuss the river crossing, the budget and the bridge, "
         "and then the ferry timetable for the winter months. ") * 8
@@ -173,7 +174,7 @@ def test_bfloat16_blocks_go_to_ssd_and_come_back_equal_after_a_restart(family, t
     restarted = _runner(path, ssd=ssd)
     result = _run(restarted, turns)
     assert result[2].prefix.tier == "ssd" and result[2].prefix.num_ssd_tokens > 2 * CHUNK
-    assert restarted.lm.model.embed_tokens.weight.dtype == mx.bfloat16
+    assert token_embedding(restarted.lm).weight.dtype == mx.bfloat16
     _assert_same(reference, result, atol=0.05)
     restarted.caches.shutdown(10)
 
@@ -210,7 +211,7 @@ def _library_logits(runner, content: list[dict], images=()) -> np.ndarray:
         ids = mx.array([runner.tokenizer.encode(text, add_special_tokens=False)])
         out = runner.lm(ids, cache=runner.cache_classes.make_prompt_cache(runner.lm))
         return ids, np.array(getattr(out, "logits", out)[0, -1].astype(mx.float32))
-    inputs = runner.processor(text=[text], images=[i.image for i in images], add_special_tokens=False, return_tensors="np")
+    inputs = runner.processor(text=[text], images=[i.image for i in images], return_tensors="np")
     ids = mx.array(inputs.pop("input_ids"))
     extra = {k: mx.array(v) for k, v in inputs.items() if k not in ("attention_mask", "token_type_ids")}
     embedded = runner.model.get_input_embeddings(ids, mask=mx.ones_like(ids), **extra).to_dict()
@@ -236,3 +237,32 @@ def test_image_prompt_equals_the_library_one_shot_forward(family, cold):
     result = _run(cold, [_user("What is in this picture?", image=True)], [image])
     assert result[2].prompt.token_ids == tuple(ids[0].tolist())
     np.testing.assert_allclose(result[0], expected, atol=1e-4, rtol=0)
+
+
+def test_an_image_cut_by_a_cancelled_prefill_resumes_inside_its_tokens(family, cold, warm):
+    """The first request stops after one chunk, inside the image; the retry reuses the image's first
+    blocks and computes the rest of it (embeddings, and Qwen3-VL's deepstack rows, from the middle)."""
+    _vision_only(family)
+    image = decode_data_url(png_data_url(224, 224, seed=7), ImageLimits(10**7, 10**8))
+    turns = [Message("system", (TextPart("Answer briefly."),)), _user("What is in this picture?", image=True)]
+    prompt = warm.prompts.build(tuple(turns), [image])
+    span = prompt.images[0]
+    assert span.token_start < CHUNK < span.token_start + span.num_tokens, "the image must cross the first chunk's end"
+    calls = iter([False, True])
+    with pytest.raises(Cancelled):
+        warm.prefill(prompt, TENANT_A, CHUNK, lambda: next(calls))
+    result = _run(warm, turns, [image])
+    assert span.token_start < result[2].prefix.num_cached_tokens < span.token_start + span.num_tokens
+    _assert_same(_run(cold, turns, [image]), result)
+
+
+def test_a_hybrid_recurrent_model_runs_without_prefix_reuse_and_says_why():
+    path = built_model(BuildSpec("qwen3_next", "tiny"))
+    runner = _runner(path)
+    ids, expected = _library_logits(runner, [{"type": "text", "text": LONG}])
+    first, second = _run(runner, [_user(LONG)]), _run(runner, [_user(LONG)])
+    for result in (first, second):
+        assert (result[2].prefix.status, result[2].prefix.reason) == ("bypass", "recurrent_state")
+        assert result[2].prefix.num_cached_tokens == 0
+        np.testing.assert_allclose(result[0], expected, atol=1e-4, rtol=0)
+    assert first[1] == second[1]
