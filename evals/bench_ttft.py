@@ -1,6 +1,8 @@
 """TTFT across ten-turn chats: Strata's cache off, Strata's cache on, and mlx-vlm's own APC.
 
     python -m evals.bench_ttft [--model demo] [--runs 3] [--turns 10]
+    python -m evals.bench_ttft --family gemma3|...|all [--turns 10]
+
 
 Two chats on the same model: (a) text only, (b) a 448x448 image in turn 1. Each user turn adds
 ~200 new tokens; each assistant turn is the mode's own greedy reply (24 tokens), sent back as the
@@ -9,6 +11,10 @@ first sampled token (prompt building and image preprocessing included, HTTP excl
 modes alike. Each run starts every mode with empty caches; the table shows medians over runs.
 Also printed: hashing cost per token, block-gather cost, and bytes held for 100 sessions that
 share a 1,000-token system prompt. Ends with one JSON line.
+
+With --family, the same two chats run on each family's demo-size model (built on first use), one
+run per family, Strata on against APC, and one table compares the families (the image chat only for
+families that take images).
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ class StrataMode:
         self.name = name
         self.runner = ModelRunner(model_path, caches, model_fingerprint(model_path))
         self.cached_tokens: list[int] = []
+        self.prompt_tokens: list[int] = []
 
     def turn(self, history: list[Message], image: Image.Image | None) -> tuple[float, str]:
         start = time.perf_counter()
@@ -67,6 +74,7 @@ class StrataMode:
         generated = list(self.runner.decode(prefill, GREEDY, lambda: False))
         self.runner.finish(prefill, generated)
         self.cached_tokens.append(prefill.prefix.num_cached_tokens)
+        self.prompt_tokens.append(prompt.num_tokens)
         assert not generated or generated[0] == first
         return ttft, self.runner.tokenizer.decode(generated, skip_special_tokens=True)
 
@@ -194,13 +202,61 @@ def shared_prompt_bytes(layers: int, heads: int, dim: int, sessions: int = 100) 
             "ratio": cache.pool.num_bytes / unshared}
 
 
+def family_rows(family: str, data_dir: Path, num_turns: int) -> list[dict]:
+    """One run of the text chat (and the image chat, for vision families) on the family's demo model."""
+    from gateway.engine.families import VISION_FAMILIES
+
+    model_path = resolve_model_path(f"{family}-demo", data_dir)
+    on_config = CacheConfig(4 << 30, 512 << 20, 32)
+    turns = user_turns(StrataMode("probe", model_path, CacheConfig(0, 0, 64)).runner.tokenizer, num_turns)
+    image = chat_image() if family in VISION_FAMILIES else None
+    run_chat(StrataMode("warm-up", model_path, CacheConfig(0, 0, 64)), turns[:2], image)  # MLX builds kernels
+    run_chat(ApcMode(model_path), turns[:2], image)
+    rows = []
+    for chat, picture in (("text", None), ("image", image)):
+        if chat == "image" and picture is None:
+            continue
+        on = StrataMode("strata on", model_path, on_config)
+        on_ttft = run_chat(on, turns, picture)
+        apc_ttft = run_chat(ApcMode(model_path), turns, picture)
+        rows.append({"family": family, "chat": chat, "on_ms": [t * 1000 for t in on_ttft],
+                     "apc_ms": [t * 1000 for t in apc_ttft],
+                     "turn10_over_turn1": on_ttft[-1] / on_ttft[0],
+                     "max_on_over_apc": max(o / a for o, a in zip(on_ttft, apc_ttft)),
+                     "reused_at_last_turn": on.cached_tokens[-1] / on.prompt_tokens[-1],
+                     "prompt_tokens_last_turn": on.prompt_tokens[-1]})
+    return rows
+
+
+def family_table(rows: list[dict], num_turns: int) -> None:
+    print(f"\nTTFT ms per family, Strata on vs mlx-vlm APC, one run, demo-size models, {num_turns}-turn chats")
+    print(f"{'family':<16} {'chat':<5} | {'on t1':>7} {'on tN':>7} | {'APC t1':>7} {'APC tN':>7} | "
+          f"{'tN/t1 on':>8} | {'max on/APC':>10} | {'reused tN':>9} | {'prompt tN':>9}")
+    for row in rows:
+        on, apc = row["on_ms"], row["apc_ms"]
+        print(f"{row['family']:<16} {row['chat']:<5} | {on[0]:7.1f} {on[-1]:7.1f} | {apc[0]:7.1f} {apc[-1]:7.1f} | "
+              f"{row['turn10_over_turn1']:8.2f} | {row['max_on_over_apc']:10.2f} | {row['reused_at_last_turn']:8.1%} | "
+              f"{row['prompt_tokens_last_turn']:9d}")
+    print("targets: text tN/t1 <= 2.5; text max on/APC <= 1.0; image reused at tN >= 80%")
+
+
 def main() -> None:
+    from gateway.engine.builder import RECIPES
+
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="demo")
+    parser.add_argument("--family", choices=sorted(RECIPES) + ["all"], default=None,
+                        help="run the ten-turn chats on this family's demo model (or every family's) instead")
     parser.add_argument("--data-dir", type=Path, default=Path(".strata"))
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--turns", type=int, default=10)
     args = parser.parse_args()
+    if args.family:
+        families = [f for f in sorted(RECIPES) if f != "qwen3_next"] if args.family == "all" else [args.family]
+        rows = [row for family in families for row in family_rows(family, args.data_dir, args.turns)]
+        family_table(rows, args.turns)
+        print(json.dumps({"families": rows}))
+        return
     model_path = resolve_model_path(args.model, args.data_dir)
     probe = ModelRunner(model_path, CacheConfig(0, 0, 64), "probe")
     turns = user_turns(probe.tokenizer, args.turns)

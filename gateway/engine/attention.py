@@ -72,7 +72,10 @@ def install_cpu_prefill_attention(language_model) -> list[str]:
 def _cpu_prefill(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *args, **kwargs):
         """Prefill (queries > 1) with a causal or a 2-D boolean mask runs on numpy; the rest (decode,
-        quantised caches, attention sinks, batched masks) stays on the library's own kernel."""
+        quantised caches, attention sinks, batched masks) stays on the library's own kernel. Keys that
+        a 2-D mask hides from every query (a sliding window's past) are dropped first."""
+        if isinstance(keys, mx.array) and isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.ndim == 2:
+            keys, values, mask = _visible_keys(keys, values, mask)
         if queries.shape[2] > 1 and not args and kwargs.get("sinks") is None and isinstance(keys, mx.array):
             if isinstance(mask, str) and mask == "causal":
                 return causal_attention(queries, keys, values, scale)
@@ -82,6 +85,16 @@ def _cpu_prefill(original):
 
     scaled_dot_product_attention.strata_cpu_prefill = True
     return scaled_dot_product_attention
+
+
+def _visible_keys(keys: mx.array, values: mx.array, mask: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """Cut the leading keys no query may see. With a sliding window over a long reused prefix, a
+    layer then attends over window + queries keys instead of the whole context."""
+    visible = np.asarray(mask).any(axis=0)
+    first = int(visible.argmax()) if visible.any() else 0
+    if first == 0:
+        return keys, values, mask
+    return keys[..., first:, :], values[..., first:, :], mask[:, first:]
 
 
 def _limit_numpy_blas_threads() -> None:

@@ -143,8 +143,10 @@ class ModelRunner:
         return PrefillResult(logits, cache, rope_delta, prompt, plan, prefix_report, vision_report, prefill_ms, vision_ms)
 
     def _run_chunks(self, prompt, inputs: ModelInputs, cache, plan, chunk_tokens, cancelled) -> mx.array:
-        """Prefill tokens [cached, L) in chunks ending on multiples of chunk_tokens; after each chunk
-        the blocks it completed are cached, so a long prompt cut short still leaves its prefix.
+        """Prefill tokens [cached, L) in chunks of chunk_tokens; after each chunk the blocks it completed
+        are cached, so a long prompt cut short still leaves its prefix. The reused prefix ends on a
+        block boundary and chunk_tokens is a multiple of the block size, so every chunk but the last
+        ends on one too; a suffix shorter than a chunk runs in one model call.
         Returns the last position's logits."""
         ids, embeds, positions = inputs.ids, inputs.embeds, inputs.positions
         total = prompt.num_tokens
@@ -153,7 +155,7 @@ class ModelRunner:
         while begin < total:
             if cancelled():
                 raise Cancelled()
-            end = min((begin // chunk_tokens + 1) * chunk_tokens, total)
+            end = min(begin + chunk_tokens, total)
             logits = self._forward(ids[:, begin:end], None if embeds is None else embeds[:, begin - first:end - first],
                                    cache, None if positions is None else positions[..., begin:end],
                                    _deepstack_kwargs(inputs, begin - first, end - first))
