@@ -12,9 +12,9 @@ modes alike. Each run starts every mode with empty caches; the table shows media
 Also printed: hashing cost per token, block-gather cost, and bytes held for 100 sessions that
 share a 1,000-token system prompt. Ends with one JSON line.
 
-With --family, the same two chats run on each family's demo-size model (built on first use), one
-run per family, Strata on against APC, and one table compares the families (the image chat only for
-families that take images).
+With --family, the same two chats run on each family's demo-size model (built on first use), Strata
+on against APC (medians of --runs runs), and one table compares the families (the image chat only
+for families that take images).
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ class ApcMode:
         start = time.perf_counter()
         messages = [{"role": m.role, "content": [{"type": "image"} if isinstance(p, ImagePart) else
                                                  {"type": "text", "text": p.text} for p in m.parts]} for m in history]
-        text = self.processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        tokenizer = getattr(self.processor, "tokenizer", self.processor)  # text models load a bare tokenizer
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ttft, pieces = None, []
         for response in mlx_vlm.stream_generate(self.model, self.processor, text, image=[image] if image else None,
                                                 max_tokens=REPLY_TOKENS, temperature=0.0, apc_manager=self.manager):
@@ -202,8 +203,9 @@ def shared_prompt_bytes(layers: int, heads: int, dim: int, sessions: int = 100) 
             "ratio": cache.pool.num_bytes / unshared}
 
 
-def family_rows(family: str, data_dir: Path, num_turns: int) -> list[dict]:
-    """One run of the text chat (and the image chat, for vision families) on the family's demo model."""
+def family_rows(family: str, data_dir: Path, num_turns: int, runs: int) -> list[dict]:
+    """The text chat (and the image chat, for vision families) on the family's demo model: `runs`
+    runs, each starting both modes with empty caches; per-turn medians."""
     from gateway.engine.families import VISION_FAMILIES
 
     model_path = resolve_model_path(f"{family}-demo", data_dir)
@@ -216,20 +218,24 @@ def family_rows(family: str, data_dir: Path, num_turns: int) -> list[dict]:
     for chat, picture in (("text", None), ("image", image)):
         if chat == "image" and picture is None:
             continue
-        on = StrataMode("strata on", model_path, on_config)
-        on_ttft = run_chat(on, turns, picture)
-        apc_ttft = run_chat(ApcMode(model_path), turns, picture)
-        rows.append({"family": family, "chat": chat, "on_ms": [t * 1000 for t in on_ttft],
-                     "apc_ms": [t * 1000 for t in apc_ttft],
-                     "turn10_over_turn1": on_ttft[-1] / on_ttft[0],
-                     "max_on_over_apc": max(o / a for o, a in zip(on_ttft, apc_ttft)),
+        on_runs, apc_runs = [], []
+        for _ in range(runs):
+            on = StrataMode("strata on", model_path, on_config)
+            on_runs.append(run_chat(on, turns, picture))
+            apc_runs.append(run_chat(ApcMode(model_path), turns, picture))
+        on_ms = [statistics.median(run[t] for run in on_runs) * 1000 for t in range(num_turns)]
+        apc_ms = [statistics.median(run[t] for run in apc_runs) * 1000 for t in range(num_turns)]
+        rows.append({"family": family, "chat": chat, "runs": runs, "on_ms": on_ms, "apc_ms": apc_ms,
+                     "turn10_over_turn1": on_ms[-1] / on_ms[0],
+                     "max_on_over_apc": max(o / a for o, a in zip(on_ms, apc_ms)),
                      "reused_at_last_turn": on.cached_tokens[-1] / on.prompt_tokens[-1],
                      "prompt_tokens_last_turn": on.prompt_tokens[-1]})
     return rows
 
 
 def family_table(rows: list[dict], num_turns: int) -> None:
-    print(f"\nTTFT ms per family, Strata on vs mlx-vlm APC, one run, demo-size models, {num_turns}-turn chats")
+    print(f"\nTTFT ms per family, Strata on vs mlx-vlm APC, medians of {rows[0]['runs']} runs, demo-size models, "
+          f"{num_turns}-turn chats")
     print(f"{'family':<16} {'chat':<5} | {'on t1':>7} {'on tN':>7} | {'APC t1':>7} {'APC tN':>7} | "
           f"{'tN/t1 on':>8} | {'max on/APC':>10} | {'reused tN':>9} | {'prompt tN':>9}")
     for row in rows:
@@ -253,7 +259,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.family:
         families = [f for f in sorted(RECIPES) if f != "qwen3_next"] if args.family == "all" else [args.family]
-        rows = [row for family in families for row in family_rows(family, args.data_dir, args.turns)]
+        rows = [row for family in families for row in family_rows(family, args.data_dir, args.turns, args.runs)]
         family_table(rows, args.turns)
         print(json.dumps({"families": rows}))
         return

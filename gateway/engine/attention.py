@@ -17,6 +17,7 @@ Decode steps (one query) keep MLX's kernel: nothing to gain there. On Metal noth
 from __future__ import annotations
 
 import sys
+import types
 from functools import lru_cache
 
 import mlx.core as mx
@@ -51,22 +52,40 @@ def _causal_bias(size: int) -> np.ndarray:
     return np.triu(np.full((size, size), -np.inf, dtype=np.float32), 1)
 
 
-def install_cpu_prefill_attention(language_model) -> list[str]:
-    """Route the prefill attention of this model's family through `causal_attention`: the library
-    module of each attention layer calls its module-level `scaled_dot_product_attention`, which is
-    wrapped once per module (every family of mlx-vlm and mlx-lm is written this way). Returns the
-    modules wrapped; none when MLX runs on a GPU."""
+def install_cpu_prefill_attention(language_model) -> int:
+    """Route this model instance's prefill attention through `causal_attention`. Every family of
+    mlx-vlm and mlx-lm computes attention by calling its module's `scaled_dot_product_attention`
+    from the attention layer's `__call__`; each attention layer of this instance (not its class,
+    not other models in the process) gets a subclass whose `__call__` is the same code run with
+    that name bound to the CPU path. Returns how many layers were swapped (0 on a GPU)."""
     if mx.default_device().type != mx.DeviceType.cpu:
-        return []
+        return 0
     _limit_numpy_blas_threads()
-    wrapped = []
-    for name in sorted({type(layer.self_attn).__module__ for layer in language_model.layers if hasattr(layer, "self_attn")}):
-        module = sys.modules[name]
-        original = getattr(module, "scaled_dot_product_attention", None)
-        if original is not None and not getattr(original, "strata_cpu_prefill", False):
-            module.scaled_dot_product_attention = _cpu_prefill(original)
-        wrapped.append(name)
-    return wrapped
+    swapped = 0
+    for layer in language_model.layers:
+        attention = getattr(layer, "self_attn", None)
+        cpu_class = _cpu_attention_class(type(attention)) if attention is not None else None
+        if cpu_class is not None:
+            attention.__class__ = cpu_class
+            swapped += 1
+    return swapped
+
+
+@lru_cache(maxsize=None)
+def _cpu_attention_class(base: type) -> type | None:
+    call = base.__call__
+    module = sys.modules[base.__module__]
+    original = module.__dict__.get(SDPA)
+    if original is None or SDPA not in getattr(call, "__code__", _NO_CODE).co_names:
+        return None  # this layer computes attention some other way: it keeps MLX's kernel
+    bound = dict(module.__dict__, **{SDPA: _cpu_prefill(original)})
+    patched = types.FunctionType(call.__code__, bound, call.__name__, call.__defaults__, call.__closure__)
+    patched.__kwdefaults__ = call.__kwdefaults__
+    return type(f"CpuPrefill{base.__name__}", (base,), {"__call__": patched})
+
+
+SDPA = "scaled_dot_product_attention"
+_NO_CODE = compile("", "<none>", "exec")
 
 
 def _cpu_prefill(original):
@@ -83,7 +102,6 @@ def _cpu_prefill(original):
                 return causal_attention(queries, keys, values, scale, np.asarray(mask))
         return original(queries, keys, values, cache, scale, mask, *args, **kwargs)
 
-    scaled_dot_product_attention.strata_cpu_prefill = True
     return scaled_dot_product_attention
 
 

@@ -59,10 +59,18 @@ def family_of(model_path: Path) -> Family:
             f"model type {model_type!r} is a vision model Strata has no family data for (the image "
             f"placeholder its chat template writes and its position scheme); supported vision families: "
             f"{', '.join(sorted(VISION_FAMILIES))}")
-    if importlib.util.find_spec(f"mlx_lm.models.{model_type}") is None:
+    if not _mlx_lm_loads(model_type):
         raise UnsupportedModel(f"model type {model_type!r} is loaded by neither mlx-vlm's supported families "
                                f"({', '.join(sorted(VISION_FAMILIES))}) nor mlx-lm")
     return Family(model_type, "mlx_lm")
+
+
+def _mlx_lm_loads(model_type: str) -> bool:
+    """Whether mlx-lm has a module for this model type (after its own renames, e.g. mistral -> llama)."""
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    module = MODEL_REMAPPING.get(model_type, model_type)
+    return module.isidentifier() and importlib.util.find_spec(f"mlx_lm.models.{module}") is not None
 
 
 def read_config(model_path: Path) -> dict:

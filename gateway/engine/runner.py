@@ -27,7 +27,7 @@ from vision import DecodedImage, pixel_hash, processor_fingerprint
 from .types import Sampling
 from .attention import install_cpu_prefill_attention
 from .caching import CacheConfig, EngineCaches, PrefixPlan, PrefixReport, VisionReport
-from .families import family_of, read_config
+from .families import Family, family_of, read_config
 from .prompt import PreparedPrompt, PromptBuilder, PromptImage
 
 
@@ -63,20 +63,7 @@ class ModelRunner:
     def __init__(self, model_path: Path | str, cache_config: CacheConfig, model_fingerprint: str):
         self.family = family_of(Path(model_path))  # UnsupportedModel before anything loads
         config = read_config(Path(model_path))
-        if self.family.library == "mlx_vlm":
-            import mlx_vlm
-            from mlx_vlm.models import cache as cache_classes
-
-            self.model, self.processor = mlx_vlm.load(str(model_path))
-            self.lm = self.model.language_model
-        else:
-            import mlx_lm
-            from mlx_lm.models import cache as cache_classes
-
-            self.model, self.processor = mlx_lm.load(str(model_path))
-            self.lm = self.model
-        self.cache_classes = cache_classes
-        mx.eval(_reachable_arrays(self.model))
+        self.model, self.processor, self.lm, self.cache_classes = _load(self.family, Path(model_path))
         install_cpu_prefill_attention(self.lm)
         keep_last_position_logits(self.lm)
         self.prompts = PromptBuilder(self.processor, self.family)
@@ -303,6 +290,25 @@ def _eos_ids(config: dict, tokenizer) -> frozenset[int]:
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return frozenset(int(i) for i in ids)
+
+
+def _load(family: Family, model_path: Path):
+    """The family's library loads the folder: (model, processor or tokenizer, language model, the
+    library's cache module). Every array the model holds is evaluated here, on the loading thread."""
+    if family.library == "mlx_vlm":
+        import mlx_vlm
+        from mlx_vlm.models import cache as cache_classes
+
+        model, processor = mlx_vlm.load(str(model_path))
+        language_model = model.language_model
+    else:
+        import mlx_lm
+        from mlx_lm.models import cache as cache_classes
+
+        model, processor = mlx_lm.load(str(model_path))
+        language_model = model
+    mx.eval(_reachable_arrays(model))
+    return model, processor, language_model, cache_classes
 
 
 def _reachable_arrays(root) -> list[mx.array]:
