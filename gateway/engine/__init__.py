@@ -16,8 +16,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from .builder import ensure_model, parse_model_name
+from .builder import RECIPES, ensure_model, parse_model_name
 from .caching import CacheConfig
+from .families import VISION_FAMILIES, UnsupportedModel
 from .prompt import PreparedPrompt, PromptError
 from .runner import ModelRunner, Sampler
 from .types import ImagePart, Message, Sampling, TextPart
@@ -25,8 +26,10 @@ from .worker import Delta, EngineWorker, Failed, Finished, Job, QueueFull, Start
 
 log = logging.getLogger("strata.engine")
 
+BUILDABLE_FAMILIES = tuple(sorted(RECIPES))  # what `strata build-model --family` builds
+
 __all__ = [
-    "CacheConfig", "Delta", "Engine", "EngineConfig", "Failed", "Finished", "ImagePart", "Job", "Message", "ModelRunner",
+    "BUILDABLE_FAMILIES", "CacheConfig", "UnsupportedModel", "VISION_FAMILIES", "Delta", "Engine", "EngineConfig", "Failed", "Finished", "ImagePart", "Job", "Message", "ModelRunner",
     "PreparedPrompt", "PromptError", "QueueFull", "Sampler", "Sampling", "Started", "TextPart", "model_fingerprint",
     "resolve_model_path",
 ]

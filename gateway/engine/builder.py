@@ -93,22 +93,19 @@ def _qwen2_5_vl_config(size: ModelSize, ids: dict[str, int]) -> dict:
     }
 
 
-def _qwen2_5_vl_processor(size: ModelSize) -> dict[str, dict]:
-    return {"preprocessor_config.json": {
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2_5_VLProcessor",
-        "patch_size": 14,
-        "merge_size": 2,
-        "temporal_patch_size": 2,
-        "min_pixels": 56 * 56,
-        "max_pixels": 448 * 448,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "do_convert_rgb": True,
-    }}
+def _qwen_vl_processor(processor_class: str, patch_size: int, normalisation) -> Callable[[ModelSize], dict]:
+    """The Qwen VL line's preprocessor: patches merged 2x2, two frames per temporal patch, up to 448² px."""
+    def files(size: ModelSize) -> dict[str, dict]:
+        return {"preprocessor_config.json": {
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "processor_class": processor_class,
+            "patch_size": patch_size,
+            "merge_size": 2,
+            "temporal_patch_size": 2,
+            "min_pixels": 56 * 56,
+            "max_pixels": 448 * 448,
+        } | _normalised(normalisation)}
+    return files
 
 
 def _qwen3_vl_config(size: ModelSize, ids: dict[str, int]) -> dict:
@@ -149,23 +146,6 @@ def _qwen3_vl_config(size: ModelSize, ids: dict[str, int]) -> dict:
     }
 
 
-def _qwen3_vl_processor(size: ModelSize) -> dict[str, dict]:
-    return {"preprocessor_config.json": {
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen3VLProcessor",
-        "patch_size": 16,
-        "merge_size": 2,
-        "temporal_patch_size": 2,
-        "size": {"shortest_edge": 64 * 64, "longest_edge": 448 * 448},
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "do_convert_rgb": True,
-    }}
-
-
 GEMMA3_IMAGE_SIZE, GEMMA3_IMAGE_TOKENS = 224, 64  # 16x16 patches of 14 px, pooled 2x2
 
 
@@ -198,15 +178,7 @@ def _gemma3_config(size: ModelSize, ids: dict[str, int]) -> dict:
             "mm_tokens_per_image": GEMMA3_IMAGE_TOKENS,
             "max_position_embeddings": 32768,
         },
-        "vision_config": {
-            "model_type": "siglip_vision_model",
-            "hidden_size": size.vision_hidden_size,
-            "num_hidden_layers": size.vision_depth,
-            "intermediate_size": size.vision_hidden_size * 2,
-            "num_attention_heads": size.vision_heads,
-            "patch_size": 14,
-            "image_size": GEMMA3_IMAGE_SIZE,
-        },
+        "vision_config": _siglip_vision(size, "siglip_vision_model", GEMMA3_IMAGE_SIZE),
     }
 
 
@@ -216,16 +188,9 @@ def _gemma3_processor(size: ModelSize) -> dict[str, dict]:
             "image_processor_type": "Gemma3ImageProcessor",
             "processor_class": "Gemma3Processor",
             "size": {"height": GEMMA3_IMAGE_SIZE, "width": GEMMA3_IMAGE_SIZE},
-            "image_mean": [0.5, 0.5, 0.5],
-            "image_std": [0.5, 0.5, 0.5],
-            "do_resize": True,
             "resample": 2,
-            "do_rescale": True,
-            "rescale_factor": 1 / 255,
-            "do_normalize": True,
-            "do_convert_rgb": True,
             "do_pan_and_scan": False,
-        },
+        } | _normalised(HALF),
         "processor_config.json": {"processor_class": "Gemma3Processor", "image_seq_length": GEMMA3_IMAGE_TOKENS},
     }
 
@@ -243,15 +208,7 @@ def _smolvlm_config(size: ModelSize, ids: dict[str, int]) -> dict:
         "eos_token_id": [ids["<end_of_utterance>"]],
         "pad_token_id": ids["<|endoftext|>"],
         "text_config": _text_fields(size) | {"model_type": "llama", "rope_theta": 100000.0, "tie_word_embeddings": False},
-        "vision_config": {
-            "model_type": "smolvlm_vision",
-            "hidden_size": size.vision_hidden_size,
-            "num_hidden_layers": size.vision_depth,
-            "intermediate_size": size.vision_hidden_size * 2,
-            "num_attention_heads": size.vision_heads,
-            "patch_size": 14,
-            "image_size": SMOLVLM_TILE,
-        },
+        "vision_config": _siglip_vision(size, "smolvlm_vision", SMOLVLM_TILE),
     }
 
 
@@ -264,16 +221,9 @@ def _smolvlm_processor(size: ModelSize) -> dict[str, dict]:
             "do_image_splitting": True,
             "max_image_size": {"longest_edge": SMOLVLM_TILE},
             "size": {"longest_edge": 2 * SMOLVLM_TILE},
-            "do_resize": True,
             "resample": 1,
-            "do_rescale": True,
-            "rescale_factor": 1 / 255,
-            "do_normalize": True,
-            "image_mean": [0.5, 0.5, 0.5],
-            "image_std": [0.5, 0.5, 0.5],
-            "do_convert_rgb": True,
             "do_pad": True,
-        },
+        } | _normalised(HALF),
         "processor_config.json": {"processor_class": "SmolVLMProcessor", "image_seq_len": SMOLVLM_IMAGE_TOKENS},
     }
 
@@ -316,15 +266,8 @@ def _mistral3_processor(size: ModelSize) -> dict[str, dict]:
             "processor_class": "PixtralProcessor",
             "patch_size": {"height": 14, "width": 14},
             "size": {"longest_edge": PIXTRAL_LONGEST_EDGE},
-            "do_resize": True,
             "resample": 3,
-            "do_rescale": True,
-            "rescale_factor": 1 / 255,
-            "do_normalize": True,
-            "image_mean": [0.48145466, 0.4578275, 0.40821073],
-            "image_std": [0.26862954, 0.26130258, 0.27577711],
-            "do_convert_rgb": True,
-        },
+        } | _normalised(CLIP),
         "processor_config.json": {"processor_class": "PixtralProcessor", "image_token": "[IMG]",
                                   "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]",
                                   "patch_size": 14, "spatial_merge_size": 2},
@@ -350,16 +293,7 @@ def _llava_onevision_config(size: ModelSize, ids: dict[str, int]) -> dict:
         "use_image_newline_parameter": True,
         "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
         "text_config": _text_fields(size) | {"model_type": "qwen2", "rope_theta": 1000000.0, "tie_word_embeddings": True},
-        "vision_config": {
-            "model_type": "siglip_vision_model",
-            "hidden_size": size.vision_hidden_size,
-            "num_hidden_layers": size.vision_depth,
-            "intermediate_size": size.vision_hidden_size * 2,
-            "num_attention_heads": size.vision_heads,
-            "patch_size": 14,
-            "image_size": ONEVISION_TILE,
-            "vision_use_head": False,
-        },
+        "vision_config": _siglip_vision(size, "siglip_vision_model", ONEVISION_TILE) | {"vision_use_head": False},
     }
 
 
@@ -370,16 +304,9 @@ def _llava_onevision_processor(size: ModelSize) -> dict[str, dict]:
             "processor_class": "LlavaOnevisionProcessor",
             "size": {"height": ONEVISION_TILE, "width": ONEVISION_TILE},
             "image_grid_pinpoints": ONEVISION_PINPOINTS,
-            "do_resize": True,
             "resample": 3,
-            "do_rescale": True,
-            "rescale_factor": 1 / 255,
-            "do_normalize": True,
-            "image_mean": [0.5, 0.5, 0.5],
-            "image_std": [0.5, 0.5, 0.5],
             "do_pad": True,
-            "do_convert_rgb": True,
-        },
+        } | _normalised(HALF),
         "processor_config.json": {"processor_class": "LlavaOnevisionProcessor", "num_image_tokens": (ONEVISION_TILE // 14) ** 2,
                                   "vision_feature_select_strategy": "full", "image_token": "<image>", "video_token": "<video>"},
     }
@@ -431,6 +358,30 @@ def _qwen3_next_config(size: ModelSize, ids: dict[str, int]) -> dict:
     }
 
 
+def _siglip_vision(size: ModelSize, model_type: str, image_size: int) -> dict:
+    """A SigLIP-style vision tower (Gemma 3, SmolVLM, LLaVA-OneVision) of 14-px patches."""
+    return {
+        "model_type": model_type,
+        "hidden_size": size.vision_hidden_size,
+        "num_hidden_layers": size.vision_depth,
+        "intermediate_size": size.vision_hidden_size * 2,
+        "num_attention_heads": size.vision_heads,
+        "patch_size": 14,
+        "image_size": image_size,
+    }
+
+
+CLIP = ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711])  # mean, std
+HALF = ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
+
+
+def _normalised(mean_std: tuple[list[float], list[float]]) -> dict:
+    """Preprocessor fields every family here shares: RGB, resized, scaled to [0, 1], normalised."""
+    mean, std = mean_std
+    return {"do_convert_rgb": True, "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
+            "do_normalize": True, "image_mean": mean, "image_std": std}
+
+
 def _text_fields(size: ModelSize) -> dict:
     return {
         "hidden_size": size.hidden_size,
@@ -446,13 +397,13 @@ def _text_fields(size: ModelSize) -> dict:
 
 
 QWEN_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+QWEN_VL_TOKENS = QWEN_TOKENS + ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+QWEN_ENDS = ("<|im_end|>", None, "<|endoftext|>")  # eos, bos, pad
 RECIPES = {
-    "qwen2_5_vl": Recipe("mlx_vlm", QWEN_TOKENS + ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
-                                                    "<|video_pad|>"),
-                         "<|im_end|>", None, "<|endoftext|>", _qwen2_5_vl_config, _qwen2_5_vl_processor),
-    "qwen3_vl": Recipe("mlx_vlm", QWEN_TOKENS + ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
-                                                  "<|video_pad|>"),
-                       "<|im_end|>", None, "<|endoftext|>", _qwen3_vl_config, _qwen3_vl_processor),
+    "qwen2_5_vl": Recipe("mlx_vlm", QWEN_VL_TOKENS, *QWEN_ENDS, _qwen2_5_vl_config,
+                         _qwen_vl_processor("Qwen2_5_VLProcessor", 14, CLIP)),
+    "qwen3_vl": Recipe("mlx_vlm", QWEN_VL_TOKENS, *QWEN_ENDS, _qwen3_vl_config,
+                       _qwen_vl_processor("Qwen3VLProcessor", 16, HALF)),
     "gemma3": Recipe("mlx_vlm", ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
                                  "<end_of_image>", "<image_soft_token>"),
                      "<end_of_turn>", "<bos>", "<pad>", _gemma3_config, _gemma3_processor),
@@ -463,17 +414,18 @@ RECIPES = {
     "mistral3": Recipe("mlx_vlm", ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]",
                                    "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"),
                        "</s>", "<s>", "<unk>", _mistral3_config, _mistral3_processor),
-    "llava_onevision": Recipe("mlx_vlm", QWEN_TOKENS + ("<image>", "<video>"), "<|im_end|>", None, "<|endoftext|>",
-                              _llava_onevision_config, _llava_onevision_processor),
+    "llava_onevision": Recipe("mlx_vlm", QWEN_TOKENS + ("<image>", "<video>"), *QWEN_ENDS, _llava_onevision_config,
+                              _llava_onevision_processor),
     "llama": Recipe("mlx_lm", ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                                "<|eot_id|>"), "<|eot_id|>", "<|begin_of_text|>", "<|end_of_text|>", _llama_config),
-    "qwen3": Recipe("mlx_lm", QWEN_TOKENS, "<|im_end|>", None, "<|endoftext|>", _qwen3_config),
-    "qwen3_next": Recipe("mlx_lm", QWEN_TOKENS, "<|im_end|>", None, "<|endoftext|>", _qwen3_next_config),
+    "qwen3": Recipe("mlx_lm", QWEN_TOKENS, *QWEN_ENDS, _qwen3_config),
+    "qwen3_next": Recipe("mlx_lm", QWEN_TOKENS, *QWEN_ENDS, _qwen3_next_config),
 }
 # Tokens the family's processor reads as tokenizer attributes (Gemma 3: tokenizer.boi_token ...).
 NAMED_TOKENS = {
     "gemma3": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
-    "smolvlm": {"fake_image_token": "<fake_token_around_image>", "image_token": "<image>", "global_image_token": "<global-img>"},
+    "smolvlm": {"fake_image_token": "<fake_token_around_image>", "image_token": "<image>",
+                "global_image_token": "<global-img>"},
 }
 DEFAULT_FAMILY = "qwen2_5_vl"
 

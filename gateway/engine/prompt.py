@@ -130,7 +130,8 @@ class PromptBuilder:
         (token_start is filled in when the expansion takes its place in the prompt)."""
         try:
             out = self.processor(text=[self.placeholder], images=[image.image], return_tensors="np")
-        except ValueError as exc:  # e.g. Qwen's resize: "absolute aspect ratio must be smaller than 200"
+        except Exception as exc:  # noqa: BLE001 - library code refusing a client's image, whatever it raises:
+            # e.g. Qwen's "absolute aspect ratio must be smaller than 200", Pixtral's "height and width must be > 0"
             raise PromptError("invalid_image", f"the model cannot take a {image.width}x{image.height} image: {exc}") from None
         ids = [int(t) for t in out["input_ids"][0]]
         inputs = {k: np.asarray(v) for k, v in out.items() if k not in _TEXT_OUTPUTS}
