@@ -35,6 +35,7 @@ class Mutant:
 
 HARDENING = "tests/gateway/test_hardening.py"
 GUARDS = "tests/semantic/test_guards.py::test_lookalikes_are_refused_with_the_right_reason"
+FAMILIES = "tests/gateway/test_families.py"
 
 MUTANTS = (
     Mutant("tenant out of the exact key", "semantic/exact.py",
@@ -103,6 +104,16 @@ MUTANTS = (
                     "direction", "entity_order", "comparatives", "quantifiers")),
     Mutant("guard removed: substitution", "semantic/guards.py",
            "if not reasons and (r := substitution(a, b, similar)):", "if False:", (GUARDS,)),
+    Mutant("sliding window cuts one visible key", "gateway/engine/attention.py",
+           "first = int(visible.argmax()) if visible.any() else 0", "first = int(visible.argmax()) + 1 if visible.any() else 0",
+           (f"{FAMILIES}::test_chunked_cold_prefill_equals_the_library_one_shot_forward[gemma3]",)),
+    Mutant("deepstack rows not passed to the chunk", "gateway/engine/runner.py",
+           "if inputs.deepstack is None or not inputs.visual[begin:end].any():", "if True:",
+           (f"{FAMILIES}::test_image_prompt_equals_the_library_one_shot_forward[qwen3_vl]",)),
+    Mutant("bfloat16 read back by value, not by bits", "kvcache/quant.py",
+           "return mx.array(tensors[name + BF16_SUFFIX]).view(mx.bfloat16)",
+           "return mx.array(tensors[name + BF16_SUFFIX]).astype(mx.bfloat16)",
+           (f"{FAMILIES}::test_bfloat16_blocks_go_to_ssd_and_come_back_equal_after_a_restart[llama]",)),
 )
 
 

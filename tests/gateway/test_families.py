@@ -11,6 +11,8 @@ Tolerance: fp32 logits within 1e-4 absolute of the cold run; bfloat16 and 4-bit 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -220,56 +222,91 @@ def test_a_text_model_type_neither_library_knows_is_refused(tmp_path):
         family_of(tmp_path)
 
 
-def _library_logits(runner, content: list[dict], images=()) -> np.ndarray:
+@dataclass
+class Library:
+    """A stock load of the model folder by its own library: none of Strata's per-instance changes
+    (CPU attention, last-position logits), so it is an independent reference."""
+
+    family: object
+    model: object
+    processor: object
+    lm: object
+    cache_classes: object
+
+    @classmethod
+    def load(cls, path) -> Library:
+        family = family_of(path)
+        if family.library == "mlx_vlm":
+            import mlx_vlm
+            from mlx_vlm.models import cache as cache_classes
+
+            model, processor = mlx_vlm.load(str(path))
+            return cls(family, model, processor, model.language_model, cache_classes)
+        import mlx_lm
+        from mlx_lm.models import cache as cache_classes
+
+        model, tokenizer = mlx_lm.load(str(path))
+        return cls(family, model, tokenizer, model, cache_classes)
+
+    @property
+    def tokenizer(self):
+        return getattr(self.processor, "tokenizer", self.processor)
+
+
+@pytest.fixture(scope="module")
+def library(model_path) -> Library:
+    return Library.load(model_path)
+
+
+def _library_logits(library, content: list[dict], images=()) -> np.ndarray:
     """The last-position logits of the library's own one-shot forward, as mlx-vlm's generate runs it:
     its processor expands the whole rendered prompt (text and images at once), get_input_embeddings
     embeds it (and for the Qwen VL line computes positions), one language-model call runs it, and the
     library's own cache classes hold the KV (Gemma 3's sliding layers in a RotatingKVCache)."""
-    text = runner.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+    text = library.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                                 add_generation_prompt=True)
     if not images:
-        ids = mx.array([runner.tokenizer.encode(text, add_special_tokens=False)])
-        out = runner.lm(ids, cache=runner.cache_classes.make_prompt_cache(runner.lm))
+        ids = mx.array([library.tokenizer.encode(text, add_special_tokens=False)])
+        out = library.lm(ids, cache=library.cache_classes.make_prompt_cache(library.lm))
         return ids, np.array(getattr(out, "logits", out)[0, -1].astype(mx.float32))
-    inputs = runner.processor(text=[text], images=[i.image for i in images], return_tensors="np")
+    inputs = library.processor(text=[text], images=[i.image for i in images], return_tensors="np")
     ids = mx.array(inputs.pop("input_ids"))
     extra = {k: mx.array(v) for k, v in inputs.items() if k not in ("attention_mask", "token_type_ids")}
-    embedded = runner.model.get_input_embeddings(ids, mask=mx.ones_like(ids), **extra).to_dict()
+    embedded = library.model.get_input_embeddings(ids, mask=mx.ones_like(ids), **extra).to_dict()
     embeds = embedded.pop("inputs_embeds")
     kwargs = {k: v for k, v in embedded.items() if v is not None}
-    out = runner.lm(ids, inputs_embeds=embeds, cache=runner.cache_classes.make_prompt_cache(runner.lm), **kwargs)
+    out = library.lm(ids, inputs_embeds=embeds, cache=library.cache_classes.make_prompt_cache(library.lm), **kwargs)
     return ids, np.array(out.logits[0, -1].astype(mx.float32))
 
 
-def test_chunked_cold_prefill_equals_the_library_one_shot_forward(family, cold):
+def test_chunked_cold_prefill_equals_the_library_one_shot_forward(family, cold, library):
     """Strata's own steps (per-image expansion, chunked prefill, explicit positions, window as mask)
     give what the library itself computes in one call on a prompt longer than window and chunk, and
     the same greedy tokens as the library's own decode loop over its own caches (Gemma 3's local
     layers then attend through a RotatingKVCache trimmed to the window)."""
-    ids, expected = _library_logits(cold, [{"type": "text", "text": LONG}])
+    ids, expected = _library_logits(library, [{"type": "text", "text": LONG}])
     result = _run(cold, [_user(LONG)])
     assert result[2].prompt.token_ids == tuple(ids[0].tolist())
     np.testing.assert_allclose(result[0], expected, atol=1e-4, rtol=0)
-    assert result[1] == _library_greedy(cold, ids, len(result[1]))
+    assert result[1] == _library_greedy(library, ids, len(result[1]))
 
 
-def _library_greedy(runner, ids: mx.array, num_tokens: int) -> list[int]:
-    if runner.family.positions == "mrope":
-        pytest.skip("the Qwen VL line's library decode needs its own rope state; its prefill is checked above")
-    cache = runner.cache_classes.make_prompt_cache(runner.lm)
-    out = runner.lm(ids, cache=cache)
+def _library_greedy(library, ids: mx.array, num_tokens: int) -> list[int]:
+    cache = library.cache_classes.make_prompt_cache(library.lm)
+    out = library.lm(ids, cache=cache)
     tokens = []
     for _ in range(num_tokens):
         token = int(mx.argmax(getattr(out, "logits", out)[0, -1]).item())
         tokens.append(token)
-        out = runner.lm(mx.array([[token]]), cache=cache)
+        out = library.lm(mx.array([[token]]), cache=cache)
     return tokens
 
 
-def test_image_prompt_equals_the_library_one_shot_forward(family, cold):
+def test_image_prompt_equals_the_library_one_shot_forward(family, cold, library):
     _vision_only(family)
     image = _image(6)
-    ids, expected = _library_logits(cold, [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}], [image])
+    ids, expected = _library_logits(library, [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}],
+                                    [image])
     result = _run(cold, [_user("What is in this picture?", image=True)], [image])
     assert result[2].prompt.token_ids == tuple(ids[0].tolist())
     np.testing.assert_allclose(result[0], expected, atol=1e-4, rtol=0)
@@ -295,7 +332,7 @@ def test_an_image_cut_by_a_cancelled_prefill_resumes_inside_its_tokens(family, c
 def test_a_hybrid_recurrent_model_runs_without_prefix_reuse_and_says_why():
     path = built_model(BuildSpec("qwen3_next", "tiny"))
     runner = _runner(path)
-    ids, expected = _library_logits(runner, [{"type": "text", "text": LONG}])
+    ids, expected = _library_logits(Library.load(path), [{"type": "text", "text": LONG}])
     first, second = _run(runner, [_user(LONG)]), _run(runner, [_user(LONG)])
     for result in (first, second):
         assert (result[2].prefix.status, result[2].prefix.reason) == ("bypass", "recurrent_state")
