@@ -103,8 +103,10 @@ def resolve_model_path(model: str, data_dir: Path) -> Path:
 
 
 def model_fingerprint(model_path: Path) -> str:
-    digest = hashlib.sha256(b"strata-model-v1")
-    for name in ("config.json", "tokenizer.json", "preprocessor_config.json"):
+    digest = hashlib.sha256(b"strata-model-v2")
+    # every file that can change the outputs: weights, architecture, tokenizer, chat template, processor
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "preprocessor_config.json", "processor_config.json"):
         path = model_path / name
         if path.exists():
             digest.update(name.encode() + b"\0" + path.read_bytes())

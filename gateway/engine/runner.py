@@ -11,6 +11,7 @@ Owned by the engine's single worker thread: MLX is not thread-safe, so no other 
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -71,7 +72,7 @@ class ModelRunner:
         model_config = getattr(self.model, "config", None)
         self.image_token_id = getattr(model_config, "image_token_index", None) or getattr(model_config, "image_token_id", None)
         self.tokenizer = self.prompts.tokenizer
-        self.eos_ids = _eos_ids(config, self.tokenizer)
+        self.eos_ids = eos_ids(Path(model_path), config, self.tokenizer)
         self.max_positions = _max_positions(config)
         image_processor = getattr(self.processor, "image_processor", None)
         fingerprint = processor_fingerprint(vars(image_processor)) if image_processor is not None else "text"
@@ -284,12 +285,17 @@ def _nucleus(logits: mx.array, top_p: float) -> mx.array:
     return mx.where(logits >= threshold, logits, -mx.inf)
 
 
-def _eos_ids(config: dict, tokenizer) -> frozenset[int]:
-    ids = config.get("eos_token_id") or (config.get("text_config") or {}).get("eos_token_id") or []
-    ids = [ids] if isinstance(ids, int) else list(ids)
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return frozenset(int(i) for i in ids)
+def eos_ids(model_path: Path, config: dict, tokenizer) -> frozenset[int]:
+    """Every token that ends a reply: config.json's (top level or text_config), generation_config.json's
+    (real checkpoints often list the chat turn's end only there, e.g. Gemma 3's <end_of_turn>), and
+    the tokenizer's own EOS."""
+    generation = model_path / "generation_config.json"
+    sources = [config, config.get("text_config") or {}, json.loads(generation.read_text()) if generation.exists() else {}]
+    found = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for source in sources:
+        ids = source.get("eos_token_id") or []
+        found.update([ids] if isinstance(ids, int) else ids)
+    return frozenset(int(i) for i in found)
 
 
 def _load(family: Family, model_path: Path):

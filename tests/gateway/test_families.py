@@ -357,3 +357,27 @@ def test_any_text_model_type_mlx_lm_loads_takes_the_generic_text_path(tmp_path, 
     (tmp_path / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
     family = family_of(tmp_path)
     assert (family.library, family.image_placeholder, family.positions) == ("mlx_lm", None, "offset")
+
+
+def test_reply_ends_come_from_config_generation_config_and_tokenizer(tmp_path):
+    from types import SimpleNamespace
+
+    from gateway.engine.runner import eos_ids
+
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [1, 106]}')
+    config = {"text_config": {"eos_token_id": 7}, "eos_token_id": None}
+    assert eos_ids(tmp_path, config, SimpleNamespace(eos_token_id=2)) == {1, 2, 7, 106}
+    assert eos_ids(tmp_path / "missing", {"eos_token_id": 5}, SimpleNamespace(eos_token_id=None)) == {5}
+
+
+@pytest.mark.parametrize("name", ["chat_template.jinja", "generation_config.json", "processor_config.json"])
+def test_the_model_fingerprint_covers_every_file_that_changes_outputs(tiny_model_path, tmp_path, name):
+    import shutil
+
+    from gateway.engine import model_fingerprint
+
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_model_path, copy)
+    before = model_fingerprint(copy)
+    (copy / name).write_text((copy / name).read_text() + " " if (copy / name).exists() else "{}")
+    assert model_fingerprint(copy) != before
