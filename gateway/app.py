@@ -127,6 +127,7 @@ async def healthz(request: Request) -> dict:
         "multi_tenant": services.settings.multi_tenant,
         "queue_depth": engine.queue_depth,
         "engine_busy": engine.busy,
+        "engine_running": engine.num_running,
     }
 
 
@@ -136,7 +137,9 @@ async def admin_stats(request: Request) -> dict:
     services = _services(request)
     store_errors = {"exact": services.responses.num_store_errors["exact"],
                     "semantic": services.responses.num_store_errors["semantic"]}
-    return {**services.counters.snapshot(), "engine": asdict(services.engine.snapshot().counters),
+    engine = services.engine.snapshot()
+    engine_stats = asdict(engine.counters) | {"queue_depth": engine.queue_depth, "num_running": engine.num_running}
+    return {**services.counters.snapshot(), "engine": engine_stats,
             "engine_caches": services.engine.cache_stats(), "response_caches": services.responses.stats(),
             "response_store_errors": store_errors}
 
@@ -190,7 +193,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         ssd = SsdConfig(settings.data_dir / "kv", settings.ssd_capacity_bytes, settings.ssd_retention_s, admission=admission)
     quant = QuantConfig(settings.kv_quant_bits, min_tokens=settings.kv_quant_min_tokens) if settings.kv_quant_bits else None
     caches = CacheConfig(budget, settings.vision_budget_bytes, settings.kv_block_size, ssd, quant)
-    return EngineConfig(settings.max_queue, settings.prefill_chunk_tokens, caches)
+    return EngineConfig(settings.max_queue, settings.prefill_chunk_tokens, caches, settings.max_num_seqs)
 
 
 def _log_startup(settings: Settings, engine: Engine) -> None:

@@ -57,6 +57,7 @@ class Settings:
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant
     admin_key: str | None = None
     max_queue: int = _default(EngineConfig, "max_queue")  # waiting requests; more answer 429
+    max_num_seqs: int = _default(EngineConfig, "max_num_seqs")  # sequences decoding together
     request_timeout_s: float = 300.0  # server-side deadline of one request, queue wait included; then 504
     http_read_timeout_s: float = 30.0  # a request's headers and body must arrive within this; then closed
     keep_alive_s: int = 5  # idle keep-alive connections are closed after this
@@ -91,6 +92,8 @@ class Settings:
     def __post_init__(self):
         if self.exact_store not in EXACT_STORES:
             raise ValueError(f"exact store must be sqlite, memory or off; got {self.exact_store!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"STRATA_MAX_NUM_SEQS must be at least 1; got {self.max_num_seqs}")
         # CIDR strings are parsed here, once (ValueError names a bad one); fetches use the networks
         object.__setattr__(self, "remote_image_allow", tuple(_network(c) for c in self.remote_image_allow))
 
@@ -157,6 +160,7 @@ SETTINGS = (
     Setting("api_keys", "STRATA_API_KEYS", parse_api_keys, "key1:tenantA,key2:tenantB; unset: single-tenant", secret=True),
     Setting("admin_key", "STRATA_ADMIN_KEY", str, "guards /admin/*; unset: admin routes answer 403", secret=True),
     Setting("max_queue", "STRATA_MAX_QUEUE", int, "requests that may wait for the engine; more answer 429"),
+    Setting("max_num_seqs", "STRATA_MAX_NUM_SEQS", int, "sequences that decode together, one batched step each"),
     Setting("request_timeout_s", "STRATA_REQUEST_TIMEOUT_S", float, "deadline of one request, queue wait included; then 504"),
     Setting("http_read_timeout_s", "STRATA_HTTP_READ_TIMEOUT_S", float, "a request's headers and body must arrive within this"),
     Setting("keep_alive_s", "STRATA_KEEP_ALIVE_S", int, "idle keep-alive connections are closed after this"),

@@ -40,6 +40,7 @@ class EngineConfig:
     max_queue: int = 16
     prefill_chunk_tokens: int = 512  # a multiple of the block size: chunks end on block boundaries
     caches: CacheConfig = CacheConfig(prefix_budget_bytes=1 << 30, vision_budget_bytes=256 << 20, block_size=32)
+    max_num_seqs: int = 8  # sequences that decode together, one batched forward per step
 
     def __post_init__(self):
         if self.prefill_chunk_tokens % self.caches.block_size:
@@ -66,7 +67,7 @@ class Engine:
             max_context_tokens=self.runner.max_positions,
             max_token_bytes=self.runner.prompts.max_token_bytes,
         )
-        self.worker = EngineWorker(self.runner, config.max_queue, config.prefill_chunk_tokens)
+        self.worker = EngineWorker(self.runner, config.max_queue, config.prefill_chunk_tokens, config.max_num_seqs)
         self.prepare = self.runner.prompts.build
         self.submit = self.worker.submit
         self.events = self.worker.events

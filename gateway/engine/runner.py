@@ -65,6 +65,8 @@ class ModelRunner:
         self.family = family_of(Path(model_path))  # UnsupportedModel before anything loads
         config = read_config(Path(model_path))
         self.model, self.processor, self.lm, self.cache_classes = _load(self.family, Path(model_path))
+        # Every layer holds plain KV (sliding windows included): sequences can decode in one batch.
+        self.batchable = all(type(layer).__name__ == "KVCache" for layer in self.new_cache())
         install_cpu_prefill_attention(self.lm)
         keep_last_position_logits(self.lm)
         self.prompts = PromptBuilder(self.processor, self.family)

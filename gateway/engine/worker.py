@@ -1,11 +1,14 @@
 """One dedicated thread runs the model; requests wait in a bounded queue; events flow back to asyncio.
 
-    HTTP handler --submit()--> queue.Queue(max_queue) --> worker thread (ModelRunner)
+    HTTP handler --submit()--> queue.Queue(max_queue) --> worker thread (ModelRunner, DecodeBatch)
          ^                                                       |
          +---- asyncio.Queue <-- loop.call_soon_threadsafe(event) +
 
-A full queue raises QueueFull at once (the gateway answers 429). A job whose client went away is
-cancelled: skipped if still queued, stopped between two model steps if running.
+The worker decodes up to `max_num_seqs` sequences together, one batched forward per step. Between
+two steps it admits at most one queued job: that job is prefilled on its own (every cache applies)
+and joins the batch, so running streams keep flowing while new requests come in. A full queue raises
+QueueFull at once (the gateway answers 429). A job whose client went away is cancelled: skipped if
+still queued, removed from the batch at the next step if running.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from kvcache import TenantSalt
 from .types import Sampling
 from .caching import PrefixReport, VisionReport
 from .prompt import PreparedPrompt
-from .runner import Cancelled, ModelRunner
+from .batch import DecodeBatch
+from .runner import Cancelled, ModelRunner, PrefillResult, Sampler
 from .text import TextStream
 
 log = logging.getLogger("strata.engine")
@@ -91,16 +95,33 @@ class WorkerSnapshot:
     counters: EngineStats
     queue_depth: int
     busy: bool  # a job is on the model right now
+    num_running: int = 0  # sequences in the decode batch
+
+
+@dataclass(slots=True)
+class Running:
+    """One job in the decode batch: what it has produced and the logits of its next token."""
+
+    job: Job
+    prefill: PrefillResult
+    sampler: Sampler
+    text: TextStream
+    logits: object  # mx.array (vocab,): the next token's logits
+    generated: list[int] = field(default_factory=list)
+    started_at: float = field(default_factory=time.perf_counter)
 
 
 class EngineWorker:
-    def __init__(self, runner: ModelRunner, max_queue: int, prefill_chunk_tokens: int):
+    def __init__(self, runner: ModelRunner, max_queue: int, prefill_chunk_tokens: int, max_num_seqs: int = 8):
         self.runner = runner
         self.chunk_tokens = prefill_chunk_tokens
+        # Recurrent layers have no batched cache here: such models decode one sequence at a time.
+        self.max_num_seqs = max_num_seqs if runner.batchable else 1
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.stats = EngineStats()
-        self.busy = False  # a job is on the model right now
-        self.current: Job | None = None  # that job, so that stop() can cancel it
+        self.batch = DecodeBatch(runner)
+        self.running: list[Running] = []  # running[i] is row i of self.batch
+        self.prefilling: Job | None = None  # the job being prefilled, so that stop() can cancel it
         self.thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
         self.warmed_up = threading.Event()  # set once warm-up ended, well or not (warm_up_error says)
         self.warm_up_error: BaseException | None = None
@@ -115,10 +136,11 @@ class EngineWorker:
             raise RuntimeError(f"engine warm-up failed: {self.warm_up_error!r}") from self.warm_up_error
 
     def stop(self, timeout_s: float = 10.0) -> bool:
-        """Cancel the running job, fail the waiting ones, end the thread. True when it ended."""
-        if self.current is not None:
-            self.current.cancelled.set()
-            self.current.send(Failed("server is shutting down"))
+        """Cancel the running jobs, fail the waiting ones, end the thread. True when it ended."""
+        for job in [row.job for row in list(self.running)] + [self.prefilling]:
+            if job is not None:
+                job.cancelled.set()
+                job.send(Failed("server is shutting down"))
         while True:  # drop what waits, then wake the thread with the sentinel
             try:
                 job = self.jobs.get_nowait()
@@ -140,8 +162,13 @@ class EngineWorker:
             raise QueueFull() from None
         return job
 
+    @property
+    def busy(self) -> bool:
+        """A job is on the model: being prefilled, or decoding in the batch."""
+        return bool(self.running or self.prefilling)
+
     def snapshot(self) -> WorkerSnapshot:
-        return WorkerSnapshot(replace(self.stats), self.jobs.qsize(), self.busy)
+        return WorkerSnapshot(replace(self.stats), self.jobs.qsize(), self.busy, len(self.running))
 
     async def events(self, job: Job) -> AsyncIterator[Event]:
         """The job's events until Finished or Failed. Leaving early (client gone) cancels the job."""
@@ -162,44 +189,105 @@ class EngineWorker:
             return
         finally:
             self.warmed_up.set()
-        while (job := self.jobs.get()) is not None:
+        while self._admit():
+            if self.running:
+                self._step()
+
+    def _admit(self) -> bool:
+        """Take at most one queued job into the batch (waiting for one when nothing runs). False once
+        stop() sent its sentinel."""
+        while len(self.running) < self.max_num_seqs:
+            try:
+                job = self.jobs.get(block=not self.running)
+            except queue.Empty:
+                return True
+            if job is None:
+                return False
             if job.cancelled.is_set():
                 self.stats.num_cancelled += 1
                 continue
-            self.busy, self.current = True, job
-            try:
-                self._run(job)
-            except Cancelled:
-                self.stats.num_cancelled += 1
-            except Exception as exc:  # the worker must survive any one request
-                log.exception("generation failed")
-                self.stats.num_failed += 1
-                job.send(Failed(f"generation failed: {type(exc).__name__}"))
-            finally:
-                self.busy, self.current = False, None
+            self._start(job)
+            return True
+        return True
 
-    def _run(self, job: Job) -> None:
+    def _start(self, job: Job) -> None:
+        """Prefill the job on its own, then let it join the batch."""
         self.stats.num_requests += 1
         queue_ms = (time.perf_counter() - job.enqueued_at) * 1000
-        prefill = self.runner.prefill(job.prompt, job.salt, self.chunk_tokens, job.cancelled.is_set)
-        generated: list[int] = []
+        self.prefilling = job
         try:
-            job.send(Started(job.prompt.num_tokens, prefill.prefix.num_cached_tokens, prefill.prefix, prefill.vision,
-                             queue_ms, prefill.vision_ms, prefill.prefill_ms))
-            self._decode(job, prefill, generated)
+            prefill = self.runner.prefill(job.prompt, job.salt, self.chunk_tokens, job.cancelled.is_set)
+        except Cancelled:
+            self.stats.num_cancelled += 1
+            return
+        except Exception as exc:  # the worker must survive any one request
+            self._fail(job, exc)
+            return
         finally:
-            self.runner.finish(prefill, generated)
+            self.prefilling = None
+        job.send(Started(job.prompt.num_tokens, prefill.prefix.num_cached_tokens, prefill.prefix, prefill.vision,
+                         queue_ms, prefill.vision_ms, prefill.prefill_ms))
+        row = Running(job, prefill, Sampler(job.sampling), TextStream(self.runner.tokenizer, job.sampling.stop),
+                      prefill.logits)
+        try:
+            self.batch.join(prefill)
+        except Exception as exc:
+            self.runner.finish(prefill, [])
+            self._fail(job, exc)
+            return
+        self.running.append(row)
 
-    def _decode(self, job: Job, prefill, generated: list[int]) -> None:
-        start = time.perf_counter()
-        text = TextStream(self.runner.tokenizer, job.sampling.stop)
-        for token in self.runner.decode(prefill, job.sampling, job.cancelled.is_set):
-            generated.append(token)
-            if chunk := text.push(token):
-                job.send(Delta(chunk))
-            if text.stopped:
-                break
-        if tail := text.finish():
-            job.send(Delta(tail))
-        reason = "stop" if text.stopped or text.num_tokens < job.sampling.max_tokens else "length"
-        job.send(Finished(reason, text.num_tokens, (time.perf_counter() - start) * 1000))
+    def _step(self) -> None:
+        """Sample each row's next token, retire the rows that ended, feed the others one batched step."""
+        going: list[int] = []
+        for index, row in reversed(list(enumerate(self.running))):
+            token = self._advance(row)
+            if token is None:
+                self._retire(index)
+            else:
+                going.append(token)
+        if not self.running:
+            return
+        try:
+            logits = self.batch.step(going[::-1])
+        except Exception as exc:  # one broken step fails the rows in it, not the worker
+            for index in reversed(range(len(self.running))):
+                self._fail(self.running[index].job, exc)
+                self._retire(index)
+            return
+        for index, row in enumerate(self.running):
+            row.logits = logits[index]
+
+    def _advance(self, row: Running) -> int | None:
+        """The row's next token, sent as text; None when the row ended (it then sent its last event)."""
+        sampling = row.job.sampling
+        if row.job.cancelled.is_set():
+            self.stats.num_cancelled += 1
+            return None
+        if len(row.generated) < sampling.max_tokens:
+            token = row.sampler(row.logits)
+            if token not in self.runner.eos_ids:
+                row.generated.append(token)
+                if chunk := row.text.push(token):
+                    row.job.send(Delta(chunk))
+                if not row.text.stopped and len(row.generated) < sampling.max_tokens:
+                    return token
+        if tail := row.text.finish():
+            row.job.send(Delta(tail))
+        reason = "stop" if row.text.stopped or row.text.num_tokens < sampling.max_tokens else "length"
+        row.job.send(Finished(reason, row.text.num_tokens, (time.perf_counter() - row.started_at) * 1000))
+        return None
+
+    def _retire(self, index: int) -> None:
+        """Take row `index` out of the batch and store its blocks (prompt and reply) for the next turn."""
+        row = self.running.pop(index)
+        prefill = self.batch.leave(index)
+        try:
+            self.runner.finish(prefill, row.generated)
+        except Exception:  # storing blocks is best effort; the answer was already sent
+            log.exception("storing the finished sequence's blocks failed")
+
+    def _fail(self, job: Job, exc: Exception) -> None:
+        log.error("generation failed", exc_info=exc)
+        self.stats.num_failed += 1
+        job.send(Failed(f"generation failed: {type(exc).__name__}"))

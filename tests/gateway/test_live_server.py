@@ -63,8 +63,10 @@ class LiveServer:
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("live") / "data"
+    # one sequence on the model at a time and a queue of one: the queue-full test can fill both
     live = LiveServer(tiny_model_path, data_dir, {
-        "STRATA_API_KEYS": KEYS, "STRATA_ADMIN_KEY": ADMIN, "STRATA_MAX_QUEUE": "1", "STRATA_MODEL_NAME": TINY,
+        "STRATA_API_KEYS": KEYS, "STRATA_ADMIN_KEY": ADMIN, "STRATA_MAX_QUEUE": "1", "STRATA_MAX_NUM_SEQS": "1",
+        "STRATA_MODEL_NAME": TINY,
     })
     yield live
     assert live.stop()

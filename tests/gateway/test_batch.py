@@ -1,0 +1,119 @@
+"""Sequences decoding together (DecodeBatch, and the worker's batch) give each sequence the tokens it
+gets alone: greedy output must not depend on what else is in the batch. Every family's tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import mlx.core as mx
+import pytest
+
+from gateway.engine import Message, Sampling, TextPart
+from gateway.engine.batch import DecodeBatch
+from gateway.engine.builder import RECIPES, BuildSpec
+from gateway.engine.caching import CacheConfig
+from gateway.engine.runner import ModelRunner
+from kvcache import TenantSalt
+from tests.conftest import TINY, built_model
+from tests.gateway.test_live_server import ADMIN, LiveServer, _health
+
+SALT = TenantSalt(b"T" * 32)
+STEPS = 16
+
+
+def _prompts(runner, count=8):
+    """Prompts of different lengths (so rows carry different left padding), past Gemma's window."""
+    texts = [f"Request {i}: " + "tell me about the harbour, the boats and the tide. " * (1 + 3 * i) for i in range(count)]
+    return [runner.prompts.build((Message("user", (TextPart(t),)),), []) for t in texts]
+
+
+def _alone(runner, prompt) -> list[int]:
+    prefill = runner.prefill(prompt, SALT, 64, lambda: False)
+    tokens = list(runner.decode(prefill, Sampling(STEPS, 0.0, 1.0, None, ()), lambda: False))
+    runner.finish(prefill, tokens)
+    return tokens
+
+
+def _together(runner, prompts) -> list[list[int]]:
+    """Greedy decode in one DecodeBatch; rows join one by one and the shortest answers leave early."""
+    batch, tokens = DecodeBatch(runner), []
+    for prompt in prompts:
+        prefill = runner.prefill(prompt, SALT, 64, lambda: False)
+        batch.join(prefill)
+        tokens.append([int(mx.argmax(prefill.logits).item())])
+    live = list(range(len(prompts)))  # live[i]: the prompt of batch row i
+    for _ in range(STEPS - 1):
+        for row in reversed(range(len(live))):
+            if tokens[live[row]][-1] in runner.eos_ids:
+                runner.finish(batch.leave(row), tokens[live[row]])
+                live.pop(row)
+        if not live:
+            break
+        logits = batch.step([tokens[p][-1] for p in live])
+        for row, prompt_index in enumerate(live):
+            tokens[prompt_index].append(int(mx.argmax(logits[row]).item()))
+    return [_until_eos(t, runner.eos_ids) for t in tokens]
+
+
+def _until_eos(tokens, eos):
+    for index, token in enumerate(tokens):
+        if token in eos:
+            return tokens[:index]
+    return tokens
+
+
+@pytest.mark.parametrize("family", sorted(set(RECIPES) - {"qwen3_next"}))
+def test_eight_sequences_decoded_together_equal_each_decoded_alone(family):
+    runner = ModelRunner(built_model(BuildSpec(family, "tiny")), CacheConfig(0, 0, 16), "fp")
+    prompts = _prompts(runner)
+    alone = [_alone(runner, p) for p in prompts]
+    assert _together(runner, prompts) == alone
+
+
+def test_a_row_that_leaves_stores_its_prompt_and_reply_blocks():
+    runner = ModelRunner(built_model(BuildSpec("llama", "tiny")), CacheConfig(64 << 20, 0, 16), "fp")
+    prompts = _prompts(runner, 3)
+    _together(runner, prompts)
+    again = runner.prefill(prompts[1], SALT, 64, lambda: False)
+    assert again.prefix.status == "hit" and again.prefix.num_cached_tokens == (prompts[1].num_tokens - 1) // 16 * 16
+    runner.finish(again, [])
+
+
+def test_a_recurrent_model_decodes_one_sequence_at_a_time():
+    runner = ModelRunner(built_model(BuildSpec("qwen3_next", "tiny")), CacheConfig(0, 0, 16), "fp")
+    assert not runner.batchable
+    prompt = _prompts(runner, 1)[0]
+    assert _together(runner, [prompt]) == [_alone(runner, prompt)]
+
+
+def test_the_server_runs_requests_together_and_each_gets_its_lone_answer(tiny_model_path, tmp_path):
+    """Four long greedy streams at once: /healthz shows them running together, and each answer is
+    the one the same request gets alone."""
+    live = LiveServer(tiny_model_path, tmp_path / "data", {"STRATA_MODEL_NAME": TINY, "STRATA_SEMANTIC": "0",
+                                                           "STRATA_ADMIN_KEY": ADMIN, "STRATA_MAX_NUM_SEQS": "4",
+                                                           "STRATA_EXACT_STORE": "off"})
+    questions = [f"Tell a very long story about boat number {i}." for i in range(4)]
+
+    def body(question):
+        return {"model": TINY, "messages": [{"role": "user", "content": question}], "max_tokens": 200, "temperature": 0}
+
+    async def together():
+        async with httpx.AsyncClient(timeout=120) as client:
+            requests = [asyncio.ensure_future(client.post(live.url + "/v1/chat/completions", json=body(q)))
+                        for q in questions]
+            most = 0
+            while not all(r.done() for r in requests):
+                most = max(most, _health(live)["engine_running"])
+                await asyncio.sleep(0.02)
+            return most, [r.result() for r in requests]
+
+    try:
+        most, responses = asyncio.run(together())
+        alone = [httpx.post(live.url + "/v1/chat/completions", json=body(q), timeout=120) for q in questions]
+    finally:
+        assert live.stop()
+    assert most >= 2, "the requests never decoded together"
+    for pair in zip(responses, alone):
+        assert [r.status_code for r in pair] == [200, 200]
+        assert pair[0].json()["choices"][0]["message"] == pair[1].json()["choices"][0]["message"]
