@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +107,18 @@ class ModelRunner:
 
     def prefill(self, prompt: PreparedPrompt, salt: TenantSalt, chunk_tokens: int, cancelled: Callable[[], bool]) -> PrefillResult:
         """Reuse the longest cached prefix, run the rest in chunks, cache new blocks as they fill."""
+        steps = self.prefill_steps(prompt, salt, chunk_tokens, cancelled)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def prefill_steps(self, prompt: PreparedPrompt, salt: TenantSalt, chunk_tokens: int,
+                      cancelled: Callable[[], bool]) -> Generator[None, None, PrefillResult]:
+        """prefill() one chunk at a time: yields after each chunk (the worker runs a decode step of the
+        batch in between) and returns the PrefillResult. Closing it early releases the prefix blocks.
+        prefill_ms counts the time spent in here, not the decode steps between chunks."""
         start = time.perf_counter()
         cache = self.new_cache()
         plan, prefix_report = self.caches.open_prefix(prompt, salt, cache)
@@ -123,21 +135,32 @@ class ModelRunner:
                 for layer, (keys, values) in zip(cache, plan.session.gather(cached)):
                     layer.update_and_fetch(keys, values)  # the libraries' KVCache append: offset follows
             inputs = ModelInputs(ids, embeds, positions, deepstack, visual)
-            logits = self._run_chunks(prompt, inputs, cache, plan, chunk_tokens, cancelled)
-            mx.eval(logits)
-        except BaseException:
+            spent = time.perf_counter() - start
+            chunks = self._run_chunks(prompt, inputs, cache, plan, chunk_tokens, cancelled)
+            while True:
+                resumed = time.perf_counter()
+                try:
+                    next(chunks)
+                except StopIteration as done:
+                    logits = done.value
+                    mx.eval(logits)
+                    spent += time.perf_counter() - resumed
+                    break
+                spent += time.perf_counter() - resumed
+                yield
+        except BaseException:  # failed, cancelled, or closed before the end: the blocks are released
             if plan:
                 plan.session.close()
             raise
-        prefill_ms = (time.perf_counter() - start) * 1000 - vision_ms
+        prefill_ms = spent * 1000 - vision_ms
         return PrefillResult(logits, cache, rope_delta, prompt, plan, prefix_report, vision_report, prefill_ms, vision_ms)
 
-    def _run_chunks(self, prompt, inputs: ModelInputs, cache, plan, chunk_tokens, cancelled) -> mx.array:
-        """Prefill tokens [cached, L) in chunks of chunk_tokens; after each chunk the blocks it completed
-        are cached, so a long prompt cut short still leaves its prefix. The reused prefix ends on a
-        block boundary and chunk_tokens is a multiple of the block size, so every chunk but the last
-        ends on one too; a suffix shorter than a chunk runs in one model call.
-        Returns the last position's logits."""
+    def _run_chunks(self, prompt, inputs: ModelInputs, cache, plan, chunk_tokens, cancelled) -> Generator[None, None, mx.array]:
+        """Prefill tokens [cached, L) in chunks of chunk_tokens, yielding after each but the last; after
+        each chunk the blocks it completed are cached, so a long prompt cut short still leaves its
+        prefix. The reused prefix ends on a block boundary and chunk_tokens is a multiple of the block
+        size, so every chunk but the last ends on one too; a suffix shorter than a chunk runs in one
+        model call. Returns the last position's logits."""
         ids, embeds, positions = inputs.ids, inputs.embeds, inputs.positions
         total = prompt.num_tokens
         first = begin = cache_offset(cache, 0)  # the first uncached token: the reused prefix ends here
@@ -153,6 +176,8 @@ class ModelRunner:
             if plan:
                 self.caches.store(plan, prompt.token_ids, cache, end)
             begin = end
+            if begin < total:
+                yield
         return logits
 
     def _forward(self, ids: mx.array, embeds: mx.array | None, cache: list, positions: mx.array | None,

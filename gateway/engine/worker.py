@@ -4,9 +4,10 @@
          ^                                                       |
          +---- asyncio.Queue <-- loop.call_soon_threadsafe(event) +
 
-The worker decodes up to `max_num_seqs` sequences together, one batched forward per step. Between
-two steps it admits at most one queued job: that job is prefilled on its own (every cache applies)
-and joins the batch, so running streams keep flowing while new requests come in. A full queue raises
+The worker decodes up to `max_num_seqs` sequences together, one batched forward per step. One queued
+job at a time is admitted: it is prefilled on its own (every cache applies), one chunk per step, each
+chunk followed by a decode step of the batch, so running streams keep flowing while a long prompt
+comes in; then it joins the batch. A full queue raises
 QueueFull at once (the gateway answers 429). A job whose client went away is cancelled: skipped if
 still queued, removed from the batch at the next step if running.
 """
@@ -18,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Generator
 from dataclasses import dataclass, field, replace
 
 from kvcache import TenantSalt
@@ -77,9 +78,16 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.perf_counter)
+    ended: bool = False  # Finished or Failed was sent: nothing more is
 
     def send(self, event: Event) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        if self.ended:
+            return
+        self.ended = isinstance(event, (Finished, Failed))
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the client's event loop is closed: nobody is left to tell
+            pass
 
 
 @dataclass(slots=True)
@@ -96,6 +104,15 @@ class WorkerSnapshot:
     queue_depth: int
     busy: bool  # a job is on the model right now
     num_running: int = 0  # sequences in the decode batch
+
+
+@dataclass(slots=True)
+class Prefilling:
+    """The job being admitted: its prefill, advanced one chunk per worker step."""
+
+    job: Job
+    steps: Generator[None, None, PrefillResult]
+    queue_ms: float
 
 
 @dataclass(slots=True)
@@ -121,7 +138,7 @@ class EngineWorker:
         self.stats = EngineStats()
         self.batch = DecodeBatch(runner)
         self.running: list[Running] = []  # running[i] is row i of self.batch
-        self.prefilling: Job | None = None  # the job being prefilled, so that stop() can cancel it
+        self.prefilling: Prefilling | None = None  # the job being admitted, one chunk per step
         self.thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
         self.warmed_up = threading.Event()  # set once warm-up ended, well or not (warm_up_error says)
         self.warm_up_error: BaseException | None = None
@@ -137,7 +154,8 @@ class EngineWorker:
 
     def stop(self, timeout_s: float = 10.0) -> bool:
         """Cancel the running jobs, fail the waiting ones, end the thread. True when it ended."""
-        for job in [row.job for row in list(self.running)] + [self.prefilling]:
+        admitting = self.prefilling
+        for job in [row.job for row in list(self.running)] + [admitting.job if admitting else None]:
             if job is not None:
                 job.cancelled.set()
                 job.send(Failed("server is shutting down"))
@@ -190,13 +208,15 @@ class EngineWorker:
         finally:
             self.warmed_up.set()
         while self._admit():
+            if self.prefilling:
+                self._prefill_chunk()
             if self.running:
                 self._step()
 
     def _admit(self) -> bool:
-        """Take at most one queued job into the batch (waiting for one when nothing runs). False once
-        stop() sent its sentinel."""
-        while len(self.running) < self.max_num_seqs:
+        """Start admitting one queued job when the batch has room and no admission is under way
+        (waiting for a job when nothing runs). False once stop() sent its sentinel."""
+        while self.prefilling is None and len(self.running) < self.max_num_seqs:
             try:
                 job = self.jobs.get(block=not self.running)
             except queue.Empty:
@@ -206,27 +226,34 @@ class EngineWorker:
             if job.cancelled.is_set():
                 self.stats.num_cancelled += 1
                 continue
-            self._start(job)
-            return True
+            self.stats.num_requests += 1
+            queue_ms = (time.perf_counter() - job.enqueued_at) * 1000
+            steps = self.runner.prefill_steps(job.prompt, job.salt, self.chunk_tokens, job.cancelled.is_set)
+            self.prefilling = Prefilling(job, steps, queue_ms)
         return True
 
-    def _start(self, job: Job) -> None:
-        """Prefill the job on its own, then let it join the batch."""
-        self.stats.num_requests += 1
-        queue_ms = (time.perf_counter() - job.enqueued_at) * 1000
-        self.prefilling = job
+    def _prefill_chunk(self) -> None:
+        """Run the admitted job's next prefill chunk; after its last, the job joins the batch."""
+        admitting = self.prefilling
         try:
-            prefill = self.runner.prefill(job.prompt, job.salt, self.chunk_tokens, job.cancelled.is_set)
+            next(admitting.steps)
+            return  # more chunks to come
+        except StopIteration as done:
+            prefill = done.value
         except Cancelled:
             self.stats.num_cancelled += 1
-            return
+            prefill = None
         except Exception as exc:  # the worker must survive any one request
-            self._fail(job, exc)
-            return
-        finally:
-            self.prefilling = None
+            self._fail(admitting.job, exc)
+            prefill = None
+        self.prefilling = None
+        if prefill is not None:
+            self._join(admitting, prefill)
+
+    def _join(self, admitted: Prefilling, prefill: PrefillResult) -> None:
+        job = admitted.job
         job.send(Started(job.prompt.num_tokens, prefill.prefix.num_cached_tokens, prefill.prefix, prefill.vision,
-                         queue_ms, prefill.vision_ms, prefill.prefill_ms))
+                         admitted.queue_ms, prefill.vision_ms, prefill.prefill_ms))
         row = Running(job, prefill, Sampler(job.sampling), TextStream(self.runner.tokenizer, job.sampling.stop),
                       prefill.logits)
         try:

@@ -117,3 +117,32 @@ def test_the_server_runs_requests_together_and_each_gets_its_lone_answer(tiny_mo
     for pair in zip(responses, alone):
         assert [r.status_code for r in pair] == [200, 200]
         assert pair[0].json()["choices"][0]["message"] == pair[1].json()["choices"][0]["message"]
+
+
+def test_running_streams_keep_flowing_while_a_long_prompt_is_prefilled(engine):
+    """A (short prompt) and B (1,000 tokens: ~16 chunks of 64) are queued together. A is admitted
+    first and decodes; B's prefill then runs one chunk per step, each followed by a step of A, so A's
+    text keeps coming before B starts (a prefill run in one go would let A take at most one step)."""
+    salt = TenantSalt(b"F" * 32)
+    story = engine.prepare((Message("user", (TextPart("Tell a very long story."),)),), [])
+    long_text = "The committee met in the old library to discuss the river crossing and the budget. " * 60
+    long_prompt = engine.prepare((Message("user", (TextPart(long_text),)),), [])
+    assert long_prompt.num_tokens > 15 * 64
+
+    async def scenario():
+        a = engine.submit(story, Sampling(400, 0.0, 1.0, None, ()), salt)
+        b = engine.submit(long_prompt, Sampling(4, 0.0, 1.0, None, ()), salt)
+        order = []
+
+        async def follow(name, job):
+            async for event in engine.events(job):
+                order.append((name, type(event).__name__))
+
+        await asyncio.gather(follow("a", a), follow("b", b))
+        return order
+
+    order = asyncio.run(scenario())
+    b_started = order.index(("b", "Started"))
+    a_deltas_before_b_started = sum(1 for name, kind in order[:b_started] if name == "a" and kind == "Delta")
+    assert a_deltas_before_b_started >= 10, order[:b_started + 1]
+    assert ("a", "Finished") in order and ("b", "Finished") in order
