@@ -107,8 +107,10 @@ class ChatService:
         """Queue the job and wait until its prefill is done (or it failed, or the deadline passed)."""
         try:
             job = self.engine.submit(prompt, request.sampling, caller.salt)
-        except QueueFull:
-            raise ApiError(429, "the engine queue is full; retry shortly", "queue_full", headers={"Retry-After": "1"}) from None
+        except QueueFull as full:
+            message = ("this tenant holds its share of the engine queue; retry shortly" if full.reason == "tenant_share"
+                       else "the engine queue is full; retry shortly")
+            raise ApiError(429, message, full.reason, headers={"Retry-After": "1"}) from None
         events = self.engine.events(job)
         try:
             first = await self._next(events, deadline)

@@ -1,13 +1,14 @@
 """One dedicated thread runs the model; requests wait in a bounded queue; events flow back to asyncio.
 
-    HTTP handler --submit()--> queue.Queue(max_queue) --> worker thread (ModelRunner, DecodeBatch)
+    HTTP handler --submit()--> FairQueue(max_queue) --> worker thread (ModelRunner, DecodeBatch)
          ^                                                       |
          +---- asyncio.Queue <-- loop.call_soon_threadsafe(event) +
 
 The worker decodes up to `max_num_seqs` sequences together, one batched forward per step. One queued
 job at a time is admitted: it is prefilled on its own (every cache applies), one chunk per step, each
 chunk followed by a decode step of the batch, so running streams keep flowing while a long prompt
-comes in; then it joins the batch. A full queue raises
+comes in; then it joins the batch. Tenants take turns (gateway/engine/fair_queue.py): none holds more
+than half of the waiting places, or, while others wait, of the batch. A full queue raises
 QueueFull at once (the gateway answers 429). A job whose client went away is cancelled: skipped if
 still queued, removed from the batch at the next step if running.
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Generator
@@ -28,14 +28,11 @@ from .types import Sampling
 from .caching import PrefixReport, VisionReport
 from .prompt import PreparedPrompt
 from .batch import DecodeBatch
+from .fair_queue import FairQueue, QueueFull
 from .runner import Cancelled, ModelRunner, PrefillResult, Sampler
 from .text import TextStream
 
 log = logging.getLogger("strata.engine")
-
-
-class QueueFull(Exception):
-    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +131,9 @@ class EngineWorker:
         self.chunk_tokens = prefill_chunk_tokens
         # Recurrent layers have no batched cache here: such models decode one sequence at a time.
         self.max_num_seqs = max_num_seqs if runner.batchable else 1
-        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        # a tenant holds at most half of the waiting places and, while others wait, half of the batch
+        self.jobs = FairQueue(max_queue, tenant_share=max(1, max_queue // 2))
+        self.batch_share = max(1, self.max_num_seqs // 2)
         self.stats = EngineStats()
         self.batch = DecodeBatch(runner)
         self.running: list[Running] = []  # running[i] is row i of self.batch
@@ -159,25 +158,20 @@ class EngineWorker:
             if job is not None:
                 job.cancelled.set()
                 job.send(Failed("server is shutting down"))
-        while True:  # drop what waits, then wake the thread with the sentinel
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.cancelled.set()
-                job.send(Failed("server is shutting down"))
-        self.jobs.put(None)
+        for job in self.jobs.drain():  # drop what waits, then wake the thread
+            job.cancelled.set()
+            job.send(Failed("server is shutting down"))
+        self.jobs.close()
         self.thread.join(timeout_s)
         return not self.thread.is_alive()
 
     def submit(self, prompt: PreparedPrompt, sampling: Sampling, salt: TenantSalt) -> Job:
         job = Job(prompt, sampling, salt, asyncio.get_running_loop())
         try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
+            self.jobs.put(salt, job)
+        except QueueFull:
             self.stats.num_rejected_full += 1
-            raise QueueFull() from None
+            raise
         return job
 
     @property
@@ -217,12 +211,9 @@ class EngineWorker:
         """Start admitting one queued job when the batch has room and no admission is under way
         (waiting for a job when nothing runs). False once stop() sent its sentinel."""
         while self.prefilling is None and len(self.running) < self.max_num_seqs:
-            try:
-                job = self.jobs.get(block=not self.running)
-            except queue.Empty:
-                return True
+            job = self.jobs.get(block=not self.running, passed_over=self._holds_its_batch_share)
             if job is None:
-                return False
+                return not self.jobs.closed
             if job.cancelled.is_set():
                 self.stats.num_cancelled += 1
                 continue
@@ -231,6 +222,9 @@ class EngineWorker:
             steps = self.runner.prefill_steps(job.prompt, job.salt, self.chunk_tokens, job.cancelled.is_set)
             self.prefilling = Prefilling(job, steps, queue_ms)
         return True
+
+    def _holds_its_batch_share(self, tenant: bytes) -> bool:
+        return sum(1 for row in self.running if row.job.salt == tenant) >= self.batch_share
 
     def _prefill_chunk(self) -> None:
         """Run the admitted job's next prefill chunk; after its last, the job joins the batch."""

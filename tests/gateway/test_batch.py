@@ -146,3 +146,44 @@ def test_running_streams_keep_flowing_while_a_long_prompt_is_prefilled(engine):
     a_deltas_before_b_started = sum(1 for name, kind in order[:b_started] if name == "a" and kind == "Delta")
     assert a_deltas_before_b_started >= 10, order[:b_started + 1]
     assert ("a", "Finished") in order and ("b", "Finished") in order
+
+
+def test_a_flooding_tenant_cannot_starve_another(tiny_model_path, tmp_path):
+    """One sequence on the model, four waiting places (two per tenant). Tenant A sends six long
+    requests at once: one runs, two wait, three get 429 `tenant_share`. Tenant B, arriving last,
+    still gets a place and is served before A's waiting requests (A had the last turn)."""
+    from tests.gateway.test_live_server import KEYS
+
+    live = LiveServer(tiny_model_path, tmp_path / "data", {
+        "STRATA_MODEL_NAME": TINY, "STRATA_SEMANTIC": "0", "STRATA_EXACT_STORE": "off", "STRATA_API_KEYS": KEYS,
+        "STRATA_ADMIN_KEY": ADMIN, "STRATA_MAX_QUEUE": "4", "STRATA_MAX_NUM_SEQS": "1"})
+    body = {"model": TINY, "messages": [{"role": "user", "content": "Tell a very long story."}], "max_tokens": 150,
+            "temperature": 0}
+    done_order = []
+
+    async def send(client, key, name):
+        response = await client.post(live.url + "/v1/chat/completions", json=body,
+                                     headers={"Authorization": f"Bearer {key}"})
+        done_order.append((name, response.status_code))
+        return response
+
+    async def flood():
+        async with httpx.AsyncClient(timeout=120) as client:
+            first = asyncio.ensure_future(send(client, "key-a", "a0"))
+            while not _health(live)["engine_busy"]:
+                await asyncio.sleep(0.01)
+            others = [asyncio.ensure_future(send(client, "key-a", f"a{i}")) for i in range(1, 6)]
+            while _health(live)["queue_depth"] < 2:
+                await asyncio.sleep(0.01)
+            late = asyncio.ensure_future(send(client, "key-b", "b"))
+            return await asyncio.gather(first, *others, late)
+
+    try:
+        responses = asyncio.run(flood())
+    finally:
+        assert live.stop()
+    statuses = [r.status_code for r in responses]
+    assert sorted(statuses[:6]) == [200, 200, 200, 429, 429, 429] and statuses[6] == 200, statuses
+    assert {r.json()["error"]["code"] for r in responses if r.status_code == 429} == {"tenant_share"}
+    served = [name for name, status in done_order if status == 200]
+    assert served.index("b") == 1, served  # right after the running a0: A was served last
