@@ -93,6 +93,8 @@ class EngineStats:
     num_cancelled: int = 0
     num_failed: int = 0
     num_rejected_full: int = 0
+    num_decode_steps: int = 0  # batched forwards
+    num_decoded_tokens: int = 0  # rows fed over all steps: / num_decode_steps = the mean batch size
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,6 +271,8 @@ class EngineWorker:
                 going.append(token)
         if not self.running:
             return
+        self.stats.num_decode_steps += 1
+        self.stats.num_decoded_tokens += len(going)
         try:
             logits = self.batch.step(going[::-1])
         except Exception as exc:  # one broken step fails the rows in it, not the worker

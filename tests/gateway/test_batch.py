@@ -16,7 +16,7 @@ from gateway.engine.caching import CacheConfig
 from gateway.engine.runner import ModelRunner
 from kvcache import TenantSalt
 from tests.conftest import TINY, built_model
-from tests.gateway.test_live_server import ADMIN, LiveServer, _health
+from tests.gateway.test_live_server import ADMIN, LiveServer, _admin_stats, _health
 
 SALT = TenantSalt(b"T" * 32)
 STEPS = 16
@@ -110,10 +110,12 @@ def test_the_server_runs_requests_together_and_each_gets_its_lone_answer(tiny_mo
 
     try:
         most, responses = asyncio.run(together())
+        engine = _admin_stats(live)["engine"]
         alone = [httpx.post(live.url + "/v1/chat/completions", json=body(q), timeout=120) for q in questions]
     finally:
         assert live.stop()
     assert most >= 2, "the requests never decoded together"
+    assert engine["num_decoded_tokens"] > 1.5 * engine["num_decode_steps"], engine  # the mean batch size
     for pair in zip(responses, alone):
         assert [r.status_code for r in pair] == [200, 200]
         assert pair[0].json()["choices"][0]["message"] == pair[1].json()["choices"][0]["message"]
@@ -187,3 +189,27 @@ def test_a_flooding_tenant_cannot_starve_another(tiny_model_path, tmp_path):
     assert {r.json()["error"]["code"] for r in responses if r.status_code == 429} == {"tenant_share"}
     served = [name for name, status in done_order if status == 200]
     assert served.index("b") == 1, served  # right after the running a0: A was served last
+
+
+def test_a_seeded_sampled_sequence_draws_the_same_tokens_alone_and_in_a_batch():
+    """Each row samples with its own seeded key from its own logits, which do not depend on the batch:
+    the exact cache's rule (a seeded request is deterministic) holds under batching."""
+    from gateway.engine import Sampler
+
+    runner = ModelRunner(built_model(BuildSpec("qwen2_5_vl", "tiny")), CacheConfig(0, 0, 16), "fp")
+    prompts = _prompts(runner, 4)
+    seeded = Sampling(STEPS, 0.9, 0.95, 1234, ())
+    prefill = runner.prefill(prompts[2], SALT, 64, lambda: False)
+    alone = list(runner.decode(prefill, seeded, lambda: False))
+    batch, samplers, logits, drawn = DecodeBatch(runner), [], [], []
+    for index, prompt in enumerate(prompts):
+        prefill = runner.prefill(prompt, SALT, 64, lambda: False)
+        batch.join(prefill)
+        samplers.append(Sampler(seeded if index == 2 else Sampling(STEPS, 0.9, 0.95, index, ())))
+        logits.append(prefill.logits)
+    for _ in range(len(alone)):
+        tokens = [sampler(row_logits) for sampler, row_logits in zip(samplers, logits)]
+        drawn.append(tokens[2])
+        step = batch.step(tokens)
+        logits = [step[row] for row in range(len(tokens))]
+    assert drawn == alone
