@@ -208,6 +208,12 @@ class EngineWorker:
                 self._prefill_chunk()
             if self.running:
                 self._step()
+        # stopped: the rows still running store what they computed and release their blocks
+        if self.prefilling:
+            self.prefilling.steps.close()
+            self.prefilling = None
+        for index in reversed(range(len(self.running))):
+            self._retire(index)
 
     def _admit(self) -> bool:
         """Start admitting one queued job when the batch has room and no admission is under way

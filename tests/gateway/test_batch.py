@@ -213,3 +213,27 @@ def test_a_seeded_sampled_sequence_draws_the_same_tokens_alone_and_in_a_batch():
         step = batch.step(tokens)
         logits = [step[row] for row in range(len(tokens))]
     assert drawn == alone
+
+
+def test_stopping_the_engine_mid_batch_retires_the_rows_and_releases_their_blocks(tiny_model_path):
+    from gateway.engine import CacheConfig as Caches, Delta, Engine, EngineConfig
+
+    engine = Engine(tiny_model_path, "tiny", EngineConfig(8, 64, Caches(64 << 20, 0, 16)))
+    engine.start()
+    story = engine.prepare((Message("user", (TextPart("Tell a very long story."),)),), [])
+
+    async def two_running():
+        jobs = [engine.submit(story, Sampling(500, 0.0, 1.0, None, ()), SALT) for _ in range(2)]
+        for job in jobs:
+            events = engine.events(job)
+            while not isinstance(await events.__anext__(), Delta):
+                pass
+        return jobs
+
+    asyncio.run(two_running())
+    engine.stop()
+    assert not engine.worker.thread.is_alive() and not engine.worker.running and engine.worker.prefilling is None
+    pool = engine.runner.caches.prefix.pool
+    pool.check()
+    assert len(pool.by_hash) >= story.num_tokens // 16
+    assert all(block.ref_count == 0 for block in pool.by_hash.values())  # every row released its blocks
