@@ -105,7 +105,7 @@ MUTANTS = (
     Mutant("guard removed: substitution", "semantic/guards.py",
            "if not reasons and (r := substitution(a, b, similar)):", "if False:", (GUARDS,)),
     Mutant("sliding window cuts one visible key", "gateway/engine/attention.py",
-           "first = int(visible.argmax()) if visible.any() else 0", "first = int(visible.argmax()) + 1 if visible.any() else 0",
+           "return int(visible.argmax()) if visible.any() else 0", "return int(visible.argmax()) + 1 if visible.any() else 0",
            (f"{FAMILIES}::test_chunked_cold_prefill_equals_the_library_one_shot_forward[gemma3]",)),
     Mutant("deepstack rows not passed to the chunk", "gateway/engine/runner.py",
            "if inputs.deepstack is None or not inputs.visual[begin:end].any():", "if True:",

@@ -93,26 +93,27 @@ def _cpu_prefill(original):
         """Prefill (queries > 1) with a causal or a 2-D boolean mask runs on numpy; the rest (decode,
         quantised caches, attention sinks, batched masks) stays on the library's own kernel. Keys that
         a 2-D mask hides from every query (a sliding window's past) are dropped first."""
+        allowed = None  # the 2-D boolean mask as numpy, read once
         if isinstance(keys, mx.array) and isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.ndim == 2:
-            keys, values, mask = _visible_keys(keys, values, mask)
+            allowed = np.asarray(mask)
+            first = _first_visible_key(allowed)
+            if first:
+                keys, values, mask, allowed = keys[..., first:, :], values[..., first:, :], mask[:, first:], allowed[:, first:]
         if queries.shape[2] > 1 and not args and kwargs.get("sinks") is None and isinstance(keys, mx.array):
             if isinstance(mask, str) and mask == "causal":
                 return causal_attention(queries, keys, values, scale)
-            if isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.ndim == 2:
-                return causal_attention(queries, keys, values, scale, np.asarray(mask))
+            if allowed is not None:
+                return causal_attention(queries, keys, values, scale, allowed)
         return original(queries, keys, values, cache, scale, mask, *args, **kwargs)
 
     return scaled_dot_product_attention
 
 
-def _visible_keys(keys: mx.array, values: mx.array, mask: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """Cut the leading keys no query may see. With a sliding window over a long reused prefix, a
-    layer then attends over window + queries keys instead of the whole context."""
-    visible = np.asarray(mask).any(axis=0)
-    first = int(visible.argmax()) if visible.any() else 0
-    if first == 0:
-        return keys, values, mask
-    return keys[..., first:, :], values[..., first:, :], mask[:, first:]
+def _first_visible_key(allowed: np.ndarray) -> int:
+    """The first key any query may see. With a sliding window over a long reused prefix, a layer then
+    attends over window + queries keys instead of the whole context."""
+    visible = allowed.any(axis=0)
+    return int(visible.argmax()) if visible.any() else 0
 
 
 def _limit_numpy_blas_threads() -> None:

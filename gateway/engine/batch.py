@@ -16,17 +16,9 @@ together equal each decoded alone (tests/gateway/test_batch.py keeps that true f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mlx.core as mx
 
-from .runner import ModelRunner, PrefillResult, cache_offset
-
-
-@dataclass(slots=True)
-class BatchRow:
-    prefill: PrefillResult
-    rope_delta: int | None  # mRoPE: position = the row's offset + delta; None: from the cache
+from .runner import ModelRunner, PrefillResult, cache_offset, decode_positions
 
 
 class DecodeBatch:
@@ -36,7 +28,7 @@ class DecodeBatch:
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
-        self.rows: list[BatchRow] = []
+        self.rows: list[PrefillResult] = []  # each row's prefill: its prompt, plan and mRoPE delta
         self.cache: list | None = None  # per layer: the lone row's KVCache, or a BatchKVCache when batched
         self.batched = False
 
@@ -57,31 +49,26 @@ class DecodeBatch:
             else:
                 self.cache = [merge([lone, own]) for lone, own in zip(self.cache, prefill.cache)]
                 self.batched = True
-        self.rows.append(BatchRow(prefill, prefill.rope_delta))
+        self.rows.append(prefill)
 
     def step(self, tokens: list[int]) -> mx.array:
         """Feed row i the token tokens[i]; the next-token logits, one row each: (rows, vocab)."""
         ids = mx.array([[token] for token in tokens], dtype=mx.int32)
-        positions = None
-        if self.rows[0].rope_delta is not None:
-            deltas = mx.array([row.rope_delta for row in self.rows])
-            offsets = self.cache[0].offset if self.batched else cache_offset(self.cache, 0)
-            positions = mx.broadcast_to((offsets + deltas)[None, :, None], (3, len(self.rows), 1)).astype(mx.int32)
-        kwargs = {"cache": self.cache} | ({} if positions is None else {"position_ids": positions})
-        out = self.runner.lm(ids, **kwargs)
-        return getattr(out, "logits", out)[:, -1]
+        deltas = None if self.rows[0].rope_delta is None else [row.rope_delta for row in self.rows]
+        offsets = self.cache[0].offset if self.batched else cache_offset(self.cache, 0)
+        return self.runner.forward(ids, None, self.cache, decode_positions(offsets, deltas))
 
     def leave(self, index: int) -> PrefillResult:
         """Remove row `index`; its prefill, with `cache` holding the row's own KV again (for finish())."""
         row = self.rows.pop(index)
         if not self.batched:
-            row.prefill.cache, self.cache = self.cache, None
-            return row.prefill
-        row.prefill.cache = [layer.extract(index) for layer in self.cache]
+            row.cache, self.cache = self.cache, None
+            return row
+        row.cache = [layer.extract(index) for layer in self.cache]
         keep = mx.array([i for i in range(len(self.rows) + 1) if i != index])
         for layer in self.cache:
             layer.filter(keep)
         if len(self.rows) == 1:  # back to the lone row's own cache
             self.cache = [layer.extract(0) for layer in self.cache]
             self.batched = False
-        return row.prefill
+        return row

@@ -86,7 +86,7 @@ class ModelRunner:
         which would otherwise land on the first request's TTFT. Touches no cache."""
         ids = mx.array([self.tokenizer.encode("warm up " * 8, add_special_tokens=False)], dtype=mx.int32)
         positions = _plain_mrope(ids.shape[1]) if self.family.positions == "mrope" else None
-        mx.eval(self._forward(ids, None, self.new_cache(), positions))
+        mx.eval(self.forward(ids, None, self.new_cache(), positions))
         if self.family.image_placeholder:
             from PIL import Image
 
@@ -135,61 +135,55 @@ class ModelRunner:
                 for layer, (keys, values) in zip(cache, plan.session.gather(cached)):
                     layer.update_and_fetch(keys, values)  # the libraries' KVCache append: offset follows
             inputs = ModelInputs(ids, embeds, positions, deepstack, visual)
-            spent = time.perf_counter() - start
-            chunks = self._run_chunks(prompt, inputs, cache, plan, chunk_tokens, cancelled)
-            while True:
-                resumed = time.perf_counter()
-                try:
-                    next(chunks)
-                except StopIteration as done:
-                    logits = done.value
-                    mx.eval(logits)
-                    spent += time.perf_counter() - resumed
-                    break
-                spent += time.perf_counter() - resumed
-                yield
+            setup_s = time.perf_counter() - start
+            logits, chunks_s = yield from self._run_chunks(prompt, inputs, cache, plan, chunk_tokens, cancelled)
         except BaseException:  # failed, cancelled, or closed before the end: the blocks are released
             if plan:
                 plan.session.close()
             raise
-        prefill_ms = spent * 1000 - vision_ms
+        prefill_ms = (setup_s + chunks_s) * 1000 - vision_ms
         return PrefillResult(logits, cache, rope_delta, prompt, plan, prefix_report, vision_report, prefill_ms, vision_ms)
 
-    def _run_chunks(self, prompt, inputs: ModelInputs, cache, plan, chunk_tokens, cancelled) -> Generator[None, None, mx.array]:
+    def _run_chunks(self, prompt, inputs: ModelInputs, cache, plan, chunk_tokens,
+                    cancelled) -> Generator[None, None, tuple[mx.array, float]]:
         """Prefill tokens [cached, L) in chunks of chunk_tokens, yielding after each but the last; after
         each chunk the blocks it completed are cached, so a long prompt cut short still leaves its
         prefix. The reused prefix ends on a block boundary and chunk_tokens is a multiple of the block
         size, so every chunk but the last ends on one too; a suffix shorter than a chunk runs in one
-        model call. Returns the last position's logits."""
+        model call. Returns the last position's logits and the seconds spent in the chunks (not in
+        whatever ran between them)."""
         ids, embeds, positions = inputs.ids, inputs.embeds, inputs.positions
         total = prompt.num_tokens
         first = begin = cache_offset(cache, 0)  # the first uncached token: the reused prefix ends here
-        logits = None
+        logits, spent = None, 0.0
         while begin < total:
             if cancelled():
                 raise Cancelled()
+            chunk_start = time.perf_counter()
             end = min(begin + chunk_tokens, total)
-            logits = self._forward(ids[:, begin:end], None if embeds is None else embeds[:, begin - first:end - first],
-                                   cache, None if positions is None else positions[..., begin:end],
-                                   _deepstack_kwargs(inputs, begin - first, end - first))
-            mx.eval(_state_arrays(cache))
+            logits = self.forward(ids[:, begin:end], None if embeds is None else embeds[:, begin - first:end - first],
+                                  cache, None if positions is None else positions[..., begin:end],
+                                  _deepstack_kwargs(inputs, begin - first, end - first))[0]
+            mx.eval([logits] + _state_arrays(cache))
             if plan:
                 self.caches.store(plan, prompt.token_ids, cache, end)
             begin = end
+            spent += time.perf_counter() - chunk_start
             if begin < total:
                 yield
-        return logits
+        return logits, spent
 
-    def _forward(self, ids: mx.array, embeds: mx.array | None, cache: list, positions: mx.array | None,
-                 extra: dict | None = None) -> mx.array:
-        """One language-model call through the library's own entry point; the last position's logits."""
+    def forward(self, ids: mx.array, embeds: mx.array | None, cache: list, positions: mx.array | None,
+                extra: dict | None = None) -> mx.array:
+        """One language-model call through the library's own entry point: each row's logits at its
+        last position, (rows, vocab)."""
         kwargs = {"cache": cache} | (extra or {})
         if embeds is not None:
             kwargs["inputs_embeds"] = embeds
         if positions is not None:
             kwargs["position_ids"] = positions
         out = self.lm(ids, **kwargs)
-        return getattr(out, "logits", out)[0, -1]
+        return getattr(out, "logits", out)[:, -1]
 
     def finish(self, prefill: PrefillResult, generated: list[int]) -> None:
         """Cache prompt + generated blocks (the next turn reuses the reply), then release the
@@ -277,11 +271,9 @@ class ModelRunner:
             yield token
             if cancelled():
                 raise Cancelled()
-            positions = None
-            if prefill.rope_delta is not None:
-                position = cache_offset(cache, 0) + prefill.rope_delta
-                positions = mx.full((3, 1, 1), position, dtype=mx.int32)
-            logits = self._forward(mx.array([[token]], dtype=mx.int32), None, cache, positions)
+            deltas = None if prefill.rope_delta is None else [prefill.rope_delta]
+            positions = decode_positions(cache_offset(cache, 0), deltas)
+            logits = self.forward(mx.array([[token]], dtype=mx.int32), None, cache, positions)[0]
 
 
 class Sampler:
@@ -389,6 +381,14 @@ def _state_arrays(cache: list) -> list[mx.array]:
 def _max_positions(config: dict) -> int:
     text = config.get("text_config") or {}
     return int(text.get("max_position_embeddings") or config.get("max_position_embeddings") or 32768)
+
+
+def decode_positions(offsets, deltas: list[int] | None) -> mx.array | None:
+    """mRoPE ids of one new token per row: the row's KV length (`offsets`, an int or one per row) plus
+    its delta; None for plain RoPE, where the cache offset gives the position."""
+    if deltas is None:
+        return None
+    return mx.broadcast_to((offsets + mx.array(deltas))[None, :, None], (3, len(deltas), 1)).astype(mx.int32)
 
 
 def _plain_mrope(num_tokens: int) -> mx.array:

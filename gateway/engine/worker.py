@@ -119,7 +119,6 @@ class Running:
     """One job in the decode batch: what it has produced and the logits of its next token."""
 
     job: Job
-    prefill: PrefillResult
     sampler: Sampler
     text: TextStream
     logits: object  # mx.array (vocab,): the next token's logits
@@ -256,8 +255,7 @@ class EngineWorker:
         job = admitted.job
         job.send(Started(job.prompt.num_tokens, prefill.prefix.num_cached_tokens, prefill.prefix, prefill.vision,
                          admitted.queue_ms, prefill.vision_ms, prefill.prefill_ms))
-        row = Running(job, prefill, Sampler(job.sampling), TextStream(self.runner.tokenizer, job.sampling.stop),
-                      prefill.logits)
+        row = Running(job, Sampler(job.sampling), TextStream(self.runner.tokenizer, job.sampling.stop), prefill.logits)
         try:
             self.batch.join(prefill)
         except Exception as exc:
