@@ -138,7 +138,9 @@ async def admin_stats(request: Request) -> dict:
     store_errors = {"exact": services.responses.num_store_errors["exact"],
                     "semantic": services.responses.num_store_errors["semantic"]}
     engine = services.engine.snapshot()
-    engine_stats = asdict(engine.counters) | {"queue_depth": engine.queue_depth, "num_running": engine.num_running}
+    engine_stats = asdict(engine.counters) | {
+        "queue_depth": engine.queue_depth, "num_running": engine.num_running, "waiting_for_memory": engine.waiting_for_memory,
+        "last_step": asdict(engine.last_step)}
     return {**services.counters.snapshot(), "engine": engine_stats,
             "engine_caches": services.engine.cache_stats(), "response_caches": services.responses.stats(),
             "response_store_errors": store_errors}

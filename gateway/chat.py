@@ -23,7 +23,7 @@ from semantic import StoredResponse
 from vision import DecodedImage
 
 from .auth import Caller
-from .engine import Delta, Engine, Failed, Finished, PreparedPrompt, PromptError, QueueFull, Started
+from .engine import Delta, Engine, Failed, Finished, OverBudget, PreparedPrompt, PromptError, QueueFull, Started
 from .engine.caching import PrefixReport, VisionReport
 from .errors import ApiError, bad_request
 from .images import load_image
@@ -111,6 +111,10 @@ class ChatService:
             message = ("this tenant holds its share of the engine queue; retry shortly" if full.reason == "tenant_share"
                        else "the engine queue is full; retry shortly")
             raise ApiError(429, message, full.reason, headers={"Retry-After": "1"}) from None
+        except OverBudget as over:
+            raise bad_request(f"the prompt and max_tokens need {over.need_bytes >> 10} KiB of KV cache, more than the "
+                              f"engine's memory budget ({over.budget_bytes >> 10} KiB); send a shorter prompt or a "
+                              "lower max_tokens", "context_length_exceeded", "max_tokens") from None
         events = self.engine.events(job)
         try:
             first = await self._next(events, deadline)

@@ -3,7 +3,12 @@
 Invariants (checked by `check()` in tests):
 - every block is in `by_hash`; a block is in the free queue iff its ref_count == 0;
 - blocks in use (ref_count > 0) are never evicted;
-- `num_bytes` == sum of the blocks' nbytes <= budget_bytes.
+- `num_bytes` == sum of the blocks' nbytes; `free.num_bytes` == sum over the free queue's blocks;
+- `num_bytes + reserved_bytes <= budget_bytes`.
+
+Reservations are bytes held under the same budget for KV that lives outside the pool: the running
+sequences' own caches. Reserving evicts free blocks to make room (cached blocks give way to running
+sequences), and a reservation is never taken back by an insert (never the reverse).
 """
 
 from __future__ import annotations
@@ -42,16 +47,19 @@ class FreeBlockQueue:
         self.tail = Block(None)
         self.head.next, self.tail.prev = self.tail, self.head
         self.num_blocks = 0
+        self.num_bytes = 0
 
     def append(self, block: Block) -> None:
         last = self.tail.prev
         last.next, block.prev, block.next, self.tail.prev = block, last, self.tail, block
         self.num_blocks += 1
+        self.num_bytes += block.nbytes
 
     def remove(self, block: Block) -> None:
         block.prev.next, block.next.prev = block.next, block.prev
         block.prev = block.next = None
         self.num_blocks -= 1
+        self.num_bytes -= block.nbytes
 
     def pop_oldest(self) -> Block | None:
         oldest = self.head.next
@@ -80,7 +88,8 @@ class Purged:
 class PoolStats:
     num_inserted: int = 0
     num_evicted: int = 0
-    num_rejected: int = 0  # inserts refused: the budget was held by blocks in use
+    num_rejected: int = 0  # inserts refused: the budget was held by blocks in use and reservations
+    num_evicted_to_reserve: int = 0  # of num_evicted, evicted to make room for a reservation
 
 
 class BlockPool:
@@ -90,6 +99,7 @@ class BlockPool:
         self.by_hash: dict[BlockHash, Block] = {}
         self.free = FreeBlockQueue()
         self.num_bytes = 0
+        self.reserved_bytes = 0  # held for KV outside the pool (running sequences)
         self.counters = PoolStats()
 
     def get(self, block_hash: BlockHash) -> Block | None:
@@ -121,18 +131,31 @@ class BlockPool:
         return block
 
     def make_room(self, nbytes: int) -> bool:
-        """Evict LRU free blocks until nbytes more fit; False if blocks in use hold the budget."""
-        if nbytes > self.budget_bytes:
+        """Evict LRU free blocks until nbytes more fit; False, evicting nothing, when blocks in use and
+        reservations hold too much of the budget."""
+        if self.num_bytes - self.free.num_bytes + self.reserved_bytes + nbytes > self.budget_bytes:
             return False
-        while self.num_bytes + nbytes > self.budget_bytes:
+        while self.num_bytes + self.reserved_bytes + nbytes > self.budget_bytes:
             victim = self.free.pop_oldest()
-            if victim is None:
-                return False
             if self.on_evict is not None:
                 self.on_evict(victim)
             self._discard(victim)
             self.counters.num_evicted += 1
         return True
+
+    def reserve(self, nbytes: int) -> bool:
+        """Hold nbytes of the budget for KV outside the pool, evicting free blocks (spilled by
+        on_evict) to make room; False, changing nothing, when it cannot be had now."""
+        evicted = self.counters.num_evicted
+        if not self.make_room(nbytes):
+            return False
+        self.reserved_bytes += nbytes
+        self.counters.num_evicted_to_reserve += self.counters.num_evicted - evicted
+        return True
+
+    def unreserve(self, nbytes: int) -> None:
+        assert 0 <= nbytes <= self.reserved_bytes, (nbytes, self.reserved_bytes)
+        self.reserved_bytes -= nbytes
 
     def drop_free(self) -> Purged:
         """Remove every block no session holds, without the eviction callback (nothing spills)."""
@@ -152,8 +175,10 @@ class BlockPool:
         """Assert the invariants above; for tests."""
         free = list(self.free)
         assert len(free) == self.free.num_blocks, (len(free), self.free.num_blocks)
+        assert sum(b.nbytes for b in free) == self.free.num_bytes, "free bytes out of step with the free queue"
         assert all(b.ref_count == 0 for b in free), "a block in use sits in the free queue"
         in_use = [b for b in self.by_hash.values() if b.ref_count > 0]
         assert len(free) + len(in_use) == len(self.by_hash), (len(free), len(in_use), len(self.by_hash))
         total = sum(b.nbytes for b in self.by_hash.values())
-        assert total == self.num_bytes <= self.budget_bytes, (total, self.num_bytes, self.budget_bytes)
+        assert total == self.num_bytes, (total, self.num_bytes)
+        assert self.num_bytes + self.reserved_bytes <= self.budget_bytes, (self.num_bytes, self.reserved_bytes, self.budget_bytes)

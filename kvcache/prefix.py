@@ -83,6 +83,7 @@ class PrefixSnapshot:
     num_blocks: int
     num_bytes: int
     budget_bytes: int
+    reserved_bytes: int  # of the budget, held by running sequences' own KV
 
 
 class PrefixCache:
@@ -101,7 +102,7 @@ class PrefixCache:
     def stats(self) -> PrefixSnapshot:
         pool = self.pool
         return PrefixSnapshot(replace(self.counters), replace(pool.counters), len(pool.by_hash), pool.num_bytes,
-                              pool.budget_bytes)
+                              pool.budget_bytes, pool.reserved_bytes)
 
     def purge(self) -> Purged:
         """Every block in RAM that no running request holds (nothing is spilled to SSD on the way)."""
@@ -109,6 +110,15 @@ class PrefixCache:
 
     def close(self) -> None:
         self.purge()
+
+    def reserve(self, nbytes: int) -> bool:
+        """Hold nbytes of this cache's budget for a running sequence's own KV: one budget for cached
+        blocks and running sequences. Free blocks are evicted (spilled to SSD) to make room; False
+        when blocks in use and other reservations leave too little (the caller waits and retries)."""
+        return self.pool.reserve(nbytes)
+
+    def unreserve(self, nbytes: int) -> None:
+        self.pool.unreserve(nbytes)
 
     def _spill(self, block: Block) -> None:
         if self.ssd.admits(block.num_hits, block.end_token):

@@ -1,7 +1,8 @@
 """The in-process MLX engine behind one small interface.
 
     Engine.prepare(messages, images) -> PreparedPrompt     (any thread: tokenizer + numpy)
-    Engine.submit(prompt, sampling)  -> Job                (event loop; QueueFull when full)
+    Engine.submit(prompt, sampling)  -> Job                (event loop; QueueFull when full, OverBudget
+                                                            when its KV exceeds the whole memory budget)
     Engine.events(job)               -> async Started, Delta..., Finished | Failed
 
 `ModelRunner` is the same model run step by step on the caller's thread (prefill, decode, finish),
@@ -22,7 +23,7 @@ from .families import VISION_FAMILIES, UnsupportedModel
 from .prompt import PreparedPrompt, PromptError
 from .runner import ModelRunner, Sampler
 from .types import ImagePart, Message, Sampling, TextPart
-from .worker import Delta, EngineWorker, Failed, Finished, Job, QueueFull, Started, WorkerSnapshot
+from .worker import Delta, EngineWorker, Failed, Finished, Job, OverBudget, QueueFull, Started, WorkerSnapshot
 
 log = logging.getLogger("strata.engine")
 
@@ -30,7 +31,7 @@ BUILDABLE_FAMILIES = tuple(sorted(RECIPES))  # what `strata build-model --family
 
 __all__ = [
     "BUILDABLE_FAMILIES", "CacheConfig", "UnsupportedModel", "VISION_FAMILIES", "Delta", "Engine", "EngineConfig", "Failed", "Finished", "ImagePart", "Job", "Message", "ModelRunner",
-    "PreparedPrompt", "PromptError", "QueueFull", "Sampler", "Sampling", "Started", "TextPart", "model_fingerprint",
+    "OverBudget", "PreparedPrompt", "PromptError", "QueueFull", "Sampler", "Sampling", "Started", "TextPart", "model_fingerprint",
     "resolve_model_path",
 ]
 

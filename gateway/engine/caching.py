@@ -80,6 +80,19 @@ class EngineCaches:
         ssd_tokens = min(match.num_ssd_tokens, match.num_cached_tokens)
         return plan, PrefixReport(status, match.num_cached_tokens, prompt.num_tokens, match.tier, "", ssd_tokens)
 
+    def reserve_running(self, nbytes: int) -> bool:
+        """Hold nbytes of the prefix cache's budget for a running sequence's KV (see
+        PrefixCache.reserve). With the prefix cache off there is no shared budget: always True."""
+        return self.prefix is None or self.prefix.reserve(nbytes)
+
+    def release_running(self, nbytes: int) -> None:
+        if self.prefix is not None:
+            self.prefix.unreserve(nbytes)
+
+    def running_budget_bytes(self) -> int | None:
+        """The most a running sequence may reserve (the whole budget); None: no bound."""
+        return self.prefix.pool.budget_bytes if self.prefix is not None else None
+
     def layers(self) -> list:
         """The engine's cache layers that are on (each speaks the cache protocol, gateway/caches.py)."""
         ssd = self.prefix.ssd if self.prefix is not None else None

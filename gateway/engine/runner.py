@@ -80,13 +80,16 @@ class ModelRunner:
         fingerprint = processor_fingerprint(vars(image_processor)) if image_processor is not None else "text"
         self.caches = EngineCaches(cache_config, model_fingerprint, fingerprint)
         self.num_encoder_calls = 0
+        self.kv_bytes_per_token = 0  # measured by warm_up(): the worker reserves running KV by it
 
     def warm_up(self) -> None:
         """Run the text and vision paths once: MLX builds its kernels on first use (~2 s here),
         which would otherwise land on the first request's TTFT. Touches no cache."""
         ids = mx.array([self.tokenizer.encode("warm up " * 8, add_special_tokens=False)], dtype=mx.int32)
         positions = _plain_mrope(ids.shape[1]) if self.family.positions == "mrope" else None
-        mx.eval(self.forward(ids, None, self.new_cache(), positions))
+        cache = self.new_cache()
+        mx.eval(self.forward(ids, None, cache, positions))
+        self.kv_bytes_per_token = kv_bytes_per_token(cache)
         if self.family.image_placeholder:
             from PIL import Image
 
@@ -115,9 +118,9 @@ class ModelRunner:
                 return done.value
 
     def prefill_steps(self, prompt: PreparedPrompt, salt: TenantSalt, chunk_tokens: int,
-                      cancelled: Callable[[], bool]) -> Generator[None, None, PrefillResult]:
-        """prefill() one chunk at a time: yields after each chunk (the worker runs a decode step of the
-        batch in between) and returns the PrefillResult. Closing it early releases the prefix blocks.
+                      cancelled: Callable[[], bool]) -> Generator[int, None, PrefillResult]:
+        """prefill() one chunk at a time: yields each chunk's token count but the last's (the worker
+        runs a decode step of the batch in between) and returns the PrefillResult. Closing it early releases the prefix blocks.
         prefill_ms counts the time spent in here, not the decode steps between chunks."""
         start = time.perf_counter()
         cache = self.new_cache()
@@ -145,7 +148,7 @@ class ModelRunner:
         return PrefillResult(logits, cache, rope_delta, prompt, plan, prefix_report, vision_report, prefill_ms, vision_ms)
 
     def _run_chunks(self, prompt, inputs: ModelInputs, cache, plan, chunk_tokens,
-                    cancelled) -> Generator[None, None, tuple[mx.array, float]]:
+                    cancelled) -> Generator[int, None, tuple[mx.array, float]]:
         """Prefill tokens [cached, L) in chunks of chunk_tokens, yielding after each but the last; after
         each chunk the blocks it completed are cached, so a long prompt cut short still leaves its
         prefix. The reused prefix ends on a block boundary and chunk_tokens is a multiple of the block
@@ -167,10 +170,10 @@ class ModelRunner:
             mx.eval([logits] + _state_arrays(cache))
             if plan:
                 self.caches.store(plan, prompt.token_ids, cache, end)
-            begin = end
             spent += time.perf_counter() - chunk_start
-            if begin < total:
-                yield
+            if end < total:
+                yield end - begin
+            begin = end
         return logits, spent
 
     def forward(self, ids: mx.array, embeds: mx.array | None, cache: list, positions: mx.array | None,
@@ -370,6 +373,18 @@ def token_embedding(language_model) -> nn.Module:
     """The token embedding table: under `.model` in most families, on the language model itself in Idefics3's."""
     inner = getattr(language_model, "model", None)
     return inner.embed_tokens if hasattr(inner, "embed_tokens") else language_model.embed_tokens
+
+
+def kv_bytes_per_token(cache: list) -> int:
+    """Bytes one token's keys and values take over all KV layers of a cache the model has run on
+    (recurrent layers hold a fixed state and count nothing): heads, head size and dtype are whatever
+    the model's own code allocated."""
+    total = 0
+    for layer in cache:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if isinstance(keys, mx.array) and isinstance(values, mx.array):
+            total += keys.shape[1] * keys.shape[3] * keys.itemsize + values.shape[1] * values.shape[3] * values.itemsize
+    return total
 
 
 def _state_arrays(cache: list) -> list[mx.array]:

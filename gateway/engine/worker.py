@@ -11,6 +11,12 @@ comes in; then it joins the batch. Tenants take turns (gateway/engine/fair_queue
 than half of the waiting places, or, while others wait, of the batch. A full queue raises
 QueueFull at once (the gateway answers 429). A job whose client went away is cancelled: skipped if
 still queued, removed from the batch at the next step if running.
+
+One memory budget: a job is admitted only once its own KV (prompt + max_tokens tokens) is reserved
+under the prefix cache's byte budget, which free cached blocks give way to (spilled to SSD when the
+tier is on); until then it waits at the head of the line while the batch decodes, and no other job
+overtakes it. A job that could not fit even in an empty budget is refused at submit (OverBudget).
+The left padding of the shared batch cache (rows shorter than the longest) is not counted.
 """
 
 from __future__ import annotations
@@ -66,6 +72,15 @@ class Failed:
 Event = Started | Delta | Finished | Failed
 
 
+class OverBudget(Exception):
+    """The job's KV alone (prompt + max_tokens) is more than the whole memory budget."""
+
+    def __init__(self, need_bytes: int, budget_bytes: int):
+        super().__init__(f"needs {need_bytes} bytes of KV, the budget is {budget_bytes}")
+        self.need_bytes = need_bytes
+        self.budget_bytes = budget_bytes
+
+
 @dataclass(slots=True)
 class Job:
     prompt: PreparedPrompt
@@ -95,6 +110,17 @@ class EngineStats:
     num_rejected_full: int = 0
     num_decode_steps: int = 0  # batched forwards
     num_decoded_tokens: int = 0  # rows fed over all steps: / num_decode_steps = the mean batch size
+    num_prefill_chunks: int = 0
+    num_prefilled_tokens: int = 0  # prompt tokens run (reused prefixes excluded): / chunks = tokens per chunk
+    num_memory_waits: int = 0  # jobs that waited at the head of the line for KV memory
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """One worker step: a prefill chunk (0 tokens when none ran) and a decode step over `rows`."""
+
+    rows: int = 0
+    prefill_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +129,8 @@ class WorkerSnapshot:
     queue_depth: int
     busy: bool  # a job is on the model right now
     num_running: int = 0  # sequences in the decode batch
+    last_step: StepShape = StepShape()
+    waiting_for_memory: bool = False  # the next job waits for running sequences to free KV
 
 
 @dataclass(slots=True)
@@ -110,8 +138,10 @@ class Prefilling:
     """The job being admitted: its prefill, advanced one chunk per worker step."""
 
     job: Job
-    steps: Generator[None, None, PrefillResult]
+    steps: Generator[int, None, PrefillResult]
     queue_ms: float
+    reserved: int  # bytes of the memory budget held for the job's KV, until it retires
+    num_chunk_tokens: int = 0  # tokens the yielded chunks ran
 
 
 @dataclass(slots=True)
@@ -122,6 +152,7 @@ class Running:
     sampler: Sampler
     text: TextStream
     logits: object  # mx.array (vocab,): the next token's logits
+    reserved: int  # bytes of the memory budget held for the job's KV
     generated: list[int] = field(default_factory=list)
     started_at: float = field(default_factory=time.perf_counter)
 
@@ -139,6 +170,8 @@ class EngineWorker:
         self.batch = DecodeBatch(runner)
         self.running: list[Running] = []  # running[i] is row i of self.batch
         self.prefilling: Prefilling | None = None  # the job being admitted, one chunk per step
+        self.memory_wait: Job | None = None  # taken from the queue, waiting for its KV to fit the budget
+        self.last_step = StepShape()
         self.thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
         self.warmed_up = threading.Event()  # set once warm-up ended, well or not (warm_up_error says)
         self.warm_up_error: BaseException | None = None
@@ -155,7 +188,7 @@ class EngineWorker:
     def stop(self, timeout_s: float = 10.0) -> bool:
         """Cancel the running jobs, fail the waiting ones, end the thread. True when it ended."""
         admitting = self.prefilling
-        for job in [row.job for row in list(self.running)] + [admitting.job if admitting else None]:
+        for job in [row.job for row in list(self.running)] + [admitting.job if admitting else None, self.memory_wait]:
             if job is not None:
                 job.cancelled.set()
                 job.send(Failed("server is shutting down"))
@@ -167,6 +200,11 @@ class EngineWorker:
         return not self.thread.is_alive()
 
     def submit(self, prompt: PreparedPrompt, sampling: Sampling, salt: TenantSalt) -> Job:
+        """Queue a job; QueueFull when there is no place for it, OverBudget when it can never fit."""
+        budget = self.runner.caches.running_budget_bytes()
+        need = self.kv_bytes(prompt, sampling)
+        if budget is not None and need > budget:
+            raise OverBudget(need, budget)
         job = Job(prompt, sampling, salt, asyncio.get_running_loop())
         try:
             self.jobs.put(salt, job)
@@ -180,8 +218,13 @@ class EngineWorker:
         """A job is on the model: being prefilled, or decoding in the batch."""
         return bool(self.running or self.prefilling)
 
+    def kv_bytes(self, prompt: PreparedPrompt, sampling: Sampling) -> int:
+        """The most KV the job's own cache can grow to: every prompt token and max_tokens more."""
+        return (prompt.num_tokens + sampling.max_tokens) * self.runner.kv_bytes_per_token
+
     def snapshot(self) -> WorkerSnapshot:
-        return WorkerSnapshot(replace(self.stats), self.jobs.qsize(), self.busy, len(self.running))
+        return WorkerSnapshot(replace(self.stats), self.jobs.qsize() + (self.memory_wait is not None), self.busy,
+                              len(self.running), self.last_step, self.memory_wait is not None)
 
     async def events(self, job: Job) -> AsyncIterator[Event]:
         """The job's events until Finished or Failed. Leaving early (client gone) cancels the job."""
@@ -203,10 +246,10 @@ class EngineWorker:
         finally:
             self.warmed_up.set()
         while self._admit():
-            if self.prefilling:
-                self._prefill_chunk()
+            prefill_tokens = self._prefill_chunk() if self.prefilling else 0
             if self.running:
                 self._step()
+            self.last_step = StepShape(len(self.running), prefill_tokens)
         # stopped: the rows still running store what they computed and release their blocks
         if self.prefilling:
             self.prefilling.steps.close()
@@ -215,30 +258,43 @@ class EngineWorker:
             self._retire(index)
 
     def _admit(self) -> bool:
-        """Start admitting one queued job when the batch has room and no admission is under way
-        (waiting for a job when nothing runs). False once stop() sent its sentinel."""
+        """Start admitting one queued job when the batch has room, no admission is under way and the
+        job's KV fits the memory budget (waiting for a job when nothing runs). False once stop() sent
+        its sentinel."""
         while self.prefilling is None and len(self.running) < self.max_num_seqs:
-            job = self.jobs.get(block=not self.running, passed_over=self._holds_its_batch_share)
+            waited, self.memory_wait = self.memory_wait, None
+            job = waited or self.jobs.get(block=not self.running, passed_over=self._holds_its_batch_share)
             if job is None:
                 return not self.jobs.closed
             if job.cancelled.is_set():
                 self.stats.num_cancelled += 1
                 continue
+            need = self.kv_bytes(job.prompt, job.sampling)
+            if not self.runner.caches.reserve_running(need):
+                if self.running:  # they free memory as they retire: wait for them at the head of the line
+                    self.stats.num_memory_waits += waited is None
+                    self.memory_wait = job
+                    return True
+                self._fail(job, MemoryError("its KV does not fit the memory budget, which blocks in use hold"))
+                continue
             self.stats.num_requests += 1
             queue_ms = (time.perf_counter() - job.enqueued_at) * 1000
             steps = self.runner.prefill_steps(job.prompt, job.salt, self.chunk_tokens, job.cancelled.is_set)
-            self.prefilling = Prefilling(job, steps, queue_ms)
+            self.prefilling = Prefilling(job, steps, queue_ms, need)
         return True
 
     def _holds_its_batch_share(self, tenant: bytes) -> bool:
         return sum(1 for row in self.running if row.job.salt == tenant) >= self.batch_share
 
-    def _prefill_chunk(self) -> None:
-        """Run the admitted job's next prefill chunk; after its last, the job joins the batch."""
+    def _prefill_chunk(self) -> int:
+        """Run the admitted job's next prefill chunk; after its last, the job joins the batch.
+        Returns the chunk's tokens."""
         admitting = self.prefilling
         try:
-            next(admitting.steps)
-            return  # more chunks to come
+            num_tokens = next(admitting.steps)
+            admitting.num_chunk_tokens += num_tokens
+            self._count_chunk(num_tokens)
+            return num_tokens  # more chunks to come
         except StopIteration as done:
             prefill = done.value
         except Cancelled:
@@ -248,17 +304,28 @@ class EngineWorker:
             self._fail(admitting.job, exc)
             prefill = None
         self.prefilling = None
-        if prefill is not None:
-            self._join(admitting, prefill)
+        if prefill is None:
+            self.runner.caches.release_running(admitting.reserved)
+            return 0
+        num_tokens = prefill.prompt.num_tokens - prefill.prefix.num_cached_tokens - admitting.num_chunk_tokens
+        self._count_chunk(num_tokens)
+        self._join(admitting, prefill)
+        return num_tokens
+
+    def _count_chunk(self, num_tokens: int) -> None:
+        self.stats.num_prefill_chunks += 1
+        self.stats.num_prefilled_tokens += num_tokens
 
     def _join(self, admitted: Prefilling, prefill: PrefillResult) -> None:
         job = admitted.job
         job.send(Started(job.prompt.num_tokens, prefill.prefix.num_cached_tokens, prefill.prefix, prefill.vision,
                          admitted.queue_ms, prefill.vision_ms, prefill.prefill_ms))
-        row = Running(job, Sampler(job.sampling), TextStream(self.runner.tokenizer, job.sampling.stop), prefill.logits)
+        row = Running(job, Sampler(job.sampling), TextStream(self.runner.tokenizer, job.sampling.stop), prefill.logits,
+                      admitted.reserved)
         try:
             self.batch.join(prefill)
         except Exception as exc:
+            self.runner.caches.release_running(admitted.reserved)
             self.runner.finish(prefill, [])
             self._fail(job, exc)
             return
@@ -308,13 +375,18 @@ class EngineWorker:
         return None
 
     def _retire(self, index: int) -> None:
-        """Take row `index` out of the batch and store its blocks (prompt and reply) for the next turn."""
-        row = self.running.pop(index)
+        """Take row `index` out of the batch and store its blocks (prompt and reply) for the next turn.
+        Its reservation is returned first, so those blocks may use the room its KV held. The row stays
+        in `running` (the worker is busy) until its blocks are stored."""
+        row = self.running[index]
         prefill = self.batch.leave(index)
+        self.runner.caches.release_running(row.reserved)
         try:
             self.runner.finish(prefill, row.generated)
         except Exception:  # storing blocks is best effort; the answer was already sent
             log.exception("storing the finished sequence's blocks failed")
+        finally:
+            del self.running[index]
 
     def _fail(self, job: Job, exc: Exception) -> None:
         log.error("generation failed", exc_info=exc)

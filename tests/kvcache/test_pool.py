@@ -58,3 +58,37 @@ def test_release_of_a_free_block_is_an_error():
     pool.release(block)
     with pytest.raises(AssertionError):
         pool.release(block)
+
+
+def test_a_reservation_evicts_free_blocks_and_spills_them_but_never_blocks_in_use():
+    spilled = []
+    pool = BlockPool(budget_bytes=400, on_evict=lambda block: spilled.append(block.block_hash))
+    held = pool.insert(Block(_h(0), (), 100))  # in use
+    for i in (1, 2, 3):
+        pool.release(pool.insert(Block(_h(i), (), 100)))
+    assert pool.reserve(150)  # 100 held + 150 reserved leave room for one free block: two give way, oldest first
+    assert spilled == [_h(1), _h(2)] and pool.get(_h(3)) is not None and pool.get(_h(0)) is held
+    assert pool.counters.num_evicted_to_reserve == 2
+    pool.check()
+
+
+def test_a_reservation_that_cannot_be_had_changes_nothing_and_inserts_never_take_reserved_room():
+    pool = BlockPool(budget_bytes=300)
+    held = pool.insert(Block(_h(0), (), 100))
+    pool.release(pool.insert(Block(_h(1), (), 100)))
+    assert pool.reserve(150)  # evicts the free block
+    assert not pool.reserve(100)  # 100 held + 150 reserved + 100 > 300
+    assert pool.get(_h(0)) is held and pool.reserved_bytes == 150
+    assert pool.insert(Block(_h(2), (), 100)) is None  # a cached block never takes a running sequence's room
+    pool.unreserve(150)
+    assert pool.insert(Block(_h(2), (), 100)) is not None
+    pool.check()
+
+
+def test_a_failed_make_room_evicts_nothing():
+    pool = BlockPool(budget_bytes=300)
+    pool.insert(Block(_h(0), (), 200))  # in use
+    pool.release(pool.insert(Block(_h(1), (), 100)))
+    assert not pool.make_room(150)  # even with the free block gone, 200 + 150 > 300
+    assert pool.get(_h(1)) is not None and pool.counters.num_evicted == 0
+    pool.check()
