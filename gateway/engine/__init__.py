@@ -38,10 +38,10 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    max_queue: int = 16
+    max_queue: int = 64
     prefill_chunk_tokens: int = 512  # a multiple of the block size: chunks end on block boundaries
     caches: CacheConfig = CacheConfig(prefix_budget_bytes=1 << 30, vision_budget_bytes=256 << 20, block_size=32)
-    max_num_seqs: int = 8  # sequences that decode together, one batched forward per step
+    max_num_seqs: int = 16  # sequences that decode together, one batched forward per step
 
     def __post_init__(self):
         if self.prefill_chunk_tokens % self.caches.block_size:

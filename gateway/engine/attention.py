@@ -73,15 +73,24 @@ def install_cpu_prefill_attention(language_model) -> int:
 
 @lru_cache(maxsize=None)
 def _cpu_attention_class(base: type) -> type | None:
-    call = base.__call__
-    module = sys.modules[base.__module__]
-    original = module.__dict__.get(SDPA)
-    if original is None or SDPA not in getattr(call, "__code__", _NO_CODE).co_names:
+    original = sys.modules[base.__module__].__dict__.get(SDPA)
+    if original is None:
         return None  # this layer computes attention some other way: it keeps MLX's kernel
-    bound = dict(module.__dict__, **{SDPA: _cpu_prefill(original)})
-    patched = types.FunctionType(call.__code__, bound, call.__name__, call.__defaults__, call.__closure__)
+    return with_globals(base, f"CpuPrefill{base.__name__}", {SDPA: _cpu_prefill(original)})
+
+
+def with_globals(base: type, name: str, replacements: dict) -> type | None:
+    """A subclass of `base` whose `__call__` is the same code run with some of its module's global
+    names bound to other objects; None when the code uses none of them."""
+    call = base.__call__
+    code = getattr(call, "__code__", _NO_CODE)
+    used = {key: value for key, value in replacements.items() if key in code.co_names}
+    if not used:
+        return None
+    patched = types.FunctionType(code, dict(sys.modules[base.__module__].__dict__, **used), call.__name__,
+                                 call.__defaults__, call.__closure__)
     patched.__kwdefaults__ = call.__kwdefaults__
-    return type(f"CpuPrefill{base.__name__}", (base,), {"__call__": patched})
+    return type(name, (base,), {"__call__": patched})
 
 
 SDPA = "scaled_dot_product_attention"

@@ -26,6 +26,7 @@ from kvcache import TenantSalt
 from vision import DecodedImage, pixel_hash, processor_fingerprint
 
 from .types import Sampling
+from .activations import install_cpu_prefill_activations
 from .attention import install_cpu_prefill_attention
 from .caching import CacheConfig, EngineCaches, PrefixPlan, PrefixReport, VisionReport
 from .families import Family, family_of, read_config
@@ -68,6 +69,7 @@ class ModelRunner:
         # Every layer holds plain KV (sliding windows included): sequences can decode in one batch.
         self.batchable = all(type(layer).__name__ == "KVCache" for layer in self.new_cache())
         install_cpu_prefill_attention(self.lm)
+        install_cpu_prefill_activations(self.lm)
         keep_last_position_logits(self.lm)
         self.prompts = PromptBuilder(self.processor, self.family)
         # The token the model's own code treats as an image row (deepstack rows go there).
@@ -289,13 +291,17 @@ class Sampler:
         self.key = mx.random.key(seed % 2**64)  # negative seeds are valid in the API
 
     def __call__(self, logits: mx.array) -> int:
+        return int(self.draw(logits).item())
+
+    def draw(self, logits: mx.array) -> mx.array:
+        """The next token as a lazy scalar: a batch evaluates all its rows' draws at once."""
         if self.temperature == 0.0:
-            return int(mx.argmax(logits).item())
+            return mx.argmax(logits)
         self.key, step_key = mx.random.split(self.key)
         scaled = logits.astype(mx.float32) / self.temperature
         if self.top_p < 1.0:
             scaled = _nucleus(scaled, self.top_p)
-        return int(mx.random.categorical(scaled, key=step_key).item())
+        return mx.random.categorical(scaled, key=step_key)
 
 
 def _nucleus(logits: mx.array, top_p: float) -> mx.array:

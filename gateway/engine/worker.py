@@ -28,6 +28,8 @@ import time
 from collections.abc import AsyncIterator, Generator
 from dataclasses import dataclass, field, replace
 
+import mlx.core as mx
+
 from kvcache import TenantSalt
 
 from .types import Sampling
@@ -158,7 +160,7 @@ class Running:
 
 
 class EngineWorker:
-    def __init__(self, runner: ModelRunner, max_queue: int, prefill_chunk_tokens: int, max_num_seqs: int = 8):
+    def __init__(self, runner: ModelRunner, max_queue: int, prefill_chunk_tokens: int, max_num_seqs: int):
         self.runner = runner
         self.chunk_tokens = prefill_chunk_tokens
         # Recurrent layers have no batched cache here: such models decode one sequence at a time.
@@ -332,47 +334,55 @@ class EngineWorker:
         self.running.append(row)
 
     def _step(self) -> None:
-        """Sample each row's next token, retire the rows that ended, feed the others one batched step."""
+        """Sample every row's next token (one evaluation for the whole batch), retire the rows that
+        ended, feed the others one batched step."""
+        try:
+            tokens = mx.stack([row.sampler.draw(row.logits) for row in self.running]).tolist()
+        except Exception as exc:  # the last step's evaluation failed: its rows fail, not the worker
+            self._fail_all(exc)
+            return
         going: list[int] = []
-        for index, row in reversed(list(enumerate(self.running))):
-            token = self._advance(row)
-            if token is None:
-                self._retire(index)
+        for index in reversed(range(len(self.running))):
+            if self._advance(self.running[index], tokens[index]):
+                going.append(tokens[index])
             else:
-                going.append(token)
+                self._retire(index)
         if not self.running:
             return
         self.stats.num_decode_steps += 1
         self.stats.num_decoded_tokens += len(going)
         try:
             logits = self.batch.step(going[::-1])
-        except Exception as exc:  # one broken step fails the rows in it, not the worker
-            for index in reversed(range(len(self.running))):
-                self._fail(self.running[index].job, exc)
-                self._retire(index)
+        except Exception as exc:
+            self._fail_all(exc)
             return
         for index, row in enumerate(self.running):
             row.logits = logits[index]
 
-    def _advance(self, row: Running) -> int | None:
-        """The row's next token, sent as text; None when the row ended (it then sent its last event)."""
+    def _advance(self, row: Running, token: int) -> bool:
+        """Take the row's sampled token and send it as text; False when the row ended (it then sent
+        its last event)."""
         sampling = row.job.sampling
         if row.job.cancelled.is_set():
             self.stats.num_cancelled += 1
-            return None
-        if len(row.generated) < sampling.max_tokens:
-            token = row.sampler(row.logits)
-            if token not in self.runner.eos_ids:
-                row.generated.append(token)
-                if chunk := row.text.push(token):
-                    row.job.send(Delta(chunk))
-                if not row.text.stopped and len(row.generated) < sampling.max_tokens:
-                    return token
+            return False
+        if len(row.generated) < sampling.max_tokens and token not in self.runner.eos_ids:
+            row.generated.append(token)
+            if chunk := row.text.push(token):
+                row.job.send(Delta(chunk))
+            if not row.text.stopped and len(row.generated) < sampling.max_tokens:
+                return True
         if tail := row.text.finish():
             row.job.send(Delta(tail))
         reason = "stop" if row.text.stopped or row.text.num_tokens < sampling.max_tokens else "length"
         row.job.send(Finished(reason, row.text.num_tokens, (time.perf_counter() - row.started_at) * 1000))
-        return None
+        return False
+
+    def _fail_all(self, exc: Exception) -> None:
+        """A broken batched step fails the rows in it, not the worker."""
+        for index in reversed(range(len(self.running))):
+            self._fail(self.running[index].job, exc)
+            self._retire(index)
 
     def _retire(self, index: int) -> None:
         """Take row `index` out of the batch and store its blocks (prompt and reply) for the next turn.

@@ -352,6 +352,17 @@ def test_every_layer_of_every_family_prefills_on_the_cpu_attention_path(family, 
     assert len(calls) == num_chunks * len(cold.lm.layers)
 
 
+def test_every_mlp_of_every_family_prefills_on_the_numpy_activation_path(family, cold, monkeypatch):
+    import gateway.engine.activations as activations
+
+    calls = []
+    real = activations._sigmoid_times
+    monkeypatch.setattr(activations, "_sigmoid_times", lambda *args: calls.append(1) or real(*args))
+    result = _run(cold, [_user(LONG)])
+    num_chunks = -(-result[2].prompt.num_tokens // CHUNK)
+    assert len(calls) == num_chunks * len(cold.lm.layers)
+
+
 @pytest.mark.parametrize("model_type", ["mistral", "llama", "qwen3", "phi3", "gemma3_text"])
 def test_any_text_model_type_mlx_lm_loads_takes_the_generic_text_path(tmp_path, model_type):
     (tmp_path / "config.json").write_text(f'{{"model_type": "{model_type}"}}')

@@ -1,0 +1,394 @@
+"""Load: Strata and mlx-vlm's own server on the same model, driven over HTTP in one run.
+
+    python -m evals.bench_load [--model demo] [--clients 1 4 16 64] [--workloads distinct mix]
+    python -m evals.bench_load --fairness
+
+Closed-loop streaming clients (each sends its next request when the last one ended), at each client
+count: output tok/s (completion tokens over the level's wall time), TTFT p50/p99, inter-token
+latency p50/p99 (gaps between content chunks), errors. Two workloads:
+- distinct: every request a new ~250-token prompt (no cache can help), max_tokens 48;
+- mix: sessions of 3 turns sharing one ~1,000-token system prompt; each turn adds ~100 new tokens
+  and sends back the server's own reply; every 4th session shows an image in its first turn.
+Both servers start fresh for each workload, each with its own default batch cap unless
+--max-num-seqs sets both: Strata with an empty data dir, its engine caches on and its response
+layers (exact, semantic) off, so the engines are compared; mlx-vlm on OpenBLAS too and, for the
+mix, with its prefix cache (APC) on and an empty disk tier (`APC_DISK_PATH`: it would otherwise
+answer from an earlier run's disk). "strata seqs=1" is Strata
+decoding one sequence at a time: the single-stream speed batching must not tax.
+
+Then (or alone, with --fairness) Strata with two tenants: tenant B's TTFT (one client, 2 x
+--requests sequential requests) alone, then while tenant A keeps 32 streams open. Ends with one JSON
+line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+from PIL import Image
+
+from gateway.blas import env_with_openblas
+from gateway.engine import resolve_model_path
+
+CORPUS = (Path(__file__).resolve().parents[1] / "gateway/engine/assets/corpus.txt").read_text().splitlines()[1:]
+MAX_TOKENS = 48
+
+
+# -- servers -------------------------------------------------------------------------------------
+
+class Server:
+    """A server process on a free loopback port, ready once GET /v1/models answers."""
+
+    def __init__(self, name: str, command: list[str], env: dict[str, str], log_dir: Path, api_key: str | None = None):
+        self.name = name
+        self.api_key = api_key
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = (log_dir / f"{name.replace(' ', '_').replace('=', '')}-{self.port}.log").open("w")
+        self.process = subprocess.Popen([part.replace("{port}", str(self.port)) for part in command], env=env,
+                                        stdout=self.log, stderr=subprocess.STDOUT)
+        self.model = self._wait_ready()
+
+    def _wait_ready(self, timeout_s: float = 300) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {Path(self.log.name).read_text()[-2000:]}")
+            try:
+                headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+                answer = httpx.get(self.url + "/v1/models", headers=headers, timeout=2)
+                if answer.status_code == 200:
+                    return answer.json()["data"][0]["id"]
+            except (httpx.HTTPError, KeyError, IndexError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} did not start")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_strata(name: str, model_dir: Path, work: Path, max_num_seqs: int | None, extra_env: dict | None = None,
+                 api_key: str | None = None) -> Server:
+    """max_num_seqs None: Strata's default. The queue is deep enough for 64 closed-loop clients."""
+    data_dir = Path(tempfile.mkdtemp(dir=work))
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "STRATA_MAX_NUM_SEQS")} | {
+        "STRATA_MAX_QUEUE": "256", "STRATA_SEMANTIC": "0", "STRATA_EXACT_STORE": "off",
+        "STRATA_MODEL_NAME": str(model_dir)} | (extra_env or {})  # (the CLI finds OpenBLAS itself)
+    if max_num_seqs is not None:
+        env["STRATA_MAX_NUM_SEQS"] = str(max_num_seqs)
+    command = [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir), "--port", "{port}",
+               "--data-dir", str(data_dir), "--log-level", "warning"]
+    return Server(name, command, env, work, api_key)
+
+
+def start_mlx_vlm(model_dir: Path, work: Path, max_num_seqs: int | None, prefix_cache: bool) -> Server:
+    """max_num_seqs None: mlx-vlm's default (no --max-num-seqs cap: its batch generator's own limits)."""
+    base = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env = (env_with_openblas(base) or base) | {"APC_DISK_PATH": tempfile.mkdtemp(dir=work),
+                                                "APC_ENABLED": "1" if prefix_cache else "0"}
+    command = [sys.executable, "-m", "mlx_vlm.server", "--model", str(model_dir), "--host", "127.0.0.1",
+               "--port", "{port}", "--log-level", "WARNING"]
+    if max_num_seqs is not None:
+        command += ["--max-num-seqs", str(max_num_seqs)]
+    return Server("mlx-vlm", command, env, work)
+
+
+# -- clients -------------------------------------------------------------------------------------
+
+@dataclass
+class Sample:
+    ttft_s: float | None = None
+    gaps_s: list[float] = field(default_factory=list)
+    completion_tokens: int = 0
+    text: str = ""
+    error: str = ""
+
+
+async def stream(client: httpx.AsyncClient, server: Server, messages: list, api_key: str | None = None) -> Sample:
+    """One streaming chat completion; TTFT is the first content chunk's arrival."""
+    body = {"model": server.model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    sample, start, last = Sample(), time.perf_counter(), None
+    chunks = 0
+    try:
+        async with client.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers) as response:
+            if response.status_code != 200:
+                sample.error = f"{response.status_code}"
+                await response.aread()
+                return sample
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    sample.completion_tokens = chunk["usage"].get("completion_tokens", 0)
+                for choice in chunk.get("choices", []):
+                    if content := (choice.get("delta") or {}).get("content"):
+                        now = time.perf_counter()
+                        if last is None:
+                            sample.ttft_s = now - start
+                        else:
+                            sample.gaps_s.append(now - last)
+                        last, chunks = now, chunks + 1
+                        sample.text += content
+    except httpx.HTTPError as exc:
+        sample.error = type(exc).__name__
+    sample.completion_tokens = sample.completion_tokens or chunks
+    return sample
+
+
+def distinct_conversations(tag: str, client: int):
+    """Each request a new prompt: a unique opening line and ~250 tokens of corpus text."""
+    index = 0
+    while True:
+        start = _seed(tag, client, index) % (len(CORPUS) - 20)
+        yield [{"role": "user", "content": f"Request {tag}-{client}-{index}. " + " ".join(CORPUS[start:start + 10])}]
+        index += 1
+
+
+def mix_conversations(tag: str, client: int, system_prompt: str):
+    """Sessions of three turns under the shared system prompt; every 4th session opens with an image.
+    Each turn yields the session's history list itself: the caller appends the reply to it."""
+    session = 0
+    while True:
+        history = [{"role": "system", "content": system_prompt}]
+        with_image = (client + session) % 4 == 0
+        for turn in range(3):
+            start = _seed(tag, client, session, turn) % (len(CORPUS) - 6)
+            text = f"Session {tag}-{client}-{session}, turn {turn}: " + " ".join(CORPUS[start:start + 4])
+            content = text
+            if with_image and turn == 0:
+                content = [{"type": "image_url", "image_url": {"url": _image_url(_seed(tag, client, session))}},
+                           {"type": "text", "text": text}]
+            history.append({"role": "user", "content": content})
+            yield history
+        session += 1
+
+
+def _seed(*parts) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+def _image_url(seed: int) -> str:
+    pixels = (np.random.default_rng(seed).random((224, 224, 3)) * 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def system_prompt_text(num_words: int = 700) -> str:
+    """About 1,000 tokens of the demo tokenizer: the corpus's opening lines as house rules."""
+    words = " ".join(CORPUS[:80]).split()[:num_words]
+    return "You are the harbour archive's assistant. Background notes: " + " ".join(words)
+
+
+async def closed_loop(server: Server, num_clients: int, requests_per_client: int, conversations) -> dict:
+    """num_clients clients, each sending requests_per_client requests back to back."""
+    samples: list[Sample] = []
+
+    async def one_client(client_index: int, client: httpx.AsyncClient):
+        turns = conversations(client_index)
+        for _ in range(requests_per_client):
+            messages = next(turns)
+            sample = await stream(client, server, list(messages))
+            samples.append(sample)
+            if not sample.error:  # a session's next turn sends the reply back
+                messages.append({"role": "assistant", "content": sample.text})
+
+    limits = httpx.Limits(max_connections=num_clients + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(one_client(i, client) for i in range(num_clients)))
+        wall = time.perf_counter() - start
+    return summarise(samples, wall)
+
+
+def summarise(samples: list[Sample], wall_s: float) -> dict:
+    good = [s for s in samples if not s.error and s.ttft_s is not None]
+    ttfts = sorted(s.ttft_s for s in good)
+    gaps = sorted(g for s in good for g in s.gaps_s)
+    return {"requests": len(samples), "errors": len(samples) - len(good), "wall_s": wall_s,
+            "tok_s": sum(s.completion_tokens for s in good) / wall_s,
+            "ttft_p50": _pct(ttfts, 50), "ttft_p99": _pct(ttfts, 99), "itl_p50": _pct(gaps, 50), "itl_p99": _pct(gaps, 99)}
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    return float(np.percentile(values, q))
+
+
+# -- runs ----------------------------------------------------------------------------------------
+
+def requests_per_client(workload: str, num_clients: int, minimum_total: int) -> int:
+    """At least minimum_total requests over all clients, at least two per client; whole sessions
+    (three turns) in the mix."""
+    per_client = max(2, -(-minimum_total // num_clients))
+    return -(-per_client // 3) * 3 if workload == "mix" else per_client
+
+
+def run_workload(workload: str, servers: list[tuple[str, Callable[[], Server]]], client_counts: list[int], args) -> dict:
+    """Each server in turn, started fresh, through every client count; a row per (server, count)."""
+    system = system_prompt_text()
+    results = {}
+    for name, start in servers:
+        counts = [1] if name == "strata seqs=1" else client_counts
+        server = start()
+        try:
+            asyncio.run(closed_loop(server, 1, 1, lambda c: distinct_conversations("warm", c)))  # kernels built
+            for count in counts:
+                tag = f"{workload}{count}"
+                make = ((lambda c, tag=tag: distinct_conversations(tag, c)) if workload == "distinct"
+                        else (lambda c, tag=tag: mix_conversations(tag, c, system)))
+                row = asyncio.run(closed_loop(server, count, requests_per_client(workload, count, args.requests), make))
+                results[f"{name}@{count}"] = row
+                print(f"  {workload:>8} {name:>14} {count:>3} clients: {_row(row)}", flush=True)
+        finally:
+            server.stop()
+    return results
+
+
+def _row(row: dict) -> str:
+    return (f"{row['tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50']:6.2f} s p99 {row['ttft_p99']:6.2f} s  "
+            f"ITL p50 {row['itl_p50'] * 1000:6.1f} ms p99 {row['itl_p99'] * 1000:7.1f} ms  "
+            f"errors {row['errors']}/{row['requests']}")
+
+
+def print_table(workload: str, results: dict, client_counts: list[int]) -> None:
+    print(f"\n{workload}: closed-loop streaming clients, max_tokens {MAX_TOKENS}")
+    print("| clients | server | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | errors |")
+    print("|---|---|---|---|---|---|---|---|")
+    for count in client_counts:
+        for name in ("strata", "mlx-vlm", "strata seqs=1"):
+            row = results.get(f"{name}@{count}")
+            if row:
+                print(f"| {count} | {name} | {row['tok_s']:.1f} | {row['ttft_p50']:.2f} s | {row['ttft_p99']:.2f} s | "
+                      f"{row['itl_p50'] * 1000:.0f} ms | {row['itl_p99'] * 1000:.0f} ms | {row['errors']}/{row['requests']} |")
+        ours, theirs = results.get(f"strata@{count}"), results.get(f"mlx-vlm@{count}")
+        if ours and theirs:
+            print(f"| {count} | **strata / mlx-vlm** | **{ours['tok_s'] / theirs['tok_s']:.2f}x** | "
+                  f"**{ours['ttft_p50'] / theirs['ttft_p50']:.2f}x** | {ours['ttft_p99'] / theirs['ttft_p99']:.2f}x | "
+                  f"{ours['itl_p50'] / theirs['itl_p50']:.2f}x | {ours['itl_p99'] / theirs['itl_p99']:.2f}x | |")
+    lone, batched = results.get("strata seqs=1@1"), results.get("strata@1")
+    if lone and batched:
+        print(f"1 client: batching engine / one-at-a-time engine = {batched['tok_s'] / lone['tok_s']:.3f} (tok/s)")
+
+
+def fairness(model_dir: Path, work: Path, max_num_seqs: int | None, requests: int) -> dict:
+    """Tenant B's TTFT alone, then with tenant A holding 32 streams open (Strata only)."""
+    keys = "key-a:tenant-a,key-b:tenant-b"
+    server = start_strata("strata", model_dir, work, max_num_seqs, {"STRATA_API_KEYS": keys}, "key-b")
+
+    async def tenant_b(tag: str) -> list[Sample]:
+        samples = []
+        async with httpx.AsyncClient(timeout=600) as client:
+            turns = distinct_conversations(tag, 0)
+            for _ in range(requests):
+                samples.append(await stream(client, server, next(turns), "key-b"))
+        return samples
+
+    flood_samples: list[Sample] = []
+
+    async def under_load() -> list[Sample]:
+        stop = asyncio.Event()
+
+        async def tenant_a(index: int, client: httpx.AsyncClient):
+            turns = distinct_conversations("flood", index)
+            while not stop.is_set():
+                flood_samples.append(await stream(client, server, next(turns), "key-a"))
+
+        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=40)) as client:
+            flood = [asyncio.ensure_future(tenant_a(i, client)) for i in range(32)]
+            await asyncio.sleep(5)  # the batch is full and A's queue is deep
+            samples = await tenant_b("loaded")
+            stop.set()
+            await asyncio.gather(*flood)
+        return samples
+
+    try:
+        asyncio.run(tenant_b("warm"))
+        idle = asyncio.run(tenant_b("idle"))
+        loaded = asyncio.run(under_load())
+    finally:
+        server.stop()
+    out = {}
+    for name, samples in (("idle", idle), ("with A at 32 streams", loaded)):
+        ttfts = sorted(s.ttft_s for s in samples if s.ttft_s is not None)
+        out[name] = {"ttft_p50": _pct(ttfts, 50), "ttft_p99": _pct(ttfts, 99),
+                     "errors": sum(1 for s in samples if s.error)}
+    out["tenant A"] = {"requests": len(flood_samples), "errors": sum(1 for s in flood_samples if s.error),
+                       "ttft_p50": _pct(sorted(s.ttft_s for s in flood_samples if s.ttft_s is not None), 50)}
+    ratio = out["with A at 32 streams"]["ttft_p99"] / out["idle"]["ttft_p99"]
+    print(f"\nfairness (Strata, max_num_seqs {max_num_seqs or 'default'}): tenant B's TTFT over {requests} "
+          "sequential requests")
+    for name in ("idle", "with A at 32 streams"):
+        row = out[name]
+        print(f"  B {name:>22}: TTFT p50 {row['ttft_p50']:.2f} s  p99 {row['ttft_p99']:.2f} s  errors {row['errors']}")
+    flood = out["tenant A"]
+    print(f"  A meanwhile: {flood['requests']} requests, TTFT p50 {flood['ttft_p50']:.2f} s, errors {flood['errors']}")
+    print(f"  p99 ratio (loaded / idle): {ratio:.2f}x  (target <= 2x)")
+    out["p99_ratio"] = ratio
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="demo")
+    parser.add_argument("--data-dir", type=Path, default=Path(".strata"))
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--workloads", nargs="+", default=["distinct", "mix"], choices=["distinct", "mix"])
+    parser.add_argument("--requests", type=int, default=16, help="at least this many requests per client count")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="both servers' batch cap (default: each server's own: Strata 16, mlx-vlm none)")
+    parser.add_argument("--fairness", action="store_true")
+    args = parser.parse_args()
+    model_dir = resolve_model_path(args.model, args.data_dir)
+    work = Path(tempfile.mkdtemp(prefix="strata-bench-load-"))
+    print(f"model {model_dir}  max_num_seqs {args.max_num_seqs or 'each server default'}  logs in {work}", flush=True)
+    if args.fairness:
+        print(json.dumps({"fairness": fairness(model_dir, work, args.max_num_seqs, 2 * args.requests)}))
+        return
+    summary = {}
+    for workload in args.workloads:
+        servers = [("strata", lambda: start_strata("strata", model_dir, work, args.max_num_seqs)),
+                   ("mlx-vlm", lambda w=workload: start_mlx_vlm(model_dir, work, args.max_num_seqs, w == "mix"))]
+        if workload == "distinct" and 1 in args.clients:
+            servers.append(("strata seqs=1", lambda: start_strata("strata seqs=1", model_dir, work, 1)))
+        summary[workload] = run_workload(workload, servers, args.clients, args)
+        print_table(workload, summary[workload], args.clients)
+    summary["fairness"] = fairness(model_dir, work, args.max_num_seqs, 2 * args.requests)
+    print(json.dumps({"model": args.model, "max_num_seqs": args.max_num_seqs, "results": summary}))
+
+
+if __name__ == "__main__":
+    main()

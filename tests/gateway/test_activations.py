@@ -1,0 +1,41 @@
+"""The numpy activations for prompt chunks equal MLX's own; decode steps keep MLX's."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from gateway.engine import activations
+
+
+@pytest.fixture
+def chunk():
+    return mx.random.normal((1, 37, 96), key=mx.random.key(3)) * 6  # tails where exp overflows in float32
+
+
+@pytest.mark.parametrize("ours, theirs", [(activations.silu, nn.silu), (activations.gelu_approx, nn.gelu_approx)])
+def test_chunk_activations_equal_mlx(chunk, ours, theirs):
+    np.testing.assert_allclose(np.array(ours(chunk)), np.array(theirs(chunk)), rtol=2e-6, atol=2e-6)
+
+
+def test_swiglu_equals_the_library_one_and_keeps_the_dtype(chunk):
+    from mlx_lm.models.activations import swiglu
+
+    up = mx.random.normal(chunk.shape, key=mx.random.key(4))
+    cpu = activations._cpu_swiglu(swiglu)
+    np.testing.assert_allclose(np.array(cpu(chunk, up)), np.array(swiglu(chunk, up)), rtol=2e-6, atol=2e-6)
+    half = cpu(chunk.astype(mx.bfloat16), up.astype(mx.bfloat16))
+    assert half.dtype == mx.bfloat16
+
+
+def test_huge_negative_inputs_give_zero_not_nan():
+    x = mx.array([[[-1e4, -100.0, 0.0, 100.0]] * 2])
+    assert np.array(activations.silu(x)).tolist()[0][0] == [0.0, pytest.approx(-100 * np.exp(-100.0), abs=1e-30), 0.0, 100.0]
+
+
+def test_decode_steps_keep_mlx_s_own(monkeypatch):
+    calls = []
+    monkeypatch.setattr(activations, "_sigmoid_times", lambda *args: calls.append(1))
+    one_token = mx.random.normal((4, 1, 96), key=mx.random.key(5))
+    assert mx.array_equal(activations.silu(one_token), nn.silu(one_token))
+    assert not calls
