@@ -12,8 +12,8 @@ latency p50/p99 (gaps between content chunks), errors. Two workloads:
 Both servers start fresh for each workload, each with its own default batch cap unless
 --max-num-seqs sets both: Strata with an empty data dir, its engine caches on and its response
 layers (exact, semantic) off, so the engines are compared; mlx-vlm on OpenBLAS too and, for the
-mix, with its prefix cache (APC) on and an empty disk tier (`APC_DISK_PATH`: it would otherwise
-answer from an earlier run's disk). "strata seqs=1" is Strata
+mix, once with its prefix cache (APC) on and an empty disk tier (`APC_DISK_PATH`: it would otherwise
+answer from an earlier run's disk) and once with it off. "strata seqs=1" is Strata
 decoding one sequence at a time: the single-stream speed batching must not tax.
 
 Then (or alone, with --fairness) Strata with two tenants: tenant B's TTFT (one client, 2 x
@@ -288,17 +288,20 @@ def print_table(workload: str, results: dict, client_counts: list[int]) -> None:
     print(f"\n{workload}: closed-loop streaming clients, max_tokens {MAX_TOKENS}")
     print("| clients | server | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | errors |")
     print("|---|---|---|---|---|---|---|---|")
+    names = list(dict.fromkeys(key.rsplit("@", 1)[0] for key in results))
     for count in client_counts:
-        for name in ("strata", "mlx-vlm", "strata seqs=1"):
+        for name in names:
             row = results.get(f"{name}@{count}")
             if row:
                 print(f"| {count} | {name} | {row['tok_s']:.1f} | {row['ttft_p50']:.2f} s | {row['ttft_p99']:.2f} s | "
                       f"{row['itl_p50'] * 1000:.0f} ms | {row['itl_p99'] * 1000:.0f} ms | {row['errors']}/{row['requests']} |")
-        ours, theirs = results.get(f"strata@{count}"), results.get(f"mlx-vlm@{count}")
-        if ours and theirs:
-            print(f"| {count} | **strata / mlx-vlm** | **{ours['tok_s'] / theirs['tok_s']:.2f}x** | "
-                  f"**{ours['ttft_p50'] / theirs['ttft_p50']:.2f}x** | {ours['ttft_p99'] / theirs['ttft_p99']:.2f}x | "
-                  f"{ours['itl_p50'] / theirs['itl_p50']:.2f}x | {ours['itl_p99'] / theirs['itl_p99']:.2f}x | |")
+        ours = results.get(f"strata@{count}")
+        for name in (n for n in names if n.startswith("mlx-vlm")):
+            theirs = results.get(f"{name}@{count}")
+            if ours and theirs:
+                print(f"| {count} | **strata / {name}** | **{ours['tok_s'] / theirs['tok_s']:.2f}x** | "
+                      f"**{ours['ttft_p50'] / theirs['ttft_p50']:.2f}x** | {ours['ttft_p99'] / theirs['ttft_p99']:.2f}x | "
+                      f"{ours['itl_p50'] / theirs['itl_p50']:.2f}x | {ours['itl_p99'] / theirs['itl_p99']:.2f}x | |")
     lone, batched = results.get("strata seqs=1@1"), results.get("strata@1")
     if lone and batched:
         print(f"1 client: batching engine / one-at-a-time engine = {batched['tok_s'] / lone['tok_s']:.3f} (tok/s)")
@@ -384,6 +387,8 @@ def main() -> None:
                    ("mlx-vlm", lambda w=workload: start_mlx_vlm(model_dir, work, args.max_num_seqs, w == "mix"))]
         if workload == "distinct" and 1 in args.clients:
             servers.append(("strata seqs=1", lambda: start_strata("strata seqs=1", model_dir, work, 1)))
+        if workload == "mix":  # its prefix cache off as well: APC's own costs show apart from batching's
+            servers.append(("mlx-vlm apc=off", lambda: start_mlx_vlm(model_dir, work, args.max_num_seqs, False)))
         summary[workload] = run_workload(workload, servers, args.clients, args)
         print_table(workload, summary[workload], args.clients)
     summary["fairness"] = fairness(model_dir, work, args.max_num_seqs, 2 * args.requests)

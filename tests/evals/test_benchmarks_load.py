@@ -5,7 +5,29 @@ import importlib
 import pytest
 
 
-@pytest.mark.parametrize("name", ["bench_engine", "bench_ttft", "bench_layers", "bench_ssd", "false_hits"])
+@pytest.mark.parametrize("name", ["bench_engine", "bench_ttft", "bench_layers", "bench_ssd", "bench_load", "false_hits"])
 def test_benchmark_module_loads(name):
     module = importlib.import_module(f"evals.{name}")
     assert callable(module.main)
+
+
+def test_the_load_benchmark_counts_what_it_claims():
+    from evals.bench_load import Sample, requests_per_client, summarise
+
+    samples = [Sample(0.1, [0.01, 0.03], 48), Sample(0.3, [0.02], 24), Sample(error="429")]
+    row = summarise(samples, wall_s=2.0)
+    assert (row["requests"], row["errors"], row["tok_s"]) == (3, 1, 36.0)
+    assert row["ttft_p50"] == 0.2 and row["itl_p50"] == 0.02
+    assert requests_per_client("distinct", 64, 16) == 2 and requests_per_client("mix", 16, 64) == 6
+
+
+def test_mix_sessions_share_the_system_prompt_and_every_fourth_opens_with_an_image():
+    from evals.bench_load import mix_conversations
+
+    turns = mix_conversations("t", 0, "SYSTEM")
+    first_session = [list(next(turns)) for _ in range(3)]
+    second_session = [list(next(turns)) for _ in range(3)]
+    assert [len(history) for history in first_session] == [2, 3, 4]  # the caller appends no reply here
+    assert all(history[0]["content"] == "SYSTEM" for history in first_session + second_session)
+    assert isinstance(first_session[0][1]["content"], list)  # client 0, session 0: an image part first
+    assert isinstance(second_session[0][1]["content"], str)

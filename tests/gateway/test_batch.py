@@ -4,6 +4,7 @@ gets alone: greedy output must not depend on what else is in the batch. Every fa
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import mlx.core as mx
@@ -110,12 +111,19 @@ def test_the_server_runs_requests_together_and_each_gets_its_lone_answer(tiny_mo
 
     try:
         most, responses = asyncio.run(together())
+        while _health(live)["engine_busy"]:  # the last rows retire after their answers went out
+            time.sleep(0.01)
+        time.sleep(0.1)
         engine = _admin_stats(live)["engine"]
         alone = [httpx.post(live.url + "/v1/chat/completions", json=body(q), timeout=120) for q in questions]
     finally:
         assert live.stop()
     assert most >= 2, "the requests never decoded together"
     assert engine["num_decoded_tokens"] > 1.5 * engine["num_decode_steps"], engine  # the mean batch size
+    usage = [r.json()["usage"] for r in responses]
+    prompt_tokens = sum(u["prompt_tokens"] - (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usage)
+    assert engine["num_prefilled_tokens"] == prompt_tokens and engine["num_prefill_chunks"] >= len(questions), engine
+    assert engine["last_step"] == {"rows": 0, "prefill_tokens": 0} and engine["waiting_for_memory"] is False
     for pair in zip(responses, alone):
         assert [r.status_code for r in pair] == [200, 200]
         assert pair[0].json()["choices"][0]["message"] == pair[1].json()["choices"][0]["message"]
