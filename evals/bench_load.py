@@ -64,7 +64,11 @@ class Server:
         self.log = (log_dir / f"{name.replace(' ', '_').replace('=', '')}-{self.port}.log").open("w")
         self.process = subprocess.Popen([part.replace("{port}", str(self.port)) for part in command], env=env,
                                         stdout=self.log, stderr=subprocess.STDOUT)
-        self.model = self._wait_ready()
+        try:
+            self.model = self._wait_ready()
+        except BaseException:  # a server that never got ready must not outlive the run
+            self.stop()
+            raise
 
     def _wait_ready(self, timeout_s: float = 300) -> str:
         deadline = time.monotonic() + timeout_s

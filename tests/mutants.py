@@ -114,6 +114,15 @@ MUTANTS = (
            "return mx.array(tensors[name + BF16_SUFFIX]).view(mx.bfloat16)",
            "return mx.array(tensors[name + BF16_SUFFIX]).astype(mx.bfloat16)",
            (f"{FAMILIES}::test_bfloat16_blocks_go_to_ssd_and_come_back_equal_after_a_restart[llama]",)),
+    Mutant("running sequences' KV outside the budget", "kvcache/pool.py",
+           "        self.reserved_bytes += nbytes\n", "        pass\n",
+           ("tests/kvcache/test_pool.py", "tests/gateway/test_memory_budget.py::test_admission_waits_for_memory_instead_of_overcommitting")),
+    Mutant("a flooding tenant takes the batch's last place", "gateway/engine/worker.py",
+           "return not any(row.job.salt == tenant for row in self.running)", "return True",
+           ("tests/gateway/test_batch.py::test_the_last_place_in_the_batch_is_kept_for_another_tenant",)),
+    Mutant("a row samples another row's logits", "gateway/engine/worker.py",
+           "row.logits = logits[index]", "row.logits = logits[0]",
+           ("tests/gateway/test_batch.py::test_the_server_runs_requests_together_and_each_gets_its_lone_answer",)),
 )
 
 

@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as mlx_nn
 import numpy as np
 
-from .attention import with_globals
+from .attention import swap_layer_classes, with_globals
 
 
 def _is_chunk(x: mx.array) -> bool:
@@ -88,14 +88,7 @@ def install_cpu_prefill_activations(language_model) -> int:
     many MLPs were swapped (0 on a GPU, or for MLPs that name no activation we know)."""
     if mx.default_device().type != mx.DeviceType.cpu:
         return 0
-    swapped = 0
-    for layer in language_model.layers:
-        mlp = getattr(layer, "mlp", None)
-        cpu_class = _cpu_mlp_class(type(mlp)) if mlp is not None else None
-        if cpu_class is not None:
-            mlp.__class__ = cpu_class
-            swapped += 1
-    return swapped
+    return swap_layer_classes(language_model, "mlp", _cpu_mlp_class)
 
 
 @lru_cache(maxsize=None)

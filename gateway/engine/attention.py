@@ -61,12 +61,18 @@ def install_cpu_prefill_attention(language_model) -> int:
     if mx.default_device().type != mx.DeviceType.cpu:
         return 0
     _limit_numpy_blas_threads()
+    return swap_layer_classes(language_model, "self_attn", _cpu_attention_class)
+
+
+def swap_layer_classes(language_model, attribute: str, cpu_class_of) -> int:
+    """Give each layer's `attribute` module the class `cpu_class_of(its class)` (None: it keeps its
+    own). Only this instance changes: not its class, not other models in the process."""
     swapped = 0
     for layer in language_model.layers:
-        attention = getattr(layer, "self_attn", None)
-        cpu_class = _cpu_attention_class(type(attention)) if attention is not None else None
+        module = getattr(layer, attribute, None)
+        cpu_class = cpu_class_of(type(module)) if module is not None else None
         if cpu_class is not None:
-            attention.__class__ = cpu_class
+            module.__class__ = cpu_class
             swapped += 1
     return swapped
 

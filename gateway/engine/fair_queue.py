@@ -4,7 +4,8 @@ One tenant flooding the server cannot starve another: a tenant may hold at most 
 the `capacity` waiting places (more is refused at once, so the gateway answers 429 while other
 tenants still get in), and `get` serves the waiting tenant that was served least recently (never
 served first), oldest job first within a tenant. A tenant that already holds `batch_share` running
-sequences is passed over while another tenant waits.
+sequences is passed over while another tenant waits; the worker can also hold a tenant back
+entirely (`allowed`), to keep the batch's last place for another tenant.
 
 Invariant: `size` == total jobs in `waiting`, and no deque in `waiting` is empty. Any thread may put;
 only the engine's worker gets. Tenants are told apart by their cache salt (one per tenant), so
@@ -48,9 +49,11 @@ class FairQueue:
             self.size += 1
             self.changed.notify()
 
-    def get(self, block: bool, passed_over: Callable[[bytes], bool] = lambda tenant: False):
+    def get(self, block: bool, passed_over: Callable[[bytes], bool] = lambda tenant: False,
+            allowed: Callable[[bytes], bool] = lambda tenant: True):
         """The next job in tenant turn order (None when closed, or when not blocking and none waits).
-        A tenant for which `passed_over` is true is skipped while another tenant has a job waiting."""
+        A tenant for which `passed_over` is true is skipped while another tenant has a job waiting;
+        one for which `allowed` is false is not served now at all (None if no other waits)."""
         with self.changed:
             while not self.waiting and not self.closed:
                 if not block:
@@ -58,7 +61,10 @@ class FairQueue:
                 self.changed.wait()
             if self.closed:
                 return None
-            eligible = [tenant for tenant in self.waiting if not passed_over(tenant)] or list(self.waiting)
+            candidates = [tenant for tenant in self.waiting if allowed(tenant)]
+            if not candidates:
+                return None
+            eligible = [tenant for tenant in candidates if not passed_over(tenant)] or candidates
             tenant = min(eligible, key=lambda t: self.last_served.get(t, -1))  # ties: the earliest to arrive
             jobs = self.waiting[tenant]
             job = jobs.popleft()
@@ -82,6 +88,9 @@ class FairQueue:
         with self.changed:
             self.closed = True
             self.changed.notify_all()
+
+    def num_tenants_served(self) -> int:
+        return len(self.last_served)
 
     def qsize(self) -> int:
         return self.size

@@ -8,7 +8,8 @@ The worker decodes up to `max_num_seqs` sequences together, one batched forward 
 job at a time is admitted: it is prefilled on its own (every cache applies), one chunk per step, each
 chunk followed by a decode step of the batch, so running streams keep flowing while a long prompt
 comes in; then it joins the batch. Tenants take turns (gateway/engine/fair_queue.py): none holds more
-than half of the waiting places, or, while others wait, of the batch. A full queue raises
+than half of the waiting places, or, while others wait, of the batch, and once several tenants have
+been served the batch's last place is kept for a tenant with nothing running. A full queue raises
 QueueFull at once (the gateway answers 429). A job whose client went away is cancelled: skipped if
 still queued, removed from the batch at the next step if running.
 
@@ -265,7 +266,8 @@ class EngineWorker:
         its sentinel."""
         while self.prefilling is None and len(self.running) < self.max_num_seqs:
             waited, self.memory_wait = self.memory_wait, None
-            job = waited or self.jobs.get(block=not self.running, passed_over=self._holds_its_batch_share)
+            job = waited or self.jobs.get(block=not self.running, passed_over=self._holds_its_batch_share,
+                                          allowed=self._may_take_a_place)
             if job is None:
                 return not self.jobs.closed
             if job.cancelled.is_set():
@@ -287,6 +289,15 @@ class EngineWorker:
 
     def _holds_its_batch_share(self, tenant: bytes) -> bool:
         return sum(1 for row in self.running if row.job.salt == tenant) >= self.batch_share
+
+    def _may_take_a_place(self, tenant: bytes) -> bool:
+        """Once more than one tenant has been served, the batch's last free place is kept for a
+        tenant with nothing running: another tenant's request then starts after at most the prefill
+        chunk under way, instead of waiting for a flooding tenant's row to end. A lone tenant (one
+        salt, as in single-tenant mode) may fill the batch."""
+        if len(self.running) < self.max_num_seqs - 1 or self.jobs.num_tenants_served() < 2:
+            return True
+        return not any(row.job.salt == tenant for row in self.running)
 
     def _prefill_chunk(self) -> int:
         """Run the admitted job's next prefill chunk; after its last, the job joins the batch.

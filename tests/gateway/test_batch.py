@@ -245,3 +245,48 @@ def test_stopping_the_engine_mid_batch_retires_the_rows_and_releases_their_block
     pool.check()
     assert len(pool.by_hash) >= story.num_tokens // 16
     assert all(block.ref_count == 0 for block in pool.by_hash.values())  # every row released its blocks
+
+
+def test_the_last_place_in_the_batch_is_kept_for_another_tenant(tiny_model_path):
+    """Three places; tenant B was served once. Tenant A then floods with long requests: it runs two
+    sequences, never three, and B's next request starts at once in the kept place, while all of A's
+    rows still decode (greedy, this prompt meets no EOS within 3000 tokens)."""
+    from gateway.engine import CacheConfig as Caches, Engine, EngineConfig, Finished, Started
+
+    engine = Engine(tiny_model_path, "tiny", EngineConfig(16, 64, Caches(64 << 20, 0, 16), max_num_seqs=3))
+    engine.start()
+    tenant_a, tenant_b = TenantSalt(b"A" * 32), TenantSalt(b"B" * 32)
+    story = engine.prepare((Message("user", (TextPart("Tell a very long story."),)),), [])
+    hello = engine.prepare((Message("user", (TextPart("Hello there."),)),), [])
+
+    async def scenario():
+        async def until(job, kind):
+            async for event in engine.events(job):
+                if isinstance(event, kind):
+                    return event
+
+        await until(engine.submit(hello, Sampling(2, 0.0, 1.0, None, ()), tenant_b), Finished)
+        flood = [engine.submit(story, Sampling(3000, 0.0, 1.0, None, ()), tenant_a) for _ in range(6)]
+        ends = [asyncio.ensure_future(until(job, Finished)) for job in flood]
+        most = 0
+        for _ in range(50):  # A alone for a while: it never takes the third place
+            most = max(most, engine.snapshot().num_running)
+            await asyncio.sleep(0.02)
+        b_events = engine.events(engine.submit(story, Sampling(200, 0.0, 1.0, None, ()), tenant_b))
+        while not isinstance(await b_events.__anext__(), Started):  # kept open: closing it cancels the job
+            pass
+        a_ended = sum(task.done() for task in ends)
+        for _ in range(100):  # Started is sent just before the row joins the batch
+            if (running := engine.snapshot().num_running) == 3:
+                break
+            await asyncio.sleep(0.01)
+        for task in ends:
+            task.cancel()
+        return most, running, a_ended
+
+    try:
+        most, running, a_ended = asyncio.run(scenario())
+    finally:
+        engine.stop()
+    assert most == 2
+    assert a_ended == 0 and running == 3  # B started beside A's two rows, none of which had ended

@@ -67,3 +67,13 @@ def test_close_wakes_a_blocked_worker_and_drain_returns_what_waited():
     closed.put(A, "a1")
     closed.put(B, "b1")
     assert closed.drain() == ["a1", "b1"] and closed.qsize() == 0
+
+
+def test_a_tenant_held_back_is_not_served_even_when_it_alone_waits():
+    waiting = FairQueue(capacity=16, tenant_share=8)
+    waiting.put(A, "a1")
+    assert waiting.get(block=False, allowed=lambda tenant: tenant != A) is None  # nothing else waits
+    waiting.put(B, "b1")
+    assert waiting.get(block=False, allowed=lambda tenant: tenant != A) == "b1"
+    assert waiting.num_tenants_served() == 1
+    assert waiting.get(block=False) == "a1" and waiting.num_tenants_served() == 2
