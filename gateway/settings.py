@@ -64,7 +64,7 @@ class Settings:
     max_connections: int = 256  # open connections; more are answered 503 by uvicorn
     prefill_chunk_tokens: int = _default(EngineConfig, "prefill_chunk_tokens")  # a multiple of kv_block_size
     kv_block_size: int = 32  # tokens per prefix-cache block (README: how it was chosen)
-    kv_budget_bytes: int | None = None  # RAM for prefix KV blocks; None = 25% of available RAM; 0 = off
+    kv_budget_bytes: int | None = None  # RAM for KV blocks and running sequences; None = 25% of available RAM; 0 = off
     vision_budget_bytes: int = 256 << 20  # RAM for cached image features; 0 = off
     ssd_capacity_bytes: int = _default(SsdConfig, "capacity_bytes")  # KV blocks under DATA_DIR/kv; 0 = no SSD tier
     ssd_retention_s: float = _default(SsdConfig, "retention_s")
@@ -166,7 +166,7 @@ SETTINGS = (
     Setting("keep_alive_s", "STRATA_KEEP_ALIVE_S", int, "idle keep-alive connections are closed after this"),
     Setting("max_connections", "STRATA_MAX_CONNECTIONS", int, "open connections; more are answered 503"),
     Setting("kv_block_size", "STRATA_KV_BLOCK_SIZE", int, "tokens per prefix KV block"),
-    Setting("kv_budget_bytes", "STRATA_KV_BUDGET_BYTES", int, "RAM for prefix KV blocks (unset: 25% of available RAM; 0: off)"),
+    Setting("kv_budget_bytes", "STRATA_KV_BUDGET_BYTES", int, "RAM for KV: cached prefix blocks and running sequences (unset: 25% of available RAM; 0: prefix cache off)"),
     Setting("vision_budget_bytes", "STRATA_VISION_BUDGET_BYTES", int, "RAM for cached image features (0: off)"),
     Setting("ssd_capacity_bytes", "STRATA_SSD_CAPACITY_BYTES", int, "byte cap of the KV SSD tier (0: no SSD tier)"),
     Setting("ssd_min_hits", "STRATA_SSD_MIN_HITS", int, "spill only blocks reused at least this often in RAM"),
