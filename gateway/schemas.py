@@ -80,14 +80,50 @@ def _short(exc: Exception) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
+# Fields that shape an answer and that Strata does not implement yet, with the values that change
+# nothing (what a client sends when it means the default). Any other value is a 400 naming the field:
+# a parameter is never silently dropped. "functions"/"function_call" are the pre-tools spelling.
+UNSUPPORTED_UNLESS = {
+    "n": (None, 1),
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "top_k": (None, 0, -1),
+    "min_p": (None, 0),
+    "repetition_penalty": (None, 1),
+}
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for field, neutral in UNSUPPORTED_UNLESS.items():
+        if not _is_neutral(body.get(field), neutral):
+            raise bad_request(f"'{field}' is not supported yet (send it unset or as {_shown(neutral[1])})",
+                              "unsupported_parameter", field)
+
+
+def _is_neutral(value: Any, neutral: tuple) -> bool:
+    """None and booleans match by identity (True is not 1), anything else by value (0.0 is 0)."""
+    if value is None or isinstance(value, bool):
+        return any(value is allowed for allowed in neutral)
+    return any(allowed is not None and not isinstance(allowed, bool) and value == allowed for allowed in neutral)
+
+
+def _shown(value: Any) -> str:
+    return "false" if value is False else json.dumps(value)
+
+
 def parse_chat_request(body: dict[str, Any], limits: Limits) -> ChatRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a string", "invalid_type", "model")
-    if body.get("n", 1) != 1:
-        raise bad_request("only n=1 is supported", "unsupported_parameter", "n")
-    if body.get("tools") or body.get("functions"):
-        raise bad_request("tools are not supported by this model", "unsupported_parameter", "tools")
+    _refuse_unsupported(body)
     messages = _parse_messages(body.get("messages"), limits)
     num_images = sum(isinstance(p, ImagePart) for m in messages for p in m.parts)
     if num_images > limits.max_images:

@@ -164,3 +164,27 @@ def test_special_tokens_in_text_are_not_control_tokens(engine):
     plain = engine.prepare((Message("user", (TextPart("hi"),)),), [])
     im_start = engine.runner.tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert injected.token_ids.count(im_start) == plain.token_ids.count(im_start)
+
+
+SHAPING = [("n", 2), ("n", True), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+           ("functions", [{"name": "f"}]), ("tool_choice", "required"), ("function_call", {"name": "f"}),
+           ("response_format", {"type": "json_object"}), ("logprobs", True), ("top_logprobs", 3),
+           ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"42": 100}), ("top_k", 5),
+           ("min_p", 0.1), ("repetition_penalty", 1.2)]
+
+
+@pytest.mark.parametrize("field,value", SHAPING, ids=[f"{f}={v!r}"[:40] for f, v in SHAPING])
+def test_a_parameter_that_would_shape_the_answer_is_never_silently_dropped(client, field, value):
+    response = client.post("/v1/chat/completions", json={"model": TINY, "messages": USER, "max_tokens": 2, field: value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("unsupported_parameter", field)
+    assert field in error["message"]
+
+
+def test_the_neutral_values_of_those_parameters_are_accepted(client):
+    neutral = {"n": 1, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logprobs": False,
+               "top_logprobs": 0, "presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {}, "top_k": -1,
+               "min_p": 0, "repetition_penalty": 1.0, "functions": None}
+    response = client.post("/v1/chat/completions", json={"model": TINY, "messages": USER, "max_tokens": 2, **neutral})
+    assert response.status_code == 200, response.text
