@@ -75,6 +75,10 @@ class ChatService:
     async def prepare(self, request: ChatRequest, images: list[DecodedImage]) -> PreparedPrompt:
         """Tokenise (off the event loop), after a free bound: a token holds at most max_token_bytes
         bytes, so text that cannot fit whatever its tokens is refused before the tokenizer runs."""
+        biased = [token for token, _ in request.sampling.logit_bias if token >= self.engine.info.vocab_size]
+        if biased:
+            raise bad_request(f"'logit_bias' names token {biased[0]}; this model's token ids run from 0 to "
+                              f"{self.engine.info.vocab_size - 1}", "invalid_value", "logit_bias")
         limit = min(self.settings.limits.max_context_tokens, self.engine.info.max_context_tokens)
         at_least = -(-request.num_text_bytes // self.engine.info.max_token_bytes)
         if at_least + request.sampling.max_tokens > limit:

@@ -7,8 +7,8 @@
 
 What may be shared, and with whom:
 - Everything that shapes an answer is in both keys: the messages (images by pixel hash), max_tokens,
-  stop, and the sampling (temperature, top_p, seed; at temperature 0 only the greedy choice counts,
-  so seed and top_p are dropped there: they change nothing).
+  stop, the penalties and logit bias, and the sampling (temperature, top_p, top_k, min_p, seed; at
+  temperature 0 only the greedy choice counts, so those are dropped there: they change nothing).
 - The exact layer serves identical deterministic requests (greedy, or seeded). The semantic layer
   serves only greedy answers: a sampled draw, even a seeded one, must not stand in for another
   question's answer.
@@ -188,11 +188,18 @@ def _guarded(errors: Counter, layer: str, write, *args) -> None:
 
 
 def _decoding(sampling: Sampling) -> dict:
-    """What shapes an answer besides the messages. At temperature 0 the greedy choice ignores top_p
-    and seed, so they are left out: greedy requests share entries whatever they send there."""
+    """What shapes an answer besides the messages. At temperature 0 the greedy choice ignores top_p,
+    top_k, min_p and seed, so they are left out: greedy requests share entries whatever they send
+    there. Penalties and logit bias change greedy answers too; they are in the key only when set, so
+    entries stored before they existed keep matching."""
     decoding = {"max_tokens": sampling.max_tokens, "stop": list(sampling.stop), "temperature": sampling.temperature}
     if sampling.temperature != 0.0:
         decoding.update(top_p=sampling.top_p, seed=sampling.seed)
+        if sampling.top_k or sampling.min_p:
+            decoding.update(top_k=sampling.top_k, min_p=sampling.min_p)
+    if sampling.presence_penalty or sampling.frequency_penalty or sampling.logit_bias:
+        decoding.update(presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
+                        logit_bias=[list(pair) for pair in sampling.logit_bias])
     return decoding
 
 

@@ -92,11 +92,6 @@ UNSUPPORTED_UNLESS = {
     "response_format": (None, {"type": "text"}),
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}),
-    "top_k": (None, 0, -1),
-    "min_p": (None, 0),
     "repetition_penalty": (None, 1),
 }
 
@@ -216,7 +211,35 @@ def _parse_sampling(body: dict[str, Any], limits: Limits) -> Sampling:
     seed = body.get("seed")
     if seed is not None and not (_is_int(seed) and -(2**63) <= seed < 2**64):
         raise bad_request("'seed' must be a 64-bit integer", "invalid_type", "seed")
-    return Sampling(max_tokens, temperature, top_p, seed, _parse_stop(body.get("stop"), limits))
+    top_k = body.get("top_k", 0)
+    if not _is_int(top_k) or top_k < -1:
+        raise bad_request("'top_k' must be an integer: -1 or 0 for off, else at least 1", "invalid_value", "top_k")
+    return Sampling(max_tokens, temperature, top_p, seed, _parse_stop(body.get("stop"), limits),
+                    presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+                    frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+                    logit_bias=_parse_logit_bias(body.get("logit_bias")), top_k=max(top_k, 0),
+                    min_p=_number(body, "min_p", 0.0, 0.0, 1.0))
+
+
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+
+
+def _parse_logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias in [-100, 100]} -> sorted (id, bias) pairs. Ids beyond the model's
+    vocabulary are refused where the model is known (chat.py)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict) or len(raw) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids", "invalid_type",
+                          "logit_bias")
+    pairs = []
+    for key, value in raw.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 9):
+            raise bad_request(f"'logit_bias' keys are token ids; got {_short(key)!r}", "invalid_value", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise bad_request("'logit_bias' values must be numbers from -100 to 100", "invalid_value", "logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
 
 
 def _parse_stop(raw: Any, limits: Limits) -> tuple[str, ...]:

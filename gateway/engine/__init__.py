@@ -55,6 +55,7 @@ class ModelInfo:
     fingerprint: str  # sha256 over config, tokenizer and weights: changes whenever outputs may
     max_context_tokens: int
     max_token_bytes: int  # the longest token's bytes: n bytes of text are at least n / this tokens
+    vocab_size: int  # token ids run from 0 to this - 1 (logit_bias keys are checked against it)
 
 
 class Engine:
@@ -67,6 +68,7 @@ class Engine:
             fingerprint=fingerprint,
             max_context_tokens=self.runner.max_positions,
             max_token_bytes=self.runner.prompts.max_token_bytes,
+            vocab_size=self.runner.vocab_size,
         )
         self.worker = EngineWorker(self.runner, config.max_queue, config.prefill_chunk_tokens, config.max_num_seqs)
         self.prepare = self.runner.prompts.build

@@ -12,9 +12,10 @@ Owned by the engine's single worker thread: MLX is not thread-safe, so no other 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +79,8 @@ class ModelRunner:
         self.tokenizer = self.prompts.tokenizer
         self.eos_ids = eos_ids(Path(model_path), config, self.tokenizer)
         self.max_positions = _max_positions(config)
+        text_config = config.get("text_config") or {}
+        self.vocab_size = int(text_config.get("vocab_size") or config.get("vocab_size") or len(self.tokenizer))
         image_processor = getattr(self.processor, "image_processor", None)
         fingerprint = processor_fingerprint(vars(image_processor)) if image_processor is not None else "text"
         self.caches = EngineCaches(cache_config, model_fingerprint, fingerprint)
@@ -269,10 +272,12 @@ class ModelRunner:
         """Yield sampled token ids until EOS or max_tokens; EOS itself is not yielded."""
         sample = Sampler(sampling)
         logits, cache = prefill.logits, prefill.cache
+        generated: list[int] = []
         for _ in range(sampling.max_tokens):
-            token = sample(logits)
+            token = sample(logits, generated)
             if token in self.eos_ids:
                 return
+            generated.append(token)
             yield token
             if cancelled():
                 raise Cancelled()
@@ -282,26 +287,64 @@ class ModelRunner:
 
 
 class Sampler:
-    """Greedy at temperature 0; otherwise temperature + nucleus sampling, seeded when asked."""
+    """Greedy at temperature 0; otherwise temperature, then top-k, min-p and nucleus sampling, seeded
+    when asked. Penalties and logit bias apply first, in both cases."""
 
     def __init__(self, sampling: Sampling):
+        self.sampling = sampling
         self.temperature = sampling.temperature
         self.top_p = sampling.top_p
         seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
         self.key = mx.random.key(seed % 2**64)  # negative seeds are valid in the API
+        self.bias = None
+        if sampling.logit_bias:
+            ids, values = zip(*sampling.logit_bias)
+            self.bias = (mx.array(ids, dtype=mx.int32), mx.array(values, dtype=mx.float32))
 
-    def __call__(self, logits: mx.array) -> int:
-        return int(self.draw(logits).item())
+    def __call__(self, logits: mx.array, generated: Sequence[int] = ()) -> int:
+        return int(self.draw(logits, generated).item())
 
-    def draw(self, logits: mx.array) -> mx.array:
-        """The next token as a lazy scalar: a batch evaluates all its rows' draws at once."""
+    def draw(self, logits: mx.array, generated: Sequence[int] = ()) -> mx.array:
+        """The next token as a lazy scalar (a batch evaluates all its rows' draws at once), after the
+        tokens this sequence has generated so far."""
+        logits = self._adjusted(logits, generated)
         if self.temperature == 0.0:
             return mx.argmax(logits)
         self.key, step_key = mx.random.split(self.key)
         scaled = logits.astype(mx.float32) / self.temperature
+        if self.sampling.top_k:
+            scaled = _top_k(scaled, self.sampling.top_k)
+        if self.sampling.min_p:
+            scaled = _min_p(scaled, self.sampling.min_p)
         if self.top_p < 1.0:
             scaled = _nucleus(scaled, self.top_p)
         return mx.random.categorical(scaled, key=step_key)
+
+    def _adjusted(self, logits: mx.array, generated: Sequence[int]) -> mx.array:
+        sampling = self.sampling
+        if not (self.bias or (generated and (sampling.presence_penalty or sampling.frequency_penalty))):
+            return logits
+        logits = logits.astype(mx.float32)
+        if self.bias is not None:
+            logits = logits.at[self.bias[0]].add(self.bias[1])
+        if generated and sampling.frequency_penalty:
+            logits = logits.at[mx.array(generated, dtype=mx.int32)].add(-sampling.frequency_penalty)  # once per use
+        if generated and sampling.presence_penalty:
+            logits = logits.at[mx.array(sorted(set(generated)), dtype=mx.int32)].add(-sampling.presence_penalty)
+        return logits
+
+
+def _top_k(logits: mx.array, k: int) -> mx.array:
+    if k >= logits.shape[-1]:
+        return logits
+    kth = mx.sort(logits)[-k]
+    return mx.where(logits >= kth, logits, -mx.inf)
+
+
+def _min_p(logits: mx.array, min_p: float) -> mx.array:
+    """Keep tokens whose probability is at least min_p times the most likely one's."""
+    threshold = mx.max(logits) + math.log(min_p)
+    return mx.where(logits >= threshold, logits, -mx.inf)
 
 
 def _nucleus(logits: mx.array, top_p: float) -> mx.array:

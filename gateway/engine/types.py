@@ -28,7 +28,19 @@ class Message:
 @dataclass(frozen=True, slots=True)
 class Sampling:
     max_tokens: int
-    temperature: float  # 0: greedy (top_p and seed then change nothing)
+    temperature: float  # 0: greedy (top_p, top_k, min_p and seed then change nothing)
     top_p: float
     seed: int | None
     stop: tuple[str, ...]
+    # OpenAI's penalties over the tokens generated so far: each logit loses presence_penalty once the
+    # token has appeared and frequency_penalty per appearance (greedy decoding too).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by id
+    top_k: int = 0  # 0: off; else sample among the k most likely
+    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Anything beyond temperature and top_p touches the logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.top_k or self.min_p)

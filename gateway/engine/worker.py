@@ -348,7 +348,7 @@ class EngineWorker:
         """Sample every row's next token (one evaluation for the whole batch), retire the rows that
         ended, feed the others one batched step."""
         try:
-            tokens = mx.stack([row.sampler.draw(row.logits) for row in self.running]).tolist()
+            tokens = mx.stack([row.sampler.draw(row.logits, row.generated) for row in self.running]).tolist()
         except Exception as exc:  # the last step's evaluation failed: its rows fail, not the worker
             self._fail_all(exc)
             return

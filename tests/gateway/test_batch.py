@@ -10,7 +10,7 @@ import httpx
 import mlx.core as mx
 import pytest
 
-from gateway.engine import Message, Sampling, TextPart
+from gateway.engine import Message, Sampler, Sampling, TextPart
 from gateway.engine.batch import DecodeBatch
 from gateway.engine.builder import RECIPES, BuildSpec
 from gateway.engine.caching import CacheConfig
@@ -202,7 +202,6 @@ def test_a_flooding_tenant_cannot_starve_another(tiny_model_path, tmp_path):
 def test_a_seeded_sampled_sequence_draws_the_same_tokens_alone_and_in_a_batch():
     """Each row samples with its own seeded key from its own logits, which do not depend on the batch:
     the exact cache's rule (a seeded request is deterministic) holds under batching."""
-    from gateway.engine import Sampler
 
     runner = ModelRunner(built_model(BuildSpec("qwen2_5_vl", "tiny")), CacheConfig(0, 0, 16), "fp")
     prompts = _prompts(runner, 4)
@@ -290,3 +289,35 @@ def test_the_last_place_in_the_batch_is_kept_for_another_tenant(tiny_model_path)
         engine.stop()
     assert most == 2
     assert a_ended == 0 and running == 3  # B started beside A's two rows, none of which had ended
+
+
+def test_penalties_and_logit_bias_shape_each_row_as_they_do_alone(tiny_model_path):
+    """Per-row logits processing inside the batch: a logit bias of +100 makes a row repeat one token,
+    negative penalties make a greedy answer repeat itself, and each row gets the tokens it gets alone."""
+    runner = ModelRunner(tiny_model_path, CacheConfig(0, 0, 16), "fp")
+    prompts = _prompts(runner, 3)
+    plain = Sampling(STEPS, 0.0, 1.0, None, ())
+    biased = Sampling(STEPS, 0.0, 1.0, None, (), logit_bias=((7, 100.0),))
+    penalised = Sampling(STEPS, 0.0, 1.0, None, (), frequency_penalty=-2.0, presence_penalty=-2.0)  # repeat
+
+    def alone(prompt, sampling):
+        prefill = runner.prefill(prompt, SALT, 64, lambda: False)
+        return list(runner.decode(prefill, sampling, lambda: False))
+
+    assert alone(prompts[0], biased) == [7] * STEPS
+    assert alone(prompts[1], penalised) != alone(prompts[1], plain)
+    samplings = [biased, penalised, plain]
+    expected = [alone(p, s) for p, s in zip(prompts, samplings)]
+    batch, samplers, logits, drawn = DecodeBatch(runner), [], [], [[], [], []]
+    for prompt, sampling in zip(prompts, samplings):
+        prefill = runner.prefill(prompt, SALT, 64, lambda: False)
+        batch.join(prefill)
+        samplers.append(Sampler(sampling))
+        logits.append(prefill.logits)
+    for _ in range(STEPS):
+        tokens = mx.stack([s.draw(l, d) for s, l, d in zip(samplers, logits, drawn)]).tolist()
+        for row, token in enumerate(tokens):
+            drawn[row].append(token)
+        step = batch.step(tokens)
+        logits = [step[row] for row in range(len(tokens))]
+    assert [_until_eos(d, runner.eos_ids) for d in drawn] == expected

@@ -63,6 +63,10 @@ def test_sampling_parameters_and_images_are_part_of_the_key(client):
     ask(client, "Describe the sea.")
     assert ask(client, "Describe the sea.", max_tokens=7).headers["x-cache-exact"] == "miss"
     assert ask(client, "Describe the sea.", seed=3, temperature=0.5).headers["x-cache-exact"] == "miss"
+    for shaping in ({"presence_penalty": 1.0}, {"frequency_penalty": 0.5}, {"logit_bias": {"7": 5}}):
+        assert ask(client, "Describe the sea.", **shaping).headers["x-cache-exact"] == "miss", shaping
+        assert ask(client, "Describe the sea.", **shaping).headers["x-cache-layer"] == "exact", shaping
+    assert ask(client, "Describe the sea.", top_k=5, min_p=0.2).headers["x-cache-layer"] == "exact"  # greedy: no-ops
     with_image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(seed=1)}},
                                                {"type": "text", "text": "Describe the sea."}]}]
     first = client.post("/v1/chat/completions", json={"model": TINY, "messages": with_image, "max_tokens": 4, "temperature": 0})
