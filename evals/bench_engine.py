@@ -19,6 +19,8 @@ from pathlib import Path
 
 from gateway.blas import env_with_openblas, openblas_library
 
+from . import CORPUS
+
 DECODE_TOKENS = 64
 
 
@@ -27,7 +29,7 @@ def _child(model: str, data_dir: Path, lengths: list[int], repeats: int) -> dict
     from gateway.engine import CacheConfig, ModelRunner, PreparedPrompt, Sampling, resolve_model_path
 
     runner = ModelRunner(resolve_model_path(model, data_dir), CacheConfig(0, 0, 64), "bench")
-    corpus = (Path(__file__).resolve().parents[1] / "gateway/engine/assets/corpus.txt").read_text()
+    corpus = CORPUS.read_text()
     ids = runner.tokenizer.encode(corpus, add_special_tokens=False)
     never = lambda: False  # noqa: E731
     runner.prefill(PreparedPrompt(tuple(ids[:64]), ()), b"salt", 512, never)  # warm-up

@@ -26,6 +26,8 @@ import numpy as np
 
 from semantic import Answer, MiniLMEmbedder, Scope, SemanticCache, SemanticSettings
 
+from . import corpus_lines
+
 QUESTION = "How do I export my project to a CSV file?"
 
 
@@ -85,7 +87,7 @@ def http_layers(model: str, data_dir: Path, requests: int) -> dict:
 def corpus_vectors(embedder: MiniLMEmbedder, size: int) -> tuple[list[str], np.ndarray]:
     """`size` varied questions: corpus sentences turned into questions, embedded by MiniLM in
     batches (the base set), then tiled with small perturbations up to `size`."""
-    lines = (Path(__file__).resolve().parents[1] / "gateway/engine/assets/corpus.txt").read_text().splitlines()[1:]
+    lines = corpus_lines()
     base = [f"What happened when {line[:120]}?" for line in lines[:2000]]
     vectors = embedder.embed(base)
     rng = np.random.default_rng(0)

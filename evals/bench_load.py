@@ -47,7 +47,9 @@ from PIL import Image
 from gateway.blas import env_with_openblas
 from gateway.engine import resolve_model_path
 
-CORPUS = (Path(__file__).resolve().parents[1] / "gateway/engine/assets/corpus.txt").read_text().splitlines()[1:]
+from . import corpus_lines
+
+SENTENCES = corpus_lines()
 MAX_TOKENS = 48
 
 
@@ -175,8 +177,8 @@ def distinct_conversations(tag: str, client: int):
     """Each request a new prompt: a unique opening line and ~250 tokens of corpus text."""
     index = 0
     while True:
-        start = _seed(tag, client, index) % (len(CORPUS) - 20)
-        yield [{"role": "user", "content": f"Request {tag}-{client}-{index}. " + " ".join(CORPUS[start:start + 10])}]
+        start = _seed(tag, client, index) % (len(SENTENCES) - 20)
+        yield [{"role": "user", "content": f"Request {tag}-{client}-{index}. " + " ".join(SENTENCES[start:start + 10])}]
         index += 1
 
 
@@ -188,8 +190,8 @@ def mix_conversations(tag: str, client: int, system_prompt: str):
         history = [{"role": "system", "content": system_prompt}]
         with_image = (client + session) % 4 == 0
         for turn in range(3):
-            start = _seed(tag, client, session, turn) % (len(CORPUS) - 6)
-            text = f"Session {tag}-{client}-{session}, turn {turn}: " + " ".join(CORPUS[start:start + 4])
+            start = _seed(tag, client, session, turn) % (len(SENTENCES) - 6)
+            text = f"Session {tag}-{client}-{session}, turn {turn}: " + " ".join(SENTENCES[start:start + 4])
             content = text
             if with_image and turn == 0:
                 content = [{"type": "image_url", "image_url": {"url": _image_url(_seed(tag, client, session))}},
@@ -212,7 +214,7 @@ def _image_url(seed: int) -> str:
 
 def system_prompt_text(num_words: int = 700) -> str:
     """About 1,000 tokens of the demo tokenizer: the corpus's opening lines as house rules."""
-    words = " ".join(CORPUS[:80]).split()[:num_words]
+    words = " ".join(SENTENCES[:80]).split()[:num_words]
     return "You are the harbour archive's assistant. Background notes: " + " ".join(words)
 
 

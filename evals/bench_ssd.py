@@ -29,13 +29,15 @@ from kvcache import TenantSalt
 from kvcache.quant import QuantConfig
 from kvcache.ssd import AdmissionPolicy, SsdConfig
 
+from . import CORPUS
+
 SALT = TenantSalt(b"bench-ssd-salt-00000000000000000")
 BLOCK = 32
 FOLLOW_UP = 24
 
 
 def corpus_ids(runner: ModelRunner, count: int) -> list[int]:
-    text = (Path(__file__).resolve().parents[1] / "gateway/engine/assets/corpus.txt").read_text()
+    text = CORPUS.read_text()
     ids = runner.tokenizer.encode(text, add_special_tokens=False)
     while len(ids) < count:
         ids = ids + ids

@@ -34,13 +34,15 @@ from gateway.engine import (BUILDABLE_FAMILIES, VISION_FAMILIES, CacheConfig, Im
 from kvcache import PrefixCache, TenantSalt, chain_root, hash_blocks
 from vision import DecodedImage, pixel_hash
 
+from . import corpus_lines
+
 REPLY_TOKENS = 24
 SALT = TenantSalt(b"bench-tenant-salt-000000000000000")
 GREEDY = Sampling(REPLY_TOKENS, 0.0, 1.0, None, ())
 
 
 def user_turns(tokenizer, num_turns: int, tokens_per_turn: int = 200) -> list[str]:
-    lines = (Path(__file__).resolve().parents[1] / "gateway/engine/assets/corpus.txt").read_text().splitlines()[1:]
+    lines = corpus_lines()
     turns, current = [], []
     for line in lines:
         current.append(line)

@@ -46,11 +46,15 @@ def _sigmoid_times(scaled: np.ndarray, x: np.ndarray) -> np.ndarray:
     return scaled
 
 
+def _silu(x: mx.array) -> np.ndarray:
+    values = _numpy(x)
+    return _sigmoid_times(values.copy(), values)
+
+
 def silu(x: mx.array) -> mx.array:
     if not _is_chunk(x):
         return mlx_nn.silu(x)
-    values = _numpy(x)
-    return mx.array(_sigmoid_times(values.copy(), values)).astype(x.dtype)
+    return mx.array(_silu(x)).astype(x.dtype)
 
 
 def gelu_approx(x: mx.array) -> mx.array:
@@ -70,8 +74,7 @@ def _cpu_swiglu(original):
     def swiglu(gate: mx.array, x: mx.array) -> mx.array:
         if not _is_chunk(gate):
             return original(gate, x)
-        gate_values = _numpy(gate)
-        out = _sigmoid_times(gate_values.copy(), gate_values)
+        out = _silu(gate)
         out *= np.asarray(x.astype(mx.float32))
         return mx.array(out).astype(x.dtype)
 

@@ -78,9 +78,8 @@ class ModelRunner:
         self.image_token_id = getattr(model_config, "image_token_index", None) or getattr(model_config, "image_token_id", None)
         self.tokenizer = self.prompts.tokenizer
         self.eos_ids = eos_ids(Path(model_path), config, self.tokenizer)
-        self.max_positions = _max_positions(config)
-        text_config = config.get("text_config") or {}
-        self.vocab_size = int(text_config.get("vocab_size") or config.get("vocab_size") or len(self.tokenizer))
+        self.max_positions = int(_text_setting(config, "max_position_embeddings") or 32768)
+        self.vocab_size = int(_text_setting(config, "vocab_size") or len(self.tokenizer))
         image_processor = getattr(self.processor, "image_processor", None)
         fingerprint = processor_fingerprint(vars(image_processor)) if image_processor is not None else "text"
         self.caches = EngineCaches(cache_config, model_fingerprint, fingerprint)
@@ -292,8 +291,6 @@ class Sampler:
 
     def __init__(self, sampling: Sampling):
         self.sampling = sampling
-        self.temperature = sampling.temperature
-        self.top_p = sampling.top_p
         seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
         self.key = mx.random.key(seed % 2**64)  # negative seeds are valid in the API
         self.bias = None
@@ -307,17 +304,18 @@ class Sampler:
     def draw(self, logits: mx.array, generated: Sequence[int] = ()) -> mx.array:
         """The next token as a lazy scalar (a batch evaluates all its rows' draws at once), after the
         tokens this sequence has generated so far."""
+        sampling = self.sampling
         logits = self._adjusted(logits, generated)
-        if self.temperature == 0.0:
+        if sampling.temperature == 0.0:
             return mx.argmax(logits)
         self.key, step_key = mx.random.split(self.key)
-        scaled = logits.astype(mx.float32) / self.temperature
-        if self.sampling.top_k:
-            scaled = _top_k(scaled, self.sampling.top_k)
-        if self.sampling.min_p:
-            scaled = _min_p(scaled, self.sampling.min_p)
-        if self.top_p < 1.0:
-            scaled = _nucleus(scaled, self.top_p)
+        scaled = logits.astype(mx.float32) / sampling.temperature
+        if sampling.top_k:
+            scaled = _top_k(scaled, sampling.top_k)
+        if sampling.min_p:
+            scaled = _min_p(scaled, sampling.min_p)
+        if sampling.top_p < 1.0:
+            scaled = _nucleus(scaled, sampling.top_p)
         return mx.random.categorical(scaled, key=step_key)
 
     def _adjusted(self, logits: mx.array, generated: Sequence[int]) -> mx.array:
@@ -442,9 +440,9 @@ def _state_arrays(cache: list) -> list[mx.array]:
     return [x for state in states for x in state if isinstance(x, mx.array)]
 
 
-def _max_positions(config: dict) -> int:
-    text = config.get("text_config") or {}
-    return int(text.get("max_position_embeddings") or config.get("max_position_embeddings") or 32768)
+def _text_setting(config: dict, name: str):
+    """A language-model setting: a vision model's text_config holds it, a text model's config itself."""
+    return (config.get("text_config") or {}).get(name) or config.get(name)
 
 
 def decode_positions(offsets, deltas: list[int] | None) -> mx.array | None:

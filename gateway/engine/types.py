@@ -39,8 +39,3 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by id
     top_k: int = 0  # 0: off; else sample among the k most likely
     min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
-
-    @property
-    def shapes_logits(self) -> bool:
-        """Anything beyond temperature and top_p touches the logits."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.top_k or self.min_p)

@@ -287,8 +287,11 @@ class EngineWorker:
             self.prefilling = Prefilling(job, steps, queue_ms, need)
         return True
 
+    def _num_rows(self, tenant: bytes) -> int:
+        return sum(1 for row in self.running if row.job.salt == tenant)
+
     def _holds_its_batch_share(self, tenant: bytes) -> bool:
-        return sum(1 for row in self.running if row.job.salt == tenant) >= self.batch_share
+        return self._num_rows(tenant) >= self.batch_share
 
     def _may_take_a_place(self, tenant: bytes) -> bool:
         """Once more than one tenant has been served, the batch's last free place is kept for a
@@ -297,7 +300,7 @@ class EngineWorker:
         salt, as in single-tenant mode) may fill the batch."""
         if len(self.running) < self.max_num_seqs - 1 or self.jobs.num_tenants_served() < 2:
             return True
-        return not any(row.job.salt == tenant for row in self.running)
+        return self._num_rows(tenant) == 0
 
     def _prefill_chunk(self) -> int:
         """Run the admitted job's next prefill chunk; after its last, the job joins the batch.
