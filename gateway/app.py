@@ -1,6 +1,8 @@
 """The Litestar app: routes and lifespan only; a request's way through the layers is pipeline.py.
 
     POST /v1/chat/completions   OpenAI chat completions (JSON or SSE)
+    POST /v1/responses          OpenAI Responses API (previous_response_id kept per tenant)
+    POST /v1/embeddings         MiniLM sentence embeddings
     GET  /v1/models             the served model
     GET  /healthz               liveness; details (model, BLAS, queue) only with the admin key
     GET  /admin/stats           per-layer counters (admin key)
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -21,22 +24,24 @@ from litestar import Litestar, Request, Response, get, post
 from litestar.openapi import OpenAPIConfig
 from litestar.response import Stream
 
-from .auth import Authenticator, load_server_secret
-from .blas import blas_in_use
-from . import openai_format
-from .chat import ChatService
-from .openai_format import ModelStamp
-from .pipeline import Pipeline, off_loop
 from kvcache import default_budget_bytes
 from kvcache.quant import QuantConfig
 from kvcache.ssd import AdmissionPolicy, SsdConfig
 from semantic import Embedder
 
-from .engine import CacheConfig, Engine, EngineConfig, resolve_model_path
+from . import openai_format, responses_api
 from .admin import ADMIN_CACHE_ROUTES, require_admin
-from .errors import EXCEPTION_HANDLERS
-from .files import private_dir
-from .responses import ResponseCaches
+from .auth import Authenticator, load_server_secret
+from .blas import blas_in_use
+from .chat import ChatService
+from .conversations import ConversationStore
+from .embeddings import MODEL_NAMES as EMBEDDING_MODELS, Embeddings, parse_embeddings_request
+from .engine import CacheConfig, Engine, EngineConfig, resolve_model_path
+from .errors import EXCEPTION_HANDLERS, ApiError, bad_request
+from .files import private_dir, private_file
+from .openai_format import ModelStamp
+from .pipeline import Pipeline, off_loop
+from .responses import SESSION_HEADER, ResponseCaches
 from .schemas import parse_chat_request, parse_json_body
 from .settings import Settings
 from .stats import LayerCounters
@@ -54,6 +59,8 @@ class Services:
     counters: LayerCounters
     responses: ResponseCaches
     stamp: ModelStamp
+    embeddings: Embeddings
+    conversations: ConversationStore
 
 
 def _services(request: Request) -> Services:
@@ -69,13 +76,91 @@ async def chat_completions(request: Request) -> Response:
     turn = await services.pipeline.start(chat_request, caller, request.headers, len(raw))
     if chat_request.stream:
         headers = {**turn.trace.headers(), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        chunks = openai_format.sse(turn.events(), turn.completion, turn.trace, services.stamp, chat_request.include_usage)
+        chunks = openai_format.sse(turn.events(), turn.completions, turn.trace, services.stamp, chat_request.include_usage,
+                                   _tools(services, chat_request))
         return Stream(chunks, media_type="text/event-stream", headers=headers)
     if turn.cached:  # a replay finishes at once: nothing to abandon
         await turn.finish()
     elif await _client_left_first(request, turn.finish()):
         return Response(b"", status_code=499)  # nobody reads it: the job was cancelled
-    return Response(openai_format.response_body(turn.completion, turn.trace, services.stamp), headers=turn.trace.headers())
+    body = openai_format.response_body(turn.completions, turn.trace, services.stamp, _tools(services, chat_request))
+    return Response(body, headers=turn.trace.headers())
+
+
+def _tools(services: Services, chat_request):
+    """The model's tool-call format when the reply may hold calls to parse out."""
+    return services.engine.tools if chat_request.parses_tool_calls else None
+
+
+@post("/v1/responses", status_code=200)
+async def create_response(request: Request) -> Response:
+    services = _services(request)
+    caller = services.auth.caller(request.headers.get("authorization"))
+    raw = await request.body()
+    limits = services.settings.limits
+    body = await off_loop(len(raw), partial(parse_json_body, raw, limits.max_json_depth))
+    previous_id = body.get("previous_response_id")
+    history = await _history(services, previous_id, caller.tenant)
+    chat, conversation = responses_api.chat_body(body, history)
+    chat_request = await off_loop(len(raw), partial(_parse_renamed, chat, limits))
+    turn = await services.pipeline.start(chat_request, caller, request.headers, len(raw))
+    response_id, tools = responses_api.new_id(), _tools(services, chat_request)
+    session = chat_request.metadata.get("session_id") or request.headers.get(SESSION_HEADER)
+
+    async def finished(message: dict) -> None:
+        if body.get("store", True) is not False:
+            await anyio.to_thread.run_sync(services.conversations.save, response_id, caller.tenant, session,
+                                           chat_request.user, conversation + [message], time.time())
+
+    if chat_request.stream:
+        events = responses_api.stream_events(turn.events(), turn.completion, turn.trace, response_id, body, previous_id,
+                                             tools, finished)
+        return Stream(events, media_type="text/event-stream", headers={**turn.trace.headers(), "Cache-Control": "no-cache"})
+    if not turn.cached and await _client_left_first(request, turn.finish()):
+        return Response(b"", status_code=499)
+    if turn.cached:
+        await turn.finish()
+    items, message = responses_api.output(turn.completion, tools)
+    await finished(message)
+    body_out = responses_api.response_object(response_id, body, turn.completion, turn.trace, items, previous_id)
+    return Response(body_out, headers=turn.trace.headers())
+
+
+async def _history(services: Services, previous_id, tenant: str) -> list[dict] | None:
+    """The stored conversation `previous_id` continues; 404 when this tenant has none by that id."""
+    if previous_id is None:
+        return None
+    if not isinstance(previous_id, str) or not previous_id:
+        raise bad_request("'previous_response_id' must be a string", "invalid_type", "previous_response_id")
+    history = await anyio.to_thread.run_sync(services.conversations.load, previous_id, tenant, time.time())
+    if history is None:
+        raise ApiError(404, f"no stored response {previous_id!r} (expired, not stored, or never made)",
+                       "previous_response_not_found", "previous_response_id")
+    return history
+
+
+# Chat parameter names as the Responses API calls them, for its 400s.
+RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+def _parse_renamed(chat: dict, limits):
+    try:
+        return parse_chat_request(chat, limits)
+    except ApiError as exc:
+        if exc.param:
+            head = exc.param.split("[")[0].split(".")[0]
+            exc.param = RESPONSES_PARAMS.get(head, exc.param) if head in RESPONSES_PARAMS else exc.param
+        raise
+
+
+@post("/v1/embeddings", status_code=200)
+async def create_embeddings(request: Request) -> dict:
+    services = _services(request)
+    services.auth.caller(request.headers.get("authorization"))
+    raw = await request.body()
+    limits = services.settings.limits
+    body = await off_loop(len(raw), partial(parse_json_body, raw, limits.max_json_depth))
+    return await services.embeddings.create(parse_embeddings_request(body, limits))
 
 
 def _parse(raw: bytes, limits):
@@ -109,7 +194,8 @@ async def list_models(request: Request) -> dict:
     services = _services(request)
     services.auth.caller(request.headers.get("authorization"))
     info = services.engine.info
-    return {"object": "list", "data": [{"id": info.name, "object": "model", "created": 0, "owned_by": "strata"}]}
+    models = [info.name, EMBEDDING_MODELS[0]]
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "strata"} for name in models]}
 
 
 @get("/healthz")
@@ -162,18 +248,22 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
         responses = await anyio.to_thread.run_sync(ResponseCaches, settings, live.info.fingerprint, embedder)
         pipeline = Pipeline(ChatService(settings, live), responses, counters)
         stamp = ModelStamp(live.info.name, live.info.fingerprint)
-        app.state.services = Services(settings, live, auth, pipeline, counters, responses, stamp)
+        shared = responses.semantic.embedder if responses.semantic is not None else embedder
+        conversations = ConversationStore(private_file(settings.data_dir / "conversations.db"), settings.conversation_ttl_s)
+        app.state.services = Services(settings, live, auth, pipeline, counters, responses, stamp, Embeddings(shared),
+                                      conversations)
         _log_startup(settings, live)
         try:
             yield
         finally:
             responses.close()
+            conversations.close()
             if owned:
                 await anyio.to_thread.run_sync(live.stop)
                 log.info("engine stopped")
 
     return Litestar(
-        route_handlers=[chat_completions, list_models, healthz, admin_stats, *ADMIN_CACHE_ROUTES],
+        route_handlers=[chat_completions, create_response, create_embeddings, list_models, healthz, admin_stats, *ADMIN_CACHE_ROUTES],
         lifespan=[lifespan],
         exception_handlers=EXCEPTION_HANDLERS,
         request_max_body_size=settings.limits.max_body_bytes,

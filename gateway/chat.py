@@ -11,11 +11,12 @@ Knows neither routing (app.py), nor the order of layers (pipeline.py), nor OpenA
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import anyio
 
@@ -23,7 +24,8 @@ from semantic import StoredResponse
 from vision import DecodedImage
 
 from .auth import Caller
-from .engine import Delta, Engine, Failed, Finished, OverBudget, PreparedPrompt, PromptError, QueueFull, Started
+from .engine import (Delta, Engine, Failed, Finished, GrammarError, OverBudget, PreparedPrompt, PromptError, QueueFull,
+                     Sampling, Started, TokenLogprob, json_schema_grammar)
 from .engine.caching import PrefixReport, VisionReport
 from .errors import ApiError, bad_request
 from .images import load_image
@@ -72,9 +74,10 @@ class ChatService:
             if isinstance(part, ImagePart)
         ]
 
-    async def prepare(self, request: ChatRequest, images: list[DecodedImage]) -> PreparedPrompt:
-        """Tokenise (off the event loop), after a free bound: a token holds at most max_token_bytes
-        bytes, so text that cannot fit whatever its tokens is refused before the tokenizer runs."""
+    async def prepare(self, request: ChatRequest, images: list[DecodedImage]) -> tuple[PreparedPrompt, Sampling]:
+        """Tokenise and compile the output's grammar (off the event loop), after a free bound: a token
+        holds at most max_token_bytes bytes, so text that cannot fit whatever its tokens is refused
+        before the tokenizer runs."""
         biased = [token for token, _ in request.sampling.logit_bias if token >= self.engine.info.vocab_size]
         if biased:
             raise bad_request(f"'logit_bias' names token {biased[0]}; this model's token ids run from 0 to "
@@ -84,12 +87,28 @@ class ChatService:
         if at_least + request.sampling.max_tokens > limit:
             raise _context_error(limit, f"at least {at_least}", request.sampling.max_tokens)
         try:
-            prompt = await anyio.to_thread.run_sync(self.engine.prepare, request.messages, images)
+            prompt = await anyio.to_thread.run_sync(self.engine.prepare, request.messages, images, request.tools)
         except PromptError as exc:
             raise bad_request(str(exc), exc.code, "messages") from None
         if prompt.num_tokens + request.sampling.max_tokens > limit:
             raise _context_error(limit, str(prompt.num_tokens), request.sampling.max_tokens)
-        return prompt
+        grammar = await anyio.to_thread.run_sync(self._grammar, request) if _constrained(request) else None
+        return prompt, replace(request.sampling, grammar=grammar)
+
+    def _grammar(self, request: ChatRequest) -> str:
+        """The grammar of a forced tool call, else of the response format; 400 when it cannot compile."""
+        param = "tools" if request.forced_tool is not None else "response_format"
+        try:
+            if request.forced_tool is not None:
+                grammar = self.engine.tools.grammar(request.tools, request.forced_tool or None)
+            else:
+                schema = request.response_format.get("schema")
+                grammar = json_schema_grammar(json.loads(schema) if schema else {"type": "object"})
+            self.engine.check_grammar(grammar)
+        except (GrammarError, ValueError) as exc:
+            raise bad_request(f"the {param} schema cannot be used to constrain the output: {_brief(exc)}",
+                              "invalid_schema", param) from None
+        return grammar
 
     def replay(self, stored: StoredResponse, trace: Trace) -> Run:
         """A Run whose events come from a stored answer (exact or semantic hit): same shapes, no model.
@@ -106,11 +125,11 @@ class ChatService:
 
         return Run(events(), completion, None)
 
-    async def start(self, prompt: PreparedPrompt, request: ChatRequest, caller: Caller, trace: Trace,
+    async def start(self, prompt: PreparedPrompt, sampling: Sampling, caller: Caller, trace: Trace,
                     deadline: float) -> Run:
         """Queue the job and wait until its prefill is done (or it failed, or the deadline passed)."""
         try:
-            job = self.engine.submit(prompt, request.sampling, caller.salt)
+            job = self.engine.submit(prompt, sampling, caller.salt)
         except QueueFull as full:
             message = ("this tenant holds its share of the engine queue; retry shortly" if full.reason == "tenant_share"
                        else "the engine queue is full; retry shortly")
@@ -133,7 +152,8 @@ class ChatService:
         trace.time("prefill", first.prefill_ms)
         trace.record("prefix", prefix_outcome(first.prefix))
         trace.record("vision", vision_outcome(first.vision))
-        completion = Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), first.num_prompt_tokens, first.num_cached_tokens)
+        completion = Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), first.num_prompt_tokens,
+                                first.num_cached_tokens, logprobs=[] if sampling.top_logprobs is not None else None)
         return Run(events, completion, deadline)
 
     async def _next(self, events: AsyncIterator, deadline: float | None):
@@ -153,8 +173,23 @@ class ChatService:
                 event = await self._next(run.events, run.deadline)
             except StopAsyncIteration:
                 return
-            _apply(event, run.completion)
+            self._apply(event, run.completion)
             yield event
+
+    def _apply(self, event, completion: Completion) -> None:
+        if isinstance(event, Delta) and completion.logprobs is not None:
+            completion.logprobs.extend(self._logprob_entry(entry) for entry in event.logprobs)
+        _apply(event, completion)
+
+    def _logprob_entry(self, entry: TokenLogprob) -> dict:
+        """OpenAI's shape: the token's text and bytes (a character's bytes may span tokens), its log
+        probability and the alternatives'."""
+        top = [self._token(token) | {"logprob": logprob} for token, logprob in entry.top]
+        return self._token(entry.token) | {"logprob": entry.logprob, "top_logprobs": top}
+
+    def _token(self, token: int) -> dict:
+        raw = self.engine.token_bytes(token)
+        return {"token": raw.decode("utf-8", errors="replace"), "bytes": list(raw)}
 
 
 def _apply(event, completion: Completion) -> None:
@@ -166,6 +201,15 @@ def _apply(event, completion: Completion) -> None:
         completion.whole = True
     elif isinstance(event, Failed):
         raise ApiError(500, event.message, "engine_error")
+
+
+def _constrained(request: ChatRequest) -> bool:
+    return request.forced_tool is not None or request.response_format is not None
+
+
+def _brief(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text if len(text) <= 300 else text[:300] + "..."
 
 
 def _context_error(limit: int, prompt_tokens: str, max_tokens: int) -> ApiError:

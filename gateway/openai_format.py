@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from .engine import Delta
+from .engine import Delta, Finished, ParsedCall, ToolFormat
 from .errors import ApiError
 from .trace import Trace
 
@@ -24,6 +25,7 @@ class Completion:
     completion_tokens: int = 0
     finish_reason: str = "stop"
     whole: bool = False  # Finished arrived: the text is the complete answer
+    logprobs: list[dict] | None = None  # OpenAI `logprobs.content` entries, when the request asked for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,44 +34,117 @@ class ModelStamp:
     fingerprint: str  # its first 16 hex digits are the "system_fingerprint"
 
 
-def usage(completion: Completion, trace: Trace) -> dict:
+def usage(completions: list[Completion], trace: Trace) -> dict:
+    """The prompt counts once however many choices; each choice's own cached tokens are listed in
+    `strata.choices_cached_tokens` when there are several (the later ones reuse the first's prefill)."""
+    first = completions[0]
+    completion_tokens = sum(c.completion_tokens for c in completions)
+    summary = trace.summary()
+    if len(completions) > 1:
+        summary["choices_cached_tokens"] = [c.cached_tokens for c in completions]
     return {
-        "prompt_tokens": completion.prompt_tokens,
-        "completion_tokens": completion.completion_tokens,
-        "total_tokens": completion.prompt_tokens + completion.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": completion.cached_tokens},
-        "strata": trace.summary(),
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": first.prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+        "strata": summary,
     }
 
 
-def response_body(completion: Completion, trace: Trace, stamp: ModelStamp) -> dict:
-    message = {"role": "assistant", "content": completion.text}
+def response_body(completions: list[Completion], trace: Trace, stamp: ModelStamp, tools: ToolFormat | None = None) -> dict:
+    """`tools`: the model's tool-call format when the request offered tools (calls are parsed out)."""
     return {
-        **_base(completion, "chat.completion", stamp),
-        "choices": [{"index": 0, "message": message, "finish_reason": completion.finish_reason, "logprobs": None}],
-        "usage": usage(completion, trace),
+        **_base(completions[0], "chat.completion", stamp),
+        "choices": [_choice(index, completion, tools) for index, completion in enumerate(completions)],
+        "usage": usage(completions, trace),
     }
 
 
-async def sse(events: AsyncIterator, completion: Completion, trace: Trace, stamp: ModelStamp,
-              include_usage: bool) -> AsyncIterator[bytes]:
-    """SSE chunks of a request's events (already applied to `completion`). An error mid-stream ends
-    it with an error event; closing this generator early closes `events` (which cancels the job)."""
-    yield _chunk(completion, {"role": "assistant", "content": ""}, None, stamp)
+def _choice(index: int, completion: Completion, tools: ToolFormat | None) -> dict:
+    message: dict = {"role": "assistant", "content": completion.text}
+    finish_reason = completion.finish_reason
+    content, calls = tools.parse(completion.text) if tools is not None else (completion.text, [])
+    if calls:
+        message = {"role": "assistant", "content": content or None, "tool_calls": tool_calls(calls)}
+        finish_reason = "tool_calls"
+    logprobs = {"content": completion.logprobs} if completion.logprobs is not None else None
+    return {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}
+
+
+def tool_calls(calls: list[ParsedCall]) -> list[dict]:
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}} for call in calls]
+
+
+async def sse(events: AsyncIterator, completions: list[Completion], trace: Trace, stamp: ModelStamp,
+              include_usage: bool, tools: ToolFormat | None = None) -> AsyncIterator[bytes]:
+    """SSE chunks of a request's (choice index, event) pairs (already applied to `completions`). An
+    error mid-stream ends it with an error event; closing this generator early closes `events`
+    (which cancels the jobs). With `tools`, text from where a call may start is held back; at the
+    end the calls go out as `tool_calls` deltas (one whole call each) and anything held that was not
+    a call as content."""
+    streams = [ChoiceStream(index, completion, tools) for index, completion in enumerate(completions)]
+    for choice in streams:
+        yield _chunk(choice, {"role": "assistant", "content": ""}, None, stamp)
     try:
-        async for event in events:
-            if isinstance(event, Delta):
-                yield _chunk(completion, {"content": event.text}, None, stamp)
+        async for index, event in events:
+            if isinstance(event, Delta) and (chunk := streams[index].delta(stamp)):
+                yield chunk
+            if isinstance(event, Finished):
+                for chunk in streams[index].finish(stamp, None if include_usage or len(streams) > 1 else trace):
+                    yield chunk
     except ApiError as exc:
         yield _sse(exc.body())
         return
     finally:
         await events.aclose()
-    summary = usage(completion, trace)
-    yield _chunk(completion, {}, completion.finish_reason, stamp, None if include_usage else summary)
     if include_usage:
-        yield _sse({**_base(completion, "chat.completion.chunk", stamp), "choices": [], "usage": summary})
+        yield _sse({**_base(completions[0], "chat.completion.chunk", stamp), "choices": [], "usage": usage(completions, trace)})
     yield b"data: [DONE]\n\n"
+
+
+class ChoiceStream:
+    """One choice's chunks: what of its text and logprobs has gone out."""
+
+    def __init__(self, index: int, completion: Completion, tools: ToolFormat | None):
+        self.index = index
+        self.completion = completion
+        self.tools = tools
+        self.sent = 0  # characters of the text sent as content
+        self.num_logprobs = 0  # logprob entries sent
+
+    def delta(self, stamp: ModelStamp) -> bytes | None:
+        text, tools = self.completion.text, self.tools
+        end = tools.may_start_call(text) if tools is not None else len(text)
+        logprobs = self.completion.logprobs[self.num_logprobs:] if self.completion.logprobs is not None else None
+        if end <= self.sent and not logprobs:
+            return None
+        chunk = _chunk(self, {"content": text[self.sent:end]}, None, stamp, logprobs=logprobs)
+        self.sent, self.num_logprobs = max(self.sent, end), self.num_logprobs + len(logprobs or ())
+        return chunk
+
+    def finish(self, stamp: ModelStamp, trace: Trace | None) -> list[bytes]:
+        """What streaming held back, then the finish chunk (carrying usage when `trace` is given: a
+        lone choice without include_usage, as before)."""
+        finish_reason = self.completion.finish_reason
+        chunks = []
+        for delta in _held_back(self.completion.text, self.sent, self.tools):
+            chunks.append(_chunk(self, delta, None, stamp))
+            finish_reason = "tool_calls" if "tool_calls" in delta else finish_reason
+        summary = usage([self.completion], trace) if trace is not None else None
+        return chunks + [_chunk(self, {}, finish_reason, stamp, summary)]
+
+
+def _held_back(text: str, sent: int, tools: ToolFormat | None) -> list[dict]:
+    """The deltas of what streaming held back: content before the first call, then the calls; or,
+    when no call parsed, the rest as content."""
+    if tools is None or sent >= len(text):
+        return []
+    _, calls = tools.parse(text)
+    if not calls:
+        return [{"content": text[sent:]}]
+    deltas = [{"content": text[sent:tools.may_start_call(text)]}] if tools.may_start_call(text) > sent else []
+    return deltas + [{"tool_calls": [{"index": index, **call}]} for index, call in enumerate(tool_calls(calls))]
 
 
 def _base(completion: Completion, kind: str, stamp: ModelStamp) -> dict:
@@ -77,10 +152,11 @@ def _base(completion: Completion, kind: str, stamp: ModelStamp) -> dict:
             "system_fingerprint": stamp.fingerprint[:16]}
 
 
-def _chunk(completion: Completion, delta: dict, finish_reason: str | None, stamp: ModelStamp,
-           summary: dict | None = None) -> bytes:
-    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-    body = {**_base(completion, "chat.completion.chunk", stamp), "choices": [choice]}
+def _chunk(choice: ChoiceStream, delta: dict, finish_reason: str | None, stamp: ModelStamp,
+           summary: dict | None = None, logprobs: list[dict] | None = None) -> bytes:
+    body = {**_base(choice.completion, "chat.completion.chunk", stamp), "choices": [{
+        "index": choice.index, "delta": delta, "finish_reason": finish_reason,
+        "logprobs": {"content": logprobs} if logprobs is not None else None}]}
     if summary is not None:
         body["usage"] = summary
     return _sse(body)

@@ -1,8 +1,10 @@
 """One request through the layers, cheapest first: exact -> semantic -> engine.
 
     Pipeline.start(request, caller, headers, body_size) -> Turn     (a cached answer or a started job)
-    Turn.events()   the answer's events, applied to turn.completion; at the end of a whole answer the
-                    one request-end step runs: every response layer stores it, the counters count it
+    Turn.events()   (choice index, event) pairs, applied to turn.completions; at the end of a whole
+                    answer the one request-end step runs: every response layer stores it, the
+                    counters count it. n > 1 choices are n jobs; the later ones start once the first
+                    has prefilled, so they reuse its prompt blocks from the prefix cache.
     Turn.finish()   the same, drained (non-streaming)
 
 Each response layer has one interface (`lookup(ctx, trace) -> StoredResponse | None`, then
@@ -13,7 +15,7 @@ Each response layer has one interface (`lookup(ctx, trace) -> StoredResponse | N
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TypeVar
 
@@ -23,7 +25,7 @@ from semantic import Answer, StoredResponse
 
 from .auth import Caller
 from .chat import ChatService, Run
-from .engine import Finished
+from .engine import Finished, Sampling
 from .openai_format import Completion
 from .responses import RequestContext, ResponseCaches
 from .schemas import ChatRequest
@@ -48,22 +50,29 @@ class Turn:
     pipeline: Pipeline
     ctx: RequestContext
     trace: Trace
-    run: Run
+    runs: list[Run]  # one per choice
     cached: bool  # answered by a response layer: nothing to store, nothing to abandon
 
     @property
     def completion(self) -> Completion:
-        return self.run.completion
+        return self.runs[0].completion
 
-    async def events(self) -> AsyncIterator:
+    @property
+    def completions(self) -> list[Completion]:
+        return [run.completion for run in self.runs]
+
+    async def events(self) -> AsyncIterator[tuple[int, object]]:
+        """Choice after choice (the engine decodes them together; their events wait in their queues)."""
         try:
-            async for event in self.pipeline.chat.events(self.run):
-                if isinstance(event, Finished) and not self.cached:
-                    self.trace.time("decode", event.decode_ms)
-                yield event
+            for index, run in enumerate(self.runs):
+                async for event in self.pipeline.chat.events(run):
+                    if isinstance(event, Finished) and not self.cached and index == 0:
+                        self.trace.time("decode", event.decode_ms)
+                    yield index, event
         finally:
-            await self.run.events.aclose()  # a client gone early cancels the job
-        if self.completion.whole:
+            for run in self.runs:
+                await run.events.aclose()  # a client gone early cancels the jobs
+        if all(completion.whole for completion in self.completions):
             await self._end()
 
     async def finish(self) -> None:
@@ -77,6 +86,11 @@ class Turn:
             for layer in self.pipeline.responses.layers:
                 await layer.store(self.ctx, answer)
         self.pipeline.counters.add(self.trace)
+
+
+def _choice(sampling: Sampling, index: int) -> Sampling:
+    """Choice `index` of a seeded request draws from its own seed: n copies of one draw are no use."""
+    return sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + index)
 
 
 class Pipeline:
@@ -94,11 +108,18 @@ class Pipeline:
             ctx = await off_loop(body_size, partial(self.responses.context, request, caller, headers, images))
         cached = await self._lookup(ctx, trace)
         if cached is not None:
-            return Turn(self, ctx, trace, self.chat.replay(cached, trace), cached=True)
+            return Turn(self, ctx, trace, [self.chat.replay(cached, trace)], cached=True)
         with trace.timed("tokenize"):
-            prompt = await self.chat.prepare(request, images)
-        run = await self.chat.start(prompt, request, caller, trace, deadline)
-        return Turn(self, ctx, trace, run, cached=False)
+            prompt, sampling = await self.chat.prepare(request, images)
+        runs = [await self.chat.start(prompt, sampling, caller, trace, deadline)]
+        try:
+            for index in range(1, request.n):
+                runs.append(await self.chat.start(prompt, _choice(sampling, index), caller, Trace(), deadline))
+        except BaseException:
+            for run in runs:
+                await run.events.aclose()
+            raise
+        return Turn(self, ctx, trace, runs, cached=False)
 
     async def _lookup(self, ctx: RequestContext, trace: Trace) -> StoredResponse | None:
         for index, layer in enumerate(self.responses.layers):

@@ -7,8 +7,11 @@
 
 What may be shared, and with whom:
 - Everything that shapes an answer is in both keys: the messages (images by pixel hash), max_tokens,
-  stop, the penalties and logit bias, and the sampling (temperature, top_p, top_k, min_p, seed; at
-  temperature 0 only the greedy choice counts, so those are dropped there: they change nothing).
+  stop, the penalties and logit bias, the tools offered, tool_choice and response_format, and the
+  sampling (temperature, top_p, top_k, min_p, seed; at temperature 0 only the greedy choice counts,
+  so those are dropped there: they change nothing). Tool calls are kept as the model wrote them and
+  parsed again on a replay. Requests for logprobs or n > 1 bypass both layers: a stored text has
+  neither. Conversations with tools bypass the semantic layer (the risk screen's tool rule).
 - The exact layer serves identical deterministic requests (greedy, or seeded). The semantic layer
   serves only greedy answers: a sampled draw, even a seeded one, must not stand in for another
   question's answer.
@@ -57,6 +60,8 @@ class RequestContext:
     context: str  # fingerprint of everything else (system, earlier turns, images, decoding, owner)
     semantic_bypass: str | None
     semantic_vector: object = None  # the query's embedding, kept from lookup for the insert
+    # Why neither response layer may answer or store (a stored text cannot carry logprobs or n choices)
+    bypass: str | None = None
 
 
 class ResponseCaches:
@@ -95,7 +100,7 @@ class ResponseCaches:
         end_user = request.user or request.metadata.get("session_id") or headers.get(SESSION_HEADER)
         category = self.risk.category(query) if query else None
         bypass = self._semantic_bypass(request, query, category, end_user is not None)
-        decoding = _decoding(request.sampling)
+        decoding = _decoding(request.sampling) | _output_shape(request)
         if category == PERSONAL_DATA and end_user is not None:
             decoding["end_user"] = end_user  # an answer about one user's own data is that user's alone
         key = exact_key(scope, messages, decoding)
@@ -104,7 +109,7 @@ class ResponseCaches:
         sampling = request.sampling
         return RequestContext(caller.tenant, scope, parse_cache_control(headers, self.settings.max_cache_ttl_s),
                               sampling.temperature == 0.0 or sampling.seed is not None, sampling.temperature == 0.0,
-                              key, query, context, bypass)
+                              key, query, context, bypass, bypass=_response_bypass(request))
 
     def _semantic_bypass(self, request: ChatRequest, query: str | None, category: str | None,
                          has_end_user: bool) -> str | None:
@@ -124,12 +129,17 @@ class ExactLayer:
         self.store_errors = store_errors
 
     async def lookup(self, ctx: RequestContext, trace: Trace) -> StoredResponse | None:
+        if ctx.bypass:
+            trace.record("exact", LayerOutcome.of(BYPASS, reason=ctx.bypass))
+            return None
         result = self.cache.lookup(ctx.exact_key, ctx.control, ctx.deterministic, time.time())
         details = {"age": f"{result.age_s:.1f}"} if result.status == HIT else ({"reason": result.reason} if result.reason else {})
         trace.record("exact", LayerOutcome.of(result.status, **details))
         return result.response
 
     async def store(self, ctx: RequestContext, answer: Answer) -> None:
+        if ctx.bypass:
+            return
         now = time.time()
         response = StoredResponse(answer.text, answer.finish_reason, answer.prompt_tokens, answer.completion_tokens,
                                   now, self.cache.expiry(ctx.control, now))
@@ -160,7 +170,7 @@ class SemanticLayer:
                               entry.created_at, entry.expires_at)
 
     async def store(self, ctx: RequestContext, answer: Answer) -> None:
-        if ctx.semantic_bypass is not None or ctx.control.no_store or not ctx.greedy:
+        if ctx.semantic_bypass is not None or ctx.bypass or ctx.control.no_store or not ctx.greedy:
             return
         insert = (self.cache.insert, ctx.query, answer, ctx.scope, ctx.context, time.time(), ctx.control.ttl_s,
                   ctx.semantic_vector)
@@ -171,6 +181,8 @@ class SemanticLayer:
 
 
 def _ineligible(ctx: RequestContext) -> str | None:
+    if ctx.bypass:
+        return ctx.bypass
     if ctx.control.no_cache:
         return "no_cache"
     if not ctx.greedy:
@@ -201,6 +213,25 @@ def _decoding(sampling: Sampling) -> dict:
         decoding.update(presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
                         logit_bias=[list(pair) for pair in sampling.logit_bias])
     return decoding
+
+
+def _output_shape(request: ChatRequest) -> dict:
+    """The tools offered, the tool choice and the response format: they shape the answer, so they
+    are in both keys (only when set: plain requests keep their keys)."""
+    shape: dict = {}
+    if request.tools:
+        shape.update(tools=[[t.name, t.description, t.parameters] for t in request.tools], tool_choice=request.tool_choice)
+    if request.response_format is not None:
+        shape["response_format"] = request.response_format
+    return shape
+
+
+def _response_bypass(request: ChatRequest) -> str | None:
+    if request.sampling.top_logprobs is not None:
+        return "logprobs"  # a stored answer has no log probabilities
+    if request.n > 1:
+        return "n"  # one stored answer cannot stand for several draws
+    return None
 
 
 def _semantic_outcome(result: SemanticLookup) -> LayerOutcome:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from .engine.types import ImagePart, Message, Sampling, TextPart
+from .engine.types import ImagePart, Message, Sampling, TextPart, Tool, ToolCall
 from .errors import ApiError, bad_request
 from .settings import Limits
 
@@ -28,10 +29,25 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     metadata: dict[str, str]
-    uses_tools: bool = False  # tool results or tool calls in the conversation
+    uses_tools: bool = False  # tools offered, or tool results or tool calls in the conversation
     user: str | None = None  # the OpenAI `user` field: the end user, when the app names one
     num_text_bytes: int = 0  # UTF-8 bytes of all text parts: bounds the token count from below
+    tools: tuple[Tool, ...] = ()
+    # "auto" | "none" | "required" | a function's name (that call is forced)
+    tool_choice: str = "auto"
+    response_format: dict | None = None  # {"type": "json_object"} or {"type": "json_schema", ...}; None: text
+    n: int = 1
 
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_tool(self) -> str | None:
+        """The function a call is forced to ("" for any of the tools); None when none is forced."""
+        if not self.tools or self.tool_choice in ("auto", "none"):
+            return None
+        return "" if self.tool_choice == "required" else self.tool_choice
 
     @property
     def num_images(self) -> int:
@@ -84,14 +100,6 @@ def _short(exc: Exception) -> str:
 # nothing (what a client sends when it means the default). Any other value is a 400 naming the field:
 # a parameter is never silently dropped. "functions"/"function_call" are the pre-tools spelling.
 UNSUPPORTED_UNLESS = {
-    "n": (None, 1),
-    "tools": (None, []),
-    "functions": (None, []),
-    "tool_choice": (None, "none", "auto"),
-    "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "repetition_penalty": (None, 1),
 }
 
@@ -129,6 +137,10 @@ def parse_chat_request(body: dict[str, Any], limits: Limits) -> ChatRequest:
                           "context_length_exceeded", "messages")
     stream = _typed(body, "stream", bool, False)
     options = _typed(body, "stream_options", dict, None) or {}
+    tools = parse_tools(body, limits)
+    n = body.get("n", 1) if body.get("n") is not None else 1
+    if not _is_int(n) or not 1 <= n <= limits.max_n:
+        raise bad_request(f"'n' must be an integer from 1 to {limits.max_n}", "invalid_value", "n")
     return ChatRequest(
         model=model,
         messages=messages,
@@ -136,10 +148,102 @@ def parse_chat_request(body: dict[str, Any], limits: Limits) -> ChatRequest:
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
         metadata=_parse_metadata(body.get("metadata")),
-        uses_tools=any(isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls")) for m in body["messages"]),
+        uses_tools=bool(tools) or any(m.role == "tool" or m.tool_calls for m in messages),
         user=_parse_user(body.get("user"), limits),
         num_text_bytes=num_text_bytes,
+        tools=tools,
+        tool_choice=parse_tool_choice(body, tools),
+        response_format=parse_response_format(body.get("response_format"), limits),
+        n=n,
     )
+
+
+# -- tools and structured output ----------------------------------------------------------------
+
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def parse_tools(body: dict[str, Any], limits: Limits) -> tuple[Tool, ...]:
+    """`tools` (or the older `functions`) -> Tools with canonical JSON parameter schemas."""
+    if body.get("tools") is not None and body.get("functions") is not None:
+        raise bad_request("send 'tools' or the older 'functions', not both", "invalid_value", "functions")
+    field, raw = ("functions", body.get("functions")) if body.get("functions") is not None else ("tools", body.get("tools"))
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or len(raw) > limits.max_tools:
+        raise bad_request(f"'{field}' must be an array of at most {limits.max_tools} functions", "invalid_type", field)
+    tools = [_parse_tool(f"{field}[{i}]", item if field == "tools" else {"type": "function", "function": item}, limits)
+             for i, item in enumerate(raw)]
+    names = [tool.name for tool in tools]
+    if len(set(names)) != len(names):
+        raise bad_request(f"'{field}' names a function twice", "invalid_value", field)
+    return tuple(tools)
+
+
+def _parse_tool(param: str, item: Any, limits: Limits) -> Tool:
+    if not isinstance(item, dict) or item.get("type") != "function" or not isinstance(item.get("function"), dict):
+        raise bad_request(f"{param} must be {{\"type\": \"function\", \"function\": {{...}}}}", "invalid_type", param)
+    function = item["function"]
+    name = function.get("name")
+    if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+        raise bad_request(f"{param}.function.name must be 1 to 64 letters, digits, '_' or '-'", "invalid_value", param)
+    description = function.get("description", "")
+    if not isinstance(description, str):
+        raise bad_request(f"{param}.function.description must be a string", "invalid_type", param)
+    parameters = function.get("parameters", EMPTY_PARAMETERS)
+    return Tool(name, description, _schema_json(f"{param}.function.parameters", parameters, limits))
+
+
+def _schema_json(param: str, schema: Any, limits: Limits) -> str:
+    """A JSON schema as canonical JSON text. That it compiles is checked where the model is known."""
+    if not isinstance(schema, dict):
+        raise bad_request(f"{param} must be a JSON schema object", "invalid_type", param)
+    text = json.dumps(schema, sort_keys=True, ensure_ascii=False)
+    if len(text.encode()) > limits.max_tool_schema_bytes:
+        raise bad_request(f"{param} is larger than {limits.max_tool_schema_bytes} bytes", "invalid_value", param)
+    return text
+
+
+def parse_tool_choice(body: dict[str, Any], tools: tuple[Tool, ...]) -> str:
+    field = "function_call" if body.get("function_call") is not None else "tool_choice"
+    raw = body.get(field)
+    if raw is None:
+        return "auto"
+    if isinstance(raw, dict):
+        function = raw.get("function") if field == "tool_choice" else raw
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or (field == "tool_choice" and raw.get("type") != "function"):
+            raise bad_request(f"'{field}' must be 'none', 'auto', 'required' or "
+                              "{\"type\": \"function\", \"function\": {\"name\": ...}}", "invalid_value", field)
+        if name not in {tool.name for tool in tools}:
+            raise bad_request(f"'{field}' names {_short(name)!r}, which is not among the tools", "invalid_value", field)
+        return name
+    if raw not in ("none", "auto", "required"):
+        raise bad_request(f"'{field}' must be 'none', 'auto', 'required' or a named function", "invalid_value", field)
+    if raw == "required" and not tools:
+        raise bad_request(f"'{field}' is 'required' but no tools were given", "invalid_value", field)
+    return raw
+
+
+def parse_response_format(raw: Any, limits: Limits) -> dict | None:
+    """None for text; else {"type": "json_object"} or {"type": "json_schema", "schema": <canonical JSON>}."""
+    if raw is None:
+        return None
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        spec = raw.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
+            raise bad_request("'response_format.json_schema' must be an object with a 'schema'", "invalid_type",
+                              "response_format")
+        return {"type": "json_schema",
+                "schema": _schema_json("response_format.json_schema.schema", spec.get("schema"), limits)}
+    raise bad_request("'response_format.type' must be 'text', 'json_object' or 'json_schema'", "invalid_value",
+                      "response_format")
 
 
 def _parse_user(raw: Any, limits: Limits) -> str | None:
@@ -155,7 +259,19 @@ def _parse_messages(raw: Any, limits: Limits) -> tuple[Message, ...]:
         raise bad_request("'messages' must be a non-empty array", "invalid_messages", "messages")
     if len(raw) > limits.max_messages:
         raise bad_request(f"at most {limits.max_messages} messages per request", "too_many_messages", "messages")
-    return tuple(_parse_message(i, item, limits) for i, item in enumerate(raw))
+    messages = tuple(_parse_message(i, item, limits) for i, item in enumerate(raw))
+    _check_tool_results(messages)
+    return messages
+
+
+def _check_tool_results(messages: tuple[Message, ...]) -> None:
+    """Every tool message answers a call an earlier assistant message made."""
+    calls: set[str] = set()
+    for index, message in enumerate(messages):
+        calls.update(call.id for call in message.tool_calls)
+        if message.role == "tool" and message.tool_call_id not in calls:
+            raise bad_request(f"messages[{index}] is a tool result for call {_short(message.tool_call_id)!r}, which no "
+                              "earlier assistant message made", "invalid_tool_message", f"messages[{index}]")
 
 
 def _parse_message(index: int, item: Any, limits: Limits) -> Message:
@@ -168,8 +284,12 @@ def _parse_message(index: int, item: Any, limits: Limits) -> Message:
     content = item.get("content")
     if content is None and role == "assistant":
         content = ""
+    calls = _parse_tool_calls(param, item.get("tool_calls"), role)
+    call_id = item.get("tool_call_id")
+    if role == "tool" and (not isinstance(call_id, str) or not call_id):
+        raise bad_request(f"{param}: a tool message needs its 'tool_call_id'", "invalid_tool_message", param)
     if isinstance(content, str):
-        return Message(role, (TextPart(content),))
+        return Message(role, (TextPart(content),), calls, call_id if role == "tool" else None)
     if not isinstance(content, list):
         raise bad_request(f"{param}.content must be a string or an array of parts", "invalid_type", param)
     if len(content) > limits.max_parts_per_message:
@@ -177,7 +297,23 @@ def _parse_message(index: int, item: Any, limits: Limits) -> Message:
     parts = tuple(_parse_part(f"{param}.content[{j}]", part) for j, part in enumerate(content))
     if role != "user" and any(isinstance(p, ImagePart) for p in parts):
         raise bad_request(f"{param}: images are only accepted in user messages", "invalid_content", param)
-    return Message(role, parts)
+    return Message(role, parts, calls, call_id if role == "tool" else None)
+
+
+def _parse_tool_calls(param: str, raw: Any, role: str) -> tuple[ToolCall, ...]:
+    if raw is None or raw == []:
+        return ()
+    if role != "assistant" or not isinstance(raw, list):
+        raise bad_request(f"{param}.tool_calls must be an array, in an assistant message", "invalid_type", param)
+    calls = []
+    for j, call in enumerate(raw):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(call.get("id"), str) and call["id"]
+                and isinstance(function.get("name"), str) and isinstance(function.get("arguments"), str)):
+            raise bad_request(f"{param}.tool_calls[{j}] must have an 'id' and a 'function' with a 'name' and "
+                              "'arguments' (a JSON string)", "invalid_type", param)
+        calls.append(ToolCall(call["id"], function["name"], function["arguments"]))
+    return tuple(calls)
 
 
 def _parse_part(param: str, part: Any) -> TextPart | ImagePart:
@@ -218,7 +354,21 @@ def _parse_sampling(body: dict[str, Any], limits: Limits) -> Sampling:
                     presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
                     frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
                     logit_bias=_parse_logit_bias(body.get("logit_bias")), top_k=max(top_k, 0),
-                    min_p=_number(body, "min_p", 0.0, 0.0, 1.0))
+                    min_p=_number(body, "min_p", 0.0, 0.0, 1.0), top_logprobs=_parse_logprobs(body, limits))
+
+
+def _parse_logprobs(body: dict[str, Any], limits: Limits) -> int | None:
+    """None without logprobs; else how many alternatives each token reports (0: the chosen token only)."""
+    wanted = _typed(body, "logprobs", bool, False)
+    top = body.get("top_logprobs")
+    if top is not None and (not _is_int(top) or not 0 <= top <= limits.max_top_logprobs):
+        raise bad_request(f"'top_logprobs' must be an integer from 0 to {limits.max_top_logprobs}", "invalid_value",
+                          "top_logprobs")
+    if not wanted:
+        if top:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "invalid_value", "top_logprobs")
+        return None
+    return top or 0
 
 
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows

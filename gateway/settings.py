@@ -45,6 +45,11 @@ class Limits:
     max_output_tokens: int = 4096
     default_max_tokens: int = 256
     max_stop_sequences: int = 4
+    max_tools: int = 128  # functions offered in one request
+    max_tool_schema_bytes: int = 64 * 1024  # one function's parameter schema (or a response_format schema), as JSON
+    max_top_logprobs: int = 20  # alternatives per token (OpenAI's own bound)
+    max_n: int = 8  # choices per request
+    max_embedding_inputs: int = 2048  # texts per /v1/embeddings request (OpenAI's own bound)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +59,7 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     model_name: str | None = None  # the id clients send; defaults to the folder name
+    conversation_ttl_s: float = 30 * 86400  # stored Responses-API conversations (previous_response_id) live this long
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant
     admin_key: str | None = None
     max_queue: int = _default(EngineConfig, "max_queue")  # waiting requests; more answer 429
@@ -159,6 +165,7 @@ SETTINGS = (
     Setting("model_name", "STRATA_MODEL_NAME", str, "the model id clients send (default: the model folder's name)"),
     Setting("api_keys", "STRATA_API_KEYS", parse_api_keys, "key1:tenantA,key2:tenantB; unset: single-tenant", secret=True),
     Setting("admin_key", "STRATA_ADMIN_KEY", str, "guards /admin/*; unset: admin routes answer 403", secret=True),
+    Setting("conversation_ttl_s", "STRATA_CONVERSATION_TTL_S", float, "how long a stored Responses-API conversation can be continued"),
     Setting("max_queue", "STRATA_MAX_QUEUE", int, "requests that may wait for the engine; more answer 429"),
     Setting("max_num_seqs", "STRATA_MAX_NUM_SEQS", int, "sequences that decode together, one batched step each"),
     Setting("request_timeout_s", "STRATA_REQUEST_TIMEOUT_S", float, "deadline of one request, queue wait included; then 504"),

@@ -37,6 +37,12 @@ class MiniLMEmbedder:
         self.lock = threading.Lock()  # one encode at a time: the model is shared across threads
         self.num_texts = 0  # texts embedded so far (guarded by lock)
 
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        """Word pieces each text is embedded from (after the model's truncation to its 256)."""
+        with self.lock:
+            encoded = self.model.tokenizer(texts, truncation=True, max_length=self.model.max_seq_length)
+        return [len(ids) for ids in encoded["input_ids"]]
+
     def embed(self, texts: list[str]) -> np.ndarray:
         """The model's own modules (transformer, mean pooling) run directly: identical vectors to
         SentenceTransformer.encode, ~1.4 ms less per query (its per-call bookkeeping)."""

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LIBRARIES = ("kvcache", "vision", "semantic")
 # besides the standard library and itself: the caches it runs and the model libraries beneath them
 ENGINE_MAY_IMPORT = {"kvcache", "vision", "mlx", "mlx_vlm", "mlx_lm", "numpy", "transformers", "tokenizers",
-                     "safetensors", "PIL", "threadpoolctl", "__future__"}
+                     "safetensors", "PIL", "threadpoolctl", "llguidance", "__future__"}
 
 
 def _imported_modules(path: Path) -> list[str]:

@@ -1,6 +1,8 @@
 """The in-process MLX engine behind one small interface.
 
-    Engine.prepare(messages, images) -> PreparedPrompt     (any thread: tokenizer + numpy)
+    Engine.prepare(messages, images, tools) -> PreparedPrompt   (any thread: tokenizer + numpy)
+    Engine.check_grammar(grammar)                          (any thread: GrammarError when it cannot compile)
+    Engine.tools -> ToolFormat                             the model's tool-call format: grammar, parse
     Engine.submit(prompt, sampling)  -> Job                (event loop; QueueFull when full, OverBudget
                                                             when its KV exceeds the whole memory budget)
     Engine.events(job)               -> async Started, Delta..., Finished | Failed
@@ -21,8 +23,10 @@ from .builder import RECIPES, ensure_model, parse_model_name
 from .caching import CacheConfig
 from .families import VISION_FAMILIES, UnsupportedModel
 from .prompt import PreparedPrompt, PromptError
-from .runner import ModelRunner, Sampler
-from .types import ImagePart, Message, Sampling, TextPart
+from .constraint import GrammarError, json_schema_grammar
+from .runner import ModelRunner, Sampler, TokenLogprob
+from .tools import ParsedCall, ToolFormat
+from .types import ImagePart, Message, Sampling, TextPart, Tool, ToolCall
 from .worker import Delta, EngineWorker, Failed, Finished, Job, OverBudget, QueueFull, Started, WorkerSnapshot
 
 log = logging.getLogger("strata.engine")
@@ -30,9 +34,10 @@ log = logging.getLogger("strata.engine")
 BUILDABLE_FAMILIES = tuple(sorted(RECIPES))  # what `strata build-model --family` builds
 
 __all__ = [
-    "BUILDABLE_FAMILIES", "CacheConfig", "UnsupportedModel", "VISION_FAMILIES", "Delta", "Engine", "EngineConfig", "Failed", "Finished", "ImagePart", "Job", "Message", "ModelRunner",
-    "OverBudget", "PreparedPrompt", "PromptError", "QueueFull", "Sampler", "Sampling", "Started", "TextPart", "model_fingerprint",
-    "resolve_model_path",
+    "BUILDABLE_FAMILIES", "CacheConfig", "UnsupportedModel", "VISION_FAMILIES", "Delta", "Engine", "EngineConfig", "Failed",
+    "Finished", "GrammarError", "ImagePart", "Job", "Message", "ModelRunner", "OverBudget", "ParsedCall", "PreparedPrompt",
+    "PromptError", "QueueFull", "Sampler", "Sampling", "Started", "TextPart", "TokenLogprob", "Tool", "ToolCall", "ToolFormat",
+    "json_schema_grammar", "model_fingerprint", "resolve_model_path",
 ]
 
 
@@ -72,8 +77,15 @@ class Engine:
         )
         self.worker = EngineWorker(self.runner, config.max_queue, config.prefill_chunk_tokens, config.max_num_seqs)
         self.prepare = self.runner.prompts.build
+        self.tools = self.runner.prompts.tool_format
         self.submit = self.worker.submit
         self.events = self.worker.events
+
+    def check_grammar(self, grammar: str) -> None:
+        self.runner.grammars.check(grammar)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.runner.grammars.token_bytes(token)
 
     def start(self) -> None:
         self.worker.start()

@@ -7,6 +7,7 @@ MLX worker, so bad or oversized prompts are rejected before they queue.
 from __future__ import annotations
 
 import bisect
+import json
 import re
 from dataclasses import dataclass, replace
 
@@ -15,7 +16,8 @@ import numpy as np
 from vision import DecodedImage, PixelHash
 
 from .families import Family
-from .types import ImagePart, Message
+from .tools import ToolFormat, call_spec
+from .types import ImagePart, Message, Tool
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +72,7 @@ class PromptBuilder:
         self.processor = processor
         self.tokenizer = _hf_tokenizer(processor)
         self.placeholder = family.image_placeholder
+        self.tool_format = ToolFormat(getattr(self.tokenizer, "chat_template", None))
         self.placeholder_id = self.tokenizer.convert_tokens_to_ids(self.placeholder) if self.placeholder else None
         # Processors tokenise with the tokenizer's defaults (some cannot be told otherwise): the tokens it
         # adds around a lone placeholder (a BOS, say) are cut from each image's expansion.
@@ -84,12 +87,13 @@ class PromptBuilder:
         # (vocabulary strings are at least as long in UTF-8 as the bytes they stand for).
         self.max_token_bytes = max(len(t.encode("utf-8")) for t in self.tokenizer.get_vocab())
 
-    def build(self, messages: tuple[Message, ...], images: list[DecodedImage]) -> PreparedPrompt:
+    def build(self, messages: tuple[Message, ...], images: list[DecodedImage], tools: tuple[Tool, ...] = ()) -> PreparedPrompt:
         if images and self.placeholder is None:
             raise PromptError("images_unsupported", "this model is a text model: it does not take images")
-        marked = self.tokenizer.apply_chat_template(
-            [self._template_message(m) for m in messages], tokenize=False, add_generation_prompt=True
-        )
+        rendered, specs = self.tool_format.template_messages([self._template_message(m) for m in messages],
+                                                             tuple(_marked_tool(tool) for tool in tools))
+        extra = {"tools": specs} if specs else {}
+        marked = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **extra)
         ids = self.tokenizer.encode(self._neutralise(marked), add_special_tokens=False)
         processed = [self.process_image(image) for image in images]
         return self._expand_image_tokens(ids, processed)
@@ -100,9 +104,16 @@ class PromptBuilder:
             {"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": _mark_client_text(p.text)}
             for p in message.parts
         ]
+        rendered = {"role": role, "content": parts}
         if len(parts) == 1 and parts[0]["type"] == "text":
-            return {"role": role, "content": parts[0]["text"]}
-        return {"role": role, "content": parts}
+            rendered["content"] = parts[0]["text"]
+        if message.tool_calls:
+            rendered["tool_calls"] = [call_spec(replace(call, id=_mark_client_text(call.id), name=_mark_client_text(call.name),
+                                                        arguments=_marked_json(call.arguments)))
+                                      for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            rendered["tool_call_id"] = _mark_client_text(message.tool_call_id)
+        return rendered
 
     def _neutralise(self, marked: str) -> str:
         """The rendered prompt without markers, where every control token that contains any client
@@ -171,6 +182,34 @@ def _mark_client_text(text: str) -> str:
         return text
     start = text.index(core[0])
     return text[:start] + CLIENT_START + core + CLIENT_END + text[start + len(core):]
+
+
+# JSON-schema keywords stay unmarked (templates may look them up); every other key and string is client text.
+SCHEMA_KEYWORDS = frozenset({"type", "properties", "required", "items", "enum", "description", "additionalProperties",
+                             "anyOf", "oneOf", "allOf", "default", "const", "format", "title", "$defs", "$ref",
+                             "minimum", "maximum", "minItems", "maxItems", "minLength", "maxLength", "pattern"})
+
+
+def _marked(value):
+    """Every string in a JSON value marked as client text, keys too (but schema keywords)."""
+    if isinstance(value, str):
+        return _mark_client_text(value)
+    if isinstance(value, list):
+        return [_marked(item) for item in value]
+    if isinstance(value, dict):
+        return {key if key in SCHEMA_KEYWORDS else _mark_client_text(key): _marked(item) for key, item in value.items()}
+    return value
+
+
+def _marked_json(text: str) -> str:
+    try:
+        return json.dumps(_marked(json.loads(text)), ensure_ascii=False)
+    except ValueError:
+        return _mark_client_text(text)
+
+
+def _marked_tool(tool: Tool) -> Tool:
+    return Tool(_mark_client_text(tool.name), _mark_client_text(tool.description), _marked_json(tool.parameters))
 
 
 def _unmark(marked: str) -> tuple[str, list[tuple[int, int]]]:

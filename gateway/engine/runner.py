@@ -11,6 +11,7 @@ Owned by the engine's single worker thread: MLX is not thread-safe, so no other 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -30,6 +31,7 @@ from .types import Sampling
 from .activations import install_cpu_prefill_activations
 from .attention import install_cpu_prefill_attention
 from .caching import CacheConfig, EngineCaches, PrefixPlan, PrefixReport, VisionReport
+from .constraint import Grammars
 from .families import Family, family_of, read_config
 from .prompt import PreparedPrompt, PromptBuilder, PromptImage
 
@@ -85,6 +87,11 @@ class ModelRunner:
         self.caches = EngineCaches(cache_config, model_fingerprint, fingerprint)
         self.num_encoder_calls = 0
         self.kv_bytes_per_token = 0  # measured by warm_up(): the worker reserves running KV by it
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """llguidance's view of the vocabulary (built on first use: ~1 s for a 150k vocabulary)."""
+        return Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
 
     def warm_up(self) -> None:
         """Run the text and vision paths once: MLX builds its kernels on first use (~2 s here),
@@ -285,11 +292,21 @@ class ModelRunner:
             logits = self.forward(mx.array([[token]], dtype=mx.int32), None, cache, positions)[0]
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log probability and the most likely alternatives (token id, logprob)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 class Sampler:
     """Greedy at temperature 0; otherwise temperature, then top-k, min-p and nucleus sampling, seeded
-    when asked. Penalties and logit bias apply first, in both cases."""
+    when asked. Penalties, logit bias and the grammar's mask apply first, in both cases. Log
+    probabilities are those of the distribution after them, before temperature (what was choosable)."""
 
-    def __init__(self, sampling: Sampling):
+    def __init__(self, sampling: Sampling, grammars: Grammars | None = None):
         self.sampling = sampling
         seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
         self.key = mx.random.key(seed % 2**64)  # negative seeds are valid in the API
@@ -297,6 +314,8 @@ class Sampler:
         if sampling.logit_bias:
             ids, values = zip(*sampling.logit_bias)
             self.bias = (mx.array(ids, dtype=mx.int32), mx.array(values, dtype=mx.float32))
+        self.matcher = grammars.matcher(sampling.grammar) if sampling.grammar else None
+        self.last_logits: mx.array | None = None  # kept for logprobs(): the last draw's adjusted logits
 
     def __call__(self, logits: mx.array, generated: Sequence[int] = ()) -> int:
         return int(self.draw(logits, generated).item())
@@ -306,6 +325,10 @@ class Sampler:
         tokens this sequence has generated so far."""
         sampling = self.sampling
         logits = self._adjusted(logits, generated)
+        if self.matcher is not None:
+            logits = self.matcher.mask(logits)
+        if sampling.top_logprobs is not None:
+            self.last_logits = logits
         if sampling.temperature == 0.0:
             return mx.argmax(logits)
         self.key, step_key = mx.random.split(self.key)
@@ -317,6 +340,20 @@ class Sampler:
         if sampling.top_p < 1.0:
             scaled = _nucleus(scaled, sampling.top_p)
         return mx.random.categorical(scaled, key=step_key)
+
+    def accept(self, token: int) -> None:
+        """The row took `token` (not an end-of-sequence token): the grammar moves past it."""
+        if self.matcher is not None:
+            self.matcher.accept(token)
+
+    def logprobs(self, token: int) -> TokenLogprob:
+        """The last draw's log probability of `token` and its top_logprobs alternatives."""
+        logits = self.last_logits.astype(mx.float32)
+        logp = logits - mx.logsumexp(logits)
+        k = min(self.sampling.top_logprobs, logp.shape[-1])
+        top = mx.argsort(-logp)[:k] if k else mx.zeros((0,), dtype=mx.int32)
+        chosen, values, ids = logp[token].item(), logp[top].tolist(), top.tolist()
+        return TokenLogprob(token, chosen, tuple(zip(ids, values)))
 
     def _adjusted(self, logits: mx.array, generated: Sequence[int]) -> mx.array:
         sampling = self.sampling

@@ -20,9 +20,29 @@ class ImagePart:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A call the assistant made, as the conversation history carries it back."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as the OpenAI API sends it
+
+
+@dataclass(frozen=True, slots=True)
 class Message:
     role: str  # system | developer | user | assistant | tool
     parts: tuple[TextPart | ImagePart, ...]
+    tool_calls: tuple[ToolCall, ...] = ()  # assistant messages only
+    tool_call_id: str | None = None  # tool messages: the call this is the result of
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    """A function the model may call: its JSON-schema parameters, as canonical JSON text."""
+
+    name: str
+    description: str
+    parameters: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,3 +59,7 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by id
     top_k: int = 0  # 0: off; else sample among the k most likely
     min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
+    # An llguidance grammar every generated token must follow (structured output, forced tool calls);
+    # the row ends once the grammar is complete. None: free text.
+    grammar: str | None = None
+    top_logprobs: int | None = None  # None: no logprobs; else the chosen token's and this many alternatives

@@ -38,7 +38,7 @@ from .caching import PrefixReport, VisionReport
 from .prompt import PreparedPrompt
 from .batch import DecodeBatch
 from .fair_queue import FairQueue, QueueFull
-from .runner import Cancelled, ModelRunner, PrefillResult, Sampler
+from .runner import Cancelled, ModelRunner, PrefillResult, Sampler, TokenLogprob
 from .text import TextStream
 
 log = logging.getLogger("strata.engine")
@@ -58,6 +58,9 @@ class Started:
 @dataclass(frozen=True, slots=True)
 class Delta:
     text: str
+    # When the request asked for logprobs: the tokens whose text this delta completes (a character's
+    # bytes may span tokens, and text that could begin a stop sequence is held back a while).
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +160,12 @@ class Running:
     logits: object  # mx.array (vocab,): the next token's logits
     reserved: int  # bytes of the memory budget held for the job's KV
     generated: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # not yet sent with a Delta
     started_at: float = field(default_factory=time.perf_counter)
+
+    def delta(self, text: str) -> Delta:
+        logprobs, self.logprobs = tuple(self.logprobs), []
+        return Delta(text, logprobs)
 
 
 class EngineWorker:
@@ -336,9 +344,10 @@ class EngineWorker:
         job = admitted.job
         job.send(Started(job.prompt.num_tokens, prefill.prefix.num_cached_tokens, prefill.prefix, prefill.vision,
                          admitted.queue_ms, prefill.vision_ms, prefill.prefill_ms))
-        row = Running(job, Sampler(job.sampling), TextStream(self.runner.tokenizer, job.sampling.stop), prefill.logits,
-                      admitted.reserved)
         try:
+            grammars = self.runner.grammars if job.sampling.grammar else None
+            row = Running(job, Sampler(job.sampling, grammars), TextStream(self.runner.tokenizer, job.sampling.stop),
+                          prefill.logits, admitted.reserved)
             self.batch.join(prefill)
         except Exception as exc:
             self.runner.caches.release_running(admitted.reserved)
@@ -357,7 +366,13 @@ class EngineWorker:
             return
         going: list[int] = []
         for index in reversed(range(len(self.running))):
-            if self._advance(self.running[index], tokens[index]):
+            row = self.running[index]
+            try:
+                goes_on = self._advance(row, tokens[index])
+            except Exception as exc:  # one row's grammar or logprobs failed: that row fails, not the batch
+                self._fail(row.job, exc)
+                goes_on = False
+            if goes_on:
                 going.append(tokens[index])
             else:
                 self._retire(index)
@@ -382,12 +397,16 @@ class EngineWorker:
             return False
         if len(row.generated) < sampling.max_tokens and token not in self.runner.eos_ids:
             row.generated.append(token)
+            row.sampler.accept(token)
+            if sampling.top_logprobs is not None:
+                row.logprobs.append(row.sampler.logprobs(token))
             if chunk := row.text.push(token):
-                row.job.send(Delta(chunk))
+                row.job.send(row.delta(chunk))
             if not row.text.stopped and len(row.generated) < sampling.max_tokens:
                 return True
-        if tail := row.text.finish():
-            row.job.send(Delta(tail))
+        tail = row.text.finish()
+        if tail or row.logprobs:
+            row.job.send(row.delta(tail))
         reason = "stop" if row.text.stopped or row.text.num_tokens < sampling.max_tokens else "length"
         row.job.send(Finished(reason, row.text.num_tokens, (time.perf_counter() - row.started_at) * 1000))
         return False

@@ -107,7 +107,7 @@ def test_image_parts_are_accepted_and_counted(client):
 def test_models_and_healthz_and_openapi(settings, engine):
     with TestClient(create_app(dataclasses.replace(settings, admin_key="admin-key"), engine=engine)) as client:
         models = client.get("/v1/models").json()
-        assert [m["id"] for m in models["data"]] == [TINY]
+        assert [m["id"] for m in models["data"]] == [TINY, "all-MiniLM-L6-v2"]
         assert client.get("/healthz").json() == {"status": "ok"}  # the public answer tells nothing more
         wrong_key = client.get("/healthz", headers={"Authorization": "Bearer nope"}).json()
         assert wrong_key == {"status": "ok"}

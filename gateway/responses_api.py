@@ -1,0 +1,228 @@
+"""OpenAI's Responses API (`POST /v1/responses`) over the chat-completions pipeline.
+
+A Responses body is translated into a chat body (input items -> messages, `instructions` -> a system
+message first, function tools and `text.format` -> tools and response_format) and validated by the
+same parser, so every layer and every check applies unchanged. `previous_response_id` puts the
+stored conversation before the new input (the same tenant's only); the earlier turns render to the
+same prompt tokens, so the prefix cache serves them. Instructions are not carried over, as OpenAI's.
+
+    chat_body(body, history) -> dict                a chat-completions body
+    response_object(...) -> dict                    the `response` object
+    stream_events(...) -> SSE bytes                 response.created ... response.completed
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from .engine import Delta, ToolFormat
+from .errors import ApiError, bad_request
+from .openai_format import Completion, tool_calls
+from .trace import Trace
+
+# Responses fields passed to the chat parser under their chat name.
+RENAMED = {"max_output_tokens": "max_tokens"}
+PASSED = ("model", "temperature", "top_p", "stream", "metadata", "user", "parallel_tool_calls", "top_logprobs")
+
+
+def new_id() -> str:
+    return f"resp_{uuid.uuid4().hex}"
+
+
+def chat_body(body: dict[str, Any], history: list[dict] | None) -> tuple[dict, list[dict]]:
+    """The chat body to run, and the conversation to store with the response (without instructions)."""
+    conversation = (history or []) + input_messages(body.get("input"))
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise bad_request("'instructions' must be a string", "invalid_type", "instructions")
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
+    chat = {name: body[name] for name in PASSED if name in body}
+    chat.update({RENAMED[name]: body[name] for name in RENAMED if name in body})
+    chat["messages"] = messages
+    if body.get("tools") is not None:
+        chat["tools"] = _tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    if (text := body.get("text")) is not None:
+        chat["response_format"] = _format(text)
+    return chat, conversation
+
+
+def input_messages(raw: Any) -> list[dict]:
+    """Responses input (a string, or message / function_call / function_call_output items) as chat messages."""
+    if isinstance(raw, str):
+        return [{"role": "user", "content": raw}]
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("'input' must be a string or a non-empty array of items", "invalid_type", "input")
+    messages: list[dict] = []
+    for index, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise bad_request(f"input[{index}] must be an object", "invalid_type", f"input[{index}]")
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append({"role": item.get("role"), "content": _content(index, item.get("content"))})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else json.dumps(output)})
+        else:
+            raise bad_request(f"input[{index}].type {kind!r} is not supported (message, function_call, "
+                              "function_call_output)", "unsupported_content_type", f"input[{index}]")
+    return messages
+
+
+def _content(index: int, raw: Any) -> Any:
+    if isinstance(raw, str):
+        return raw
+    if not isinstance(raw, list):
+        raise bad_request(f"input[{index}].content must be a string or an array of parts", "invalid_type", f"input[{index}]")
+    parts = []
+    for part in raw:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text"):
+            parts.append({"type": "text", "text": part.get("text")})
+        elif kind == "input_image":
+            url = part.get("image_url")
+            parts.append({"type": "image_url", "image_url": {"url": url.get("url") if isinstance(url, dict) else url}})
+        else:
+            raise bad_request(f"input[{index}]: content part type {kind!r} is not supported (input_text, input_image)",
+                              "unsupported_content_type", f"input[{index}]")
+    return parts
+
+
+def _tools(raw: Any) -> Any:
+    if not isinstance(raw, list):
+        return raw  # the chat parser names the error
+    tools = []
+    for index, tool in enumerate(raw):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise bad_request(f"tools[{index}]: only function tools are supported", "unsupported_tool", f"tools[{index}]")
+        function = {key: tool[key] for key in ("name", "description", "parameters") if key in tool}
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def _tool_choice(raw: Any) -> Any:
+    if isinstance(raw, dict) and raw.get("type") == "function":
+        return {"type": "function", "function": {"name": raw.get("name")}}
+    return raw
+
+
+def _format(text: Any) -> dict:
+    shape = text.get("format") if isinstance(text, dict) else None
+    if shape is None:
+        return {"type": "text"}
+    if not isinstance(shape, dict):
+        raise bad_request("'text.format' must be an object", "invalid_type", "text.format")
+    if shape.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": shape.get("name", "output"), "schema": shape.get("schema"),
+                                                       "strict": shape.get("strict", False)}}
+    return shape
+
+
+# -- the response ------------------------------------------------------------------------------
+
+
+def output(completion: Completion, tools: ToolFormat | None) -> tuple[list[dict], dict]:
+    """The response's output items, and the assistant message to store in the conversation."""
+    content, calls = tools.parse(completion.text) if tools is not None else (completion.text, [])
+    items: list[dict] = []
+    message: dict = {"role": "assistant", "content": content}
+    if content or not calls:
+        items.append(_message_item(content))
+    if calls:
+        shaped = tool_calls(calls)
+        message["tool_calls"] = shaped
+        items += [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}", "call_id": call["id"],
+                   "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
+                  for call in shaped]
+    return items, message
+
+
+def _message_item(text: str) -> dict:
+    return {"type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}", "status": "completed", "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def response_object(response_id: str, body: dict, completion: Completion | None, trace: Trace | None,
+                    items: list[dict], previous_id: str | None) -> dict:
+    """The `response` object; `completion` None: still in progress (the stream's first events)."""
+    done = completion is not None and completion.whole
+    incomplete = done and completion.finish_reason == "length"
+    return {
+        "id": response_id, "object": "response", "created_at": int(time.time()), "model": body.get("model"),
+        "status": ("incomplete" if incomplete else "completed") if done else "in_progress",
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "error": None, "output": items, "instructions": body.get("instructions"),
+        "previous_response_id": previous_id, "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+        "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+        "max_output_tokens": body.get("max_output_tokens"), "metadata": body.get("metadata") or {},
+        "store": body.get("store", True), "text": body.get("text") or {"format": {"type": "text"}},
+        "usage": _usage(completion, trace) if done else None,
+    }
+
+
+def _usage(completion: Completion, trace: Trace) -> dict:
+    return {"input_tokens": completion.prompt_tokens, "input_tokens_details": {"cached_tokens": completion.cached_tokens},
+            "output_tokens": completion.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": completion.prompt_tokens + completion.completion_tokens, "strata": trace.summary()}
+
+
+async def stream_events(events: AsyncIterator, completion: Completion, trace: Trace, response_id: str, body: dict,
+                        previous_id: str | None, tools: ToolFormat | None, finished) -> AsyncIterator[bytes]:
+    """Responses streaming events. Text goes out as `response.output_text.delta` while no tool call
+    may have started; the final items (calls included) come with `response.completed`. `finished`
+    is awaited with the final items once the answer is whole (it stores the conversation)."""
+    stream = _Events()
+    yield stream.event("response.created", response=response_object(response_id, body, None, None, [], previous_id))
+    message_id = f"msg_{uuid.uuid4().hex[:24]}"
+    item = {"type": "message", "id": message_id, "status": "in_progress", "role": "assistant", "content": []}
+    yield stream.event("response.output_item.added", output_index=0, item=item)
+    yield stream.event("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
+                       part={"type": "output_text", "text": "", "annotations": []})
+    sent = 0
+    try:
+        async for _, event in events:
+            if isinstance(event, Delta):
+                end = tools.may_start_call(completion.text) if tools is not None else len(completion.text)
+                if end > sent:
+                    yield stream.event("response.output_text.delta", item_id=message_id, output_index=0,
+                                       content_index=0, delta=completion.text[sent:end])
+                    sent = end
+    except ApiError as exc:
+        yield stream.event("error", **exc.body()["error"])
+        return
+    finally:
+        await events.aclose()
+    items, message = output(completion, tools)
+    if items and items[0]["type"] == "message":
+        items[0]["id"] = message_id
+    text = message["content"] or ""
+    yield stream.event("response.output_text.done", item_id=message_id, output_index=0, content_index=0, text=text)
+    yield stream.event("response.output_item.done", output_index=0, item=items[0] if items[0]["type"] == "message"
+                       else {**item, "status": "completed", "content": []})
+    await finished(message)
+    yield stream.event("response.completed", response=response_object(response_id, body, completion, trace, items,
+                                                                         previous_id))
+
+
+class _Events:
+    def __init__(self):
+        self.sequence = 0
+
+    def event(self, kind: str, **fields) -> bytes:
+        body = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
