@@ -36,6 +36,7 @@ class Mutant:
 HARDENING = "tests/gateway/test_hardening.py"
 GUARDS = "tests/semantic/test_guards.py::test_lookalikes_are_refused_with_the_right_reason"
 FAMILIES = "tests/gateway/test_families.py"
+BREADTH = "tests/gateway/test_api_breadth.py"
 
 MUTANTS = (
     Mutant("tenant out of the exact key", "semantic/exact.py",
@@ -123,6 +124,21 @@ MUTANTS = (
     Mutant("a row samples another row's logits", "gateway/engine/worker.py",
            "row.logits = logits[index]", "row.logits = logits[0]",
            ("tests/gateway/test_batch.py::test_the_server_runs_requests_together_and_each_gets_its_lone_answer",)),
+    Mutant("the grammar's mask left off the logits", "gateway/engine/runner.py",
+           "logits = self.matcher.mask(logits)", "logits = logits",
+           ("tests/gateway/test_tools.py::test_a_forced_call_on_a_model_without_a_tools_template",)),
+    Mutant("tools out of the exact key", "gateway/responses.py",
+           "decoding = _decoding(request.sampling) | _output_shape(request)", "decoding = _decoding(request.sampling)",
+           (f"{BREADTH}::test_tools_are_in_the_exact_key_and_a_replay_parses_the_call_again",)),
+    Mutant("logprobs replayed from a stored answer", "gateway/responses.py",
+           'return "logprobs"  #', "return None  #",
+           (f"{BREADTH}::test_logprobs_bypass_the_response_caches",)),
+    Mutant("a tool result without its call accepted", "gateway/schemas.py",
+           "    _check_tool_results(messages)\n", "",
+           (f"{BREADTH}::test_hostile_tool_and_format_requests_are_400s_naming_the_field",)),
+    Mutant("a stored conversation continued by another tenant", "gateway/conversations.py",
+           "WHERE id = ? AND tenant = ? AND", "WHERE id = ? AND ? IS NOT NULL AND",
+           (f"{BREADTH}::test_a_three_turn_responses_conversation_reuses_the_earlier_turns",)),
 )
 
 
