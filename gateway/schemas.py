@@ -31,7 +31,7 @@ class ChatRequest:
     metadata: dict[str, str]
     uses_tools: bool = False  # tools offered, or tool results or tool calls in the conversation
     user: str | None = None  # the OpenAI `user` field: the end user, when the app names one
-    num_text_bytes: int = 0  # UTF-8 bytes of all text parts: bounds the token count from below
+    num_text_bytes: int = 0  # UTF-8 bytes of all client text (parts, calls, tools): bounds the token count from below
     tools: tuple[Tool, ...] = ()
     # "auto" | "none" | "required" | a function's name (that call is forced)
     tool_choice: str = "auto"
@@ -131,13 +131,13 @@ def parse_chat_request(body: dict[str, Any], limits: Limits) -> ChatRequest:
     num_images = sum(isinstance(p, ImagePart) for m in messages for p in m.parts)
     if num_images > limits.max_images:
         raise bad_request(f"at most {limits.max_images} images per request", "too_many_images", "messages")
-    num_text_bytes = sum(_utf8_size(p.text) for m in messages for p in m.parts if isinstance(p, TextPart))
+    tools = parse_tools(body, limits)
+    num_text_bytes = _prompt_text_bytes(messages, tools)
     if num_text_bytes > limits.max_text_bytes:
-        raise bad_request(f"the messages hold {num_text_bytes} bytes of text; the limit is {limits.max_text_bytes}",
-                          "context_length_exceeded", "messages")
+        raise bad_request(f"the messages and tools hold {num_text_bytes} bytes of text; the limit is "
+                          f"{limits.max_text_bytes}", "context_length_exceeded", "messages")
     stream = _typed(body, "stream", bool, False)
     options = _typed(body, "stream_options", dict, None) or {}
-    tools = parse_tools(body, limits)
     n = body.get("n", 1) if body.get("n") is not None else 1
     if not _is_int(n) or not 1 <= n <= limits.max_n:
         raise bad_request(f"'n' must be an integer from 1 to {limits.max_n}", "invalid_value", "n")
@@ -244,6 +244,14 @@ def parse_response_format(raw: Any, limits: Limits) -> dict | None:
                 "schema": _schema_json("response_format.json_schema.schema", spec.get("schema"), limits)}
     raise bad_request("'response_format.type' must be 'text', 'json_object' or 'json_schema'", "invalid_value",
                       "response_format")
+
+
+def _prompt_text_bytes(messages: tuple[Message, ...], tools: tuple[Tool, ...]) -> int:
+    """UTF-8 bytes of all client text the prompt will hold: message parts, earlier calls, tool definitions."""
+    parts = sum(_utf8_size(p.text) for m in messages for p in m.parts if isinstance(p, TextPart))
+    calls = sum(_utf8_size(c.name + c.arguments) for m in messages for c in m.tool_calls)
+    definitions = sum(_utf8_size(t.name + t.description + t.parameters) for t in tools)
+    return parts + calls + definitions
 
 
 def _parse_user(raw: Any, limits: Limits) -> str | None:

@@ -183,6 +183,7 @@ BAD = [
     ({"top_logprobs": 5}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"n": 1000}, "n"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": "x" * (4 << 20)}}]}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "call_x", "content": "42"}]},
      "messages[1]"),
     ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0]"),

@@ -25,7 +25,15 @@ HOSTILE_VALUES = {
 }
 FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
           "stream", "stream_options", "metadata", "user", "n", "tools", "response_format", "logprobs",
-          "frequency_penalty")
+          "frequency_penalty", "tool_choice", "functions", "function_call", "top_logprobs", "logit_bias")
+RESPONSES = "/v1/responses"
+RESPONSES_BASE = {"model": TINY, "input": "hi", "max_output_tokens": 2, "temperature": 0}
+RESPONSES_FIELDS = ("input", "instructions", "previous_response_id", "tools", "tool_choice", "text", "max_output_tokens",
+                    "store")
+EMBEDDINGS = "/v1/embeddings"
+EMBEDDINGS_BASE = {"model": "all-MiniLM-L6-v2", "input": "hi"}
+EMBEDDINGS_FIELDS = ("model", "input", "encoding_format", "dimensions")
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 PNG = png_data_url(16, 16)
 PART_URLS = {
     "empty-data": "data:", "no-base64": "data:image/png,abc", "bad-base64": "data:image/png;base64,@@@",
@@ -44,6 +52,33 @@ def _field_cases() -> list[tuple]:
     for field in FIELDS:
         for name, value in HOSTILE_VALUES.items():
             cases.append((f"field-{field}-{name}", "POST", CHAT, {}, {**BASE, field: value}))
+    for path, base, fields in ((RESPONSES, RESPONSES_BASE, RESPONSES_FIELDS), (EMBEDDINGS, EMBEDDINGS_BASE, EMBEDDINGS_FIELDS)):
+        for field in fields:
+            for name, value in HOSTILE_VALUES.items():
+                cases.append((f"{path[4:]}-{field}-{name}", "POST", path, {}, {**base, field: value}))
+    return cases
+
+
+def _tool_cases() -> list[tuple]:
+    """Hostile tool definitions, calls and results, each value in every place it can go."""
+    cases = []
+    for name, value in HOSTILE_VALUES.items():
+        places = {
+            "tool-name": [{"type": "function", "function": {"name": value}}],
+            "tool-parameters": [{"type": "function", "function": {"name": "f", "parameters": value}}],
+            "tool-description": [{"type": "function", "function": {"name": "f", "description": value}}],
+            "tool-item": [value],
+        }
+        for place, tools in places.items():
+            cases.append((f"{place}-{name}", "POST", CHAT, {}, {**BASE, "tools": tools, "tool_choice": "required"}))
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": value}}
+        history = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+        cases.append((f"tool-call-arguments-{name}", "POST", CHAT, {}, {**BASE, "tools": [TOOL], "messages": history}))
+        cases.append((f"tool-call-id-{name}", "POST", CHAT, {}, {**BASE, "messages": [
+            {"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": value, "content": "x"}]}))
+        cases.append((f"schema-{name}", "POST", CHAT, {}, {**BASE, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": value}}}}}))
     return cases
 
 
@@ -113,7 +148,7 @@ def _route_cases() -> list[tuple]:
             for method, path in routes for auth in ("anonymous", "admin")]
 
 
-CASES = _field_cases() + _message_cases() + _raw_cases() + _header_cases() + _route_cases()
+CASES = _field_cases() + _tool_cases() + _message_cases() + _raw_cases() + _header_cases() + _route_cases()
 
 
 @pytest.fixture(scope="module")
