@@ -315,7 +315,9 @@ class Sampler:
             ids, values = zip(*sampling.logit_bias)
             self.bias = (mx.array(ids, dtype=mx.int32), mx.array(values, dtype=mx.float32))
         self.matcher = grammars.matcher(sampling.grammar) if sampling.grammar else None
-        self.last_logits: mx.array | None = None  # kept for logprobs(): the last draw's adjusted logits
+        # With top_logprobs: the last draw's (chosen logprob, top ids, top logprobs), lazy until the
+        # batch evaluates them together with the draws (lazy_logprobs()).
+        self.last_logprobs: tuple[mx.array, mx.array, mx.array] | None = None
 
     def __call__(self, logits: mx.array, generated: Sequence[int] = ()) -> int:
         return int(self.draw(logits, generated).item())
@@ -327,8 +329,13 @@ class Sampler:
         logits = self._adjusted(logits, generated)
         if self.matcher is not None:
             logits = self.matcher.mask(logits)
+        token = self._choose(logits)
         if sampling.top_logprobs is not None:
-            self.last_logits = logits
+            self.last_logprobs = _logprobs(logits, token, sampling.top_logprobs)
+        return token
+
+    def _choose(self, logits: mx.array) -> mx.array:
+        sampling = self.sampling
         if sampling.temperature == 0.0:
             return mx.argmax(logits)
         self.key, step_key = mx.random.split(self.key)
@@ -341,19 +348,19 @@ class Sampler:
             scaled = _nucleus(scaled, sampling.top_p)
         return mx.random.categorical(scaled, key=step_key)
 
+    def lazy_logprobs(self) -> tuple[mx.array, ...]:
+        """The arrays logprobs() will read, for the batch to evaluate along with its draws."""
+        return self.last_logprobs or ()
+
     def accept(self, token: int) -> None:
         """The row took `token` (not an end-of-sequence token): the grammar moves past it."""
         if self.matcher is not None:
             self.matcher.accept(token)
 
     def logprobs(self, token: int) -> TokenLogprob:
-        """The last draw's log probability of `token` and its top_logprobs alternatives."""
-        logits = self.last_logits.astype(mx.float32)
-        logp = logits - mx.logsumexp(logits)
-        k = min(self.sampling.top_logprobs, logp.shape[-1])
-        top = mx.argsort(-logp)[:k] if k else mx.zeros((0,), dtype=mx.int32)
-        chosen, values, ids = logp[token].item(), logp[top].tolist(), top.tolist()
-        return TokenLogprob(token, chosen, tuple(zip(ids, values)))
+        """The last draw's log probability of `token` (the drawn one) and its top_logprobs alternatives."""
+        chosen, ids, values = self.last_logprobs
+        return TokenLogprob(token, chosen.item(), tuple(zip(ids.tolist(), values.tolist())))
 
     def _adjusted(self, logits: mx.array, generated: Sequence[int]) -> mx.array:
         sampling = self.sampling
@@ -367,6 +374,16 @@ class Sampler:
         if generated and sampling.presence_penalty:
             logits = logits.at[mx.array(sorted(set(generated)), dtype=mx.int32)].add(-sampling.presence_penalty)
         return logits
+
+
+def _logprobs(logits: mx.array, token: mx.array, k: int) -> tuple[mx.array, mx.array, mx.array]:
+    """(logprob of token, the k most likely ids, their logprobs), lazily."""
+    logits = logits.astype(mx.float32)
+    logp = logits - mx.logsumexp(logits)
+    k = min(k, logp.shape[-1])
+    top = mx.argpartition(-logp, k - 1)[:k] if k else mx.zeros((0,), dtype=mx.int32)
+    top = top[mx.argsort(-logp[top])]  # most likely first
+    return logp[token], top, logp[top]
 
 
 def _top_k(logits: mx.array, k: int) -> mx.array:

@@ -360,7 +360,9 @@ class EngineWorker:
         """Sample every row's next token (one evaluation for the whole batch), retire the rows that
         ended, feed the others one batched step."""
         try:
-            tokens = mx.stack([row.sampler.draw(row.logits, row.generated) for row in self.running]).tolist()
+            draws = mx.stack([row.sampler.draw(row.logits, row.generated) for row in self.running])
+            mx.eval(draws, *[array for row in self.running for array in row.sampler.lazy_logprobs()])
+            tokens = draws.tolist()
         except Exception as exc:  # the last step's evaluation failed: its rows fail, not the worker
             self._fail_all(exc)
             return

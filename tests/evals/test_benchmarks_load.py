@@ -5,7 +5,7 @@ import importlib
 import pytest
 
 
-@pytest.mark.parametrize("name", ["bench_engine", "bench_ttft", "bench_layers", "bench_ssd", "bench_load", "false_hits"])
+@pytest.mark.parametrize("name", ["bench_engine", "bench_ttft", "bench_layers", "bench_ssd", "bench_load", "bench_api", "false_hits"])
 def test_benchmark_module_loads(name):
     module = importlib.import_module(f"evals.{name}")
     assert callable(module.main)
@@ -31,3 +31,18 @@ def test_mix_sessions_share_the_system_prompt_and_every_fourth_opens_with_an_ima
     assert all(history[0]["content"] == "SYSTEM" for history in first_session + second_session)
     assert isinstance(first_session[0][1]["content"], list)  # client 0, session 0: an image part first
     assert isinstance(second_session[0][1]["content"], str)
+
+
+def test_the_api_benchmark_runs_every_mode_on_the_tiny_model(tiny_model_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "evals.bench_api", "--model", str(tiny_model_path), "--rows", "1", "2",
+                           "--tokens", "6", "--repeats", "1"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ}, check=True)
+    rates = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sorted(rates) == sorted(f"{rows}:{mode}" for rows in (1, 2) for mode in
+                                   ("free text", "json_schema", "forced tool call", "logprobs (top 5)"))
+    assert all(rate > 0 for rate in rates.values())
