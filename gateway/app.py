@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions   OpenAI chat completions (JSON or SSE)
     POST /v1/responses          OpenAI Responses API (previous_response_id kept per tenant)
+    GET|DELETE /v1/responses/ID a stored response (the caller's tenant's only)
     POST /v1/embeddings         MiniLM sentence embeddings
     GET  /v1/models             the served model
     GET  /healthz               liveness; details (model, BLAS, queue) only with the admin key
@@ -20,7 +21,7 @@ from dataclasses import asdict, dataclass
 from functools import partial
 
 import anyio
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Request, Response, delete, get, post
 from litestar.openapi import OpenAPIConfig
 from litestar.response import Stream
 
@@ -107,10 +108,10 @@ async def create_response(request: Request) -> Response:
     response_id, tools = responses_api.new_id(), _tools(services, chat_request)
     session = chat_request.metadata.get("session_id") or request.headers.get(SESSION_HEADER)
 
-    async def finished(message: dict) -> None:
+    async def finished(message: dict, response: dict) -> None:
         if body.get("store", True) is not False:
             await anyio.to_thread.run_sync(services.conversations.save, response_id, caller.tenant, session,
-                                           chat_request.user, conversation + [message], time.time())
+                                           chat_request.user, conversation + [message], response, time.time())
 
     if chat_request.stream:
         events = responses_api.stream_events(turn.events(), turn.completion, turn.trace, response_id, body, previous_id,
@@ -121,9 +122,33 @@ async def create_response(request: Request) -> Response:
     if turn.cached:
         await turn.finish()
     items, message = responses_api.output(turn.completion, tools)
-    await finished(message)
-    body_out = responses_api.response_object(response_id, body, turn.completion, turn.trace, items, previous_id)
-    return Response(body_out, headers=turn.trace.headers())
+    response = responses_api.response_object(response_id, body, turn.completion, turn.trace, items, previous_id)
+    await finished(message, response)
+    return Response(response, headers=turn.trace.headers())
+
+
+@get("/v1/responses/{response_id:str}")
+async def get_response(request: Request, response_id: str) -> dict:
+    services = _services(request)
+    caller = services.auth.caller(request.headers.get("authorization"))
+    response = await anyio.to_thread.run_sync(services.conversations.response, response_id, caller.tenant, time.time())
+    if response is None:
+        raise _no_response(response_id)
+    return response
+
+
+@delete("/v1/responses/{response_id:str}", status_code=200)
+async def delete_response(request: Request, response_id: str) -> dict:
+    services = _services(request)
+    caller = services.auth.caller(request.headers.get("authorization"))
+    if not await anyio.to_thread.run_sync(services.conversations.delete, response_id, caller.tenant):
+        raise _no_response(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+def _no_response(response_id: str) -> ApiError:
+    return ApiError(404, f"no stored response {response_id[:100]!r} (expired, deleted, not stored, or never made)",
+                    "response_not_found", "response_id")
 
 
 async def _history(services: Services, previous_id, tenant: str) -> list[dict] | None:
@@ -263,7 +288,7 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
                 log.info("engine stopped")
 
     return Litestar(
-        route_handlers=[chat_completions, create_response, create_embeddings, list_models, healthz, admin_stats, *ADMIN_CACHE_ROUTES],
+        route_handlers=[chat_completions, create_response, get_response, delete_response, create_embeddings, list_models, healthz, admin_stats, *ADMIN_CACHE_ROUTES],
         lifespan=[lifespan],
         exception_handlers=EXCEPTION_HANDLERS,
         request_max_body_size=settings.limits.max_body_bytes,

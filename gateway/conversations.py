@@ -1,7 +1,9 @@
 """Stored Responses-API conversations: `previous_response_id` continues one.
 
-    ConversationStore(path, retention_s).save(id, tenant, session, user, messages, now)
+    ConversationStore(path, retention_s).save(id, tenant, session, user, messages, response, now)
     ConversationStore.load(id, tenant, now) -> messages | None      another tenant's id is not found
+    ConversationStore.response(id, tenant, now) -> dict | None      the stored `response` object
+    ConversationStore.delete(id, tenant) -> bool
 
 A response is stored with the whole conversation up to and including its own output, as chat
 messages (the shape the chat-completions pipeline takes), so a follow-up renders the same prompt and
@@ -23,6 +25,7 @@ CREATE TABLE IF NOT EXISTS conversations (
     session TEXT,
     end_user TEXT,
     messages TEXT NOT NULL,  -- JSON: chat messages, the response's output last
+    response TEXT NOT NULL,  -- JSON: the response object as the client got it
     created_at REAL NOT NULL,
     expires_at REAL NOT NULL
 );
@@ -39,18 +42,31 @@ class ConversationStore:
         self.lock = threading.Lock()
 
     def save(self, response_id: str, tenant: str, session: str | None, user: str | None, messages: list[dict],
-             now: float) -> None:
+             response: dict, now: float) -> None:
         with self.lock:
             self.db.execute("DELETE FROM conversations WHERE expires_at <= ?", (now,))
-            self.db.execute("INSERT OR REPLACE INTO conversations VALUES (?, ?, ?, ?, ?, ?, ?)",
-                            (response_id, tenant, session, user, json.dumps(messages, ensure_ascii=False), now,
-                             now + self.retention_s))
+            self.db.execute("INSERT OR REPLACE INTO conversations VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                            (response_id, tenant, session, user, json.dumps(messages, ensure_ascii=False),
+                             json.dumps(response, ensure_ascii=False), now, now + self.retention_s))
 
     def load(self, response_id: str, tenant: str, now: float) -> list[dict] | None:
+        row = self._row("messages", response_id, tenant, now)
+        return json.loads(row) if row else None
+
+    def response(self, response_id: str, tenant: str, now: float) -> dict | None:
+        row = self._row("response", response_id, tenant, now)
+        return json.loads(row) if row else None
+
+    def delete(self, response_id: str, tenant: str) -> bool:
         with self.lock:
-            row = self.db.execute("SELECT messages FROM conversations WHERE id = ? AND tenant = ? AND expires_at > ?",
+            return self.db.execute("DELETE FROM conversations WHERE id = ? AND tenant = ?",
+                                   (response_id, tenant)).rowcount > 0
+
+    def _row(self, column: str, response_id: str, tenant: str, now: float) -> str | None:
+        with self.lock:
+            row = self.db.execute(f"SELECT {column} FROM conversations WHERE id = ? AND tenant = ? AND expires_at > ?",
                                   (response_id, tenant, now)).fetchone()
-        return json.loads(row[0]) if row else None
+        return row[0] if row else None
 
     def close(self) -> None:
         with self.lock:

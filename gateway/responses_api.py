@@ -184,7 +184,7 @@ async def stream_events(events: AsyncIterator, completion: Completion, trace: Tr
                         previous_id: str | None, tools: ToolFormat | None, finished) -> AsyncIterator[bytes]:
     """Responses streaming events. Text goes out as `response.output_text.delta` while no tool call
     may have started; the final items (calls included) come with `response.completed`. `finished`
-    is awaited with the final items once the answer is whole (it stores the conversation)."""
+    is awaited with the assistant message and the response once the answer is whole (it stores them)."""
     stream = _Events()
     yield stream.event("response.created", response=response_object(response_id, body, None, None, [], previous_id))
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
@@ -213,9 +213,9 @@ async def stream_events(events: AsyncIterator, completion: Completion, trace: Tr
     yield stream.event("response.output_text.done", item_id=message_id, output_index=0, content_index=0, text=text)
     yield stream.event("response.output_item.done", output_index=0, item=items[0] if items[0]["type"] == "message"
                        else {**item, "status": "completed", "content": []})
-    await finished(message)
-    yield stream.event("response.completed", response=response_object(response_id, body, completion, trace, items,
-                                                                         previous_id))
+    response = response_object(response_id, body, completion, trace, items, previous_id)
+    await finished(message, response)
+    yield stream.event("response.completed", response=response)
 
 
 class _Events:

@@ -323,3 +323,22 @@ def test_bad_responses_requests(server, body, status, param):
                        headers={"Authorization": "Bearer key-a"}, timeout=30)
     assert reply.status_code == status, reply.text
     assert reply.json()["error"]["param"] == param
+
+
+def test_a_stored_response_can_be_read_back_and_deleted_by_its_tenant_only(server):
+    client = _client(server)
+    made = client.responses.create(model=TINY, input="Name a colour.", max_output_tokens=4, temperature=0)
+    assert client.responses.retrieve(made.id).output_text == made.output_text
+    stranger = openai.OpenAI(base_url=server.url + "/v1", api_key="key-b", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        stranger.responses.retrieve(made.id)
+    with pytest.raises(openai.NotFoundError):
+        stranger.responses.delete(made.id)
+    client.responses.delete(made.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(made.id)
+    with pytest.raises(openai.NotFoundError):  # nor continued
+        client.responses.create(model=TINY, previous_response_id=made.id, input="Another.", max_output_tokens=4)
+    unstored = client.responses.create(model=TINY, input="Name a colour.", max_output_tokens=4, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
