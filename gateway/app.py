@@ -23,6 +23,7 @@ from functools import partial
 import anyio
 from litestar import Litestar, Request, Response, delete, get, post
 from litestar.openapi import OpenAPIConfig
+from litestar.params import FromPath
 from litestar.response import Stream
 
 from kvcache import default_budget_bytes
@@ -128,7 +129,7 @@ async def create_response(request: Request) -> Response:
 
 
 @get("/v1/responses/{response_id:str}")
-async def get_response(request: Request, response_id: str) -> dict:
+async def get_response(request: Request, response_id: FromPath[str]) -> dict:
     services = _services(request)
     caller = services.auth.caller(request.headers.get("authorization"))
     response = await anyio.to_thread.run_sync(services.conversations.response, response_id, caller.tenant, time.time())
@@ -138,7 +139,7 @@ async def get_response(request: Request, response_id: str) -> dict:
 
 
 @delete("/v1/responses/{response_id:str}", status_code=200)
-async def delete_response(request: Request, response_id: str) -> dict:
+async def delete_response(request: Request, response_id: FromPath[str]) -> dict:
     services = _services(request)
     caller = services.auth.caller(request.headers.get("authorization"))
     if not await anyio.to_thread.run_sync(services.conversations.delete, response_id, caller.tenant):
@@ -185,7 +186,7 @@ async def create_embeddings(request: Request) -> dict:
     raw = await request.body()
     limits = services.settings.limits
     body = await off_loop(len(raw), partial(parse_json_body, raw, limits.max_json_depth))
-    return await services.embeddings.create(parse_embeddings_request(body, limits))
+    return await services.embeddings.create(parse_embeddings_request(body, limits, services.embeddings.engine_model))
 
 
 def _parse(raw: bytes, limits):
@@ -275,8 +276,8 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
         stamp = ModelStamp(live.info.name, live.info.fingerprint)
         shared = responses.semantic.embedder if responses.semantic is not None else embedder
         conversations = ConversationStore(private_file(settings.data_dir / "conversations.db"), settings.conversation_ttl_s)
-        app.state.services = Services(settings, live, auth, pipeline, counters, responses, stamp, Embeddings(shared),
-                                      conversations)
+        embeddings = Embeddings(shared, live, settings)
+        app.state.services = Services(settings, live, auth, pipeline, counters, responses, stamp, embeddings, conversations)
         _log_startup(settings, live)
         try:
             yield

@@ -1,9 +1,13 @@
-"""POST /v1/embeddings: sentence embeddings from MiniLM (all-MiniLM-L6-v2, 384-d, L2-normalised), the
-model the semantic layer already holds, in OpenAI's shape. Inputs are embedded together, 64 per
-forward pass, in a worker thread. The engine's VLM offers no pooled embeddings here.
+"""POST /v1/embeddings, in OpenAI's shape, from one of two models:
 
-    parse_embeddings_request(body, limits) -> EmbeddingsRequest     400s name the field
-    Embeddings.create(request) -> dict                              the response body
+- MiniLM (all-MiniLM-L6-v2, 384-d, L2-normalised), the model the semantic layer already holds:
+  inputs are embedded together, 64 per forward pass, in a worker thread;
+- the served model itself when its family pools (qwen3: the last token's final hidden state,
+  L2-normalised, as mlx-vlm's qwen3_embedding computes it): one text per engine worker step,
+  between decode steps, since only the worker may run the model.
+
+    parse_embeddings_request(body, limits, engine_model) -> EmbeddingsRequest    400s name the field
+    Embeddings.create(request) -> dict                                          the response body
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ import numpy as np
 
 from semantic import Embedder, MiniLMEmbedder
 
+from .chat import deadline_error
+from .engine import Embedded, Engine, QueueFull
 from .errors import ApiError, bad_request
-from .settings import Limits
+from .settings import Limits, Settings
 
 MODEL_NAMES = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
 
@@ -31,12 +37,14 @@ class EmbeddingsRequest:
     base64: bool  # encoding_format "base64": little-endian float32, as OpenAI sends (the openai client asks for it)
 
 
-def parse_embeddings_request(body: dict[str, Any], limits: Limits) -> EmbeddingsRequest:
+def parse_embeddings_request(body: dict[str, Any], limits: Limits, engine_model: str | None) -> EmbeddingsRequest:
+    """`engine_model`: the served model's name when its family pools (else None)."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a string", "invalid_type", "model")
-    if model not in MODEL_NAMES:
-        raise ApiError(404, f"embedding model {model!r} does not exist; this server embeds with {MODEL_NAMES[0]!r}",
+    if model not in MODEL_NAMES and model != engine_model:
+        offered = " or ".join(repr(name) for name in (MODEL_NAMES[0], engine_model) if name)
+        raise ApiError(404, f"embedding model {model[:100]!r} does not exist; this server embeds with {offered}",
                        "model_not_found", "model")
     raw = body.get("input")
     inputs = [raw] if isinstance(raw, str) else raw
@@ -50,20 +58,29 @@ def parse_embeddings_request(body: dict[str, Any], limits: Limits) -> Embeddings
     encoding = body.get("encoding_format", "float")
     if encoding not in ("float", "base64"):
         raise bad_request("'encoding_format' must be 'float' or 'base64'", "invalid_value", "encoding_format")
-    if body.get("dimensions") not in (None, MiniLMEmbedder.dim):
-        raise bad_request(f"'dimensions' must be {MiniLMEmbedder.dim} for {MODEL_NAMES[0]}", "invalid_value", "dimensions")
+    if body.get("dimensions") is not None and (model != MODEL_NAMES[0] or body["dimensions"] != MiniLMEmbedder.dim):
+        raise bad_request("'dimensions' cannot be chosen: send it unset", "invalid_value", "dimensions")
     return EmbeddingsRequest(model, tuple(inputs), encoding == "base64")
 
 
 class Embeddings:
     """Shares the semantic layer's MiniLM when it is on; else loads one on the first request."""
 
-    def __init__(self, embedder: Embedder | None):
+    def __init__(self, embedder: Embedder | None, engine: Engine, settings: Settings):
         self.embedder = embedder
+        self.engine = engine
+        self.settings = settings
         self.lock = threading.Lock()
 
+    @property
+    def engine_model(self) -> str | None:
+        return self.engine.info.name if self.engine.poolable else None
+
     async def create(self, request: EmbeddingsRequest) -> dict:
-        vectors, num_tokens = await anyio.to_thread.run_sync(self._embed, list(request.inputs))
+        if request.model in MODEL_NAMES:
+            vectors, num_tokens = await anyio.to_thread.run_sync(self._embed, list(request.inputs))
+        else:
+            vectors, num_tokens = await self._engine_embed(request.inputs)
         data = [{"object": "embedding", "index": index, "embedding": _encoded(vector, request.base64)}
                 for index, vector in enumerate(vectors)]
         return {"object": "list", "data": data, "model": request.model,
@@ -74,6 +91,30 @@ class Embeddings:
             if self.embedder is None:
                 self.embedder = MiniLMEmbedder()
         return self.embedder.embed(texts), sum(self.embedder.count_tokens(texts))
+
+
+    async def _engine_embed(self, inputs: tuple[str, ...]) -> tuple[list, int]:
+        texts = await anyio.to_thread.run_sync(lambda: tuple(self.engine.embedding_tokens(text) for text in inputs))
+        limit = min(self.settings.limits.max_context_tokens, self.engine.info.max_context_tokens)
+        if (longest := max(len(ids) for ids in texts)) > limit:
+            raise bad_request(f"an input has {longest} tokens; this model's context is {limit}",
+                              "context_length_exceeded", "input")
+        try:
+            job = self.engine.submit_embedding(texts)
+        except QueueFull:
+            raise ApiError(429, "the engine's embedding queue is full; retry shortly", "queue_full",
+                           headers={"Retry-After": "1"}) from None
+        events = self.engine.events(job)
+        try:
+            with anyio.fail_after(self.settings.request_timeout_s):
+                event = await events.__anext__()
+        except TimeoutError:
+            raise deadline_error(self.settings.request_timeout_s) from None
+        finally:
+            await events.aclose()
+        if not isinstance(event, Embedded):
+            raise ApiError(503, getattr(event, "message", "embedding failed"), "engine_unavailable")
+        return event.vectors, sum(len(ids) for ids in texts)
 
 
 def _encoded(vector: np.ndarray, as_base64: bool) -> list[float] | str:

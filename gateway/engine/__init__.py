@@ -3,6 +3,7 @@
     Engine.prepare(messages, images, tools) -> PreparedPrompt   (any thread: tokenizer + numpy)
     Engine.check_grammar(grammar)                          (any thread: GrammarError when it cannot compile)
     Engine.tools -> ToolFormat                             the model's tool-call format: grammar, parse
+    Engine.submit_embedding(token_ids) -> EmbedJob         (poolable models) events: Embedded | Failed
     Engine.submit(prompt, sampling)  -> Job                (event loop; QueueFull when full, OverBudget
                                                             when its KV exceeds the whole memory budget)
     Engine.events(job)               -> async Started, Delta..., Finished | Failed
@@ -27,14 +28,16 @@ from .constraint import GrammarError, json_schema_grammar
 from .runner import ModelRunner, Sampler, TokenLogprob
 from .tools import ParsedCall, ToolFormat
 from .types import ImagePart, Message, Sampling, TextPart, Tool, ToolCall
-from .worker import Delta, EngineWorker, Failed, Finished, Job, OverBudget, QueueFull, Started, WorkerSnapshot
+from .worker import (Delta, EmbedJob, Embedded, EngineWorker, Failed, Finished, Job, OverBudget, QueueFull, Started,
+                     WorkerSnapshot)
 
 log = logging.getLogger("strata.engine")
 
 BUILDABLE_FAMILIES = tuple(sorted(RECIPES))  # what `strata build-model --family` builds
 
 __all__ = [
-    "BUILDABLE_FAMILIES", "CacheConfig", "UnsupportedModel", "VISION_FAMILIES", "Delta", "Engine", "EngineConfig", "Failed",
+    "BUILDABLE_FAMILIES", "CacheConfig", "UnsupportedModel", "VISION_FAMILIES", "Delta", "EmbedJob", "Embedded", "Engine",
+    "EngineConfig", "Failed",
     "Finished", "GrammarError", "ImagePart", "Job", "Message", "ModelRunner", "OverBudget", "ParsedCall", "PreparedPrompt",
     "PromptError", "QueueFull", "Sampler", "Sampling", "Started", "TextPart", "TokenLogprob", "Tool", "ToolCall", "ToolFormat",
     "json_schema_grammar", "model_fingerprint", "resolve_model_path",
@@ -78,11 +81,20 @@ class Engine:
         self.worker = EngineWorker(self.runner, config.max_queue, config.prefill_chunk_tokens, config.max_num_seqs)
         self.prepare = self.runner.prompts.build
         self.tools = self.runner.prompts.tool_format
+        self.poolable = self.runner.poolable  # /v1/embeddings may use this model (its family pools)
         self.submit = self.worker.submit
+        self.submit_embedding = self.worker.submit_embedding
         self.events = self.worker.events
 
     def check_grammar(self, grammar: str) -> None:
         self.runner.grammars.check(grammar)
+
+    def embedding_tokens(self, text: str) -> tuple[int, ...]:
+        """A text's tokens as the family's embedding models read it: the tokenizer's own, then EOS
+        (whose hidden state is the pooled one). Any thread."""
+        tokenizer = self.runner.tokenizer
+        ids = tokenizer.encode(text)
+        return tuple(ids if ids and ids[-1] == tokenizer.eos_token_id else [*ids, tokenizer.eos_token_id])
 
     def token_bytes(self, token: int) -> bytes:
         return self.runner.grammars.token_bytes(token)

@@ -36,6 +36,7 @@ class FairQueue:
         self.served = 0
         self.size = 0
         self.closed = False  # close() was called: get() returns None once the queue is drained of turns
+        self.nudged = False  # nudge() was called: a blocked get() returns (None) once, to look at other work
         self.changed = threading.Condition()
 
     def put(self, tenant: bytes, job) -> None:
@@ -55,11 +56,12 @@ class FairQueue:
         A tenant for which `passed_over` is true is skipped while another tenant has a job waiting;
         one for which `allowed` is false is not served now at all (None if no other waits)."""
         with self.changed:
-            while not self.waiting and not self.closed:
+            while not self.waiting and not self.closed and not self.nudged:
                 if not block:
                     return None
                 self.changed.wait()
-            if self.closed:
+            self.nudged = False
+            if self.closed or not self.waiting:
                 return None
             candidates = [tenant for tenant in self.waiting if allowed(tenant)]
             if not candidates:
@@ -82,6 +84,12 @@ class FairQueue:
             self.waiting.clear()
             self.size = 0
             return jobs
+
+    def nudge(self) -> None:
+        """Wake a worker blocked in get() without a job: other work has arrived for it."""
+        with self.changed:
+            self.nudged = True
+            self.changed.notify_all()
 
     def close(self) -> None:
         """Wake the worker: get() returns None from now on."""

@@ -36,6 +36,9 @@ from .families import Family, family_of, read_config
 from .prompt import PreparedPrompt, PromptBuilder, PromptImage
 
 
+LAST_TOKEN_POOLING = ("qwen3",)  # model types whose mlx-vlm embedding model pools the last token
+
+
 class Cancelled(Exception):
     """The request was cancelled (client gone) between two model steps."""
 
@@ -87,6 +90,14 @@ class ModelRunner:
         self.caches = EngineCaches(cache_config, model_fingerprint, fingerprint)
         self.num_encoder_calls = 0
         self.kv_bytes_per_token = 0  # measured by warm_up(): the worker reserves running KV by it
+        # Families whose embedding checkpoints mlx-vlm runs by pooling the same decoder (qwen3 ->
+        # qwen3_embedding: the final hidden state of the last token, L2-normalised).
+        self.poolable = config.get("model_type") in LAST_TOKEN_POOLING and hasattr(self.lm, "model")
+
+    def embed(self, token_ids: Sequence[int]) -> np.ndarray:
+        """The text's embedding as mlx-vlm's embedding model of this family computes it (poolable only)."""
+        hidden = self.lm.model(mx.array([token_ids], dtype=mx.int32))[0, -1].astype(mx.float32)
+        return np.array(hidden / mx.linalg.norm(hidden))
 
     @functools.cached_property
     def grammars(self) -> Grammars:

@@ -26,6 +26,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Generator
 from dataclasses import dataclass, field, replace
 
@@ -75,7 +76,12 @@ class Failed:
     message: str
 
 
-Event = Started | Delta | Finished | Failed
+@dataclass(frozen=True, slots=True)
+class Embedded:
+    vectors: list  # one np.ndarray per text, in order
+
+
+Event = Started | Delta | Finished | Failed | Embedded
 
 
 class OverBudget(Exception):
@@ -101,11 +107,25 @@ class Job:
     def send(self, event: Event) -> None:
         if self.ended:
             return
-        self.ended = isinstance(event, (Finished, Failed))
+        self.ended = isinstance(event, (Finished, Failed, Embedded))
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the client's event loop is closed: nobody is left to tell
             pass
+
+
+@dataclass(slots=True)
+class EmbedJob:
+    """Texts to embed with the engine's own model (its family pools): one text per worker step."""
+
+    texts: tuple[tuple[int, ...], ...]  # token ids
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    vectors: list = field(default_factory=list)
+    ended: bool = False
+
+    send = Job.send
 
 
 @dataclass(slots=True)
@@ -182,6 +202,9 @@ class EngineWorker:
         self.running: list[Running] = []  # running[i] is row i of self.batch
         self.prefilling: Prefilling | None = None  # the job being admitted, one chunk per step
         self.memory_wait: Job | None = None  # taken from the queue, waiting for its KV to fit the budget
+        # Embedding requests, oldest first; at most max_queue wait. Any thread appends, the worker pops.
+        self.embeddings: deque[EmbedJob] = deque()
+        self.max_embeddings = max_queue
         self.last_step = StepShape()
         self.thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
         self.warmed_up = threading.Event()  # set once warm-up ended, well or not (warm_up_error says)
@@ -203,7 +226,7 @@ class EngineWorker:
             if job is not None:
                 job.cancelled.set()
                 job.send(Failed("server is shutting down"))
-        for job in self.jobs.drain():  # drop what waits, then wake the thread
+        for job in [*self.jobs.drain(), *self.embeddings]:  # drop what waits, then wake the thread
             job.cancelled.set()
             job.send(Failed("server is shutting down"))
         self.jobs.close()
@@ -222,6 +245,16 @@ class EngineWorker:
         except QueueFull:
             self.stats.num_rejected_full += 1
             raise
+        return job
+
+    def submit_embedding(self, texts: tuple[tuple[int, ...], ...]) -> EmbedJob:
+        """Queue texts to embed; QueueFull when max_queue embedding requests wait already."""
+        if len(self.embeddings) >= self.max_embeddings:
+            self.stats.num_rejected_full += 1
+            raise QueueFull("queue_full")
+        job = EmbedJob(texts, asyncio.get_running_loop())
+        self.embeddings.append(job)
+        self.jobs.nudge()  # the worker may be waiting for a generation job
         return job
 
     @property
@@ -243,7 +276,7 @@ class EngineWorker:
             while True:
                 event = await job.events.get()
                 yield event
-                if isinstance(event, (Finished, Failed)):
+                if isinstance(event, (Finished, Failed, Embedded)):
                     return
         finally:
             job.cancelled.set()
@@ -257,6 +290,8 @@ class EngineWorker:
         finally:
             self.warmed_up.set()
         while self._admit():
+            if self.embeddings:
+                self._embed_one()
             prefill_tokens = self._prefill_chunk() if self.prefilling else 0
             if self.running:
                 self._step()
@@ -274,8 +309,8 @@ class EngineWorker:
         its sentinel."""
         while self.prefilling is None and len(self.running) < self.max_num_seqs:
             waited, self.memory_wait = self.memory_wait, None
-            job = waited or self.jobs.get(block=not self.running, passed_over=self._holds_its_batch_share,
-                                          allowed=self._may_take_a_place)
+            job = waited or self.jobs.get(block=not (self.running or self.embeddings),
+                                          passed_over=self._holds_its_batch_share, allowed=self._may_take_a_place)
             if job is None:
                 return not self.jobs.closed
             if job.cancelled.is_set():
@@ -294,6 +329,23 @@ class EngineWorker:
             steps = self.runner.prefill_steps(job.prompt, job.salt, self.chunk_tokens, job.cancelled.is_set)
             self.prefilling = Prefilling(job, steps, queue_ms, need)
         return True
+
+    def _embed_one(self) -> None:
+        """Embed the oldest request's next text (a short forward, like a prefill chunk, between
+        decode steps); it gets its vectors once all its texts are done."""
+        job = self.embeddings[0]
+        try:
+            if job.cancelled.is_set():
+                raise Cancelled()
+            job.vectors.append(self.runner.embed(job.texts[len(job.vectors)]))
+            if len(job.vectors) < len(job.texts):
+                return
+            job.send(Embedded(job.vectors))
+        except Cancelled:
+            self.stats.num_cancelled += 1
+        except Exception as exc:  # the worker must survive any one request
+            self._fail(job, exc)
+        self.embeddings.popleft()
 
     def _num_rows(self, tenant: bytes) -> int:
         return sum(1 for row in self.running if row.job.salt == tenant)

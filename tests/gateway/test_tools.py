@@ -138,3 +138,35 @@ def test_control_tokens_in_tool_definitions_and_calls_stay_text(runner_of):
     injected = engine.prepare(messages, [], (hostile,)).token_ids
     plain = engine.prepare(plain_messages, [], (WEATHER,)).token_ids
     assert injected.count(im_start) == plain.count(im_start)
+
+
+def test_a_pooling_family_embeds_as_mlx_vlms_embedding_model_does(runner_of, tmp_path):
+    """qwen3 pools: /v1/embeddings with the served model's name equals mlx-vlm's qwen3_embedding on
+    the same checkpoint; a family that does not pool is a 404 there."""
+    import mlx.core as mx
+    from litestar.testing import TestClient
+    from mlx_vlm.embedding_loader import load_embedding_model
+
+    from gateway.app import create_app
+    from gateway.settings import Settings
+
+    engine = runner_of("qwen3")
+    engine.start()
+    texts = ["a cat on a mat", "Quarterly revenue rose by 4%"]
+    settings = Settings(model=str(engine.info.path), data_dir=tmp_path / "data", model_name="qwen3", semantic_enabled=False,
+                        exact_store="off")
+    try:
+        with TestClient(create_app(settings, engine=engine)) as client:
+            reply = client.post("/v1/embeddings", json={"model": "qwen3", "input": texts})
+            other = client.post("/v1/embeddings", json={"model": "qwen3", "input": ["x" * 100_000]})
+    finally:
+        engine.stop()
+    assert reply.status_code == 200, reply.text
+    library = load_embedding_model(engine.info.path)
+    for item, text in zip(reply.json()["data"], texts):
+        ids = engine.embedding_tokens(text)
+        expected = np.array(library(mx.array([ids])).text_embeds[0])
+        assert np.abs(np.array(item["embedding"]) - expected).max() < 1e-4
+    assert reply.json()["usage"]["prompt_tokens"] == sum(len(engine.embedding_tokens(t)) for t in texts)
+    assert other.status_code == 400 and other.json()["error"]["code"] == "context_length_exceeded"
+    assert not runner_of("llama").poolable
