@@ -4,8 +4,9 @@ decoding together, measured side by side in one run on one engine.
 
     python -m evals.bench_api [--model demo] [--rows 1 8] [--tokens 64] [--repeats 3]
 
-Every request runs the same prompt shape (a distinct prompt per row: no prefix reuse); tok/s counts
-generated tokens over the wall time from submit to the last event, medians over repeats. mlx-vlm's
+Every request runs the same prompt shape (a distinct prompt per row: no prefix reuse); tok/s is the
+decode rate summed over the rows (each row's tokens over its own decode time, prefill excluded:
+constrained replies end sooner, so wall time would count their prefill more), medians over repeats. mlx-vlm's
 own structured output cannot run here: its mask is a Metal kernel ("No Metal back-end" on CPU).
 """
 
@@ -19,7 +20,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from gateway.engine import (CacheConfig, Delta, Engine, EngineConfig, Finished, Message, Sampling, TextPart, Tool,
+from gateway.engine import (CacheConfig, Engine, EngineConfig, Finished, Message, Sampling, TextPart, Tool,
                             json_schema_grammar, resolve_model_path)
 
 from . import corpus_lines
@@ -42,19 +43,17 @@ def _modes(engine: Engine, tokens: int) -> dict[str, Sampling]:
     }
 
 
-async def _run(engine: Engine, prompts, sampling: Sampling, seed: int) -> tuple[int, float]:
+async def _run(engine: Engine, prompts, sampling: Sampling, seed: int) -> float:
+    """The rows' decode rates summed: tok/s of the batch while it decodes."""
     async def one(index, prompt):
         job = engine.submit(prompt, replace(sampling, seed=seed * 1000 + index), index.to_bytes(16, "little"))
-        count = 0
+        rate = 0.0
         async for event in engine.events(job):
             if isinstance(event, Finished):
-                count = event.num_completion_tokens
-            assert not isinstance(event, Delta) or isinstance(event.text, str)
-        return count
+                rate = event.num_completion_tokens / (event.decode_ms / 1000)
+        return rate
 
-    start = time.perf_counter()
-    counts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    return sum(counts), time.perf_counter() - start
+    return sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
 
 def main() -> None:
@@ -79,8 +78,7 @@ def main() -> None:
                     offset = (repeat * len(args.rows) + rows) * 16
                     prompts = [engine.prepare((Message("user", (TextPart(lines[(offset + i) % len(lines)]),)),), [])
                                for i in range(rows)]
-                    count, seconds = asyncio.run(_run(engine, prompts, sampling, repeat))
-                    rates.append(count / seconds)
+                    rates.append(asyncio.run(_run(engine, prompts, sampling, repeat)))
                 results[(rows, name)] = statistics.median(rates)
     finally:
         engine.stop()

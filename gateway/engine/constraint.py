@@ -4,16 +4,27 @@ to the logits before sampling, so every token keeps the output inside the gramma
     Grammars(tokenizer, vocab_size, eos_ids)   one per model (walks the vocabulary once)
         .check(grammar) -> None                raises GrammarError with llguidance's reason
         .matcher(grammar) -> Matcher           one per sequence
-    Matcher.mask(logits) -> logits             disallowed tokens at -inf
+    Matcher.mask(logits, closing) -> logits    disallowed tokens at -inf
     Matcher.accept(token)                      advance past the sampled token
 
 llguidance computes the mask as a bit set in C; mlx-vlm applies it with a Metal kernel, which the CPU
 build lacks, so here the bits are unpacked by numpy and applied with mx.where. Once the grammar is
 complete only the end-of-sequence tokens are allowed, so the sequence ends the usual way.
+
+Closing: a grammar guarantees a well-formed output only if the output ends; a model that never
+closes a free string would be cut by max_tokens mid-JSON. So the matcher can measure how many tokens
+closing takes from where it stands (a dry run on a copy, every few tokens), and once the budget left
+comes down to that (and a few tokens more, as the output may grow before the next measure), closing
+takes over: each token is then the longest allowed one of the first tier that has any
+- a quote (which ends a string), else tokens made only of `"`, `}` and `]`, else those with `,` and
+`:` too, else any (required keys and enum values are spelled out as the grammar forces them). The
+dry run follows the same rule, so it counts exactly what closing will take. The reply is then valid
+JSON, reported as cut by length. A budget smaller than the shortest valid output still ends cut.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 
 import mlx.core as mx
@@ -37,6 +48,11 @@ def lark_grammar(lark: str) -> str:
     return _llguidance().LLMatcher.grammar_from_lark(lark)
 
 
+QUOTES = frozenset(b'"')
+CLOSERS = QUOTES | frozenset(b"}]")
+SEPARATORS = CLOSERS | frozenset(b",:")
+
+
 class Grammars:
     def __init__(self, tokenizer, vocab_size: int, eos_ids: frozenset[int]):
         import llguidance.hf
@@ -51,30 +67,71 @@ class Grammars:
         """The bytes a token stands for (a piece of a UTF-8 character, possibly)."""
         return self.tokenizer.decode_bytes([token])
 
+    @functools.cached_property
+    def token_lengths(self) -> np.ndarray:
+        return np.array([0 if self.tokenizer.is_special_token(t) else len(self.token_bytes(t))
+                         for t in range(self.vocab_size)])
+
+    @functools.cached_property
+    def closing_tiers(self) -> tuple[np.ndarray, ...]:
+        """Per token, for each of QUOTES, CLOSERS, SEPARATORS: whether it is made only of those
+        characters (a special token never is). A quote first: inside a string only a quote ends it."""
+        pieces = [b"" if self.tokenizer.is_special_token(t) else self.token_bytes(t) for t in range(self.vocab_size)]
+        return tuple(np.array([bool(p) and chars.issuperset(p) for p in pieces]) for chars in (QUOTES, CLOSERS, SEPARATORS))
+
     def check(self, grammar: str) -> None:
         error = _llguidance().LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error:
             raise GrammarError(error)
 
     def matcher(self, grammar: str) -> Matcher:
-        return Matcher(_llguidance().LLMatcher(self.tokenizer, grammar, log_level=0), self.vocab_size)
+        return Matcher(_llguidance().LLMatcher(self.tokenizer, grammar, log_level=0), self)
+
+
+MAX_CLOSING_TOKENS = 512  # a dry run longer than this counts as this
 
 
 class Matcher:
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, grammars: Grammars):
         self.matcher = matcher
-        self.vocab_size = vocab_size
+        self.grammars = grammars
+        self.closed_early = False  # the mask narrowed to close the output before the budget ran out
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
 
-    def mask(self, logits: mx.array) -> mx.array:
-        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+    def mask(self, logits: mx.array, closing: bool = False) -> mx.array:
+        """The logits with what the grammar forbids at -inf; closing: only the closing token stays."""
+        allowed = _allowed(self.matcher, self.grammars.vocab_size)
+        if closing:
+            allowed = np.zeros_like(allowed)
+            allowed[self._closing_token(self.matcher)] = True
+            self.closed_early = True
         return mx.where(mx.array(allowed), logits, -mx.inf)
+
+    def tokens_to_close(self) -> int:
+        """Tokens that closing would take from here, counted on a copy: the matcher does not move."""
+        dry = self.matcher.deep_copy()
+        for count in range(MAX_CLOSING_TOKENS):
+            if dry.is_accepting() or not dry.consume_token(self._closing_token(dry)):
+                return count
+        return MAX_CLOSING_TOKENS
 
     def accept(self, token: int) -> None:
         if not self.matcher.consume_token(token):
             raise GrammarError(f"token {token} broke the grammar: {self.matcher.get_error()}")
+
+    def _closing_token(self, matcher) -> int:
+        allowed = _allowed(matcher, self.grammars.vocab_size)
+        for tier in self.grammars.closing_tiers:
+            if (narrowed := allowed & tier).any():
+                allowed = narrowed
+                break
+        return int(np.argmax(np.where(allowed, self.grammars.token_lengths, -1)))
+
+
+def _allowed(matcher, vocab_size: int) -> np.ndarray:
+    bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+    return np.unpackbits(bits, bitorder="little")[:vocab_size].astype(bool)
 
 
 def _llguidance():

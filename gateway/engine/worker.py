@@ -461,7 +461,8 @@ class EngineWorker:
         tail = row.text.finish()
         if tail or row.logprobs:
             row.job.send(row.delta(tail))
-        reason = "stop" if row.text.stopped or row.text.num_tokens < sampling.max_tokens else "length"
+        cut = row.text.num_tokens >= sampling.max_tokens or row.sampler.closed_early
+        reason = "stop" if row.text.stopped or not cut else "length"
         row.job.send(Finished(reason, row.text.num_tokens, (time.perf_counter() - row.started_at) * 1000))
         return False
 

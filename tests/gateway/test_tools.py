@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -90,6 +91,43 @@ def test_every_walk_under_a_json_schema_grammar_validates(runner_of):
     for seed in range(20):
         text = grammars.tokenizer.decode_bytes(_walk(grammars, grammar, seed)).decode()
         jsonschema.validate(json.loads(text), schema)
+
+
+UNBOUNDED = {"type": "object", "properties": {
+    "name": {"type": "string"}, "notes": {"type": "array", "items": {"type": "string"}},
+    "size": {"type": "integer"}, "inner": {"type": "object", "properties": {"why": {"type": "string"},
+                                                                            "ok": {"type": "boolean"}},
+                                           "required": ["why", "ok"], "additionalProperties": False},
+    "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["name", "notes", "size", "inner", "unit"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("slack", [2, 40, 200])
+def test_walks_that_never_close_a_string_still_end_valid_within_the_budget(runner_of, slack):
+    """The worst model: it never ends a free string or array by itself (never picks a closer unless
+    only closers are allowed). The closing tokens at the end of the budget still finish the JSON,
+    whenever the budget holds the shortest valid output."""
+    from gateway.engine.runner import Sampler
+
+    grammars = runner_of("qwen2_5_vl").runner.grammars
+    grammar = json_schema_grammar(UNBOUNDED)
+    shortest = grammars.matcher(grammar).tokens_to_close()
+    sampling = Sampling(shortest + slack, 1.0, 1.0, 0, (), grammar=grammar)
+    closers = grammars.closing_tiers[2]
+    for seed in range(6):
+        sampler, rng, tokens = Sampler(sampling, grammars), np.random.default_rng(seed), []
+        while len(tokens) < sampling.max_tokens:
+            allowed = np.flatnonzero(np.isfinite(np.array(sampler.matcher.mask(
+                mx.zeros((grammars.vocab_size,)), closing=sampler._closing(len(tokens))))))
+            stubborn = allowed[~closers[allowed]] if (~closers[allowed]).any() else allowed
+            token = int(rng.choice(stubborn))
+            if grammars.tokenizer.is_special_token(token):
+                break  # the grammar is complete: only the end is allowed
+            sampler.accept(token)
+            tokens.append(token)
+        text = grammars.tokenizer.decode_bytes(tokens).decode(errors="replace")
+        jsonschema.validate(json.loads(text), UNBOUNDED)
+        assert sampler.closed_early
 
 
 def test_a_template_without_tools_gets_them_as_hermes_text(runner_of):
