@@ -342,3 +342,36 @@ def test_a_stored_response_can_be_read_back_and_deleted_by_its_tenant_only(serve
     unstored = client.responses.create(model=TINY, input="Name a colour.", max_output_tokens=4, store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+
+
+OPEN_ENDED = {"type": "object", "properties": {"name": {"type": "string"}, "aliases": {"type": "array", "items": {"type": "string"}},
+                                               "born": {"type": "integer"}},
+              "required": ["name", "aliases", "born"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("max_tokens", [48, 120])
+def test_open_ended_schemas_still_close_within_max_tokens(server, max_tokens):
+    """Free strings the random model never ends by itself: the reply closes in time, valid, cut by length."""
+    reply = _client(server).chat.completions.create(
+        model=TINY, messages=[{"role": "user", "content": "Describe a person"}], max_tokens=max_tokens, temperature=1.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": OPEN_ENDED}})
+    choice = reply.choices[0]
+    jsonschema.validate(json.loads(choice.message.content), OPEN_ENDED)
+    assert choice.finish_reason == "length" and reply.usage.completion_tokens <= max_tokens
+
+
+def test_pydantic_parse_helpers_of_the_openai_client(server):
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Weather(BaseModel):
+        city: str
+        unit: Literal["c", "f"]
+
+    client = _client(server)
+    parsed = client.chat.completions.parse(model=TINY, messages=QUESTION, tools=[openai.pydantic_function_tool(Weather)],
+                                           tool_choice="required", max_tokens=80)
+    assert isinstance(parsed.choices[0].message.tool_calls[0].function.parsed_arguments, Weather)
+    answer = client.responses.parse(model=TINY, input="Weather?", text_format=Weather, max_output_tokens=80)
+    assert isinstance(answer.output_parsed, Weather) or answer.status == "incomplete"
