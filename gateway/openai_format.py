@@ -83,7 +83,7 @@ async def sse(events: AsyncIterator, completions: list[Completion], trace: Trace
     (which cancels the jobs). With `tools`, text from where a call may start is held back; at the
     end the calls go out as `tool_calls` deltas (one whole call each) and anything held that was not
     a call as content."""
-    streams = [ChoiceStream(index, completion, tools) for index, completion in enumerate(completions)]
+    streams = [ChoiceStream(index, completion, tools, completions[0]) for index, completion in enumerate(completions)]
     for choice in streams:
         yield _chunk(choice, {"role": "assistant", "content": ""}, None, stamp)
     try:
@@ -104,12 +104,14 @@ async def sse(events: AsyncIterator, completions: list[Completion], trace: Trace
 
 
 class ChoiceStream:
-    """One choice's chunks: what of its text and logprobs has gone out."""
+    """One choice's chunks: what of its text and logprobs has gone out. Every chunk carries the
+    first choice's id and time (`head`): one stream, one id, as with OpenAI."""
 
-    def __init__(self, index: int, completion: Completion, tools: ToolFormat | None):
+    def __init__(self, index: int, completion: Completion, tools: ToolFormat | None, head: Completion):
         self.index = index
         self.completion = completion
         self.tools = tools
+        self.head = head
         self.sent = 0  # characters of the text sent as content
         self.num_logprobs = 0  # logprob entries sent
 
@@ -154,7 +156,7 @@ def _base(completion: Completion, kind: str, stamp: ModelStamp) -> dict:
 
 def _chunk(choice: ChoiceStream, delta: dict, finish_reason: str | None, stamp: ModelStamp,
            summary: dict | None = None, logprobs: list[dict] | None = None) -> bytes:
-    body = {**_base(choice.completion, "chat.completion.chunk", stamp), "choices": [{
+    body = {**_base(choice.head, "chat.completion.chunk", stamp), "choices": [{
         "index": choice.index, "delta": delta, "finish_reason": finish_reason,
         "logprobs": {"content": logprobs} if logprobs is not None else None}]}
     if summary is not None:

@@ -22,11 +22,15 @@ from typing import Any
 from .engine import Delta, ToolFormat
 from .errors import ApiError, bad_request
 from .openai_format import Completion, tool_calls
+from .schemas import refuse_unsupported
 from .trace import Trace
 
 # Responses fields passed to the chat parser under their chat name.
 RENAMED = {"max_output_tokens": "max_tokens"}
-PASSED = ("model", "temperature", "top_p", "stream", "metadata", "user", "parallel_tool_calls", "top_logprobs")
+PASSED = ("model", "temperature", "top_p", "stream", "metadata", "user", "parallel_tool_calls")
+# Responses fields Strata does not implement, with the values that change nothing (else a 400).
+UNSUPPORTED_UNLESS = {"include": (None, []), "top_logprobs": (None, 0), "background": (None, False), "reasoning": (None,),
+                      "prompt": (None,), "conversation": (None,)}
 
 
 def new_id() -> str:
@@ -35,6 +39,7 @@ def new_id() -> str:
 
 def chat_body(body: dict[str, Any], history: list[dict] | None) -> tuple[dict, list[dict]]:
     """The chat body to run, and the conversation to store with the response (without instructions)."""
+    refuse_unsupported(body, UNSUPPORTED_UNLESS)
     conversation = (history or []) + input_messages(body.get("input"))
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):

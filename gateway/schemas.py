@@ -104,10 +104,10 @@ UNSUPPORTED_UNLESS = {
 }
 
 
-def _refuse_unsupported(body: dict[str, Any]) -> None:
-    for field, neutral in UNSUPPORTED_UNLESS.items():
+def refuse_unsupported(body: dict[str, Any], unsupported: dict[str, tuple]) -> None:
+    for field, neutral in unsupported.items():
         if not _is_neutral(body.get(field), neutral):
-            raise bad_request(f"'{field}' is not supported yet (send it unset or as {_shown(neutral[1])})",
+            raise bad_request(f"'{field}' is not supported yet (send it unset{_or_shown(neutral)})",
                               "unsupported_parameter", field)
 
 
@@ -118,15 +118,17 @@ def _is_neutral(value: Any, neutral: tuple) -> bool:
     return any(allowed is not None and not isinstance(allowed, bool) and value == allowed for allowed in neutral)
 
 
-def _shown(value: Any) -> str:
-    return "false" if value is False else json.dumps(value)
+def _or_shown(neutral: tuple) -> str:
+    if len(neutral) < 2:
+        return ""
+    return " or as " + ("false" if neutral[1] is False else json.dumps(neutral[1]))
 
 
 def parse_chat_request(body: dict[str, Any], limits: Limits) -> ChatRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a string", "invalid_type", "model")
-    _refuse_unsupported(body)
+    refuse_unsupported(body, UNSUPPORTED_UNLESS)
     messages = _parse_messages(body.get("messages"), limits)
     num_images = sum(isinstance(p, ImagePart) for m in messages for p in m.parts)
     if num_images > limits.max_images:

@@ -221,13 +221,15 @@ def test_n_choices_come_from_one_prefill(server):
 def test_n_choices_stream_each_with_its_index(server):
     stream = _client(server).chat.completions.create(model=TINY, messages=QUESTION, n=2, max_tokens=6, stream=True,
                                                      temperature=0)
-    texts, finished = {0: "", 1: ""}, set()
+    texts, finished, ids = {0: "", 1: ""}, set(), set()
     for chunk in stream:
+        ids.add(chunk.id)
         for choice in chunk.choices:
             texts[choice.index] += choice.delta.content or ""
             if choice.finish_reason:
                 finished.add(choice.index)
     assert finished == {0, 1} and texts[0] == texts[1] != ""  # greedy: the same answer twice
+    assert len(ids) == 1
 
 
 def test_embeddings_equal_minilm_own(server):
@@ -317,6 +319,8 @@ def test_responses_call_a_forced_tool_and_continue_with_its_output(server):
     ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools[0]"),
     ({"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "1"}]}, 400, "input"),
+    ({"input": "hi", "include": ["message.output_text.logprobs"]}, 400, "include"),
+    ({"input": "hi", "background": True}, 400, "background"),
 ])
 def test_bad_responses_requests(server, body, status, param):
     reply = httpx.post(server.url + "/v1/responses", json={"model": TINY, **body},
