@@ -206,7 +206,8 @@ class EngineWorker:
         self.embeddings: deque[EmbedJob] = deque()
         self.max_embeddings = max_queue
         self.last_step = StepShape()
-        self.thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
+        self.ended = threading.Event()  # the loop has ended (the thread itself parks: see _run)
         self.warmed_up = threading.Event()  # set once warm-up ended, well or not (warm_up_error says)
         self.warm_up_error: BaseException | None = None
 
@@ -230,8 +231,7 @@ class EngineWorker:
             job.cancelled.set()
             job.send(Failed("server is shutting down"))
         self.jobs.close()
-        self.thread.join(timeout_s)
-        return not self.thread.is_alive()
+        return self.ended.wait(timeout_s)
 
     def submit(self, prompt: PreparedPrompt, sampling: Sampling, salt: TenantSalt) -> Job:
         """Queue a job; QueueFull when there is no place for it, OverBudget when it can never fit."""
@@ -280,6 +280,17 @@ class EngineWorker:
                     return
         finally:
             job.cancelled.set()
+
+    def _run(self) -> None:
+        """The loop, then parking for good. MLX keeps compiled functions in a C++ thread-local cache
+        whose destructor calls into Python when its thread exits; once the interpreter is shutting
+        down that aborts the process ("terminate called without an active exception", seen about
+        one exit in four). A parked daemon thread never exits: the process ends around it."""
+        try:
+            self._loop()
+        finally:
+            self.ended.set()
+            threading.Event().wait()
 
     def _loop(self) -> None:
         try:
