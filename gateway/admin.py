@@ -75,4 +75,15 @@ async def purge_exact(request: Request, tenant: FromQuery[str]) -> dict:
     return {"tenant": tenant, "purged": services.responses.exact.purge_tenant(tenant)}
 
 
-ADMIN_CACHE_ROUTES = [list_entries, approve_entry, reject_entry, delete_entry, purge_exact]
+@delete("/admin/exact/{key:str}", status_code=200, guards=[require_admin])
+async def delete_exact_entry(request: Request, key: FromPath[str]) -> dict:
+    """One stored answer, by the key its response carried in X-Strata-Exact-Key."""
+    services = request.app.state.services
+    if services.responses.exact is None:
+        raise ApiError(404, "the exact cache is disabled on this server", "exact_disabled")
+    if not services.responses.exact.store.delete(key):
+        raise ApiError(404, f"no exact entry {key[:80]!r}", "entry_not_found")
+    return {"key": key, "deleted": True}
+
+
+ADMIN_CACHE_ROUTES = [list_entries, approve_entry, reject_entry, delete_entry, purge_exact, delete_exact_entry]

@@ -47,8 +47,10 @@ from .responses import SESSION_HEADER, ResponseCaches
 from .schemas import parse_chat_request, parse_json_body
 from .settings import Settings
 from .stats import LayerCounters
+from .sweeper import Sweeper
 
 log = logging.getLogger("strata")
+EXACT_KEY_HEADER = "X-Strata-Exact-Key"
 VERSION = "0.1.0"
 
 
@@ -77,7 +79,7 @@ async def chat_completions(request: Request) -> Response:
     chat_request = await off_loop(len(raw), partial(_parse, raw, services.settings.limits))
     turn = await services.pipeline.start(chat_request, caller, request.headers, len(raw))
     if chat_request.stream:
-        headers = {**turn.trace.headers(), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        headers = {**_headers(services, turn), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         chunks = openai_format.sse(turn.events(), turn.completions, turn.trace, services.stamp, chat_request.include_usage,
                                    _tools(services, chat_request))
         return Stream(chunks, media_type="text/event-stream", headers=headers)
@@ -86,7 +88,16 @@ async def chat_completions(request: Request) -> Response:
     elif await _client_left_first(request, turn.finish()):
         return Response(b"", status_code=499)  # nobody reads it: the job was cancelled
     body = openai_format.response_body(turn.completions, turn.trace, services.stamp, _tools(services, chat_request))
-    return Response(body, headers=turn.trace.headers())
+    return Response(body, headers=_headers(services, turn))
+
+
+def _headers(services: Services, turn) -> dict[str, str]:
+    """The trace's X-Cache-* headers, and the request's exact-cache key when that layer is on (an
+    admin deletes one bad answer by it: DELETE /admin/exact/{key})."""
+    headers = turn.trace.headers()
+    if services.responses.exact is not None:
+        headers[EXACT_KEY_HEADER] = turn.ctx.exact_key
+    return headers
 
 
 def _tools(services: Services, chat_request):
@@ -117,7 +128,7 @@ async def create_response(request: Request) -> Response:
     if chat_request.stream:
         events = responses_api.stream_events(turn.events(), turn.completion, turn.trace, response_id, body, previous_id,
                                              tools, finished)
-        return Stream(events, media_type="text/event-stream", headers={**turn.trace.headers(), "Cache-Control": "no-cache"})
+        return Stream(events, media_type="text/event-stream", headers={**_headers(services, turn), "Cache-Control": "no-cache"})
     if not turn.cached and await _client_left_first(request, turn.finish()):
         return Response(b"", status_code=499)
     if turn.cached:
@@ -125,7 +136,7 @@ async def create_response(request: Request) -> Response:
     items, message = responses_api.output(turn.completion, tools)
     response = responses_api.response_object(response_id, body, turn.completion, turn.trace, items, previous_id)
     await finished(message, response)
-    return Response(response, headers=turn.trace.headers())
+    return Response(response, headers=_headers(services, turn))
 
 
 @get("/v1/responses/{response_id:str}")
@@ -255,7 +266,7 @@ async def admin_stats(request: Request) -> dict:
         "last_step": asdict(engine.last_step)}
     return {**services.counters.snapshot(), "engine": engine_stats,
             "engine_caches": services.engine.cache_stats(), "response_caches": services.responses.stats(),
-            "response_store_errors": store_errors}
+            "response_store_errors": store_errors, "sweeps": request.app.state.sweeper.snapshot()}
 
 
 def create_app(settings: Settings, engine: Engine | None = None, embedder: Embedder | None = None) -> Litestar:
@@ -278,9 +289,14 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
         conversations = ConversationStore(private_file(settings.data_dir / "conversations.db"), settings.conversation_ttl_s)
         embeddings = Embeddings(shared, live, settings)
         app.state.services = Services(settings, live, auth, pipeline, counters, responses, stamp, embeddings, conversations)
+        sweeper = Sweeper({**responses.expiring(), "conversations": conversations.purge_expired}, settings.sweep_interval_s)
+        app.state.sweeper = sweeper
         _log_startup(settings, live)
         try:
-            yield
+            async with anyio.create_task_group() as background:
+                background.start_soon(sweeper.run)
+                yield
+                background.cancel_scope.cancel()
         finally:
             responses.close()
             conversations.close()

@@ -4,11 +4,13 @@
     ConversationStore.load(id, tenant, now) -> messages | None      another tenant's id is not found
     ConversationStore.response(id, tenant, now) -> dict | None      the stored `response` object
     ConversationStore.delete(id, tenant) -> bool
+    ConversationStore.purge_expired(now) -> int
 
 A response is stored with the whole conversation up to and including its own output, as chat
 messages (the shape the chat-completions pipeline takes), so a follow-up renders the same prompt and
 reuses the earlier turns from the prefix cache. Rows carry their tenant, session and end user (for
-purges) and expire after `retention_s`; expired rows are deleted as new ones are written.
+purges) and expire after `retention_s`; expired rows are deleted as new ones are written, and by
+the server's sweep (gateway/sweeper.py).
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ class ConversationStore:
     def response(self, response_id: str, tenant: str, now: float) -> dict | None:
         row = self._row("response", response_id, tenant, now)
         return json.loads(row) if row else None
+
+    def purge_expired(self, now: float) -> int:
+        with self.lock:
+            return self.db.execute("DELETE FROM conversations WHERE expires_at <= ?", (now,)).rowcount
 
     def delete(self, response_id: str, tenant: str) -> bool:
         with self.lock:

@@ -83,6 +83,15 @@ class ResponseCaches:
     def stats(self) -> dict:
         return {cache.name: asdict(cache.stats()) for cache in self.caches()}
 
+    def expiring(self) -> dict:
+        """layer -> its purge_expired(now), for the sweep."""
+        stores = {}
+        if self.exact is not None:
+            stores["exact"] = self.exact.store.purge_expired
+        if self.semantic is not None:
+            stores["semantic"] = self.semantic.purge_expired
+        return stores
+
     def close(self) -> None:
         for cache in self.caches():
             cache.close()
