@@ -5,6 +5,7 @@
     ConversationStore.response(id, tenant, now) -> dict | None      the stored `response` object
     ConversationStore.delete(id, tenant) -> bool
     ConversationStore.purge_expired(now) -> int
+    ConversationStore.purge(selector) -> Purged                  a tenant, or its session / end user
 
 A response is stored with the whole conversation up to and including its own output, as chat
 messages (the shape the chat-completions pipeline takes), so a follow-up renders the same prompt and
@@ -19,6 +20,8 @@ import json
 import sqlite3
 import threading
 from pathlib import Path
+
+from semantic import Purged, Selector
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
@@ -62,6 +65,16 @@ class ConversationStore:
     def purge_expired(self, now: float) -> int:
         with self.lock:
             return self.db.execute("DELETE FROM conversations WHERE expires_at <= ?", (now,)).rowcount
+
+    def purge(self, selector: Selector) -> Purged:
+        named = [(column, value) for column, value in (("session", selector.session), ("end_user", selector.end_user))
+                 if value is not None]
+        where = " AND ".join(["tenant = ?"] + [f"{column} = ?" for column, _ in named])
+        values = (selector.tenant, *[value for _, value in named])
+        with self.lock:
+            (size,) = self.db.execute(f"SELECT COALESCE(SUM(LENGTH(messages) + LENGTH(response)), 0) FROM conversations "
+                                      f"WHERE {where}", values).fetchone()
+            return Purged(self.db.execute(f"DELETE FROM conversations WHERE {where}", values).rowcount, size)
 
     def delete(self, response_id: str, tenant: str) -> bool:
         with self.lock:

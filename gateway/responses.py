@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 
 import anyio
 
-from semantic import (Answer, CacheControl, Embedder, ExactCache, MemoryStore, MiniLMEmbedder, RiskPolicy, Scope,
+from semantic import (Answer, CacheControl, Embedder, ExactCache, MemoryStore, MiniLMEmbedder, Owner, RiskPolicy, Scope,
                       SemanticCache, SemanticLookup, SemanticSettings, SqliteStore, StoredResponse, context_fingerprint,
                       exact_key, load_risk_patterns)
 from semantic.risk import DEFAULT_PATTERNS_FILE, PERSONAL_DATA
@@ -62,6 +62,7 @@ class RequestContext:
     semantic_vector: object = None  # the query's embedding, kept from lookup for the insert
     # Why neither response layer may answer or store (a stored text cannot carry logprobs or n choices)
     bypass: str | None = None
+    owner: Owner = Owner()  # the session and end user whose request this is (purges select by them)
 
 
 class ResponseCaches:
@@ -102,11 +103,11 @@ class ResponseCaches:
         """CPU work (canonical JSON, SHA-256, RE2 risk rules): large requests call this off the event loop."""
         scope = Scope(caller.tenant, self.model_fingerprint, **_versions(request.metadata, headers))
         hashes = iter(image.pixel_hash for image in images)
-        messages = [{"role": m.role, "content": [{"text": p.text} if isinstance(p, TextPart) else {"image": next(hashes)}
-                                                 for p in m.parts]} for m in request.messages]
+        messages = [_canonical(m, hashes) for m in request.messages]
         last = request.messages[-1]
         query = " ".join(p.text for p in last.parts if isinstance(p, TextPart)) if last.role == "user" else None
-        end_user = request.user or request.metadata.get("session_id") or headers.get(SESSION_HEADER)
+        owner = request_owner(request, headers, self.settings.limits.max_user_chars)
+        end_user = request.user or owner.session or None
         category = self.risk.category(query) if query else None
         bypass = self._semantic_bypass(request, query, category, end_user is not None)
         decoding = _decoding(request.sampling) | _output_shape(request)
@@ -118,7 +119,7 @@ class ResponseCaches:
         sampling = request.sampling
         return RequestContext(caller.tenant, scope, parse_cache_control(headers, self.settings.max_cache_ttl_s),
                               sampling.temperature == 0.0 or sampling.seed is not None, sampling.temperature == 0.0,
-                              key, query, context, bypass, bypass=_response_bypass(request))
+                              key, query, context, bypass, bypass=_response_bypass(request), owner=owner)
 
     def _semantic_bypass(self, request: ChatRequest, query: str | None, category: str | None,
                          has_end_user: bool) -> str | None:
@@ -153,7 +154,7 @@ class ExactLayer:
         response = StoredResponse(answer.text, answer.finish_reason, answer.prompt_tokens, answer.completion_tokens,
                                   now, self.cache.expiry(ctx.control, now))
         _guarded(self.store_errors, "exact", self.cache.store_response, ctx.exact_key, ctx.tenant, response,
-                 ctx.control, ctx.deterministic)
+                 ctx.control, ctx.deterministic, ctx.owner)
 
 
 class SemanticLayer:
@@ -182,7 +183,7 @@ class SemanticLayer:
         if ctx.semantic_bypass is not None or ctx.bypass or ctx.control.no_store or not ctx.greedy:
             return
         insert = (self.cache.insert, ctx.query, answer, ctx.scope, ctx.context, time.time(), ctx.control.ttl_s,
-                  ctx.semantic_vector)
+                  ctx.semantic_vector, ctx.owner)
         if ctx.semantic_vector is not None:  # the lookup embedded the query already: ~0.1 ms
             _guarded(self.store_errors, "semantic", *insert)
         else:  # no-cache skipped the lookup: embedding (~12 ms) must not block the event loop
@@ -222,6 +223,27 @@ def _decoding(sampling: Sampling) -> dict:
         decoding.update(presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
                         logit_bias=[list(pair) for pair in sampling.logit_bias])
     return decoding
+
+
+def request_owner(request: ChatRequest, headers, max_chars: int) -> Owner:
+    """The session (`metadata.session_id`, else the X-Strata-Session header) and the end user (the
+    OpenAI `user` field) a request belongs to; "" for none."""
+    session = request.metadata.get("session_id") or headers.get(SESSION_HEADER) or ""
+    if len(session) > max_chars:
+        raise bad_request(f"the session id must be at most {max_chars} characters", "invalid_header", "session_id")
+    return Owner(session, request.user or "")
+
+
+def _canonical(message, hashes) -> dict:
+    """A message as the keys see it: images by pixel hash; tool calls and results only when present,
+    so plain messages keep the keys they always had."""
+    canonical = {"role": message.role, "content": [{"text": p.text} if isinstance(p, TextPart) else {"image": next(hashes)}
+                                                  for p in message.parts]}
+    if message.tool_calls:
+        canonical["tool_calls"] = [[call.id, call.name, call.arguments] for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        canonical["tool_call_id"] = message.tool_call_id
+    return canonical
 
 
 def _output_shape(request: ChatRequest) -> dict:

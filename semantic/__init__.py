@@ -10,12 +10,13 @@ from .embedder import Embedder, MiniLMEmbedder
 from .exact import CacheControl, ExactCache, ExactLookup, ExactSnapshot, exact_key
 from .guards import Verdict, check
 from .index import PartitionedIndex
+from .owners import Owner, Selector
 from .scope import Scope, context_fingerprint
 from .store import Answer, MemoryStore, Purged, ResponseStore, SqliteStore, StoredResponse
 
 __all__ = [
     "PERSONAL_DATA", "Answer", "CacheControl", "Embedder", "ExactCache", "ExactLookup", "ExactSnapshot", "MemoryStore",
-    "MiniLMEmbedder", "Purged", "SemanticSnapshot",
+    "MiniLMEmbedder", "Owner", "Purged", "SemanticSnapshot", "Selector",
     "PartitionedIndex", "ResponseStore", "RiskPatterns", "RiskPolicy", "Scope", "Screening", "SemanticCache",
     "SemanticEntry", "SemanticLookup", "SemanticSettings", "SqliteStore", "StoredResponse", "Verdict", "check",
     "context_fingerprint", "exact_key", "load_risk_patterns",

@@ -21,6 +21,7 @@ from .exact import Status
 from .guards import Verdict, check
 from .index import PartitionedIndex
 from .risk import PERSONAL_DATA
+from .owners import Owner, OwnerTable, Selector
 from .scope import Scope
 from .store import Answer, Purged
 
@@ -141,9 +142,17 @@ class SemanticCache:
         return sorted(scored, key=lambda pair: -pair[1])
 
     def insert(self, query: str, answer: Answer, scope: Scope, context: str, now: float,
-               ttl_s: float | None = None, vector: np.ndarray | None = None) -> int:
+               ttl_s: float | None = None, vector: np.ndarray | None = None, owner: Owner = Owner()) -> int:
         """Store an answer; a newer answer to the same question in the same partition replaces the
-        older one (fresh review status and hit count), keeping its id and vector."""
+        older one (fresh review status and hit count), keeping its id, vector and owners (the new
+        request's owner joins them)."""
+        entry_id = self._insert(query, answer, scope, context, now, ttl_s, vector)
+        with self.lock:
+            self.owners.add(entry_id, owner)
+        return entry_id
+
+    def _insert(self, query: str, answer: Answer, scope: Scope, context: str, now: float, ttl_s: float | None,
+                vector: np.ndarray | None) -> int:
         partition = scope.partition(context)
         ttl = self.settings.default_ttl_s if ttl_s is None else ttl_s
         expires = now + ttl if ttl > 0 else None
@@ -237,7 +246,16 @@ class SemanticCache:
             return False
         self.index.remove(entry_id)
         with self.lock:
+            self.owners.forget([entry_id])
             return self.db.execute("DELETE FROM semantic_entries WHERE id = ?", (entry_id,)).rowcount > 0
+
+    def purge_owned(self, selector: Selector) -> Purged:
+        """A tenant's entries, or its session's or end user's share of them (semantic/owners.py)."""
+        with self.lock:
+            ids = self.owners.release(selector, "semantic_entries", "id")
+            size = sum(self.db.execute("SELECT LENGTH(prompt) + LENGTH(answer) + LENGTH(vector) FROM semantic_entries "
+                                       "WHERE id = ?", (entry_id,)).fetchone()[0] for entry_id in ids)
+        return Purged(sum(self.delete(entry_id) for entry_id in ids), size)
 
     def stats(self) -> SemanticSnapshot:
         with self.lock:
@@ -271,6 +289,7 @@ class SemanticCache:
                             "status TEXT NOT NULL, vector BLOB NOT NULL, finish_reason TEXT NOT NULL DEFAULT 'stop', "
                             "completion_tokens INTEGER NOT NULL DEFAULT 0, prompt_tokens INTEGER NOT NULL DEFAULT 0)")
             self.db.execute("CREATE INDEX IF NOT EXISTS semantic_by_partition ON semantic_entries(partition, prompt)")
+            self.owners = OwnerTable(self.db, "semantic_owners", "INTEGER")
             columns = {row[1] for row in self.db.execute("PRAGMA table_info(semantic_entries)")}
             for column, ddl in (("finish_reason", "TEXT NOT NULL DEFAULT 'stop'"),
                                 ("completion_tokens", "INTEGER NOT NULL DEFAULT 0"),

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .scope import Scope, digest
+from .owners import Owner, Selector
 from .store import Purged, ResponseStore, StoredResponse
 
 
@@ -73,10 +74,10 @@ class ExactCache:
         return ExactLookup("hit", key, response=found, age_s=age)
 
     def store_response(self, key: str, tenant: str, response: StoredResponse, control: CacheControl,
-                       deterministic: bool) -> bool:
+                       deterministic: bool, owner: Owner = Owner()) -> bool:
         if control.no_store or not self.eligible(deterministic):
             return False
-        self.store.put(key, tenant, response)
+        self.store.put(key, tenant, response, owner)
         return True
 
     def stats(self) -> ExactSnapshot:
@@ -87,6 +88,10 @@ class ExactCache:
 
     def purge_tenant(self, tenant: str) -> int:
         return self.store.purge_tenant(tenant)
+
+    def purge_owned(self, selector: Selector) -> Purged:
+        """A tenant's entries, or its session's or end user's share of them (semantic/owners.py)."""
+        return self.store.purge(selector)
 
     def close(self) -> None:
         self.store.close()

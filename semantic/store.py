@@ -1,8 +1,9 @@
 """Stores for exact-response entries: one contract, two backends.
 
     ResponseStore.get(key, now) -> StoredResponse | None   (expired entries are never returned)
-    ResponseStore.put(key, tenant, response)
+    ResponseStore.put(key, tenant, response, owner)        the owner (session, end user) is added
     ResponseStore.delete(key) -> bool ; purge_expired(now) -> int ; purge_tenant(tenant) -> int
+    ResponseStore.purge(selector) -> Purged                a tenant, or its session / end user (semantic/owners.py)
 
 MemoryStore lives and dies with the process; SqliteStore (the default) survives restarts: WAL mode,
 one connection guarded by a lock, every write committed before put() returns.
@@ -16,6 +17,8 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
+
+from .owners import Owner, OwnerTable, Selector
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +43,8 @@ class StoredResponse:
 
 class ResponseStore(Protocol):
     def get(self, key: str, now: float) -> StoredResponse | None: ...
-    def put(self, key: str, tenant: str, response: StoredResponse) -> None: ...
+    def put(self, key: str, tenant: str, response: StoredResponse, owner: Owner = Owner()) -> None: ...
+    def purge(self, selector: Selector) -> Purged: ...
     def delete(self, key: str) -> bool: ...
     def count(self) -> int: ...
     def purge_expired(self, now: float) -> int: ...
@@ -65,6 +69,7 @@ def _live(response: StoredResponse, now: float) -> bool:
 class MemoryStore:
     def __init__(self) -> None:
         self.entries: dict[str, tuple[str, StoredResponse]] = {}
+        self.owners: dict[str, set[Owner]] = {}  # key -> its owners; invariant: same keys as entries
         self.lock = threading.Lock()
 
     def get(self, key: str, now: float) -> StoredResponse | None:
@@ -72,27 +77,42 @@ class MemoryStore:
             found = self.entries.get(key)
         return found[1] if found and _live(found[1], now) else None
 
-    def put(self, key: str, tenant: str, response: StoredResponse) -> None:
+    def put(self, key: str, tenant: str, response: StoredResponse, owner: Owner = Owner()) -> None:
         with self.lock:
             self.entries[key] = (tenant, response)
+            self.owners.setdefault(key, set()).add(owner)
 
     def delete(self, key: str) -> bool:
         with self.lock:
+            self.owners.pop(key, None)
             return self.entries.pop(key, None) is not None
 
     def purge_expired(self, now: float) -> int:
         with self.lock:
             dead = [k for k, (_, r) in self.entries.items() if not _live(r, now)]
-            for key in dead:
-                del self.entries[key]
-        return len(dead)
+            return self._remove(dead).num_entries
 
     def purge_tenant(self, tenant: str) -> int:
+        return self.purge(Selector(tenant)).num_entries
+
+    def purge(self, selector: Selector) -> Purged:
         with self.lock:
-            dead = [k for k, (t, _) in self.entries.items() if t == tenant]
-            for key in dead:
-                del self.entries[key]
-        return len(dead)
+            dead = []
+            for key, (tenant, _) in self.entries.items():
+                if tenant != selector.tenant:
+                    continue
+                owners = self.owners[key]
+                owners.difference_update([o for o in owners if selector.matches(o)])
+                if selector.whole_tenant or not owners:
+                    dead.append(key)
+            return self._remove(dead)
+
+    def _remove(self, keys: list[str]) -> Purged:
+        size = sum(len(json.dumps(asdict(self.entries[key][1]))) for key in keys)  # as SqliteStore keeps it
+        for key in keys:
+            del self.entries[key]
+            del self.owners[key]
+        return Purged(len(keys), size)
 
     def count(self) -> int:
         with self.lock:
@@ -102,6 +122,7 @@ class MemoryStore:
         with self.lock:
             removed = len(self.entries)
             self.entries.clear()
+            self.owners.clear()
         return removed
 
     def close(self) -> None:
@@ -119,6 +140,7 @@ class SqliteStore:
             self.db.execute("CREATE TABLE IF NOT EXISTS exact_entries (key TEXT PRIMARY KEY, tenant TEXT NOT NULL, "
                             "expires_at REAL, body TEXT NOT NULL)")
             self.db.execute("CREATE INDEX IF NOT EXISTS exact_by_tenant ON exact_entries(tenant)")
+            self.owners = OwnerTable(self.db, "exact_owners", "TEXT")
 
     def get(self, key: str, now: float) -> StoredResponse | None:
         with self.lock:
@@ -126,23 +148,34 @@ class SqliteStore:
                                   (key, now)).fetchone()
         return StoredResponse(**json.loads(row[0])) if row else None
 
-    def put(self, key: str, tenant: str, response: StoredResponse) -> None:
+    def put(self, key: str, tenant: str, response: StoredResponse, owner: Owner = Owner()) -> None:
         with self.lock:
             self.db.execute("INSERT OR REPLACE INTO exact_entries (key, tenant, expires_at, body) VALUES (?, ?, ?, ?)",
                             (key, tenant, response.expires_at, json.dumps(asdict(response))))
+            self.owners.add(key, owner)
 
     def delete(self, key: str) -> bool:
         with self.lock:
+            self.owners.forget([key])
             return self.db.execute("DELETE FROM exact_entries WHERE key = ?", (key,)).rowcount > 0
 
     def purge_expired(self, now: float) -> int:
         with self.lock:
-            return self.db.execute("DELETE FROM exact_entries WHERE expires_at IS NOT NULL AND expires_at <= ?",
-                                   (now,)).rowcount
+            removed = self.db.execute("DELETE FROM exact_entries WHERE expires_at IS NOT NULL AND expires_at <= ?",
+                                      (now,)).rowcount
+            self.owners.sweep("exact_entries", "key")
+            return removed
 
     def purge_tenant(self, tenant: str) -> int:
+        return self.purge(Selector(tenant)).num_entries
+
+    def purge(self, selector: Selector) -> Purged:
         with self.lock:
-            return self.db.execute("DELETE FROM exact_entries WHERE tenant = ?", (tenant,)).rowcount
+            keys = self.owners.release(selector, "exact_entries", "key")
+            size = sum(self.db.execute("SELECT LENGTH(body) FROM exact_entries WHERE key = ?", (key,)).fetchone()[0]
+                       for key in keys)
+            self.db.executemany("DELETE FROM exact_entries WHERE key = ?", [(key,) for key in keys])
+            return Purged(len(keys), size)
 
     def count(self) -> int:
         with self.lock:
@@ -150,6 +183,7 @@ class SqliteStore:
 
     def purge_all(self) -> int:
         with self.lock:
+            self.db.execute("DELETE FROM exact_owners")
             return self.db.execute("DELETE FROM exact_entries").rowcount
 
     def close(self) -> None:

@@ -379,3 +379,19 @@ def test_pydantic_parse_helpers_of_the_openai_client(server):
     assert isinstance(parsed.choices[0].message.tool_calls[0].function.parsed_arguments, Weather)
     answer = client.responses.parse(model=TINY, input="Weather?", text_format=Weather, max_output_tokens=80)
     assert isinstance(answer.output_parsed, Weather) or answer.status == "incomplete"
+
+
+def test_earlier_tool_calls_and_results_are_in_the_exact_key(server):
+    def history(arguments: str, result: str) -> list[dict]:
+        call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+        return QUESTION + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                           {"role": "tool", "tool_call_id": "call_1", "content": result}]
+
+    client = _client(server)
+    ask = dict(model=TINY, tools=[WEATHER], tool_choice="none", max_tokens=4, temperature=0)
+    client.chat.completions.create(messages=history('{"city": "Lyon"}', "sunny"), **ask)
+    same = client.chat.completions.with_raw_response.create(messages=history('{"city": "Lyon"}', "sunny"), **ask)
+    other_call = client.chat.completions.with_raw_response.create(messages=history('{"city": "Oslo"}', "sunny"), **ask)
+    other_result = client.chat.completions.with_raw_response.create(messages=history('{"city": "Lyon"}', "snow"), **ask)
+    assert same.headers["x-cache-exact"].startswith("hit")
+    assert other_call.headers["x-cache-exact"].startswith("miss") and other_result.headers["x-cache-exact"].startswith("miss")

@@ -88,3 +88,18 @@ def test_personal_questions_need_a_named_end_user(cache):
     assert cache.screen(question, False, risk.category(question), has_end_user=False).bypass_reason == "risk:personal_data"
     scoped = cache.screen(question, False, risk.category(question), has_end_user=True)
     assert scoped.bypass_reason is None and scoped.personal
+
+def test_owned_entries_are_purged_by_session_keeping_shared_ones(tmp_path, embedder):
+    from semantic import Answer, Owner, Scope, Selector, SemanticCache, SemanticSettings
+
+    cache = SemanticCache(embedder, tmp_path / "s.db", SemanticSettings())
+    scope = Scope("tenant-a", "model")
+    shared = cache.insert("What are your opening hours?", Answer("9 to 5"), scope, "ctx", 0.0, owner=Owner("s1"))
+    assert cache.insert("What are your opening hours?", Answer("9 to 5"), scope, "ctx", 1.0, owner=Owner("s2")) == shared
+    private = cache.insert("How do I reset my password?", Answer("Use the link"), scope, "ctx", 0.0, owner=Owner("s1"))
+    purged = cache.purge_owned(Selector("tenant-a", session="s1"))
+    assert purged.num_entries == 1 and purged.num_bytes > 0
+    assert cache.get(private) is None and cache.get(shared) is not None
+    assert cache.lookup("How do I reset my password?", scope, "ctx", 2.0).status == "miss"  # gone from the index too
+    assert cache.purge_owned(Selector("tenant-a")).num_entries == 1 and cache.stats().num_entries == 0
+    cache.close()

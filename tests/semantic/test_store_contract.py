@@ -54,3 +54,31 @@ def test_sqlite_store_survives_reopening(tmp_path):
     second = SqliteStore(tmp_path / "r.db")
     assert second.get("k", 101.0).text == "persisted"
     second.close()
+
+
+def test_a_session_purge_keeps_what_another_session_of_the_tenant_still_owns(store):
+    from semantic import Owner, Selector
+
+    store.put("shared", "tenant-a", _response("system prompt answer"), Owner("session-a"))
+    store.put("shared", "tenant-a", _response("system prompt answer"), Owner("session-b"))
+    store.put("only-a", "tenant-a", _response("private"), Owner("session-a", "alice"))
+    store.put("anonymous", "tenant-a", _response())
+    store.put("other", "tenant-b", _response(), Owner("session-a"))
+    purged = store.purge(Selector("tenant-a", session="session-a"))
+    assert purged.num_entries == 1 and purged.num_bytes > len("private")  # the stored record's bytes
+    assert store.get("only-a", 101.0) is None
+    assert store.get("shared", 101.0) is not None and store.get("anonymous", 101.0) is not None
+    assert store.get("other", 101.0) is not None  # the same session id in another tenant is another session
+    assert store.purge(Selector("tenant-a", session="session-b")).num_entries == 1  # its last owner left
+    assert store.get("shared", 101.0) is None
+
+
+def test_an_end_user_purge_and_a_tenant_purge(store):
+    from semantic import Owner, Selector
+
+    store.put("k1", "t", _response(), Owner("s1", "alice"))
+    store.put("k2", "t", _response(), Owner("s2", "alice"))
+    store.put("k3", "t", _response(), Owner("s2", "bob"))
+    assert store.purge(Selector("t", end_user="alice")).num_entries == 2
+    assert store.get("k3", 101.0) is not None
+    assert store.purge(Selector("t")).num_entries == 1 and store.count() == 0
