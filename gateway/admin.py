@@ -4,19 +4,27 @@
     POST   /admin/semantic/entries/{id}/approve | /reject   validation status (rejected: never served)
     DELETE /admin/semantic/entries/{id}
     DELETE /admin/exact?tenant=T                            purge one tenant's exact entries
+    DELETE /admin/exact/{key}                               one stored answer (X-Strata-Exact-Key)
+    POST   /admin/purge {tenant, session?, user?, layers?}  what a tenant, session or end user stored
+    POST   /admin/sessions/{id}/end?tenant=T                the same for one session, in every layer
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict
 
+import anyio
 from litestar import Request, delete, get, post
 from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, FromQuery
 
+from semantic import Selector
+
 from .errors import ApiError, bad_request
 
+log = logging.getLogger("strata")
 ADMIN_PAGE_SIZE = 1000  # the most entries one list call returns
 
 
@@ -86,4 +94,54 @@ async def delete_exact_entry(request: Request, key: FromPath[str]) -> dict:
     return {"key": key, "deleted": True}
 
 
-ADMIN_CACHE_ROUTES = [list_entries, approve_entry, reject_entry, delete_entry, purge_exact, delete_exact_entry]
+PURGEABLE = ("exact", "semantic", "conversations")
+
+
+@post("/admin/purge", status_code=200, guards=[require_admin])
+async def purge(request: Request) -> dict:
+    """{"tenant", "session"?, "user"?, "layers"?: [...]} -> what each layer removed. The response layers
+    and stored conversations only, for now; the engine's vision and KV caches are purged by tenant
+    with the whole-cache admin routes."""
+    body = await request.json()
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object", "invalid_type")
+    selector = _selector(body)
+    layers = body.get("layers", list(PURGEABLE))
+    if not isinstance(layers, list) or not layers or any(layer not in PURGEABLE for layer in layers):
+        raise bad_request(f"'layers' must be a non-empty array of {', '.join(PURGEABLE)}", "invalid_value", "layers")
+    return await anyio.to_thread.run_sync(purge_layers, request.app.state.services, selector, layers)
+
+
+@post("/admin/sessions/{session:str}/end", status_code=200, guards=[require_admin])
+async def end_session(request: Request, session: FromPath[str], tenant: FromQuery[str]) -> dict:
+    """End a session: what it stored goes from every layer (shared entries stay for their other owners)."""
+    selector = _selector({"tenant": tenant, "session": session})
+    return await anyio.to_thread.run_sync(purge_layers, request.app.state.services, selector, list(PURGEABLE))
+
+
+def _selector(body: dict) -> Selector:
+    fields = {name: body.get(name) for name in ("tenant", "session", "user")}
+    for name, value in fields.items():
+        if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 256):
+            raise bad_request(f"'{name}' must be a string of 1 to 256 characters", "invalid_value", name)
+    if fields["tenant"] is None:
+        raise bad_request("'tenant' is required: a purge never crosses tenants", "invalid_value", "tenant")
+    return Selector(fields["tenant"], fields["session"], fields["user"])
+
+
+def purge_layers(services, selector: Selector, layers: list[str]) -> dict:
+    """Each named layer's purge, as {layer: {"entries", "bytes"}} (a disabled layer: null)."""
+    purges = {"exact": services.responses.exact.purge_owned if services.responses.exact else None,
+              "semantic": services.responses.semantic.purge_owned if services.responses.semantic else None,
+              "conversations": services.conversations.purge}
+    removed = {}
+    for layer in layers:
+        result = purges[layer](selector) if purges[layer] is not None else None
+        removed[layer] = {"entries": result.num_entries, "bytes": result.num_bytes} if result is not None else None
+    log.info("purged %s for tenant %r session %r user %r: %s", layers, selector.tenant, selector.session,
+             selector.end_user, removed)
+    return {"tenant": selector.tenant, "session": selector.session, "user": selector.end_user, "removed": removed}
+
+
+ADMIN_CACHE_ROUTES = [list_entries, approve_entry, reject_entry, delete_entry, purge_exact, delete_exact_entry, purge,
+                      end_session]

@@ -145,6 +145,8 @@ class ExactLayer:
         result = self.cache.lookup(ctx.exact_key, ctx.control, ctx.deterministic, time.time())
         details = {"age": f"{result.age_s:.1f}"} if result.status == HIT else ({"reason": result.reason} if result.reason else {})
         trace.record("exact", LayerOutcome.of(result.status, **details))
+        if result.status == HIT:
+            _guarded(self.store_errors, "exact", self.cache.own, ctx.exact_key, ctx.owner)
         return result.response
 
     async def store(self, ctx: RequestContext, answer: Answer) -> None:
@@ -176,6 +178,7 @@ class SemanticLayer:
         if result.status != HIT:
             return None
         entry = result.entry
+        _guarded(self.store_errors, "semantic", self.cache.own, entry.id, ctx.owner)
         return StoredResponse(entry.answer, entry.finish_reason, entry.prompt_tokens, entry.completion_tokens,
                               entry.created_at, entry.expires_at)
 

@@ -249,6 +249,12 @@ class SemanticCache:
             self.owners.forget([entry_id])
             return self.db.execute("DELETE FROM semantic_entries WHERE id = ?", (entry_id,)).rowcount > 0
 
+    def own(self, entry_id: int, owner: Owner) -> None:
+        """A hit: the entry is the hitting request's owner's too."""
+        with self.lock:
+            if self.db.execute("SELECT 1 FROM semantic_entries WHERE id = ?", (entry_id,)).fetchone():
+                self.owners.add(entry_id, owner)
+
     def purge_owned(self, selector: Selector) -> Purged:
         """A tenant's entries, or its session's or end user's share of them (semantic/owners.py)."""
         with self.lock:

@@ -89,6 +89,11 @@ class ExactCache:
     def purge_tenant(self, tenant: str) -> int:
         return self.store.purge_tenant(tenant)
 
+    def own(self, key: str, owner: Owner) -> None:
+        """A hit: the entry is the hitting request's owner's too (a purge of the one that stored it
+        then leaves it to the others)."""
+        self.store.own(key, owner)
+
     def purge_owned(self, selector: Selector) -> Purged:
         """A tenant's entries, or its session's or end user's share of them (semantic/owners.py)."""
         return self.store.purge(selector)

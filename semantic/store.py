@@ -2,6 +2,7 @@
 
     ResponseStore.get(key, now) -> StoredResponse | None   (expired entries are never returned)
     ResponseStore.put(key, tenant, response, owner)        the owner (session, end user) is added
+    ResponseStore.own(key, owner)                          a hit: the entry is the hitting owner's too
     ResponseStore.delete(key) -> bool ; purge_expired(now) -> int ; purge_tenant(tenant) -> int
     ResponseStore.purge(selector) -> Purged                a tenant, or its session / end user (semantic/owners.py)
 
@@ -45,6 +46,7 @@ class ResponseStore(Protocol):
     def get(self, key: str, now: float) -> StoredResponse | None: ...
     def put(self, key: str, tenant: str, response: StoredResponse, owner: Owner = Owner()) -> None: ...
     def purge(self, selector: Selector) -> Purged: ...
+    def own(self, key: str, owner: Owner) -> None: ...
     def delete(self, key: str) -> bool: ...
     def count(self) -> int: ...
     def purge_expired(self, now: float) -> int: ...
@@ -81,6 +83,11 @@ class MemoryStore:
         with self.lock:
             self.entries[key] = (tenant, response)
             self.owners.setdefault(key, set()).add(owner)
+
+    def own(self, key: str, owner: Owner) -> None:
+        with self.lock:
+            if key in self.owners:
+                self.owners[key].add(owner)
 
     def delete(self, key: str) -> bool:
         with self.lock:
@@ -153,6 +160,11 @@ class SqliteStore:
             self.db.execute("INSERT OR REPLACE INTO exact_entries (key, tenant, expires_at, body) VALUES (?, ?, ?, ?)",
                             (key, tenant, response.expires_at, json.dumps(asdict(response))))
             self.owners.add(key, owner)
+
+    def own(self, key: str, owner: Owner) -> None:
+        with self.lock:
+            if self.db.execute("SELECT 1 FROM exact_entries WHERE key = ?", (key,)).fetchone():
+                self.owners.add(key, owner)
 
     def delete(self, key: str) -> bool:
         with self.lock:

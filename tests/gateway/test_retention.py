@@ -75,3 +75,45 @@ def test_one_bad_answer_is_deleted_by_its_key(settings, engine):
         again = client.post("/v1/chat/completions", json=body)
         assert again.headers["x-cache-exact"].startswith("miss") and again.headers[EXACT_KEY_HEADER] == key
         assert client.delete("/admin/exact/nope", headers=ADMIN).status_code == 404
+
+
+def _chat(client, text, session=None, user=None, **extra):
+    headers = {"X-Strata-Session": session} if session else {}
+    body = {"model": TINY, "messages": [{"role": "user", "content": text}], "max_tokens": 3, "temperature": 0, **extra}
+    if user:
+        body["user"] = user
+    return client.post("/v1/chat/completions", json=body, headers=headers)
+
+
+def test_purging_a_session_misses_its_answers_and_keeps_what_another_session_shares(settings, engine, embedder):
+    live = dataclasses.replace(settings, exact_store="sqlite", semantic_enabled=True, admin_key="admin-key")
+    with TestClient(create_app(live, engine=engine, embedder=embedder)) as client:
+        _chat(client, "What are the opening hours of the library?", session="A")
+        hit = _chat(client, "What are the opening hours of the library?", session="B")  # a hit: now A's and B's
+        assert hit.headers["x-cache-exact"].startswith("hit")
+        _chat(client, "Summarise my last order please", session="A")
+        response = client.post("/v1/responses", json={"model": TINY, "input": "hi", "max_output_tokens": 2},
+                               headers={"X-Strata-Session": "A"})
+        assert response.status_code == 200
+        purged = client.post("/admin/purge", json={"tenant": "default", "session": "A"}, headers=ADMIN)
+        assert purged.status_code == 200, purged.text
+        removed = purged.json()["removed"]
+        # A's own: its order question (its sampled Responses turn was never an exact entry) and its conversation
+        assert removed["exact"]["entries"] == 1 and removed["conversations"]["entries"] == 1
+        assert removed["exact"]["bytes"] > 0
+        assert _chat(client, "Summarise my last order please", session="A").headers["x-cache-exact"].startswith("miss")
+        assert _chat(client, "What are the opening hours of the library?", session="B").headers["x-cache-exact"].startswith("hit")
+        response_id = response.json()["id"]
+        assert client.get(f"/v1/responses/{response_id}").status_code == 404
+        assert client.post("/admin/sessions/B/end?tenant=default", headers=ADMIN).json()["removed"]["exact"]["entries"] >= 1
+        assert _chat(client, "What are the opening hours of the library?", session="B").headers["x-cache-exact"].startswith("miss")
+
+
+def test_purge_requests_are_checked(settings, engine):
+    with TestClient(create_app(dataclasses.replace(settings, admin_key="admin-key"), engine=engine)) as client:
+        assert client.post("/admin/purge", json={"session": "A"}).status_code == 401
+        assert client.post("/admin/purge", json={"session": "A"}, headers=ADMIN).json()["error"]["param"] == "tenant"
+        bad = client.post("/admin/purge", json={"tenant": "t", "layers": ["kv-of-everyone"]}, headers=ADMIN)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "layers"
+        off = client.post("/admin/purge", json={"tenant": "t", "user": "u"}, headers=ADMIN).json()["removed"]
+        assert off["exact"] is None and off["conversations"] == {"entries": 0, "bytes": 0}  # exact is off here

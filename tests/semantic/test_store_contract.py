@@ -82,3 +82,14 @@ def test_an_end_user_purge_and_a_tenant_purge(store):
     assert store.purge(Selector("t", end_user="alice")).num_entries == 2
     assert store.get("k3", 101.0) is not None
     assert store.purge(Selector("t")).num_entries == 1 and store.count() == 0
+
+
+def test_a_hit_makes_the_entry_the_hitting_sessions_too(store):
+    from semantic import Owner, Selector
+
+    store.put("k", "t", _response(), Owner("session-a"))
+    store.own("k", Owner("session-b"))
+    store.own("missing", Owner("session-b"))  # nothing to own: nothing happens
+    assert store.purge(Selector("t", session="session-a")).num_entries == 0
+    assert store.get("k", 101.0) is not None
+    assert store.purge(Selector("t", session="session-b")).num_entries == 1
