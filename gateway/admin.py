@@ -23,6 +23,7 @@ from litestar.params import FromPath, FromQuery
 from semantic import Selector
 
 from .errors import ApiError, bad_request
+from .schemas import parse_json_body
 
 log = logging.getLogger("strata")
 ADMIN_PAGE_SIZE = 1000  # the most entries one list call returns
@@ -102,14 +103,13 @@ async def purge(request: Request) -> dict:
     """{"tenant", "session"?, "user"?, "layers"?: [...]} -> what each layer removed. The response layers
     and stored conversations only, for now; the engine's vision and KV caches are purged by tenant
     with the whole-cache admin routes."""
-    body = await request.json()
-    if not isinstance(body, dict):
-        raise bad_request("the body must be a JSON object", "invalid_type")
+    services = request.app.state.services
+    body = parse_json_body(await request.body(), services.settings.limits.max_json_depth)
     selector = _selector(body)
     layers = body.get("layers", list(PURGEABLE))
     if not isinstance(layers, list) or not layers or any(layer not in PURGEABLE for layer in layers):
         raise bad_request(f"'layers' must be a non-empty array of {', '.join(PURGEABLE)}", "invalid_value", "layers")
-    return await anyio.to_thread.run_sync(purge_layers, request.app.state.services, selector, layers)
+    return await anyio.to_thread.run_sync(purge_layers, services, selector, layers)
 
 
 @post("/admin/sessions/{session:str}/end", status_code=200, guards=[require_admin])

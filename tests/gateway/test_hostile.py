@@ -143,9 +143,16 @@ def _route_cases() -> list[tuple]:
         ("DELETE", "/admin/semantic/entries/" + "9" * 23), ("DELETE", "/admin/exact"),
         ("DELETE", "/admin/exact?tenant=" + "t" * 3000), ("GET", "/admin/stats"), ("PUT", CHAT), ("GET", CHAT),
         ("POST", "/v1/models"), ("GET", "/v1/../admin/stats"), ("GET", "/%00"), ("GET", "/healthz?x=" + "y" * 4000),
+        ("POST", "/admin/purge"), ("POST", "/admin/sessions/" + "s" * 300 + "/end?tenant=t"),
+        ("POST", "/admin/sessions/a/end"), ("DELETE", "/admin/exact/" + "k" * 3000), ("GET", "/v1/responses/x"),
+        ("DELETE", "/v1/responses/" + "r" * 3000),
     ]
-    return [(f"route-{method}-{path[:40]}-{auth}", method, path, key if auth == "admin" else {}, None)
-            for method, path in routes for auth in ("anonymous", "admin")]
+    cases = [(f"route-{method}-{path[:40]}-{auth}", method, path, key if auth == "admin" else {}, None)
+             for method, path in routes for auth in ("anonymous", "admin")]
+    for name, value in HOSTILE_VALUES.items():
+        for field in ("tenant", "session", "user", "layers"):
+            cases.append((f"purge-{field}-{name}", "POST", "/admin/purge", key, {"tenant": "t", field: value}))
+    return cases
 
 
 CASES = _field_cases() + _tool_cases() + _message_cases() + _raw_cases() + _header_cases() + _route_cases()
