@@ -73,6 +73,8 @@ class Settings:
     kv_block_size: int = 32  # tokens per prefix-cache block (README: how it was chosen)
     kv_budget_bytes: int | None = None  # RAM for KV blocks and running sequences; None = 25% of available RAM; 0 = off
     vision_budget_bytes: int = 256 << 20  # RAM for cached image features; 0 = off
+    kv_ram_retention_s: float = 86400.0  # prefix KV blocks in RAM nobody used for this long are dropped (0: never)
+    vision_retention_s: float = 86400.0  # cached image features nobody used for this long are dropped (0: never)
     ssd_capacity_bytes: int = _default(SsdConfig, "capacity_bytes")  # KV blocks under DATA_DIR/kv; 0 = no SSD tier
     ssd_retention_s: float = _default(SsdConfig, "retention_s")
     ssd_min_hits: int = _default(AdmissionPolicy, "min_hits")  # admission: spill only blocks reused this often
@@ -177,6 +179,8 @@ SETTINGS = (
     Setting("kv_block_size", "STRATA_KV_BLOCK_SIZE", int, "tokens per prefix KV block"),
     Setting("kv_budget_bytes", "STRATA_KV_BUDGET_BYTES", int, "RAM for KV: cached prefix blocks and running sequences (unset: 25% of available RAM; 0: prefix cache off)"),
     Setting("vision_budget_bytes", "STRATA_VISION_BUDGET_BYTES", int, "RAM for cached image features (0: off)"),
+    Setting("kv_ram_retention_s", "STRATA_KV_RAM_RETENTION_S", float, "prefix KV blocks in RAM unused this long are dropped (0: never)"),
+    Setting("vision_retention_s", "STRATA_VISION_RETENTION_S", float, "cached image features unused this long are dropped (0: never)"),
     Setting("ssd_capacity_bytes", "STRATA_SSD_CAPACITY_BYTES", int, "byte cap of the KV SSD tier (0: no SSD tier)"),
     Setting("ssd_min_hits", "STRATA_SSD_MIN_HITS", int, "spill only blocks reused at least this often in RAM"),
     Setting("ssd_min_prefix_tokens", "STRATA_SSD_MIN_PREFIX_TOKENS", int, "spill only blocks at least this deep in a prefix"),

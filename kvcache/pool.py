@@ -13,6 +13,7 @@ sequences), and a reservation is never taken back by an insert (never the revers
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ class Block:
     end_token: int = 0  # the block covers tokens [end_token - block_size, end_token) of its chain
     scope: str = ""  # a digest of the chain's root (tenant), written to SSD metadata
     num_hits: int = 0  # lookups that reused this block
+    last_used: float = 0.0  # time.monotonic() when it last became free: expire() drops idle blocks
     # intrusive links of the free queue; None while the block is in use
     prev: Block | None = field(default=None, repr=False)
     next: Block | None = field(default=None, repr=False)
@@ -90,6 +92,7 @@ class PoolStats:
     num_evicted: int = 0
     num_rejected: int = 0  # inserts refused: the budget was held by blocks in use and reservations
     num_evicted_to_reserve: int = 0  # of num_evicted, evicted to make room for a reservation
+    num_expired: int = 0  # free blocks dropped by expire(): idle past the retention
 
 
 class BlockPool:
@@ -114,7 +117,8 @@ class BlockPool:
         assert block.ref_count > 0, f"release of a free block {block.block_hash!r}"
         block.ref_count -= 1
         if block.ref_count == 0:
-            self.free.append(block)
+            block.last_used = time.monotonic()
+            self.free.append(block)  # the free queue stays ordered by last_used
 
     def insert(self, block: Block) -> Block | None:
         """Add a block, acquired once by the caller; evicts LRU free blocks to fit the budget.
@@ -163,6 +167,18 @@ class BlockPool:
         while (victim := self.free.pop_oldest()) is not None:
             num_blocks, num_bytes = num_blocks + 1, num_bytes + victim.nbytes
             self._discard(victim)
+        return Purged(num_blocks, num_bytes)
+
+    def expire(self, idle_s: float, now: float | None = None) -> Purged:
+        """Drop the free blocks nobody used for idle_s seconds (the RAM tier's retention), oldest
+        first, without the eviction callback: what expired is not spilled."""
+        cutoff = (time.monotonic() if now is None else now) - idle_s
+        num_blocks, num_bytes = 0, 0
+        while self.free.num_blocks and self.free.head.next.last_used < cutoff:
+            victim = self.free.pop_oldest()
+            num_blocks, num_bytes = num_blocks + 1, num_bytes + victim.nbytes
+            self._discard(victim)
+        self.counters.num_expired += num_blocks
         return Purged(num_blocks, num_bytes)
 
     def _discard(self, block: Block) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any, NewType
@@ -41,6 +42,7 @@ class VisionCacheStats:
     num_hits: int = 0
     num_misses: int = 0
     num_evicted: int = 0
+    num_expired: int = 0  # dropped by expire(): unused past the retention
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +71,7 @@ class VisionCache:
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
         self.entries: OrderedDict[ImageKey, Any] = OrderedDict()  # least recently used first; O(1) moves
+        self.used_at: dict[ImageKey, float] = {}  # time.monotonic() of each entry's last get or put
         self.num_bytes = 0
         self.counters = VisionCacheStats()
 
@@ -78,6 +81,7 @@ class VisionCache:
             self.counters.num_misses += 1
             return None
         self.entries.move_to_end(key)
+        self.used_at[key] = time.monotonic()
         self.counters.num_hits += 1
         return features
 
@@ -87,8 +91,21 @@ class VisionCache:
     def purge(self) -> Purged:
         removed = Purged(len(self.entries), self.num_bytes)
         self.entries.clear()
+        self.used_at.clear()
         self.num_bytes = 0
         return removed
+
+    def expire(self, idle_s: float, now: float | None = None) -> Purged:
+        """Drop the features nobody used for idle_s seconds (the retention), least recently used first."""
+        cutoff = (time.monotonic() if now is None else now) - idle_s
+        num_entries, num_bytes = 0, 0
+        while self.entries and self.used_at[next(iter(self.entries))] < cutoff:
+            key, features = self.entries.popitem(last=False)
+            del self.used_at[key]
+            num_entries, num_bytes = num_entries + 1, num_bytes + int(features.nbytes)
+        self.num_bytes -= num_bytes
+        self.counters.num_expired += num_entries
+        return Purged(num_entries, num_bytes)
 
     def close(self) -> None:
         self.purge()
@@ -101,9 +118,11 @@ class VisionCache:
         if key in self.entries:
             self.num_bytes -= int(self.entries.pop(key).nbytes)
         while self.num_bytes + size > self.budget_bytes:
-            _, evicted = self.entries.popitem(last=False)
+            evicted_key, evicted = self.entries.popitem(last=False)
+            del self.used_at[evicted_key]
             self.num_bytes -= int(evicted.nbytes)
             self.counters.num_evicted += 1
         self.entries[key] = features
+        self.used_at[key] = time.monotonic()
         self.num_bytes += size
         return True

@@ -54,6 +54,9 @@ class CacheConfig:
     block_size: int
     ssd: SsdConfig | None = None  # the SSD tier under the data dir; None: RAM only
     quant: QuantConfig | None = None  # quantise stored blocks; None: full precision
+    # Retention of the RAM tiers: entries nobody used for this long are dropped (0: kept until evicted).
+    prefix_idle_s: float = 0.0
+    vision_idle_s: float = 0.0
 
 
 class EngineCaches:
@@ -62,6 +65,7 @@ class EngineCaches:
         self.vision = VisionCache(config.vision_budget_bytes) if config.vision_budget_bytes else None
         self.model_fingerprint = model_fingerprint
         self.processor_fingerprint = processor_fingerprint
+        self.config = config
 
     # -- prefix ------------------------------------------------------------------------------
 
@@ -107,6 +111,15 @@ class EngineCaches:
             out[layer.name] = {k: v for part in nested for k, v in part.items()} | {
                 k: v for k, v in snapshot.items() if not isinstance(v, dict)}
         return out
+
+    def expire(self) -> dict:
+        """Drop what the RAM tiers' retention no longer allows (worker thread): {layer: Purged}."""
+        removed = {}
+        if self.prefix is not None and self.config.prefix_idle_s:
+            removed["prefix"] = self.prefix.pool.expire(self.config.prefix_idle_s)
+        if self.vision is not None and self.config.vision_idle_s:
+            removed["vision"] = self.vision.expire(self.config.vision_idle_s)
+        return removed
 
     def shutdown(self, drain_s: float) -> None:
         """Persist admissible RAM blocks to SSD and let the writer drain, at most drain_s."""

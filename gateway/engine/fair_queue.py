@@ -51,15 +51,15 @@ class FairQueue:
             self.changed.notify()
 
     def get(self, block: bool, passed_over: Callable[[bytes], bool] = lambda tenant: False,
-            allowed: Callable[[bytes], bool] = lambda tenant: True):
-        """The next job in tenant turn order (None when closed, or when not blocking and none waits).
+            allowed: Callable[[bytes], bool] = lambda tenant: True, timeout_s: float | None = None):
+        """The next job in tenant turn order (None when closed, when not blocking and none waits, or
+        when none came within timeout_s).
         A tenant for which `passed_over` is true is skipped while another tenant has a job waiting;
         one for which `allowed` is false is not served now at all (None if no other waits)."""
         with self.changed:
             while not self.waiting and not self.closed and not self.nudged:
-                if not block:
+                if not block or not self.changed.wait(timeout_s):
                     return None
-                self.changed.wait()
             self.nudged = False
             if self.closed or not self.waiting:
                 return None

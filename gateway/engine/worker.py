@@ -43,6 +43,7 @@ from .runner import Cancelled, ModelRunner, PrefillResult, Sampler, TokenLogprob
 from .text import TextStream
 
 log = logging.getLogger("strata.engine")
+EXPIRY_INTERVAL_S = 10.0  # how often the worker drops idle entries from the RAM tiers
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +207,7 @@ class EngineWorker:
         self.embeddings: deque[EmbedJob] = deque()
         self.max_embeddings = max_queue
         self.last_step = StepShape()
+        self.next_expiry = 0.0  # time.monotonic() of the next retention sweep of the RAM tiers
         self.thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
         self.ended = threading.Event()  # the loop has ended (the thread itself parks: see _run)
         self.warmed_up = threading.Event()  # set once warm-up ended, well or not (warm_up_error says)
@@ -301,6 +303,7 @@ class EngineWorker:
         finally:
             self.warmed_up.set()
         while self._admit():
+            self._expire_now_and_then()
             if self.embeddings:
                 self._embed_one()
             prefill_tokens = self._prefill_chunk() if self.prefilling else 0
@@ -321,7 +324,8 @@ class EngineWorker:
         while self.prefilling is None and len(self.running) < self.max_num_seqs:
             waited, self.memory_wait = self.memory_wait, None
             job = waited or self.jobs.get(block=not (self.running or self.embeddings),
-                                          passed_over=self._holds_its_batch_share, allowed=self._may_take_a_place)
+                                          passed_over=self._holds_its_batch_share, allowed=self._may_take_a_place,
+                                          timeout_s=EXPIRY_INTERVAL_S)
             if job is None:
                 return not self.jobs.closed
             if job.cancelled.is_set():
@@ -340,6 +344,17 @@ class EngineWorker:
             steps = self.runner.prefill_steps(job.prompt, job.salt, self.chunk_tokens, job.cancelled.is_set)
             self.prefilling = Prefilling(job, steps, queue_ms, need)
         return True
+
+    def _expire_now_and_then(self) -> None:
+        """Every EXPIRY_INTERVAL_S (an idle worker wakes for it), drop what the RAM tiers' retention
+        no longer allows."""
+        now = time.monotonic()
+        if now < self.next_expiry:
+            return
+        self.next_expiry = now + EXPIRY_INTERVAL_S
+        for layer, removed in self.runner.caches.expire().items():
+            if removed.num_entries:
+                log.info("expired %d idle %s entries (%d bytes)", removed.num_entries, layer, removed.num_bytes)
 
     def _embed_one(self) -> None:
         """Embed the oldest request's next text (a short forward, like a prefill chunk, between

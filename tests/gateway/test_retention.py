@@ -117,3 +117,38 @@ def test_purge_requests_are_checked(settings, engine):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "layers"
         off = client.post("/admin/purge", json={"tenant": "t", "user": "u"}, headers=ADMIN).json()["removed"]
         assert off["exact"] is None and off["conversations"] == {"entries": 0, "bytes": 0}  # exact is off here
+
+
+def test_idle_kv_blocks_and_image_features_expire_from_ram(tiny_model_path, monkeypatch):
+    """An idle worker still wakes to drop what outlived the RAM tiers' retention; the next request
+    then recomputes (prefix miss, vision miss)."""
+    import asyncio
+
+    from gateway.engine import CacheConfig, Engine, EngineConfig, ImagePart, Message, Sampling, TextPart, worker
+    from tests.conftest import png_data_url
+    from vision import ImageLimits, decode_data_url
+
+    monkeypatch.setattr(worker, "EXPIRY_INTERVAL_S", 0.1)
+    caches = CacheConfig(64 << 20, 16 << 20, 16, prefix_idle_s=0.5, vision_idle_s=0.5)
+    engine = Engine(tiny_model_path, TINY, EngineConfig(max_queue=4, prefill_chunk_tokens=64, caches=caches))
+    engine.start()
+    image = decode_data_url(png_data_url(), ImageLimits(1 << 20, 1 << 22))
+    messages = (Message("user", (ImagePart("x"), TextPart("Describe this picture in great detail, please. " * 4))),)
+
+    async def run():
+        job = engine.submit(engine.prepare(messages, [image]), Sampling(2, 0.0, 1.0, None, ()), b"t" * 16)
+        return [event async for event in engine.events(job)][0]
+
+    try:
+        asyncio.run(run())
+        stats = engine.cache_stats()
+        assert stats["prefix"]["num_blocks"] > 0 and stats["vision"]["num_entries"] == 1
+        deadline = time.monotonic() + 10
+        while engine.cache_stats()["prefix"]["num_blocks"] or engine.cache_stats()["vision"]["num_entries"]:
+            assert time.monotonic() < deadline, engine.cache_stats()
+            time.sleep(0.1)
+        assert engine.cache_stats()["prefix"]["num_expired"] > 0
+        started = asyncio.run(run())
+        assert started.num_cached_tokens == 0 and started.vision.num_misses == 1
+    finally:
+        engine.stop()

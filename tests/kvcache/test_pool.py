@@ -92,3 +92,20 @@ def test_a_failed_make_room_evicts_nothing():
     assert not pool.make_room(150)  # even with the free block gone, 200 + 150 > 300
     assert pool.get(_h(1)) is not None and pool.counters.num_evicted == 0
     pool.check()
+
+
+def test_expire_drops_idle_free_blocks_oldest_first_and_never_blocks_in_use():
+    import time
+
+    spilled = []
+    pool = BlockPool(10_000, on_evict=spilled.append)
+    blocks = [pool.insert(Block(f"h{i}".encode(), nbytes=100)) for i in range(4)]
+    for block in blocks[:3]:
+        pool.release(block)  # blocks[3] stays in use
+    blocks[0].last_used = blocks[1].last_used = time.monotonic() - 100  # idle for 100 s
+    removed = pool.expire(idle_s=50)
+    assert (removed.num_entries, removed.num_bytes) == (2, 200) and spilled == []  # expiry never spills
+    assert pool.get(b"h2") is blocks[2] and pool.get(b"h3") is blocks[3]
+    assert pool.expire(idle_s=50, now=time.monotonic() + 1000).num_entries == 1  # h2; h3 is in use
+    assert pool.get(b"h3") is blocks[3] and pool.counters.num_expired == 3
+    pool.check()
