@@ -43,7 +43,7 @@ from .errors import EXCEPTION_HANDLERS, ApiError, bad_request
 from .files import private_dir, private_file
 from .openai_format import ModelStamp
 from .pipeline import Pipeline, off_loop
-from .responses import SESSION_HEADER, ResponseCaches
+from .responses import ResponseCaches
 from .schemas import parse_chat_request, parse_json_body
 from .settings import Settings
 from .stats import LayerCounters
@@ -117,13 +117,12 @@ async def create_response(request: Request) -> Response:
     chat, conversation = responses_api.chat_body(body, history)
     chat_request = await off_loop(len(raw), partial(_parse_renamed, chat, limits))
     turn = await services.pipeline.start(chat_request, caller, request.headers, len(raw))
-    response_id, tools = responses_api.new_id(), _tools(services, chat_request)
-    session = chat_request.metadata.get("session_id") or request.headers.get(SESSION_HEADER)
+    response_id, tools, owner = responses_api.new_id(), _tools(services, chat_request), turn.ctx.owner
 
     async def finished(message: dict, response: dict) -> None:
         if body.get("store", True) is not False:
-            await anyio.to_thread.run_sync(services.conversations.save, response_id, caller.tenant, session,
-                                           chat_request.user, conversation + [message], response, time.time())
+            await anyio.to_thread.run_sync(services.conversations.save, response_id, caller.tenant, owner.session or None,
+                                           owner.end_user or None, conversation + [message], response, time.time())
 
     if chat_request.stream:
         events = responses_api.stream_events(turn.events(), turn.completion, turn.trace, response_id, body, previous_id,
