@@ -225,6 +225,8 @@ def prefix_outcome(report: PrefixReport) -> LayerOutcome:
         details["tier"] = report.tier
     if report.num_ssd_tokens:
         details.update(ram=report.num_cached_tokens - report.num_ssd_tokens, ssd=report.num_ssd_tokens)
+    if report.miss_reason:
+        details.update(why=report.miss_reason, at=report.miss_at_token)
     return LayerOutcome.of(report.status, **details)
 
 

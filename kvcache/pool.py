@@ -14,6 +14,7 @@ sequences), and a reservation is never taken back by an insert (never the revers
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -96,10 +97,13 @@ class PoolStats:
 
 
 class BlockPool:
-    def __init__(self, budget_bytes: int, on_evict: Callable[[Block], None] | None = None):
+    def __init__(self, budget_bytes: int, on_evict: Callable[[Block], None] | None = None,
+                 on_discard: Callable[[Block, str], None] | None = None):
         self.budget_bytes = budget_bytes
         self.on_evict = on_evict  # e.g. spill to the SSD tier; called before the block's data is dropped
+        self.on_discard = on_discard  # (block, "evicted" | "expired" | "purged") once it has left the pool
         self.by_hash: dict[BlockHash, Block] = {}
+        self.num_children: Counter[BlockHash] = Counter()  # parent hash -> its blocks in the pool
         self.free = FreeBlockQueue()
         self.num_bytes = 0
         self.reserved_bytes = 0  # held for KV outside the pool (running sequences)
@@ -130,6 +134,7 @@ class BlockPool:
             return None
         block.ref_count = 1
         self.by_hash[block_hash] = block
+        self.num_children[block.parent_hash] += 1
         self.num_bytes += nbytes
         self.counters.num_inserted += 1
         return block
@@ -143,7 +148,7 @@ class BlockPool:
             victim = self.free.pop_oldest()
             if self.on_evict is not None:
                 self.on_evict(victim)
-            self._discard(victim)
+            self._discard(victim, "evicted")
             self.counters.num_evicted += 1
         return True
 
@@ -166,7 +171,7 @@ class BlockPool:
         num_blocks, num_bytes = 0, 0
         while (victim := self.free.pop_oldest()) is not None:
             num_blocks, num_bytes = num_blocks + 1, num_bytes + victim.nbytes
-            self._discard(victim)
+            self._discard(victim, "purged")
         return Purged(num_blocks, num_bytes)
 
     def expire(self, idle_s: float, now: float | None = None) -> Purged:
@@ -177,15 +182,20 @@ class BlockPool:
         while self.free.num_blocks and self.free.head.next.last_used < cutoff:
             victim = self.free.pop_oldest()
             num_blocks, num_bytes = num_blocks + 1, num_bytes + victim.nbytes
-            self._discard(victim)
+            self._discard(victim, "expired")
         self.counters.num_expired += num_blocks
         return Purged(num_blocks, num_bytes)
 
-    def _discard(self, block: Block) -> None:
+    def _discard(self, block: Block, reason: str) -> None:
         """Forget a block already out of the free queue, and drop its data."""
         del self.by_hash[block.block_hash]
+        self.num_children[block.parent_hash] -= 1
+        if not self.num_children[block.parent_hash]:
+            del self.num_children[block.parent_hash]
         self.num_bytes -= block.nbytes
         block.kv = ()
+        if self.on_discard is not None:
+            self.on_discard(block, reason)
 
     def check(self) -> None:
         """Assert the invariants above; for tests."""

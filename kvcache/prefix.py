@@ -15,8 +15,9 @@ than its head (tails are evicted before the prefixes that other chains share).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
@@ -26,6 +27,7 @@ from .pool import Block, BlockPool, PoolStats, Purged
 from .quant import QuantConfig, from_tensors, quantize, restore, to_tensors
 from .ssd import SpillRequest, SsdTier
 
+GHOST_CAPACITY = 65536  # removed block hashes remembered for miss reasons (~5 MB)
 SLICEABLE_CACHE_TYPES = ("KVCache",)  # caches whose state is (keys, values) along a token axis
 # Recurrent layers (Mamba, gated delta) carry one state for the whole prefix: it cannot be cut at a
 # block boundary, so models with them run without prefix reuse.
@@ -56,6 +58,11 @@ class PrefixMatch:
     num_cached_tokens: int  # tokens actually reused: matched, capped at prompt - 1
     num_ram_tokens: int  # of the matched tokens, found in RAM ...
     num_ssd_tokens: int  # ... and promoted from the SSD tier
+    # Why the chain stopped before the prompt's last full block ("" when it did not): "cold" (never
+    # cached), "evicted" / "expired" / "purged" (cached, then removed so), "diverged" (a prefix was
+    # shared, and its last block has other children: the prompt differs from what was cached here).
+    miss_reason: str = ""
+    miss_at_token: int = 0  # where the first missing block starts
 
     @property
     def tier(self) -> str:
@@ -74,6 +81,7 @@ class PrefixCacheStats:
     num_blocks_stored: int = 0
     num_ssd_promoted: int = 0
     num_promotion_failures: int = 0  # the RAM budget could not be reserved: recomputed instead
+    miss_reasons: dict = field(default_factory=dict)  # PrefixMatch.miss_reason -> lookups
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,12 +104,17 @@ class PrefixCache:
         self.block_size = block_size
         self.ssd = ssd
         self.quant = quant
-        self.pool = BlockPool(budget_bytes, on_evict=self._spill if ssd else None)
+        self.pool = BlockPool(budget_bytes, on_evict=self._spill if ssd else None, on_discard=self._remember)
         self.counters = PrefixCacheStats()
+        # Recently removed block hashes and how they went, oldest first, at most GHOST_CAPACITY: a
+        # miss on one of them says evicted / expired / purged rather than cold. Hashes are salted
+        # per tenant, so no lookup can learn of another tenant's blocks here.
+        self.ghosts: OrderedDict[BlockHash, str] = OrderedDict()
 
     def stats(self) -> PrefixSnapshot:
         pool = self.pool
-        return PrefixSnapshot(replace(self.counters), replace(pool.counters), len(pool.by_hash), pool.num_bytes,
+        counters = replace(self.counters, miss_reasons=dict(self.counters.miss_reasons))
+        return PrefixSnapshot(counters, replace(pool.counters), len(pool.by_hash), pool.num_bytes,
                               pool.budget_bytes, pool.reserved_bytes)
 
     def purge(self) -> Purged:
@@ -119,6 +132,18 @@ class PrefixCache:
 
     def unreserve(self, nbytes: int) -> None:
         self.pool.unreserve(nbytes)
+
+    def _remember(self, block: Block, reason: str) -> None:
+        self.ghosts[block.block_hash] = reason
+        self.ghosts.move_to_end(block.block_hash)
+        if len(self.ghosts) > GHOST_CAPACITY:
+            self.ghosts.popitem(last=False)
+
+    def miss_reason(self, block_hash: BlockHash, parent: BlockHash | None) -> str:
+        """`parent`: the block before, None at the chain's start (where nothing is shared: cold)."""
+        if block_hash in self.ghosts:
+            return self.ghosts[block_hash]
+        return "diverged" if parent is not None and self.pool.num_children[parent] else "cold"
 
     def _spill(self, block: Block) -> None:
         if self.ssd.admits(block.num_hits, block.end_token):
@@ -183,7 +208,18 @@ class PrefixSession:
         stats.num_hits += cached > 0
         stats.num_prompt_tokens += num_prompt_tokens
         stats.num_cached_tokens += cached
-        return PrefixMatch(num_prompt_tokens, matched, cached, num_ram * size, matched - num_ram * size)
+        reason = self._miss_reason(num_prompt_tokens)
+        if reason:
+            stats.miss_reasons[reason] = stats.miss_reasons.get(reason, 0) + 1
+        return PrefixMatch(num_prompt_tokens, matched, cached, num_ram * size, matched - num_ram * size, reason,
+                           len(self.held) * size if reason else 0)
+
+    def _miss_reason(self, num_prompt_tokens: int) -> str:
+        """Why the match stopped before the prompt's last full block that could be reused."""
+        index = len(self.held)
+        if index >= len(self.hashes) or index * self.cache.block_size >= num_prompt_tokens - 1:
+            return ""
+        return self.cache.miss_reason(self.hashes[index], self.hashes[index - 1] if index else None)
 
     def _promote_from_ssd(self) -> None:
         """Continue the chain on SSD. RAM is reserved for the whole run of blocks on disk before any

@@ -28,6 +28,8 @@ class PrefixReport:
     tier: Literal["", "ram", "ssd", "ram+ssd"] = ""
     reason: str = ""  # a bypass: "disabled", or "uncacheable:<cache classes>" (kvcache.Cacheability)
     num_ssd_tokens: int = 0  # of the reused tokens, promoted from SSD
+    miss_reason: str = ""  # why reuse stopped short (kvcache.PrefixMatch.miss_reason): "" when it did not
+    miss_at_token: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +84,8 @@ class EngineCaches:
         plan = PrefixPlan(session, match.num_cached_tokens)
         status = "hit" if match.num_cached_tokens else "miss"
         ssd_tokens = min(match.num_ssd_tokens, match.num_cached_tokens)
-        return plan, PrefixReport(status, match.num_cached_tokens, prompt.num_tokens, match.tier, "", ssd_tokens)
+        return plan, PrefixReport(status, match.num_cached_tokens, prompt.num_tokens, match.tier, "", ssd_tokens,
+                                  match.miss_reason, match.miss_at_token)
 
     def reserve_running(self, nbytes: int) -> bool:
         """Hold nbytes of the prefix cache's budget for a running sequence's KV (see

@@ -185,3 +185,27 @@ def test_block_aligned_prompt_recomputes_only_its_last_token(cold, warm):
     result = _run(warm, prompt)
     assert result[2].prefix.num_cached_tokens == 63
     _assert_same(_run(cold, prompt), result)
+
+
+def test_every_prefix_miss_says_why(warm):
+    """cold, diverged (and where), evicted, expired, purged; and another tenant's cached copy of the
+    same prompt is still only cold for this one."""
+    system = Message("system", (TextPart(LONG),))
+    first = _prompt(warm, [system, _user("What did they decide about the bridge?")])
+    other = _prompt(warm, [system, _user("Who chaired the meeting that day?")])
+    assert _run(warm, first)[2].prefix.miss_reason == "cold"
+    report = _run(warm, other)[2].prefix
+    assert report.miss_reason == "diverged" and report.num_cached_tokens > 0
+    assert report.miss_at_token == report.num_cached_tokens  # the first block after the shared system prompt
+    assert _run(warm, first, salt=TENANT_B)[2].prefix.miss_reason == "cold"  # A's blocks are not B's business
+    assert _run(warm, first)[2].prefix.miss_reason == ""  # a whole hit: nothing missed
+    warm.caches.prefix.pool.expire(idle_s=0, now=float("inf"))
+    assert _run(warm, first)[2].prefix.miss_reason == "expired"
+    warm.caches.prefix.purge()
+    assert _run(warm, first)[2].prefix.miss_reason == "purged"
+    pool = warm.caches.prefix.pool
+    pool.budget_bytes = pool.num_bytes  # full: the next prompt's blocks push these out
+    _run(warm, _prompt(warm, [_user(LONG[::-1])]))
+    assert _run(warm, first)[2].prefix.miss_reason == "evicted"
+    reasons = warm.caches.stats()["prefix"]["miss_reasons"]
+    assert {"cold", "diverged", "expired", "purged", "evicted"} <= set(reasons)
