@@ -128,7 +128,7 @@ MUTANTS = (
            "logits = self.matcher.mask(logits, closing=self._closing(len(generated)))", "logits = logits",
            ("tests/gateway/test_tools.py::test_a_forced_call_on_a_model_without_a_tools_template",)),
     Mutant("a grammar's output never closed before the budget ends", "gateway/engine/runner.py",
-           "self.closing = left <= self.matcher.tokens_to_close() + CLOSING_CHECK_TOKENS", "self.closing = False",
+           "self.closing = left <= self.tokens_to_close + CLOSING_CHECK_TOKENS", "self.closing = False",
            ("tests/gateway/test_tools.py::test_walks_that_never_close_a_string_still_end_valid_within_the_budget",
             f"{BREADTH}::test_open_ended_schemas_still_close_within_max_tokens")),
     Mutant("a session purge deletes what other sessions still own", "semantic/owners.py",

@@ -328,6 +328,7 @@ class Sampler:
             self.bias = (mx.array(ids, dtype=mx.int32), mx.array(values, dtype=mx.float32))
         self.matcher = grammars.matcher(sampling.grammar) if sampling.grammar else None
         self.closing = False  # under a grammar: the tokens left are needed to close the output
+        self.tokens_to_close = 0  # as last measured
         # With top_logprobs: the last draw's (chosen logprob, top ids, top logprobs), lazy until the
         # batch evaluates them together with the draws (lazy_logprobs()).
         self.last_logprobs: tuple[mx.array, mx.array, mx.array] | None = None
@@ -366,12 +367,17 @@ class Sampler:
         return self.last_logprobs or ()
 
     def _closing(self, num_generated: int) -> bool:
-        """Whether the grammar's output must close now (gateway/engine/constraint.py): every
-        CLOSING_CHECK_TOKENS tokens the tokens closing takes are measured (a dry run of ~0.1 ms a
-        token), and closing starts when no more than that many and one more interval are left."""
+        """Whether the grammar's output must close now (gateway/engine/constraint.py). The tokens
+        closing takes are measured (a dry run of ~0.1 ms a token) every CLOSING_CHECK_TOKENS tokens,
+        and at every token once the budget left is within 3 intervals of them (one token, an escape
+        such as \\u, can add several); closing starts with one interval to spare."""
         left = self.sampling.max_tokens - num_generated
-        if not self.closing and left <= MAX_CLOSING_TOKENS and num_generated % CLOSING_CHECK_TOKENS == 0:
-            self.closing = left <= self.matcher.tokens_to_close() + CLOSING_CHECK_TOKENS
+        if self.closing or left > MAX_CLOSING_TOKENS:
+            return self.closing
+        near = left <= self.tokens_to_close + 3 * CLOSING_CHECK_TOKENS
+        if near or num_generated % CLOSING_CHECK_TOKENS == 0:
+            self.tokens_to_close = self.matcher.tokens_to_close()
+            self.closing = left <= self.tokens_to_close + CLOSING_CHECK_TOKENS
         return self.closing
 
     @property
