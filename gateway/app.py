@@ -79,13 +79,10 @@ async def chat_completions(request: Request) -> Response:
     chat_request = await off_loop(len(raw), partial(_parse, raw, services.settings.limits))
     turn = await services.pipeline.start(chat_request, caller, request.headers, len(raw))
     if chat_request.stream:
-        headers = {**_headers(services, turn), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         chunks = openai_format.sse(turn.events(), turn.completions, turn.trace, services.stamp, chat_request.include_usage,
                                    _tools(services, chat_request))
-        return Stream(chunks, media_type="text/event-stream", headers=headers)
-    if turn.cached:  # a replay finishes at once: nothing to abandon
-        await turn.finish()
-    elif await _client_left_first(request, turn.finish()):
+        return Stream(chunks, media_type="text/event-stream", headers=_stream_headers(services, turn))
+    if await _client_left(request, turn):
         return Response(b"", status_code=499)  # nobody reads it: the job was cancelled
     body = openai_format.response_body(turn.completions, turn.trace, services.stamp, _tools(services, chat_request))
     return Response(body, headers=_headers(services, turn))
@@ -98,6 +95,19 @@ def _headers(services: Services, turn) -> dict[str, str]:
     if services.responses.exact is not None:
         headers[EXACT_KEY_HEADER] = turn.ctx.exact_key
     return headers
+
+
+def _stream_headers(services: Services, turn) -> dict[str, str]:
+    return {**_headers(services, turn), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def _client_left(request: Request, turn) -> bool:
+    """Finish a non-streaming answer; True if the client left first (its job was then cancelled).
+    A replay finishes at once: nothing to abandon."""
+    if turn.cached:
+        await turn.finish()
+        return False
+    return await _client_left_first(request, turn.finish())
 
 
 def _tools(services: Services, chat_request):
@@ -127,11 +137,9 @@ async def create_response(request: Request) -> Response:
     if chat_request.stream:
         events = responses_api.stream_events(turn.events(), turn.completion, turn.trace, response_id, body, previous_id,
                                              tools, finished)
-        return Stream(events, media_type="text/event-stream", headers={**_headers(services, turn), "Cache-Control": "no-cache"})
-    if not turn.cached and await _client_left_first(request, turn.finish()):
+        return Stream(events, media_type="text/event-stream", headers=_stream_headers(services, turn))
+    if await _client_left(request, turn):
         return Response(b"", status_code=499)
-    if turn.cached:
-        await turn.finish()
     items, message = responses_api.output(turn.completion, tools)
     response = responses_api.response_object(response_id, body, turn.completion, turn.trace, items, previous_id)
     await finished(message, response)
@@ -185,7 +193,7 @@ def _parse_renamed(chat: dict, limits):
     except ApiError as exc:
         if exc.param:
             head = exc.param.split("[")[0].split(".")[0]
-            exc.param = RESPONSES_PARAMS.get(head, exc.param) if head in RESPONSES_PARAMS else exc.param
+            exc.param = RESPONSES_PARAMS.get(head, exc.param)
         raise
 
 

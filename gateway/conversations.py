@@ -67,10 +67,9 @@ class ConversationStore:
             return self.db.execute("DELETE FROM conversations WHERE expires_at <= ?", (now,)).rowcount
 
     def purge(self, selector: Selector) -> Purged:
-        named = [(column, value) for column, value in (("session", selector.session), ("end_user", selector.end_user))
-                 if value is not None]
-        where = " AND ".join(["tenant = ?"] + [f"{column} = ?" for column, _ in named])
-        values = (selector.tenant, *[value for _, value in named])
+        owned, named = selector.where()
+        where = " AND ".join(["tenant = ?"] + ([owned] if owned else []))
+        values = (selector.tenant, *named)
         with self.lock:
             (size,) = self.db.execute(f"SELECT COALESCE(SUM(LENGTH(messages) + LENGTH(response)), 0) FROM conversations "
                                       f"WHERE {where}", values).fetchone()

@@ -61,14 +61,25 @@ def response_body(completions: list[Completion], trace: Trace, stamp: ModelStamp
 
 
 def _choice(index: int, completion: Completion, tools: ToolFormat | None) -> dict:
-    message: dict = {"role": "assistant", "content": completion.text}
-    finish_reason = completion.finish_reason
-    content, calls = tools.parse(completion.text) if tools is not None else (completion.text, [])
-    if calls:
-        message = {"role": "assistant", "content": content or None, "tool_calls": tool_calls(calls)}
-        finish_reason = "tool_calls"
+    message = assistant_message(completion.text, tools)
+    finish_reason = "tool_calls" if "tool_calls" in message else completion.finish_reason
     logprobs = {"content": completion.logprobs} if completion.logprobs is not None else None
     return {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}
+
+
+def assistant_message(text: str, tools: ToolFormat | None) -> dict:
+    """The reply as a chat message: with `tools`, its calls parsed out into `tool_calls` (the text
+    left beside them is the content, None when empty)."""
+    content, calls = tools.parse(text) if tools is not None else (text, [])
+    if not calls:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": content or None, "tool_calls": tool_calls(calls)}
+
+
+def sendable(text: str, tools: ToolFormat | None) -> int:
+    """How much of a reply streaming may send now: all of it, or with `tools`, the text before where
+    a call starts or may start."""
+    return tools.may_start_call(text) if tools is not None else len(text)
 
 
 def tool_calls(calls: list[ParsedCall]) -> list[dict]:
@@ -117,7 +128,7 @@ class ChoiceStream:
 
     def delta(self, stamp: ModelStamp) -> bytes | None:
         text, tools = self.completion.text, self.tools
-        end = tools.may_start_call(text) if tools is not None else len(text)
+        end = sendable(text, tools)
         logprobs = self.completion.logprobs[self.num_logprobs:] if self.completion.logprobs is not None else None
         if end <= self.sent and not logprobs:
             return None
@@ -145,7 +156,8 @@ def _held_back(text: str, sent: int, tools: ToolFormat | None) -> list[dict]:
     _, calls = tools.parse(text)
     if not calls:
         return [{"content": text[sent:]}]
-    deltas = [{"content": text[sent:tools.may_start_call(text)]}] if tools.may_start_call(text) > sent else []
+    end = sendable(text, tools)
+    deltas = [{"content": text[sent:end]}] if end > sent else []
     return deltas + [{"tool_calls": [{"index": index, **call}]} for index, call in enumerate(tool_calls(calls))]
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from .engine import Delta, ToolFormat
 from .errors import ApiError, bad_request
-from .openai_format import Completion, tool_calls
+from .openai_format import Completion, assistant_message, sendable
 from .schemas import refuse_unsupported
 from .trace import Trace
 
@@ -141,17 +141,12 @@ def _format(text: Any) -> dict:
 
 def output(completion: Completion, tools: ToolFormat | None) -> tuple[list[dict], dict]:
     """The response's output items, and the assistant message to store in the conversation."""
-    content, calls = tools.parse(completion.text) if tools is not None else (completion.text, [])
-    items: list[dict] = []
-    message: dict = {"role": "assistant", "content": content}
-    if content or not calls:
-        items.append(_message_item(content))
-    if calls:
-        shaped = tool_calls(calls)
-        message["tool_calls"] = shaped
-        items += [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}", "call_id": call["id"],
-                   "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
-                  for call in shaped]
+    message = assistant_message(completion.text, tools)
+    calls = message.get("tool_calls", [])
+    items = [_message_item(message["content"] or "")] if message["content"] or not calls else []
+    items += [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}", "call_id": call["id"],
+               "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
+              for call in calls]
     return items, message
 
 
@@ -201,7 +196,7 @@ async def stream_events(events: AsyncIterator, completion: Completion, trace: Tr
     try:
         async for _, event in events:
             if isinstance(event, Delta):
-                end = tools.may_start_call(completion.text) if tools is not None else len(completion.text)
+                end = sendable(completion.text, tools)
                 if end > sent:
                     yield stream.event("response.output_text.delta", item_id=message_id, output_index=0,
                                        content_index=0, delta=completion.text[sent:end])

@@ -32,6 +32,12 @@ class Selector:
     def whole_tenant(self) -> bool:
         return self.session is None and self.end_user is None
 
+    def where(self, prefix: str = "") -> tuple[str, list[str]]:
+        """SQL conditions on the named session and end user ("" when neither is named), and their values."""
+        named = [(column, value) for column, value in (("session", self.session), ("end_user", self.end_user))
+                 if value is not None]
+        return " AND ".join(f"{prefix}{column} = ?" for column, _ in named), [value for _, value in named]
+
     def matches(self, owner: Owner) -> bool:
         return (self.session is None or owner.session == self.session) and \
             (self.end_user is None or owner.end_user == self.end_user)
@@ -58,12 +64,13 @@ class OwnerTable:
                                                       (selector.tenant,))]
             self.forget(keys)
             return keys
-        values = [value for value in (selector.session, selector.end_user) if value is not None]
+        joined, values = selector.where("o.")
         keys = [row[0] for row in self.db.execute(
             f"SELECT DISTINCT o.key FROM {self.name} o JOIN {entries} e ON e.{key_column} = o.key "
-            f"WHERE e.tenant = ? AND {_clauses(selector, 'o.')}", (selector.tenant, *values))]
+            f"WHERE e.tenant = ? AND {joined}", (selector.tenant, *values))]
+        owned = selector.where()[0]
         for key in keys:
-            self.db.execute(f"DELETE FROM {self.name} WHERE key = ? AND {_clauses(selector)}", (key, *values))
+            self.db.execute(f"DELETE FROM {self.name} WHERE key = ? AND {owned}", (key, *values))
         return [key for key in keys if not self.owned(key)]
 
     def owned(self, key) -> bool:
@@ -79,10 +86,3 @@ class OwnerTable:
     def sweep(self, entries: str, key_column: str) -> None:
         """Drop the owners of entries that are gone (expired, deleted)."""
         self.db.execute(f"DELETE FROM {self.name} WHERE key NOT IN (SELECT {key_column} FROM {entries})")
-
-
-def _clauses(selector: Selector, prefix: str = "") -> str:
-    """SQL conditions for the named session and end user (their values follow in that order)."""
-    named = [column for column, value in (("session", selector.session), ("end_user", selector.end_user))
-             if value is not None]
-    return " AND ".join(f"{prefix}{column} = ?" for column in named)

@@ -68,16 +68,20 @@ class Grammars:
         return self.tokenizer.decode_bytes([token])
 
     @functools.cached_property
+    def _pieces(self) -> list[bytes]:
+        """Each token's bytes; b"" for special tokens (they never close anything). One vocabulary pass."""
+        return [b"" if self.tokenizer.is_special_token(t) else self.token_bytes(t) for t in range(self.vocab_size)]
+
+    @functools.cached_property
     def token_lengths(self) -> np.ndarray:
-        return np.array([0 if self.tokenizer.is_special_token(t) else len(self.token_bytes(t))
-                         for t in range(self.vocab_size)])
+        return np.array([len(piece) for piece in self._pieces])
 
     @functools.cached_property
     def closing_tiers(self) -> tuple[np.ndarray, ...]:
         """Per token, for each of QUOTES, CLOSERS, SEPARATORS: whether it is made only of those
         characters (a special token never is). A quote first: inside a string only a quote ends it."""
-        pieces = [b"" if self.tokenizer.is_special_token(t) else self.token_bytes(t) for t in range(self.vocab_size)]
-        return tuple(np.array([bool(p) and chars.issuperset(p) for p in pieces]) for chars in (QUOTES, CLOSERS, SEPARATORS))
+        return tuple(np.array([bool(p) and chars.issuperset(p) for p in self._pieces])
+                     for chars in (QUOTES, CLOSERS, SEPARATORS))
 
     def check(self, grammar: str) -> None:
         error = _llguidance().LLMatcher.validate_grammar(grammar, self.tokenizer)
@@ -95,7 +99,6 @@ class Matcher:
     def __init__(self, matcher, grammars: Grammars):
         self.matcher = matcher
         self.grammars = grammars
-        self.closed_early = False  # the mask narrowed to close the output before the budget ran out
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
 
@@ -105,7 +108,6 @@ class Matcher:
         if closing:
             allowed = np.zeros_like(allowed)
             allowed[self._closing_token(self.matcher)] = True
-            self.closed_early = True
         return mx.where(mx.array(allowed), logits, -mx.inf)
 
     def tokens_to_close(self) -> int:

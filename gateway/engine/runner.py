@@ -383,7 +383,7 @@ class Sampler:
     @property
     def closed_early(self) -> bool:
         """The grammar's output was closed before the model ended it: cut by the token budget."""
-        return self.matcher is not None and self.matcher.closed_early
+        return self.closing
 
     def accept(self, token: int) -> None:
         """The row took `token` (not an end-of-sequence token): the grammar moves past it."""

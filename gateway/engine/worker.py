@@ -83,6 +83,7 @@ class Embedded:
 
 
 Event = Started | Delta | Finished | Failed | Embedded
+ENDINGS = (Finished, Failed, Embedded)  # a job's last event: nothing follows it
 
 
 class OverBudget(Exception):
@@ -108,7 +109,7 @@ class Job:
     def send(self, event: Event) -> None:
         if self.ended:
             return
-        self.ended = isinstance(event, (Finished, Failed, Embedded))
+        self.ended = isinstance(event, ENDINGS)
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the client's event loop is closed: nobody is left to tell
@@ -278,7 +279,7 @@ class EngineWorker:
             while True:
                 event = await job.events.get()
                 yield event
-                if isinstance(event, (Finished, Failed, Embedded)):
+                if isinstance(event, ENDINGS):
                     return
         finally:
             job.cancelled.set()
