@@ -95,14 +95,16 @@ async def delete_exact_entry(request: Request, key: FromPath[str]) -> dict:
     return {"key": key, "deleted": True}
 
 
-PURGEABLE = ("exact", "semantic", "conversations")
+RESPONSE_LAYERS = ("exact", "semantic", "conversations")
+ENGINE_LAYERS = ("vision", "prefix", "ssd")  # purged on the engine's worker thread, between two steps
+PURGEABLE = RESPONSE_LAYERS + ENGINE_LAYERS
+ENGINE_PURGE_TIMEOUT_S = 120.0  # the SSD tier first lets queued spills land, then rewrites files
 
 
 @post("/admin/purge", status_code=200, guards=[require_admin])
 async def purge(request: Request) -> dict:
-    """{"tenant", "session"?, "user"?, "layers"?: [...]} -> what each layer removed. The response layers
-    and stored conversations only, for now; the engine's vision and KV caches are purged by tenant
-    with the whole-cache admin routes."""
+    """{"tenant", "session"?, "user"?, "layers"?: [...]} -> what each layer and tier removed: every
+    layer unless `layers` names some (exact, semantic, conversations, vision, prefix, ssd)."""
     services = request.app.state.services
     body = parse_json_body(await request.body(), services.settings.limits.max_json_depth)
     selector = _selector(body)
@@ -130,17 +132,39 @@ def _selector(body: dict) -> Selector:
 
 
 def purge_layers(services, selector: Selector, layers: list[str]) -> dict:
-    """Each named layer's purge, as {layer: {"entries", "bytes"}} (a disabled layer: null)."""
+    """Each named layer's purge, as {layer: {"entries", "bytes"}} ("blocks" for the KV tiers, and
+    "files" for the SSD tier; a disabled layer: null)."""
     purges = {"exact": services.responses.exact.purge_owned if services.responses.exact else None,
               "semantic": services.responses.semantic.purge_owned if services.responses.semantic else None,
               "conversations": services.conversations.purge}
     removed = {}
-    for layer in layers:
+    for layer in (layer for layer in layers if layer in RESPONSE_LAYERS):
         result = purges[layer](selector) if purges[layer] is not None else None
         removed[layer] = {"entries": result.num_entries, "bytes": result.num_bytes} if result is not None else None
+    engine_layers = [layer for layer in layers if layer in ENGINE_LAYERS]
+    if engine_layers:
+        removed |= _purge_engine(services, selector, engine_layers)
     log.info("purged %s for tenant %r session %r user %r: %s", layers, selector.tenant, selector.session,
              selector.end_user, removed)
     return {"tenant": selector.tenant, "session": selector.session, "user": selector.end_user, "removed": removed}
+
+
+def _purge_engine(services, selector: Selector, layers: list[str]) -> dict:
+    try:
+        results = services.engine.purge_caches(selector.selects, layers, ENGINE_PURGE_TIMEOUT_S)
+    except (TimeoutError, RuntimeError) as exc:
+        raise ApiError(503, f"the engine's caches could not be purged now ({exc or 'timed out'}); a purge "
+                            "can be repeated: retry", "engine_unavailable") from None
+    return {layer: _engine_removed(layer, result) for layer, result in results.items()}
+
+
+def _engine_removed(layer: str, result) -> dict | None:
+    if result is None:
+        return None
+    if layer == "vision":
+        return {"entries": result.num_entries, "bytes": result.num_bytes}
+    shown = {"blocks": result.num_entries, "bytes": result.num_bytes}
+    return shown | {"files": result.num_files} if layer == "ssd" else shown
 
 
 ADMIN_CACHE_ROUTES = [list_entries, approve_entry, reject_entry, delete_entry, purge_exact, delete_exact_entry, purge,

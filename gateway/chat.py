@@ -1,7 +1,7 @@
 """The engine's side of a chat completion: the model check, images, the prompt (with its cheap
 bounds), replays of stored answers, the engine job, and a deadline on every wait for it.
 
-    ChatService.start(prompt, request, caller, trace, deadline) -> Run     (after prefill)
+    ChatService.start(prompt, request, caller, owner, trace, deadline) -> Run   (after prefill)
     ChatService.replay(stored, trace) -> Run                              (a cached answer, same events)
     ChatService.events(run) -> Started.. Delta.. Finished                 (applied to run.completion)
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import anyio
 
-from semantic import StoredResponse
+from semantic import Owner, StoredResponse, owner_label
 from vision import DecodedImage
 
 from .auth import Caller
@@ -125,11 +125,12 @@ class ChatService:
 
         return Run(events(), completion, None)
 
-    async def start(self, prompt: PreparedPrompt, sampling: Sampling, caller: Caller, trace: Trace,
+    async def start(self, prompt: PreparedPrompt, sampling: Sampling, caller: Caller, owner: Owner, trace: Trace,
                     deadline: float) -> Run:
-        """Queue the job and wait until its prefill is done (or it failed, or the deadline passed)."""
+        """Queue the job and wait until its prefill is done (or it failed, or the deadline passed).
+        The engine's caches record `owner` (with the tenant) on what the job stores or reuses."""
         try:
-            job = self.engine.submit(prompt, sampling, caller.salt)
+            job = self.engine.submit(prompt, sampling, caller.salt, owner_label(caller.tenant, owner))
         except QueueFull as full:
             message = ("this tenant holds its share of the engine queue; retry shortly" if full.reason == "tenant_share"
                        else "the engine queue is full; retry shortly")

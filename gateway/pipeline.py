@@ -111,10 +111,10 @@ class Pipeline:
             return Turn(self, ctx, trace, [self.chat.replay(cached, trace)], cached=True)
         with trace.timed("tokenize"):
             prompt, sampling = await self.chat.prepare(request, images)
-        runs = [await self.chat.start(prompt, sampling, caller, trace, deadline)]
+        runs = [await self.chat.start(prompt, sampling, caller, ctx.owner, trace, deadline)]
         try:
             for index in range(1, request.n):
-                runs.append(await self.chat.start(prompt, _choice(sampling, index), caller, Trace(), deadline))
+                runs.append(await self.chat.start(prompt, _choice(sampling, index), caller, ctx.owner, Trace(), deadline))
         except BaseException:
             for run in runs:
                 await run.events.aclose()

@@ -4,7 +4,13 @@ Invariants (checked by `check()` in tests):
 - every block is in `by_hash`; a block is in the free queue iff its ref_count == 0;
 - blocks in use (ref_count > 0) are never evicted;
 - `num_bytes` == sum of the blocks' nbytes; `free.num_bytes` == sum over the free queue's blocks;
-- `num_bytes + reserved_bytes <= budget_bytes`.
+- `num_bytes + reserved_bytes <= budget_bytes`;
+- every block has an owner, except a block in use that a purge took its last owner from
+  (`purged`): it leaves the pool when its last holder releases it, never through the free queue.
+
+Owners are opaque labels (the gateway's "tenant, session, end user"): a block shared by several
+sessions is owned by each of them, and a purge removes the selected owners' references, deleting a
+block only once no owner is left.
 
 Reservations are bytes held under the same budget for KV that lives outside the pool: the running
 sequences' own caches. Reserving evicts free blocks to make room (cached blocks give way to running
@@ -14,7 +20,6 @@ sequences), and a reservation is never taken back by an insert (never the revers
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,6 +37,10 @@ class Block:
     scope: str = ""  # a digest of the chain's root (tenant), written to SSD metadata
     num_hits: int = 0  # lookups that reused this block
     last_used: float = 0.0  # time.monotonic() when it last became free: expire() drops idle blocks
+    token_ids: tuple[int, ...] = ()  # the block's tokens (where a diverging prompt first differs)
+    stored_at: float = 0.0  # time.monotonic() when it entered the pool (miss diagnosis: how long it lived)
+    owners: set[str] = field(default_factory=set)
+    purged: bool = False  # no owner left, but in use: it goes when released
     # intrusive links of the free queue; None while the block is in use
     prev: Block | None = field(default=None, repr=False)
     next: Block | None = field(default=None, repr=False)
@@ -79,6 +88,15 @@ class FreeBlockQueue:
 
 
 @dataclass(frozen=True, slots=True)
+class Ghost:
+    """A block that left a tier: how, after how long there, and when (time.time())."""
+
+    how: str  # "evicted" | "expired" | "purged"
+    lived_s: float
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
 class Purged:
     """What a purge removed (the cache protocol's result; every layer reports these three)."""
 
@@ -94,6 +112,7 @@ class PoolStats:
     num_rejected: int = 0  # inserts refused: the budget was held by blocks in use and reservations
     num_evicted_to_reserve: int = 0  # of num_evicted, evicted to make room for a reservation
     num_expired: int = 0  # free blocks dropped by expire(): idle past the retention
+    num_purged: int = 0  # blocks whose last owner a purge removed
 
 
 class BlockPool:
@@ -103,7 +122,7 @@ class BlockPool:
         self.on_evict = on_evict  # e.g. spill to the SSD tier; called before the block's data is dropped
         self.on_discard = on_discard  # (block, "evicted" | "expired" | "purged") once it has left the pool
         self.by_hash: dict[BlockHash, Block] = {}
-        self.num_children: Counter[BlockHash] = Counter()  # parent hash -> its blocks in the pool
+        self.children: dict[BlockHash, set[BlockHash]] = {}  # parent hash -> its blocks in the pool
         self.free = FreeBlockQueue()
         self.num_bytes = 0
         self.reserved_bytes = 0  # held for KV outside the pool (running sequences)
@@ -112,15 +131,21 @@ class BlockPool:
     def get(self, block_hash: BlockHash) -> Block | None:
         return self.by_hash.get(block_hash)
 
-    def acquire(self, block: Block) -> None:
+    def acquire(self, block: Block, owner: str | None = None) -> None:
+        """Hold a block; `owner` (when given) joins its owners."""
         if block.ref_count == 0:
             self.free.remove(block)
         block.ref_count += 1
+        if owner is not None:
+            block.owners.add(owner)
+            block.purged = False
 
     def release(self, block: Block) -> None:
         assert block.ref_count > 0, f"release of a free block {block.block_hash!r}"
         block.ref_count -= 1
-        if block.ref_count == 0:
+        if block.ref_count == 0 and block.purged:
+            self._discard(block, "purged")
+        elif block.ref_count == 0:
             block.last_used = time.monotonic()
             self.free.append(block)  # the free queue stays ordered by last_used
 
@@ -133,8 +158,9 @@ class BlockPool:
             self.counters.num_rejected += 1
             return None
         block.ref_count = 1
+        block.stored_at = time.monotonic()
         self.by_hash[block_hash] = block
-        self.num_children[block.parent_hash] += 1
+        self.children.setdefault(block.parent_hash, set()).add(block_hash)
         self.num_bytes += nbytes
         self.counters.num_inserted += 1
         return block
@@ -174,6 +200,27 @@ class BlockPool:
             self._discard(victim, "purged")
         return Purged(num_blocks, num_bytes)
 
+    def purge_owned(self, selects: Callable[[str], bool]) -> Purged:
+        """Take the selected owners off every block; a block left with no owner leaves now, or when
+        its last holder releases it if a running request holds it (counted now: it is unreachable
+        to later owners only once gone, but nothing keeps it past that request)."""
+        num_blocks, num_bytes = 0, 0
+        for block in list(self.by_hash.values()):
+            selected = {owner for owner in block.owners if selects(owner)}
+            if not selected:
+                continue
+            block.owners -= selected
+            if block.owners:
+                continue
+            num_blocks, num_bytes = num_blocks + 1, num_bytes + block.nbytes
+            if block.ref_count:
+                block.purged = True
+            else:
+                self.free.remove(block)
+                self._discard(block, "purged")
+        self.counters.num_purged += num_blocks
+        return Purged(num_blocks, num_bytes)
+
     def expire(self, idle_s: float, now: float | None = None) -> Purged:
         """Drop the free blocks nobody used for idle_s seconds (the RAM tier's retention), oldest
         first, without the eviction callback: what expired is not spilled."""
@@ -189,9 +236,10 @@ class BlockPool:
     def _discard(self, block: Block, reason: str) -> None:
         """Forget a block already out of the free queue, and drop its data."""
         del self.by_hash[block.block_hash]
-        self.num_children[block.parent_hash] -= 1
-        if not self.num_children[block.parent_hash]:
-            del self.num_children[block.parent_hash]
+        siblings = self.children[block.parent_hash]
+        siblings.discard(block.block_hash)
+        if not siblings:
+            del self.children[block.parent_hash]
         self.num_bytes -= block.nbytes
         block.kv = ()
         if self.on_discard is not None:
@@ -203,6 +251,7 @@ class BlockPool:
         assert len(free) == self.free.num_blocks, (len(free), self.free.num_blocks)
         assert sum(b.nbytes for b in free) == self.free.num_bytes, "free bytes out of step with the free queue"
         assert all(b.ref_count == 0 for b in free), "a block in use sits in the free queue"
+        assert not any(b.purged for b in free), "a purged block sits in the free queue"
         in_use = [b for b in self.by_hash.values() if b.ref_count > 0]
         assert len(free) + len(in_use) == len(self.by_hash), (len(free), len(in_use), len(self.by_hash))
         total = sum(b.nbytes for b in self.by_hash.values())

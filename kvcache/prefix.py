@@ -1,12 +1,16 @@
 """Prefix caching policy: find the longest cached prefix, gather it, store new blocks.
 
-    PrefixCache.open(salt, model, token_ids, spans) -> PrefixSession   one per request; a context manager
+    PrefixCache.open(salt, model, token_ids, spans, owner) -> PrefixSession   one per request; a context manager
     session.match(num_prompt_tokens) -> PrefixMatch  longest cached prefix (first missing block ends it)
     session.gather(num_tokens) -> [(keys, values)]   per layer, ready to seed a KV cache
     session.store(token_ids, layer_states, num_tokens)   cache the full blocks of the first num_tokens
+    PrefixCache.purge_owned(selects) -> Purged       take owners off blocks (RAM; the SSD tier has its own)
 
 The session owns its chain: it derives the tenant-salted root and the block hashes from the tokens,
 and extends the chain itself when `store` is given more tokens (the prompt plus the reply).
+
+Each block records its owners (opaque labels: the gateway's tenant, session and end user): the
+session's owner joins the owners of every block it matches or stores.
 
 A session holds a reference on every block it matched or stored, so nothing it uses can be evicted
 under it; close() releases them last-block-first, which leaves a chain's tail older in the LRU
@@ -15,6 +19,7 @@ than its head (tails are evicted before the prefixes that other chains share).
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -23,7 +28,7 @@ import mlx.core as mx
 
 from .chain import ExtraSpan, hash_blocks
 from .keys import BlockHash, TenantSalt, chain_root
-from .pool import Block, BlockPool, PoolStats, Purged
+from .pool import Block, BlockPool, Ghost, PoolStats, Purged
 from .quant import QuantConfig, from_tensors, quantize, restore, to_tensors
 from .ssd import SpillRequest, SsdTier
 
@@ -62,7 +67,12 @@ class PrefixMatch:
     # cached), "evicted" / "expired" / "purged" (cached, then removed so), "diverged" (a prefix was
     # shared, and its last block has other children: the prompt differs from what was cached here).
     miss_reason: str = ""
-    miss_at_token: int = 0  # where the first missing block starts
+    # Where: the first missing block's start; for "diverged", the first token that differs from the
+    # closest cached sibling (in_image: the tokens agree, an image's pixels differ).
+    miss_at_token: int = 0
+    miss_tier: str = ""  # evicted / expired / purged: from "ram" or "ssd"
+    miss_lived_s: float = 0.0  # ... after this many seconds in that tier
+    miss_in_image: bool = False
 
     @property
     def tier(self) -> str:
@@ -70,6 +80,15 @@ class PrefixMatch:
         if not self.num_cached_tokens:
             return ""
         return "+".join(t for t, n in (("ram", self.num_ram_tokens), ("ssd", self.num_ssd_tokens)) if n)
+
+
+@dataclass(frozen=True, slots=True)
+class Miss:
+    reason: str
+    at_token: int
+    tier: str = ""
+    lived_s: float = 0.0
+    in_image: bool = False
 
 
 @dataclass(slots=True)
@@ -109,7 +128,7 @@ class PrefixCache:
         # Recently removed block hashes and how they went, oldest first, at most GHOST_CAPACITY: a
         # miss on one of them says evicted / expired / purged rather than cold. Hashes are salted
         # per tenant, so no lookup can learn of another tenant's blocks here.
-        self.ghosts: OrderedDict[BlockHash, str] = OrderedDict()
+        self.ghosts: OrderedDict[BlockHash, Ghost] = OrderedDict()
 
     def stats(self) -> PrefixSnapshot:
         pool = self.pool
@@ -120,6 +139,10 @@ class PrefixCache:
     def purge(self) -> Purged:
         """Every block in RAM that no running request holds (nothing is spilled to SSD on the way)."""
         return self.pool.drop_free()
+
+    def purge_owned(self, selects) -> Purged:
+        """Take the owners `selects(owner)` picks off every RAM block; blocks left with none go."""
+        return self.pool.purge_owned(selects)
 
     def close(self) -> None:
         self.purge()
@@ -133,17 +156,20 @@ class PrefixCache:
     def unreserve(self, nbytes: int) -> None:
         self.pool.unreserve(nbytes)
 
-    def _remember(self, block: Block, reason: str) -> None:
-        self.ghosts[block.block_hash] = reason
+    def _remember(self, block: Block, how: str) -> None:
+        now = time.monotonic()
+        self.ghosts[block.block_hash] = Ghost(how, now - block.stored_at, time.time())
         self.ghosts.move_to_end(block.block_hash)
         if len(self.ghosts) > GHOST_CAPACITY:
             self.ghosts.popitem(last=False)
 
-    def miss_reason(self, block_hash: BlockHash, parent: BlockHash | None) -> str:
-        """`parent`: the block before, None at the chain's start (where nothing is shared: cold)."""
-        if block_hash in self.ghosts:
-            return self.ghosts[block_hash]
-        return "diverged" if parent is not None and self.pool.num_children[parent] else "cold"
+    def last_removal(self, block_hash: BlockHash) -> Miss | None:
+        """How the block last left a tier (the later of RAM and SSD), if it was remembered."""
+        ram = self.ghosts.get(block_hash)
+        ssd = self.ssd.ghost(block_hash.hex()) if self.ssd is not None else None
+        if ssd is not None and (ram is None or ssd.at >= ram.at):
+            return Miss(ssd.how, 0, "ssd", ssd.lived_s)
+        return Miss(ram.how, 0, "ram", ram.lived_s) if ram is not None else None
 
     def _spill(self, block: Block) -> None:
         if self.ssd.admits(block.num_hits, block.end_token):
@@ -155,23 +181,26 @@ class PrefixCache:
         """Offer every admissible RAM block to the SSD tier (at shutdown). Returns how many."""
         if self.ssd is None:
             return 0
-        blocks = [b for b in self.pool.by_hash.values() if self.ssd.admits(b.num_hits, b.end_token)]
+        blocks = [b for b in self.pool.by_hash.values() if not b.purged and self.ssd.admits(b.num_hits, b.end_token)]
         for block in blocks:
             self.ssd.offer(_spill_request(block, self.block_size))
         return len(blocks)
 
     def open(self, salt: TenantSalt, model_fingerprint: str, token_ids: Sequence[int],
-             spans: Sequence[ExtraSpan] = ()) -> PrefixSession:
+             spans: Sequence[ExtraSpan] = (), owner: str | None = None) -> PrefixSession:
+        """`owner`: who the request is (an opaque label purges select by); None records nobody."""
         root = chain_root(salt, f"{model_fingerprint}|block={self.block_size}")
-        return PrefixSession(self, root, tuple(token_ids), tuple(spans))
+        return PrefixSession(self, root, tuple(token_ids), tuple(spans), owner)
 
 
 class PrefixSession:
     """Invariant: hashes == hash_blocks(token_ids, block size, root, spans); held[i] is the block of
     hashes[i], acquired once, for i < len(held)."""
 
-    def __init__(self, cache: PrefixCache, root: BlockHash, token_ids: tuple[int, ...], spans: tuple[ExtraSpan, ...]):
+    def __init__(self, cache: PrefixCache, root: BlockHash, token_ids: tuple[int, ...], spans: tuple[ExtraSpan, ...],
+                 owner: str | None = None):
         self.cache = cache
+        self.owner = owner
         self.pool = cache.pool
         self.root = root
         self.spans = spans
@@ -194,7 +223,7 @@ class PrefixSession:
             block = self.pool.get(block_hash)
             if block is None:
                 break
-            self.pool.acquire(block)
+            self.pool.acquire(block, self.owner)
             block.num_hits += 1
             self.held.append(block)
         num_ram = len(self.held)
@@ -208,18 +237,35 @@ class PrefixSession:
         stats.num_hits += cached > 0
         stats.num_prompt_tokens += num_prompt_tokens
         stats.num_cached_tokens += cached
-        reason = self._miss_reason(num_prompt_tokens)
-        if reason:
-            stats.miss_reasons[reason] = stats.miss_reasons.get(reason, 0) + 1
-        return PrefixMatch(num_prompt_tokens, matched, cached, num_ram * size, matched - num_ram * size, reason,
-                           len(self.held) * size if reason else 0)
+        miss = self._why_missed(num_prompt_tokens)
+        if miss is None:
+            return PrefixMatch(num_prompt_tokens, matched, cached, num_ram * size, matched - num_ram * size)
+        stats.miss_reasons[miss.reason] = stats.miss_reasons.get(miss.reason, 0) + 1
+        return PrefixMatch(num_prompt_tokens, matched, cached, num_ram * size, matched - num_ram * size, miss.reason,
+                           miss.at_token, miss.tier, miss.lived_s, miss.in_image)
 
-    def _miss_reason(self, num_prompt_tokens: int) -> str:
-        """Why the match stopped before the prompt's last full block that could be reused."""
-        index = len(self.held)
-        if index >= len(self.hashes) or index * self.cache.block_size >= num_prompt_tokens - 1:
-            return ""
-        return self.cache.miss_reason(self.hashes[index], self.hashes[index - 1] if index else None)
+    def _why_missed(self, num_prompt_tokens: int) -> Miss | None:
+        """Why the match stopped before the prompt's last full block that could be reused (None: it
+        did not). Ghosts and siblings are looked up under this tenant's salted hashes only, so a miss
+        never tells of another tenant's blocks."""
+        index, size = len(self.held), self.cache.block_size
+        start = index * size
+        if index >= len(self.hashes) or start >= num_prompt_tokens - 1:
+            return None
+        removal = self.cache.last_removal(self.hashes[index])
+        if removal is not None:
+            return replace(removal, at_token=start)
+        siblings = self.pool.children.get(self.hashes[index - 1] if index else self.root)
+        if not siblings:
+            return Miss("cold", start)
+        mine = self.token_ids[start:start + size]
+        same = max(_common_prefix(mine, self.pool.by_hash[h].token_ids) for h in siblings)
+        if same < len(mine):
+            return Miss("diverged", start + same)
+        # the same tokens and another hash: an image in this block has other pixels
+        image_start = min((span.start for span in self.spans if span.start < start + size and span.end > start),
+                          default=start)
+        return Miss("diverged", max(image_start, start), in_image=True)
 
     def _promote_from_ssd(self) -> None:
         """Continue the chain on SSD. RAM is reserved for the whole run of blocks on disk before any
@@ -239,7 +285,9 @@ class PrefixSession:
             self.cache.counters.num_promotion_failures += 1
             return
         for offset, tensors in enumerate(ssd.read_chain(run)):
-            block = self.pool.insert(self._new_block(start + offset, from_tensors(tensors, self.cache.quant)))
+            block = self._new_block(start + offset, from_tensors(tensors, self.cache.quant))
+            block.owners |= ssd.owners_of(run[offset])
+            block = self.pool.insert(block)
             if block is None:
                 self.cache.counters.num_promotion_failures += 1
                 return
@@ -250,8 +298,10 @@ class PrefixSession:
     def _new_block(self, index: int, kv: tuple) -> Block:
         parent = self.hashes[index - 1] if index else self.root
         nbytes = sum(k.nbytes + v.nbytes for k, v in kv)  # from shape and dtype: nothing is evaluated
-        return Block(self.hashes[index], kv, nbytes, parent_hash=parent,
-                     end_token=(index + 1) * self.cache.block_size, scope=self.scope)
+        size = self.cache.block_size
+        return Block(self.hashes[index], kv, nbytes, parent_hash=parent, end_token=(index + 1) * size,
+                     scope=self.scope, token_ids=self.token_ids[index * size:(index + 1) * size],
+                     owners={self.owner} if self.owner is not None else set())
 
     def gather(self, num_tokens: int) -> list[tuple[mx.array, mx.array]]:
         size = self.cache.block_size
@@ -296,7 +346,7 @@ class PrefixSession:
     def _block_for(self, index: int, layer_states) -> tuple[Block | None, bool]:
         existing = self.pool.get(self.hashes[index])
         if existing is not None:
-            self.pool.acquire(existing)
+            self.pool.acquire(existing, self.owner)
             return existing, False
         begin, end = index * self.cache.block_size, (index + 1) * self.cache.block_size
         kv = tuple((self._keep(k[:, :, begin:end, :], end), self._keep(v[:, :, begin:end, :], end))
@@ -322,7 +372,18 @@ class PrefixSession:
 
 
 def _spill_request(block: Block, block_size: int) -> SpillRequest:
-    return SpillRequest(block.block_hash, block.parent_hash or b"", block_size, block.scope, to_tensors(block.kv))
+    return SpillRequest(block.block_hash, block.parent_hash or b"", block_size, block.scope, to_tensors(block.kv),
+                        tuple(sorted(block.owners)))
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two blocks share."""
+    count = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        count += 1
+    return count
 
 
 def default_budget_bytes(fraction: float = 0.25) -> int:

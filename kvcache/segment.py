@@ -2,11 +2,12 @@
 
     encode(namespace, blocks) -> bytes            one safetensors segment of up to SEGMENT_BLOCKS blocks
     verified_blocks(raw, namespace) -> ({hash: tensors}, problem)   XXH3-128 checked, up to the first bad block
+    decode(raw, namespace, wanted) -> ([SpillRequest], problem)      the same, with each block's description
     write_atomically(path, payload)               temp file in the same folder, fsync, os.replace
 
 A segment is a safetensors file: tensors named "<block hash hex>/<tensor name>", and metadata with the
 format version, the namespace (model fingerprint, block size, quantisation), and per block its hash,
-parent hash, token count, tenant scope and checksum. A reader sees a whole file or none: a torn file
+parent hash, token count, tenant scope, owners when written, and checksum. A reader sees a whole file or none: a torn file
 can only be a temp file (".tmp-*"), never a segment name.
 """
 
@@ -35,6 +36,7 @@ class SpillRequest:
     num_tokens: int
     tenant_scope: str
     tensors: dict[str, np.ndarray] = field(repr=False)
+    owners: tuple[str, ...] = ()  # opaque owner labels (the index keeps them current; the file, for reindexing)
 
 
 def encode(namespace: str, requests: list[SpillRequest]) -> bytes:
@@ -42,7 +44,8 @@ def encode(namespace: str, requests: list[SpillRequest]) -> bytes:
     for request in requests:
         hex_hash = request.block_hash.hex()
         described.append({"hash": hex_hash, "parent": request.parent_hash.hex(), "num_tokens": request.num_tokens,
-                          "scope": request.tenant_scope, "checksum": tensor_checksum(request.tensors)})
+                          "scope": request.tenant_scope, "owners": list(request.owners),
+                          "checksum": tensor_checksum(request.tensors)})
         tensors.update({f"{hex_hash}/{key}": value for key, value in request.tensors.items()})
     metadata = {"format_version": FORMAT_VERSION, "namespace": namespace, "blocks": json.dumps(described)}
     return save_tensors(tensors, metadata=metadata)
@@ -71,6 +74,20 @@ def verified_blocks(raw: bytes, namespace: str,
             return verified, f"checksum mismatch in block {hex_hash[:12]}"
         verified[hex_hash] = mine
     return verified, None
+
+
+def decode(raw: bytes, namespace: str, wanted: list[str]) -> tuple[list[SpillRequest], str | None]:
+    """The wanted blocks as spill requests again (to rewrite a segment without some of its blocks)."""
+    blocks, problem = verified_blocks(raw, namespace, wanted)
+    described = {block["hash"]: block for block in json.loads(parse(raw)[1]["blocks"])} if blocks else {}
+    return [SpillRequest(bytes.fromhex(h), bytes.fromhex(described[h]["parent"]), described[h]["num_tokens"],
+                         described[h]["scope"], tensors, tuple(described[h].get("owners", ())))
+            for h, tensors in blocks.items()], problem
+
+
+def described_owners(raw: bytes) -> dict[str, tuple[str, ...]]:
+    """hash -> the owners a segment's metadata records (files written before owners: none)."""
+    return {block["hash"]: tuple(block.get("owners", ())) for block in json.loads(parse(raw)[1]["blocks"])}
 
 
 def write_atomically(path: Path, payload: bytes) -> None:

@@ -4,7 +4,9 @@
     contains / ram_size_of(hash)  what is on SSD, and what it will cost in RAM
     read_chain([hash, ...])       the request path: consecutive blocks, each checksum-verified;
                                   stops at the first missing or bad one (bad files: quarantined)
-    reconcile()                   at start-up: temp leftovers removed, index fixed from the files
+    reconcile()                   at start-up: temp leftovers and doomed files removed, index fixed from the files
+    purge_owned(selects)          take owners off blocks; blocks left with none are cut out of their files
+    ghost(hash)                   why a block recently left the tier ("evicted" / "expired" / "purged")
     drain(timeout_s) / close()    at shutdown: the writer finishes within a bounded time
 
 Layout: ROOT/<namespace digest>/<xx>/seg-<id>.safetensors — a segment file holds up to
@@ -16,14 +18,21 @@ sequential speed however many reads were in flight (evals/bench_ssd); segments o
 fingerprint, block size and quantisation: another model's files are never even looked at, and each
 file's metadata repeats the namespace, checked on every read.
 
+Ownership: each block records opaque owner labels (in the index, and in the file for reindexing).
+A purge takes the selected owners off; a segment holding blocks left with no owner is rewritten
+without them (the survivors go to a new segment first) and its file deleted. The old segment is
+marked doomed in the same index transaction that drops it, so a crash before the unlink cannot bring
+the purged blocks back: reconcile deletes doomed files before it indexes anything.
+
 Crash safety: a segment is written to a temp file in its folder, fsynced, then os.replace()d into
 its name, so a reader sees a whole file or none; a torn file can only be a temp file, and reconcile
 deletes those. Every block read verifies its XXH3-128 checksum; a mismatch quarantines the file.
 
 Parts: `segment.py` is the file format (pure functions), `ssd_index.py` the index (its own lock);
 this module is the tier: the writer thread, admission and the daily budget, capacity and retention,
-quarantine and reconcile. Lock discipline here: `lock` guards `stats` and `written_today`; the
-index guards itself; the two are never held together.
+quarantine and reconcile. Lock discipline here: `lock` guards `stats`, `written_today` and
+`ghosts`; the index guards itself; the two are never held together. `files_lock` serialises the
+writer's segment writes and capacity deletions with a purge's rewrites (never taken under `lock`).
 """
 
 from __future__ import annotations
@@ -35,20 +44,23 @@ import shutil
 import threading
 import time
 import uuid
+from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from .pool import Purged
-from .segment import (PRIVATE_DIR_MODE, SEGMENT_BLOCKS, TEMP_PREFIX, SpillRequest, encode, verified_blocks,
-                      write_atomically)
+from .pool import Ghost, Purged
+from .segment import (PRIVATE_DIR_MODE, SEGMENT_BLOCKS, TEMP_PREFIX, SpillRequest, decode, described_owners, encode,
+                      verified_blocks, write_atomically)
 from .ssd_index import Segment, SegmentIndex
 
 log = logging.getLogger("strata.kvcache.ssd")
 READER_THREADS = 4  # segment reads in flight at once while a chain is promoted
 PURGE_DRAIN_S = 10.0  # a purge first lets queued spills land, so none reappears after it
+GHOST_CAPACITY = 65536  # removed block hashes remembered for miss reasons
 
 __all__ = ["AdmissionPolicy", "Purged", "SpillRequest", "SsdConfig", "SsdSnapshot", "SsdStats", "SsdTier"]
 
@@ -86,6 +98,8 @@ class SsdStats:
     num_temp_removed: int = 0
     num_reindexed: int = 0  # files the index lacked, verified and indexed from their contents
     num_index_rows_dropped: int = 0
+    num_purged_blocks: int = 0  # blocks whose last owner a purge removed (cut out of their files)
+    num_rewritten_files: int = 0  # segments rewritten without purged blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +129,8 @@ class SsdTier:
         self.lock = threading.Lock()  # guards stats and written_today
         self.counters = SsdStats()
         self.written_today = (time.strftime("%Y-%m-%d"), 0)
+        self.ghosts: OrderedDict[str, Ghost] = OrderedDict()  # recently removed blocks, by hex hash
+        self.files_lock = threading.Lock()
         self.index = SegmentIndex(self.folder / "index.sqlite")
         self.pending: queue.Queue[SpillRequest | None] = queue.Queue(maxsize=config.queue_blocks)
         self.readers = ThreadPoolExecutor(max_workers=READER_THREADS, thread_name_prefix="strata-ssd-reader")
@@ -134,10 +150,73 @@ class SsdTier:
         """Every segment file and its index rows, after the spills already queued are written."""
         self.drain(PURGE_DRAIN_S)
         num_files, num_blocks, num_bytes = 0, 0, 0
-        for name, _ in self.index.least_recently_used():
-            if (segment := self._delete_segment(name)) is not None:
-                num_files, num_blocks, num_bytes = num_files + 1, num_blocks + len(segment.blocks), num_bytes + segment.nbytes
+        with self.files_lock:
+            for name, _ in self.index.least_recently_used():
+                if (segment := self._delete_segment(name, "purged")) is not None:
+                    num_files, num_blocks, num_bytes = num_files + 1, num_blocks + len(segment.blocks), num_bytes + segment.nbytes
         return Purged(num_blocks, num_bytes, num_files)
+
+    def purge_owned(self, selects: Callable[[str], bool]) -> Purged:
+        """Take the selected owners off every block (after queued spills land); blocks left with no
+        owner are cut out of their segments. Counts blocks, their bytes, and the files replaced."""
+        self.drain(PURGE_DRAIN_S)
+        num_blocks, num_bytes, num_files = 0, 0, 0
+        with self.files_lock:
+            for name, dropped in self.index.release(selects).items():
+                num_bytes += sum(self.index.kv_nbytes(h) or 0 for h in dropped)
+                self._rewrite_without(name, set(dropped))
+                num_blocks, num_files = num_blocks + len(dropped), num_files + 1
+        self._count("num_purged_blocks", num_blocks)
+        return Purged(num_blocks, num_bytes, num_files)
+
+    def _rewrite_without(self, name: str, dropped: set[str]) -> Segment | None:
+        """Segment `name` without the `dropped` blocks. The old segment is doomed before anything is
+        written: a crash at any point loses survivors (a cache may), never brings a dropped block back."""
+        keep = [h for h in self.index.live_blocks(name) if h not in dropped]
+        survivors = self._read_blocks(name, keep) if keep else []
+        owners = {r.block_hash.hex(): self.index.owners_of(r.block_hash.hex()) for r in survivors}
+        old = self.index.doom(name)
+        if survivors:
+            new = f"seg-{uuid.uuid4().hex}"
+            payload = encode(self.namespace, [replace(r, owners=tuple(sorted(owners[r.block_hash.hex()])))
+                                              for r in survivors])
+            try:
+                write_atomically(self._segment_path(new), payload)
+            except OSError as exc:  # a full or failing disk: the survivors are lost, the purge still holds
+                self._count("num_write_errors")
+                log.warning("SSD purge could not rewrite %s: %s", name, exc)
+            else:
+                sizes = {r.block_hash.hex(): sum(t.nbytes for t in r.tensors.values()) for r in survivors}
+                self.index.add(new, len(payload), old.written_at if old else time.time(), sizes, owners)
+                self._count("num_rewritten_files")
+        self._segment_path(name).unlink(missing_ok=True)
+        self.index.undoom(name)
+        self._remember(old, "purged", dropped)
+        return old
+
+    def _read_blocks(self, name: str, hex_hashes: list[str]) -> list[SpillRequest]:
+        try:
+            blocks, _ = decode(self._segment_path(name).read_bytes(), self.namespace, hex_hashes)
+        except OSError:
+            return []  # unreadable: the survivors go with it
+        return blocks
+
+    def owners_of(self, hex_hash: str) -> frozenset[str]:
+        return self.index.owners_of(hex_hash)
+
+    def ghost(self, hex_hash: str) -> Ghost | None:
+        with self.lock:
+            return self.ghosts.get(hex_hash)
+
+    def _remember(self, segment: Segment | None, how: str, hex_hashes) -> None:
+        now = time.time()
+        ghost = Ghost(how, now - segment.written_at if segment is not None else 0.0, now)
+        with self.lock:
+            for hex_hash in hex_hashes:
+                self.ghosts[hex_hash] = ghost
+                self.ghosts.move_to_end(hex_hash)
+            while len(self.ghosts) > GHOST_CAPACITY:
+                self.ghosts.popitem(last=False)
 
     def _count(self, name: str, amount: int = 1) -> None:
         with self.lock:
@@ -156,6 +235,7 @@ class SsdTier:
 
     def offer(self, request: SpillRequest) -> bool:
         if self.contains(request.block_hash.hex()):
+            self.index.own(request.block_hash.hex(), request.owners)
             return True
         if not self._within_daily_budget():
             self._count("num_not_admitted")
@@ -242,9 +322,11 @@ class SsdTier:
     def _write_segment(self, requests: list[SpillRequest]) -> None:
         name = f"seg-{uuid.uuid4().hex}"
         payload = encode(self.namespace, requests)
-        write_atomically(self._segment_path(name), payload)
         sizes = {r.block_hash.hex(): sum(t.nbytes for t in r.tensors.values()) for r in requests}
-        self.index.add(name, len(payload), time.time(), sizes)
+        with self.files_lock:
+            write_atomically(self._segment_path(name), payload)
+            self.index.add(name, len(payload), time.time(), sizes, {r.block_hash.hex(): r.owners for r in requests})
+            self._enforce_capacity()
         with self.lock:
             day, written = self.written_today
             self.written_today = (day, written + len(payload))
@@ -252,24 +334,26 @@ class SsdTier:
             self.counters.num_segments_written += 1
         if self.pending.empty():
             self.index.flush_touches()
-        self._enforce_capacity()
 
     def _enforce_capacity(self, now: float | None = None) -> None:
-        """LRU-evict segment files past the byte cap; remove files unused past the retention."""
+        """LRU-evict segment files past the byte cap; remove files unused past the retention (the
+        caller holds files_lock)."""
         now = time.time() if now is None else now
         excess = self.index.counts()[2] - self.config.capacity_bytes
         for name, segment in self.index.least_recently_used():
             expired = now - segment.last_used > self.config.retention_s
             if not expired and excess <= 0:
                 break
-            self._delete_segment(name)
+            self._delete_segment(name, "expired" if expired else "evicted")
             excess -= segment.nbytes
             self._count("num_expired_files" if expired else "num_evicted_files")
 
-    def _delete_segment(self, name: str) -> Segment | None:
+    def _delete_segment(self, name: str, how: str) -> Segment | None:
         """A segment out of the index and off the disk; what the index held of it (None: nothing)."""
+        live = self.index.live_blocks(name)
         segment = self.index.forget(name)
         self._segment_path(name).unlink(missing_ok=True)
+        self._remember(segment, how, live)
         return segment
 
     def _segment_path(self, name: str) -> Path:
@@ -291,6 +375,9 @@ class SsdTier:
     def reconcile(self) -> None:
         """Remove temp leftovers; drop index rows whose file is gone; index files the index lacks
         (verifying them first); quarantine what cannot be read or belongs elsewhere."""
+        for name in self.index.doomed():  # purged blocks: their file must not be indexed again
+            self._segment_path(name).unlink(missing_ok=True)
+            self.index.undoom(name)
         on_disk: dict[str, Path] = {}
         for path in self.folder.glob("*/*"):
             if path.name.startswith(TEMP_PREFIX):
@@ -314,7 +401,7 @@ class SsdTier:
             self._move_to_quarantine(path, problem)
             return
         sizes = {h: sum(t.nbytes for t in tensors.values()) for h, tensors in blocks.items()}
-        self.index.add(name, len(raw), path.stat().st_mtime, sizes)
+        self.index.add(name, len(raw), path.stat().st_mtime, sizes, described_owners(raw))
         self._count("num_reindexed")
 
     def drain(self, timeout_s: float) -> bool:

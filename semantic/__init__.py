@@ -10,7 +10,7 @@ from .embedder import Embedder, MiniLMEmbedder
 from .exact import CacheControl, ExactCache, ExactLookup, ExactSnapshot, exact_key
 from .guards import Verdict, check
 from .index import PartitionedIndex
-from .owners import Owner, Selector
+from .owners import Owner, Selector, owner_label
 from .scope import Scope, context_fingerprint
 from .store import Answer, MemoryStore, Purged, ResponseStore, SqliteStore, StoredResponse
 
@@ -19,5 +19,5 @@ __all__ = [
     "MiniLMEmbedder", "Owner", "Purged", "SemanticSnapshot", "Selector",
     "PartitionedIndex", "ResponseStore", "RiskPatterns", "RiskPolicy", "Scope", "Screening", "SemanticCache",
     "SemanticEntry", "SemanticLookup", "SemanticSettings", "SqliteStore", "StoredResponse", "Verdict", "check",
-    "context_fingerprint", "exact_key", "load_risk_patterns",
+    "context_fingerprint", "exact_key", "load_risk_patterns", "owner_label",
 ]

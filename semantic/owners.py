@@ -8,12 +8,17 @@ deletes all of the tenant's entries.
     Owner(session, end_user)                       recorded with each store
     Selector(tenant, session=None, end_user=None)  what a purge names; None matches any
     OwnerTable(db, name, key_type)                 the owners of one SQLite table's entries
+    owner_label(tenant, owner) -> str              the same owner as one opaque string, for the layers
+                                                   that keep labels (vision features, KV blocks);
+    Selector.selects(label) -> bool                and what a purge picks among them
 """
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from dataclasses import dataclass
+from functools import lru_cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +46,21 @@ class Selector:
     def matches(self, owner: Owner) -> bool:
         return (self.session is None or owner.session == self.session) and \
             (self.end_user is None or owner.end_user == self.end_user)
+
+    def selects(self, label: str) -> bool:
+        """Whether an owner_label() names an owner this selector purges."""
+        tenant, owner = _parse_label(label)
+        return tenant == self.tenant and self.matches(owner)
+
+
+def owner_label(tenant: str, owner: Owner) -> str:
+    return json.dumps([tenant, owner.session, owner.end_user])
+
+
+@lru_cache(maxsize=4096)
+def _parse_label(label: str) -> tuple[str, Owner]:
+    tenant, session, end_user = json.loads(label)
+    return tenant, Owner(session, end_user)
 
 
 class OwnerTable:

@@ -3,6 +3,10 @@
 An ImageKey covers what changes the features: the decoded pixels (PixelHash), the image processor's
 settings and the model's fingerprint, plus a scope (the tenant's salt by default), so tenant B never
 reuses tenant A's features. Features are opaque to this module: anything with `.nbytes` (an MLX array).
+
+Each entry records its owners (opaque labels: the gateway's tenant, session and end user): whoever
+stored or reused it. `purge_owned` takes owners off and deletes entries left with none; a request
+that holds features keeps its own reference, so a purge never pulls them from under it.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class VisionCacheStats:
     num_misses: int = 0
     num_evicted: int = 0
     num_expired: int = 0  # dropped by expire(): unused past the retention
+    num_purged: int = 0  # entries whose last owner a purge removed
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +68,8 @@ class Purged:
 
 
 class VisionCache:
-    """Invariant: num_bytes == sum of the entries' nbytes <= budget_bytes. Cache protocol: `name`,
+    """Invariant: num_bytes == sum of the entries' nbytes <= budget_bytes; `used_at` and `owners`
+    have the same keys as `entries`. Cache protocol: `name`,
     `stats()`, `purge()`, `close()`, all on the one thread that runs the model (features are MLX arrays)."""
 
     name = "vision"
@@ -72,16 +78,20 @@ class VisionCache:
         self.budget_bytes = budget_bytes
         self.entries: OrderedDict[ImageKey, Any] = OrderedDict()  # least recently used first; O(1) moves
         self.used_at: dict[ImageKey, float] = {}  # time.monotonic() of each entry's last get or put
+        self.owners: dict[ImageKey, set[str]] = {}
         self.num_bytes = 0
         self.counters = VisionCacheStats()
 
-    def get(self, key: ImageKey) -> Any | None:
+    def get(self, key: ImageKey, owner: str | None = None) -> Any | None:
+        """The features, or None; `owner` (when given) joins the entry's owners on a hit."""
         features = self.entries.get(key)
         if features is None:
             self.counters.num_misses += 1
             return None
         self.entries.move_to_end(key)
         self.used_at[key] = time.monotonic()
+        if owner is not None:
+            self.owners[key].add(owner)
         self.counters.num_hits += 1
         return features
 
@@ -92,37 +102,54 @@ class VisionCache:
         removed = Purged(len(self.entries), self.num_bytes)
         self.entries.clear()
         self.used_at.clear()
+        self.owners.clear()
         self.num_bytes = 0
         return removed
+
+    def purge_owned(self, selects) -> Purged:
+        """Take the owners `selects(owner)` picks off every entry; entries left with none go."""
+        num_entries, num_bytes = 0, 0
+        for key, owners in list(self.owners.items()):
+            selected = {owner for owner in owners if selects(owner)}
+            owners -= selected
+            if selected and not owners:
+                num_entries, num_bytes = num_entries + 1, num_bytes + self._drop(key)
+        self.counters.num_purged += num_entries
+        return Purged(num_entries, num_bytes)
+
+    def _drop(self, key: ImageKey) -> int:
+        """Remove one entry; its size."""
+        size = int(self.entries.pop(key).nbytes)
+        del self.used_at[key], self.owners[key]
+        self.num_bytes -= size
+        return size
 
     def expire(self, idle_s: float, now: float | None = None) -> Purged:
         """Drop the features nobody used for idle_s seconds (the retention), least recently used first."""
         cutoff = (time.monotonic() if now is None else now) - idle_s
         num_entries, num_bytes = 0, 0
-        while self.entries and self.used_at[next(iter(self.entries))] < cutoff:
-            key, features = self.entries.popitem(last=False)
-            del self.used_at[key]
-            num_entries, num_bytes = num_entries + 1, num_bytes + int(features.nbytes)
-        self.num_bytes -= num_bytes
+        while self.entries and self.used_at[oldest := next(iter(self.entries))] < cutoff:
+            num_entries, num_bytes = num_entries + 1, num_bytes + self._drop(oldest)
         self.counters.num_expired += num_entries
         return Purged(num_entries, num_bytes)
 
     def close(self) -> None:
         self.purge()
 
-    def put(self, key: ImageKey, features: Any) -> bool:
-        """Store features; False if they alone exceed the budget."""
+    def put(self, key: ImageKey, features: Any, owner: str | None = None) -> bool:
+        """Store features (owned by `owner`, with the owners the key had); False if they alone exceed
+        the budget."""
         size = int(features.nbytes)
         if size > self.budget_bytes:
             return False
+        owners = self.owners.get(key, set()) | ({owner} if owner is not None else set())
         if key in self.entries:
-            self.num_bytes -= int(self.entries.pop(key).nbytes)
+            self._drop(key)
         while self.num_bytes + size > self.budget_bytes:
-            evicted_key, evicted = self.entries.popitem(last=False)
-            del self.used_at[evicted_key]
-            self.num_bytes -= int(evicted.nbytes)
+            self._drop(next(iter(self.entries)))
             self.counters.num_evicted += 1
         self.entries[key] = features
         self.used_at[key] = time.monotonic()
+        self.owners[key] = owners
         self.num_bytes += size
         return True

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +110,11 @@ class Engine:
     def cache_stats(self) -> dict:
         """The engine's cache layers' snapshots (prefix, ssd, vision), by layer name."""
         return self.runner.caches.stats()
+
+    def purge_caches(self, selects: Callable[[str], bool], layers: Collection[str], timeout_s: float) -> dict:
+        """Take the selected owners off the engine's cache layers (on the worker thread, between two
+        steps): what each layer removed. TimeoutError when the worker does not get to it in time."""
+        return self.worker.call(lambda: self.runner.caches.purge_owned(selects, layers)).result(timeout_s)
 
     def stop(self, drain_s: float = 10.0) -> None:
         """Stop the worker, then persist admissible KV blocks; the SSD writer drains within drain_s."""

@@ -6,7 +6,7 @@ gateway renders as X-Cache-Prefix / X-Cache-Vision. Runs on the engine's worker 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -29,7 +29,10 @@ class PrefixReport:
     reason: str = ""  # a bypass: "disabled", or "uncacheable:<cache classes>" (kvcache.Cacheability)
     num_ssd_tokens: int = 0  # of the reused tokens, promoted from SSD
     miss_reason: str = ""  # why reuse stopped short (kvcache.PrefixMatch.miss_reason): "" when it did not
-    miss_at_token: int = 0
+    miss_at_token: int = 0  # for "diverged": the first token that differs from what was cached
+    miss_tier: str = ""  # evicted / expired / purged: from "ram" or "ssd" ...
+    miss_lived_s: float = 0.0  # ... after this many seconds there
+    miss_in_image: bool = False  # diverged inside an image (same tokens, other pixels)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +74,8 @@ class EngineCaches:
 
     # -- prefix ------------------------------------------------------------------------------
 
-    def open_prefix(self, prompt: PreparedPrompt, salt: TenantSalt, kv_cache: list) -> tuple[PrefixPlan | None, PrefixReport]:
+    def open_prefix(self, prompt: PreparedPrompt, salt: TenantSalt, kv_cache: list,
+                    owner: str | None = None) -> tuple[PrefixPlan | None, PrefixReport]:
         if self.prefix is None:
             return None, PrefixReport("bypass", num_prompt_tokens=prompt.num_tokens, reason="disabled")
         verdict = cacheability(kv_cache)
@@ -79,13 +83,14 @@ class EngineCaches:
             return None, PrefixReport("bypass", num_prompt_tokens=prompt.num_tokens, reason=verdict.reason)
         spans = tuple(ExtraSpan(i.token_start, i.token_start + i.num_tokens, self._image_key(i, salt).encode())
                       for i in prompt.images)
-        session = self.prefix.open(salt, self.model_fingerprint, prompt.token_ids, spans)
+        session = self.prefix.open(salt, self.model_fingerprint, prompt.token_ids, spans, owner)
         match = session.match(prompt.num_tokens)
         plan = PrefixPlan(session, match.num_cached_tokens)
         status = "hit" if match.num_cached_tokens else "miss"
         ssd_tokens = min(match.num_ssd_tokens, match.num_cached_tokens)
         return plan, PrefixReport(status, match.num_cached_tokens, prompt.num_tokens, match.tier, "", ssd_tokens,
-                                  match.miss_reason, match.miss_at_token)
+                                  match.miss_reason, match.miss_at_token, match.miss_tier, match.miss_lived_s,
+                                  match.miss_in_image)
 
     def reserve_running(self, nbytes: int) -> bool:
         """Hold nbytes of the prefix cache's budget for a running sequence's KV (see
@@ -124,6 +129,13 @@ class EngineCaches:
             removed["vision"] = self.vision.expire(self.config.vision_idle_s)
         return removed
 
+    def purge_owned(self, selects: Callable[[str], bool], layers: Collection[str]) -> dict:
+        """Take the owners `selects(owner)` picks off the named layers' entries ("prefix", "ssd",
+        "vision"); what each removed, by layer (None: the layer is off). Worker thread."""
+        ssd = self.prefix.ssd if self.prefix is not None else None
+        owned = {"prefix": self.prefix, "ssd": ssd, "vision": self.vision}
+        return {name: owned[name].purge_owned(selects) if owned[name] is not None else None for name in layers}
+
     def shutdown(self, drain_s: float) -> None:
         """Persist admissible RAM blocks to SSD and let the writer drain, at most drain_s."""
         if self.prefix is not None and self.prefix.ssd is not None:
@@ -137,7 +149,8 @@ class EngineCaches:
     # -- vision ------------------------------------------------------------------------------
 
     def image_features(self, prompt: PreparedPrompt, salt: TenantSalt, first_needed_token: int,
-                       encode: Callable[[PromptImage], mx.array]) -> tuple[dict[int, mx.array], VisionReport]:
+                       encode: Callable[[PromptImage], mx.array],
+                       owner: str | None = None) -> tuple[dict[int, mx.array], VisionReport]:
         """Features of each image with tokens at or after `first_needed_token`, by image index."""
         features: dict[int, mx.array] = {}
         hits = misses = 0
@@ -145,12 +158,12 @@ class EngineCaches:
             if image.token_start + image.num_tokens <= first_needed_token:
                 continue
             key = self._image_key(image, salt)
-            cached = self.vision.get(key) if self.vision else None
+            cached = self.vision.get(key, owner) if self.vision else None
             if cached is None:
                 cached = encode(image)
                 misses += 1
                 if self.vision:
-                    self.vision.put(key, cached)
+                    self.vision.put(key, cached, owner)
             else:
                 hits += 1
             features[index] = cached

@@ -131,9 +131,11 @@ class ModelRunner:
 
     # -- prefill -----------------------------------------------------------------------------
 
-    def prefill(self, prompt: PreparedPrompt, salt: TenantSalt, chunk_tokens: int, cancelled: Callable[[], bool]) -> PrefillResult:
-        """Reuse the longest cached prefix, run the rest in chunks, cache new blocks as they fill."""
-        steps = self.prefill_steps(prompt, salt, chunk_tokens, cancelled)
+    def prefill(self, prompt: PreparedPrompt, salt: TenantSalt, chunk_tokens: int, cancelled: Callable[[], bool],
+                owner: str | None = None) -> PrefillResult:
+        """Reuse the longest cached prefix, run the rest in chunks, cache new blocks as they fill.
+        `owner` labels what this request stores or reuses (purges select by it)."""
+        steps = self.prefill_steps(prompt, salt, chunk_tokens, cancelled, owner)
         while True:
             try:
                 next(steps)
@@ -141,17 +143,17 @@ class ModelRunner:
                 return done.value
 
     def prefill_steps(self, prompt: PreparedPrompt, salt: TenantSalt, chunk_tokens: int,
-                      cancelled: Callable[[], bool]) -> Generator[int, None, PrefillResult]:
+                      cancelled: Callable[[], bool], owner: str | None = None) -> Generator[int, None, PrefillResult]:
         """prefill() one chunk at a time: yields each chunk's token count but the last's (the worker
         runs a decode step of the batch in between) and returns the PrefillResult. Closing it early releases the prefix blocks.
         prefill_ms counts the time spent in here, not the decode steps between chunks."""
         start = time.perf_counter()
         cache = self.new_cache()
-        plan, prefix_report = self.caches.open_prefix(prompt, salt, cache)
+        plan, prefix_report = self.caches.open_prefix(prompt, salt, cache, owner)
         try:
             cached = plan.num_cached_tokens if plan else 0
             vision_start = time.perf_counter()
-            features, vision_report = self.caches.image_features(prompt, salt, cached, self._encode_image)
+            features, vision_report = self.caches.image_features(prompt, salt, cached, self._encode_image, owner)
             vision_ms = (time.perf_counter() - vision_start) * 1000
             ids = mx.array(prompt.token_ids, dtype=mx.int32)[None]
             embeds = self._embed(ids, prompt, features, cached) if features else None

@@ -18,6 +18,9 @@ under the prefix cache's byte budget, which free cached blocks give way to (spil
 tier is on); until then it waits at the head of the line while the batch decodes, and no other job
 overtakes it. A job that could not fit even in an empty budget is refused at submit (OverBudget).
 The left padding of the shared batch cache (rows shorter than the longest) is not counted.
+
+The caches belong to this thread: other threads reach them through call() (a purge runs between
+two steps).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Callable, Generator
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
@@ -101,6 +105,7 @@ class Job:
     sampling: Sampling
     salt: TenantSalt
     loop: asyncio.AbstractEventLoop
+    owner: str | None = None  # the label of who asks (tenant, session, end user): cache purges select by it
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.perf_counter)
@@ -207,6 +212,9 @@ class EngineWorker:
         # Embedding requests, oldest first; at most max_queue wait. Any thread appends, the worker pops.
         self.embeddings: deque[EmbedJob] = deque()
         self.max_embeddings = max_queue
+        # Work that must run on this thread between steps (cache purges: the caches are its own).
+        # Any thread appends; the worker pops.
+        self.calls: deque[tuple[Callable[[], object], Future]] = deque()
         self.last_step = StepShape()
         self.next_expiry = 0.0  # time.monotonic() of the next retention sweep of the RAM tiers
         self.thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
@@ -234,15 +242,40 @@ class EngineWorker:
             job.cancelled.set()
             job.send(Failed("server is shutting down"))
         self.jobs.close()
-        return self.ended.wait(timeout_s)
+        ended = self.ended.wait(timeout_s)
+        self._fail_calls()
+        return ended
 
-    def submit(self, prompt: PreparedPrompt, sampling: Sampling, salt: TenantSalt) -> Job:
+    def call(self, work: Callable[[], object]) -> Future:
+        """Run `work` on the worker thread between two steps; its result or exception comes back in
+        the Future (failed at once when the loop has ended)."""
+        future: Future = Future()
+        self.calls.append((work, future))
+        self.jobs.nudge()  # the worker may be waiting for a job
+        if self.ended.is_set():
+            self._fail_calls()
+        return future
+
+    def _run_calls(self) -> None:
+        while self.calls:
+            work, future = self.calls.popleft()
+            try:
+                future.set_result(work())
+            except Exception as exc:  # noqa: BLE001 - the caller gets it; the loop keeps serving
+                future.set_exception(exc)
+
+    def _fail_calls(self) -> None:
+        while self.calls:
+            _, future = self.calls.popleft()
+            future.set_exception(RuntimeError("the engine worker has stopped"))
+
+    def submit(self, prompt: PreparedPrompt, sampling: Sampling, salt: TenantSalt, owner: str | None = None) -> Job:
         """Queue a job; QueueFull when there is no place for it, OverBudget when it can never fit."""
         budget = self.runner.caches.running_budget_bytes()
         need = self.kv_bytes(prompt, sampling)
         if budget is not None and need > budget:
             raise OverBudget(need, budget)
-        job = Job(prompt, sampling, salt, asyncio.get_running_loop())
+        job = Job(prompt, sampling, salt, asyncio.get_running_loop(), owner)
         try:
             self.jobs.put(salt, job)
         except QueueFull:
@@ -305,6 +338,7 @@ class EngineWorker:
             self.warmed_up.set()
         while self._admit():
             self._expire_now_and_then()
+            self._run_calls()
             if self.embeddings:
                 self._embed_one()
             prefill_tokens = self._prefill_chunk() if self.prefilling else 0
@@ -342,7 +376,7 @@ class EngineWorker:
                 continue
             self.stats.num_requests += 1
             queue_ms = (time.perf_counter() - job.enqueued_at) * 1000
-            steps = self.runner.prefill_steps(job.prompt, job.salt, self.chunk_tokens, job.cancelled.is_set)
+            steps = self.runner.prefill_steps(job.prompt, job.salt, self.chunk_tokens, job.cancelled.is_set, job.owner)
             self.prefilling = Prefilling(job, steps, queue_ms, need)
         return True
 

@@ -196,7 +196,10 @@ def test_every_prefix_miss_says_why(warm):
     assert _run(warm, first)[2].prefix.miss_reason == "cold"
     report = _run(warm, other)[2].prefix
     assert report.miss_reason == "diverged" and report.num_cached_tokens > 0
-    assert report.miss_at_token == report.num_cached_tokens  # the first block after the shared system prompt
+    first_difference = next(i for i, (x, y) in enumerate(zip(first.token_ids, other.token_ids)) if x != y)
+    assert report.num_cached_tokens < first_difference  # within the first block after the shared ones ...
+    assert report.miss_at_token == first_difference  # ... the very token where the user's questions part
+    assert not report.miss_in_image
     assert _run(warm, first, salt=TENANT_B)[2].prefix.miss_reason == "cold"  # A's blocks are not B's business
     assert _run(warm, first)[2].prefix.miss_reason == ""  # a whole hit: nothing missed
     warm.caches.prefix.pool.expire(idle_s=0, now=float("inf"))
@@ -206,6 +209,8 @@ def test_every_prefix_miss_says_why(warm):
     pool = warm.caches.prefix.pool
     pool.budget_bytes = pool.num_bytes  # full: the next prompt's blocks push these out
     _run(warm, _prompt(warm, [_user(LONG[::-1])]))
-    assert _run(warm, first)[2].prefix.miss_reason == "evicted"
+    evicted = _run(warm, first)[2].prefix
+    assert (evicted.miss_reason, evicted.miss_tier, evicted.miss_at_token) == ("evicted", "ram", 0)
+    assert 0 < evicted.miss_lived_s < 60  # stored by the run just before
     reasons = warm.caches.stats()["prefix"]["miss_reasons"]
     assert {"cold", "diverged", "expired", "purged", "evicted"} <= set(reasons)

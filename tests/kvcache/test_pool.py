@@ -109,3 +109,16 @@ def test_expire_drops_idle_free_blocks_oldest_first_and_never_blocks_in_use():
     assert pool.expire(idle_s=50, now=time.monotonic() + 1000).num_entries == 1  # h2; h3 is in use
     assert pool.get(b"h3") is blocks[3] and pool.counters.num_expired == 3
     pool.check()
+
+
+def test_purge_takes_owners_off_and_deletes_blocks_left_with_none():
+    pool = BlockPool(budget_bytes=1000)
+    shared, own = pool.insert(Block(_h(1), (), 100)), pool.insert(Block(_h(2), (), 100))
+    shared.owners, own.owners = {"A", "B"}, {"A"}
+    pool.release(shared), pool.release(own)
+    removed = pool.purge_owned(lambda owner: owner == "A")
+    assert (removed.num_entries, removed.num_bytes) == (1, 100)
+    assert pool.get(_h(1)).owners == {"B"} and pool.get(_h(2)) is None
+    pool.acquire(pool.get(_h(1)), "C")  # a third session reuses the shared block: it owns it too
+    assert pool.get(_h(1)).owners == {"B", "C"}
+    pool.check()

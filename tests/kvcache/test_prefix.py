@@ -137,3 +137,61 @@ def test_promotion_that_cannot_reserve_ram_recomputes_and_counts(tmp_path):
     assert again.match(20).num_ssd_tokens == 16  # with the slot free, the first block is promoted
     again.close()
     ssd.close()
+
+
+def _owned_store(cache, tokens, owner):
+    with cache.open(SALT_A, "model", tokens, owner=owner) as session:
+        session.match(len(tokens))
+        session.store(tokens, _kv_for(tokens), len(tokens))
+
+
+def _cached(cache, tokens) -> int:
+    with cache.open(SALT_A, "model", tokens) as session:
+        return session.match(len(tokens)).num_cached_tokens
+
+
+def test_purging_a_session_keeps_the_blocks_another_session_shares(cache):
+    system = list(range(1000, 1048))  # three whole blocks, stored by both sessions
+    _owned_store(cache, system + list(range(64)), "A")
+    _owned_store(cache, system + list(range(500, 564)), "B")
+    removed = cache.purge_owned(lambda owner: owner == "A")
+    assert removed.num_entries == 4  # A's own blocks; the three shared ones stay for B
+    assert _cached(cache, system + list(range(64))) == 48  # the shared system prompt still hits
+    assert _cached(cache, system + list(range(500, 564))) == 48 + 63
+    miss = cache.open(SALT_A, "model", system + list(range(64)))
+    assert miss.match(112).miss_reason == "purged"
+    miss.close()
+    assert cache.purge_owned(lambda owner: owner == "B").num_entries == 3 + 4
+    assert not cache.pool.by_hash
+    cache.pool.check()
+
+
+def test_a_block_in_use_outlives_its_purge_until_released(cache):
+    tokens = list(range(64))
+    _owned_store(cache, tokens, "A")
+    running = cache.open(SALT_A, "model", tokens, owner="A")  # a request of A's is on the model
+    assert running.match(64).num_cached_tokens == 63
+    assert cache.purge_owned(lambda owner: owner == "A").num_entries == 4
+    assert len(running.gather(63)) == LAYERS  # its KV is still there for it
+    cache.pool.check()
+    running.close()  # released: now they go
+    assert not cache.pool.by_hash and cache.pool.counters.num_purged == 4
+    cache.pool.check()
+
+
+def test_diverged_names_the_first_differing_token_and_images(cache):
+    tokens = list(range(40))
+    _store(cache, SALT_A, tokens)
+    changed = tokens[:21] + [999] + tokens[22:]
+    with cache.open(SALT_A, "model", changed) as session:
+        match = session.match(len(changed))
+    assert (match.miss_reason, match.miss_at_token, match.miss_in_image) == ("diverged", 21, False)
+    from kvcache import ExtraSpan
+
+    _store_spans = [ExtraSpan(18, 22, b"image-1")]
+    with cache.open(SALT_A, "model", tokens, _store_spans) as session:
+        session.match(len(tokens))
+        session.store(tokens, _kv_for(tokens), len(tokens))
+    with cache.open(SALT_A, "model", tokens, [ExtraSpan(18, 22, b"image-2")]) as session:
+        match = session.match(len(tokens))
+    assert (match.miss_reason, match.miss_at_token, match.miss_in_image) == ("diverged", 18, True)  # the image

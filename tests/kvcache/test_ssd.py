@@ -194,3 +194,71 @@ def test_reconcile_verifies_checksums_of_files_the_index_lacks(tmp_path):
     assert sorted(again.index.blocks) == [(1).to_bytes(32, "big").hex()]
     assert not damaged.exists()
     again.close()
+
+
+def _owned(i: int, *owners: str) -> SpillRequest:
+    import dataclasses
+
+    return dataclasses.replace(_request(i), owners=owners)
+
+
+def _hex(i: int) -> str:
+    return i.to_bytes(32, "big").hex()
+
+
+def _spill_together(tier: SsdTier, *requests: SpillRequest) -> None:
+    tier._write_segment(list(requests))  # one segment file holding every block, as a burst of evictions does
+
+
+def test_purge_cuts_blocks_out_of_their_file_and_a_restart_does_not_bring_them_back(tmp_path):
+    tier = _tier(tmp_path)
+    _spill_together(tier, _owned(1, "A"), _owned(2, "A", "B"), _owned(3, "B"))
+    old_file = _file(tier, 1)
+    removed = tier.purge_owned(lambda owner: owner == "A")
+    assert (removed.num_entries, removed.num_files) == (1, 1) and removed.num_bytes == 2 * (2 * 4 * 8 * 4)  # keys and values, (1, 2, 4, 8) float32
+    assert not old_file.exists() and not tier.contains(_hex(1))
+    assert _read(tier, 2) is not None and _read(tier, 3) is not None  # rewritten into a new file
+    assert tier.owners_of(_hex(2)) == {"B"} and tier.ghost(_hex(1)).how == "purged"
+    assert not any(f"{_hex(1)}/".encode() in path.read_bytes() for path in tier.folder.glob("*/*.safetensors"))
+    tier.close()
+    again = _tier(tmp_path)
+    assert not again.contains(_hex(1)) and again.contains(_hex(2)) and again.owners_of(_hex(3)) == {"B"}
+    (again.folder / "index.sqlite").unlink()
+    again.close()
+    rebuilt = _tier(tmp_path)  # no index: rebuilt from the files, owners from their metadata
+    assert not rebuilt.contains(_hex(1)) and rebuilt.owners_of(_hex(2)) == {"B"}
+    assert rebuilt.purge_owned(lambda owner: owner == "B").num_entries == 2
+    assert not list(rebuilt.folder.glob("*/*.safetensors"))
+    rebuilt.close()
+
+
+def test_a_crash_between_doom_and_unlink_still_deletes_the_purged_file(tmp_path, monkeypatch):
+    tier = _tier(tmp_path)
+    _spill_together(tier, _owned(1, "A"), _owned(2, "B"))
+    old_file = _file(tier, 1)
+    monkeypatch.setattr(tier, "_rewrite_without", lambda name, dropped: tier.index.doom(name))  # dies after dooming
+    tier.purge_owned(lambda owner: owner == "A")
+    assert old_file.exists()
+    tier.close()
+    again = _tier(tmp_path)
+    assert not old_file.exists() and not again.contains(_hex(1))  # reconcile deleted it, never reindexed it
+    assert again.index.doomed() == []
+    again.close()
+
+
+def test_spilling_a_block_already_on_ssd_adds_its_new_owners(tmp_path):
+    tier = _tier(tmp_path)
+    _spill_together(tier, _owned(1, "A"))
+    assert tier.offer(_owned(1, "B"))
+    assert tier.owners_of(_hex(1)) == {"A", "B"}
+    assert tier.purge_owned(lambda owner: owner == "A").num_entries == 0 and tier.contains(_hex(1))
+    tier.close()
+
+
+def test_capacity_evictions_are_remembered_for_miss_reasons(tmp_path):
+    tier = _tier(tmp_path)
+    _spill(tier, 1)
+    tier._enforce_capacity(now=time.time() + 8 * 24 * 3600)
+    ghost = tier.ghost(_hex(1))
+    assert ghost.how == "expired" and ghost.lived_s >= 0
+    tier.close()
