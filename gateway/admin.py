@@ -7,11 +7,13 @@
     DELETE /admin/exact/{key}                               one stored answer (X-Strata-Exact-Key)
     POST   /admin/purge {tenant, session?, user?, layers?}  what a tenant, session or end user stored
     POST   /admin/sessions/{id}/end?tenant=T                the same for one session, in every layer
+    GET    /admin/diagnosis?window_s=900                    why the caches missed lately, and what to change
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict
 
 import anyio
@@ -22,6 +24,7 @@ from litestar.params import FromPath, FromQuery
 
 from semantic import Selector
 
+from .diagnosis import diagnose
 from .errors import ApiError, bad_request
 from .schemas import parse_json_body
 
@@ -167,5 +170,18 @@ def _engine_removed(layer: str, result) -> dict | None:
     return shown | {"files": result.num_files} if layer == "ssd" else shown
 
 
+DIAGNOSIS_WINDOW_S = 900.0
+
+
+@get("/admin/diagnosis", guards=[require_admin])
+async def diagnosis(request: Request, window_s: FromQuery[float] = DIAGNOSIS_WINDOW_S) -> dict:
+    """The last window_s seconds of requests: hit rates, missed prefix tokens by cause, the bottleneck."""
+    if not 0 < window_s <= 7 * 24 * 3600:
+        raise bad_request("window_s must be between 0 and 604800 seconds", "invalid_value", "window_s")
+    services = request.app.state.services
+    records = list(services.counters.recent)
+    return diagnose(records, window_s, time.time(), "ssd" in services.engine.cache_stats())
+
+
 ADMIN_CACHE_ROUTES = [list_entries, approve_entry, reject_entry, delete_entry, purge_exact, delete_exact_entry, purge,
-                      end_session]
+                      end_session, diagnosis]

@@ -32,7 +32,7 @@ from .images import load_image
 from .openai_format import Completion
 from .schemas import ChatRequest, ImagePart
 from .settings import Settings
-from .trace import BYPASS, HIT, MISS, LayerOutcome, Trace
+from .trace import BYPASS, HIT, MISS, LayerOutcome, PrefixFacts, Trace
 
 
 @dataclass(slots=True)
@@ -151,11 +151,23 @@ class ChatService:
         trace.time("queue", first.queue_ms)
         trace.time("vision", first.vision_ms)
         trace.time("prefill", first.prefill_ms)
-        trace.record("prefix", prefix_outcome(first.prefix))
+        facts = await self._prefix_facts(prompt, first.prefix)
+        trace.prefix = facts
+        trace.record("prefix", prefix_outcome(first.prefix, facts.where if facts else ""))
         trace.record("vision", vision_outcome(first.vision))
         completion = Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), first.num_prompt_tokens,
                                 first.num_cached_tokens, logprobs=[] if sampling.top_logprobs is not None else None)
         return Run(events, completion, deadline)
+
+    async def _prefix_facts(self, prompt: PreparedPrompt, report: PrefixReport) -> PrefixFacts | None:
+        if report.status == BYPASS:
+            return None
+        where = ""
+        if report.miss_reason == "diverged":
+            where = "image" if report.miss_in_image else message_place(
+                prompt.messages, await anyio.to_thread.run_sync(self.engine.message_at, prompt, report.miss_at_token))
+        return PrefixFacts(report.num_prompt_tokens, report.num_cached_tokens, report.miss_reason, report.miss_tier,
+                           report.miss_lived_s, where)
 
     async def _next(self, events: AsyncIterator, deadline: float | None):
         """The next event, or StopAsyncIteration; ApiError(504) once the deadline has passed."""
@@ -218,7 +230,8 @@ def _context_error(limit: int, prompt_tokens: str, max_tokens: int) -> ApiError:
                        f"max_tokens asks for {max_tokens} more", "context_length_exceeded", "messages")
 
 
-def prefix_outcome(report: PrefixReport) -> LayerOutcome:
+def prefix_outcome(report: PrefixReport, where: str = "") -> LayerOutcome:
+    """`where`: for a divergence, which part of the conversation differs (message_place)."""
     if report.status == BYPASS:
         return LayerOutcome.of(BYPASS, reason=report.reason)
     details = {"cached": report.num_cached_tokens, "prompt": report.num_prompt_tokens}
@@ -228,7 +241,23 @@ def prefix_outcome(report: PrefixReport) -> LayerOutcome:
         details.update(ram=report.num_cached_tokens - report.num_ssd_tokens, ssd=report.num_ssd_tokens)
     if report.miss_reason:
         details.update(why=report.miss_reason, at=report.miss_at_token)
+    if report.miss_tier:
+        details.update({"from": report.miss_tier, "lived_s": round(report.miss_lived_s)})
+    if where:
+        details["in"] = where
     return LayerOutcome.of(report.status, **details)
+
+
+def message_place(messages, index: int | None) -> str:
+    """Which part of a conversation message `index` is: system (a system or developer message),
+    latest (the last user message, what follows it, or the generation prompt), or earlier_turn.
+    "" when unknown (None)."""
+    if index is None:
+        return ""
+    if index < len(messages) and messages[index].role in ("system", "developer"):
+        return "system"
+    last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=len(messages))
+    return "latest" if index >= last_user else "earlier_turn"
 
 
 def vision_outcome(report: VisionReport) -> LayerOutcome:

@@ -182,6 +182,7 @@ SETTINGS = (
     Setting("kv_ram_retention_s", "STRATA_KV_RAM_RETENTION_S", float, "prefix KV blocks in RAM unused this long are dropped (0: never)"),
     Setting("vision_retention_s", "STRATA_VISION_RETENTION_S", float, "cached image features unused this long are dropped (0: never)"),
     Setting("ssd_capacity_bytes", "STRATA_SSD_CAPACITY_BYTES", int, "byte cap of the KV SSD tier (0: no SSD tier)"),
+    Setting("ssd_retention_s", "STRATA_SSD_RETENTION_S", float, "KV files on SSD unused this long are deleted"),
     Setting("ssd_min_hits", "STRATA_SSD_MIN_HITS", int, "spill only blocks reused at least this often in RAM"),
     Setting("ssd_min_prefix_tokens", "STRATA_SSD_MIN_PREFIX_TOKENS", int, "spill only blocks at least this deep in a prefix"),
     Setting("ssd_daily_write_bytes", "STRATA_SSD_DAILY_WRITE_BYTES", int, "the SSD tier's write budget per day"),

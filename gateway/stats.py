@@ -1,9 +1,12 @@
-"""Per-layer counters for operators: how often each layer hit, missed or was bypassed."""
+"""Per-layer counters for operators: how often each layer hit, missed or was bypassed; and the
+recent requests the miss diagnosis reads (gateway/diagnosis.py)."""
 
 from __future__ import annotations
 
-from collections import Counter
+import time
+from collections import Counter, deque
 
+from .diagnosis import RECENT_REQUESTS, RequestRecord
 from .trace import LAYERS, Trace
 
 
@@ -11,11 +14,14 @@ class LayerCounters:
     def __init__(self) -> None:
         self.outcomes: Counter[tuple[str, str]] = Counter()
         self.served_by: Counter[str] = Counter()
+        self.recent: deque[RequestRecord] = deque(maxlen=RECENT_REQUESTS)  # oldest first
 
     def add(self, trace: Trace) -> None:
         self.served_by[trace.served_by] += 1
         for layer in LAYERS:
             self.outcomes[(layer, trace.outcomes[layer].status)] += 1
+        self.recent.append(RequestRecord(time.time(), tuple(trace.outcomes[layer].status for layer in LAYERS),
+                                         trace.prefix))
 
     def snapshot(self) -> dict:
         layers = {}

@@ -34,11 +34,24 @@ class LayerOutcome:
 DISABLED = LayerOutcome.of(BYPASS, reason="disabled")
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixFacts:
+    """The prefix lookup in numbers, for the miss diagnosis (the header says the same in words)."""
+
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    why: str = ""  # cold | diverged | evicted | expired | purged ("" when nothing reusable was missed)
+    tier: str = ""  # evicted / expired / purged: from ram or ssd
+    lived_s: float = 0.0  # ... after this long there
+    where: str = ""  # diverged: system | earlier_turn | latest | image ("" when unknown)
+
+
 @dataclass(slots=True)
 class Trace:
     outcomes: dict[str, LayerOutcome] = field(default_factory=lambda: {name: DISABLED for name in LAYERS})
     served_by: str = "engine"  # exact | semantic | engine
     timings_ms: dict[str, float] = field(default_factory=dict)
+    prefix: PrefixFacts | None = None  # set when the prefix cache was looked up
 
     def record(self, layer: str, outcome: LayerOutcome) -> None:
         assert layer in LAYERS, f"unknown layer {layer!r}"

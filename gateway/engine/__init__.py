@@ -81,6 +81,7 @@ class Engine:
         )
         self.worker = EngineWorker(self.runner, config.max_queue, config.prefill_chunk_tokens, config.max_num_seqs)
         self.prepare = self.runner.prompts.build
+        self.message_at = self.runner.prompts.message_at  # any thread (tokenizer and template only)
         self.tools = self.runner.prompts.tool_format
         self.poolable = self.runner.poolable  # /v1/embeddings may use this model (its family pools)
         self.submit = self.worker.submit

@@ -59,6 +59,8 @@ ZERO_WIDTH_SPACE = "\u200b"
 class PreparedPrompt:
     token_ids: tuple[int, ...]
     images: tuple[PromptImage, ...]
+    messages: tuple[Message, ...] = ()  # what it was built from (to say which message a token is in)
+    tools: tuple[Tool, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -96,7 +98,36 @@ class PromptBuilder:
         marked = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **extra)
         ids = self.tokenizer.encode(self._neutralise(marked), add_special_tokens=False)
         processed = [self.process_image(image) for image in images]
-        return self._expand_image_tokens(ids, processed)
+        return replace(self._expand_image_tokens(ids, processed), messages=messages, tools=tools)
+
+    def message_at(self, prompt: PreparedPrompt, token: int) -> int | None:
+        """The index of the message that holds the prompt's `token` (len(messages): the generation
+        prompt after them); None when the template cannot render part of the conversation alone.
+        Renders about log2(messages) prefixes of it: meant for the rare question, not every request."""
+        try:
+            low, high = 1, len(prompt.messages)
+            while low < high:  # the fewest leading messages whose tokens reach past `token`
+                middle = (low + high) // 2
+                if self._num_tokens_through(prompt, middle) > token:
+                    high = middle
+                else:
+                    low = middle + 1
+            if not prompt.messages or self._num_tokens_through(prompt, low) <= token:
+                return len(prompt.messages)
+            return low - 1
+        except Exception:  # noqa: BLE001 - a template that refuses a partial conversation (role order checks)
+            return None
+
+    def _num_tokens_through(self, prompt: PreparedPrompt, count: int) -> int:
+        """Tokens of the first `count` messages rendered alone, images expanded as in the prompt."""
+        messages = prompt.messages[:count]
+        rendered, specs = self.tool_format.template_messages([self._template_message(m) for m in messages],
+                                                             tuple(_marked_tool(tool) for tool in prompt.tools))
+        extra = {"tools": specs} if specs else {}
+        marked = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=False, **extra)
+        num_images = sum(isinstance(part, ImagePart) for m in messages for part in m.parts)
+        expansion = sum(image.num_tokens - 1 for image in prompt.images[:num_images])
+        return len(self.tokenizer.encode(self._neutralise(marked), add_special_tokens=False)) + expansion
 
     def _template_message(self, message: Message) -> dict:
         role = "system" if message.role == "developer" else message.role
