@@ -27,6 +27,7 @@ from semantic import Selector
 from .diagnosis import diagnose
 from .errors import ApiError, bad_request
 from .schemas import parse_json_body
+from .sessions import SessionClock
 
 log = logging.getLogger("strata")
 ADMIN_PAGE_SIZE = 1000  # the most entries one list call returns
@@ -122,6 +123,14 @@ async def end_session(request: Request, session: FromPath[str], tenant: FromQuer
     """End a session: what it stored goes from every layer (shared entries stay for their other owners)."""
     selector = _selector({"tenant": tenant, "session": session})
     return await anyio.to_thread.run_sync(purge_layers, request.app.state.services, selector, list(PURGEABLE))
+
+
+def end_idle_sessions(services, clock: SessionClock, now: float) -> int:
+    """The sweep's part: end every session idle past the TTL, in every layer. How many ended."""
+    idle = clock.idle(now)
+    for tenant, session in idle:
+        purge_layers(services, Selector(tenant, session), list(PURGEABLE))
+    return len(idle)
 
 
 def _selector(body: dict) -> Selector:

@@ -32,7 +32,7 @@ from kvcache.ssd import AdmissionPolicy, SsdConfig
 from semantic import Embedder
 
 from . import openai_format, responses_api
-from .admin import ADMIN_CACHE_ROUTES, require_admin
+from .admin import ADMIN_CACHE_ROUTES, end_idle_sessions, require_admin
 from .auth import Authenticator, load_server_secret
 from .blas import blas_in_use
 from .chat import ChatService
@@ -46,6 +46,7 @@ from .pipeline import Pipeline, off_loop
 from .responses import ResponseCaches
 from .schemas import parse_chat_request, parse_json_body
 from .settings import Settings
+from .sessions import SessionClock
 from .stats import LayerCounters
 from .sweeper import Sweeper
 
@@ -290,13 +291,15 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
         counters = LayerCounters()
         auth = Authenticator(settings.api_keys, settings.admin_key, load_server_secret(settings.data_dir))
         responses = await anyio.to_thread.run_sync(ResponseCaches, settings, live.info.fingerprint, embedder)
-        pipeline = Pipeline(ChatService(settings, live), responses, counters)
+        sessions = SessionClock(settings.session_ttl_s)
+        pipeline = Pipeline(ChatService(settings, live), responses, counters, sessions)
         stamp = ModelStamp(live.info.name, live.info.fingerprint)
         shared = responses.semantic.embedder if responses.semantic is not None else embedder
         conversations = ConversationStore(private_file(settings.data_dir / "conversations.db"), settings.conversation_ttl_s)
         embeddings = Embeddings(shared, live, settings)
         app.state.services = Services(settings, live, auth, pipeline, counters, responses, stamp, embeddings, conversations)
-        sweeper = Sweeper({**responses.expiring(), "conversations": conversations.purge_expired}, settings.sweep_interval_s)
+        sweeper = Sweeper({**responses.expiring(), "conversations": conversations.purge_expired,
+                           "sessions": partial(end_idle_sessions, app.state.services, sessions)}, settings.sweep_interval_s)
         app.state.sweeper = sweeper
         _log_startup(settings, live)
         try:

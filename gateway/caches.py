@@ -5,7 +5,9 @@ RAM, and the SSD tier. The libraries conform structurally (they never import thi
     layer.stats()     a frozen, typed snapshot (ExactSnapshot, SemanticSnapshot, VisionSnapshot,
                       PrefixSnapshot, SsdSnapshot): everything operators read comes from these
     layer.purge()     removes what the layer holds; returns what it removed (num_entries,
-                      num_bytes, num_files). Selectors (tenant, session, key) come with ownership.
+                      num_bytes, num_files). Purges by owner are each layer's own:
+                      `purge_owned(Selector)` for the response stores, `purge_owned(selects)` (a
+                      predicate over owner labels) for vision, prefix and ssd.
     layer.close()     releases files, connections and memory
 
 The engine's layers (vision, prefix) belong to its worker thread: purge and close them there.

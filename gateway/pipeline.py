@@ -14,6 +14,7 @@ Each response layer has one interface (`lookup(ctx, trace) -> StoredResponse | N
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -29,6 +30,7 @@ from .engine import Finished, Sampling
 from .openai_format import Completion
 from .responses import RequestContext, ResponseCaches
 from .schemas import ChatRequest
+from .sessions import SessionClock
 from .stats import LayerCounters
 from .trace import BYPASS, LayerOutcome, Trace
 
@@ -94,10 +96,11 @@ def _choice(sampling: Sampling, index: int) -> Sampling:
 
 
 class Pipeline:
-    def __init__(self, chat: ChatService, responses: ResponseCaches, counters: LayerCounters):
+    def __init__(self, chat: ChatService, responses: ResponseCaches, counters: LayerCounters, sessions: SessionClock):
         self.chat = chat
         self.responses = responses
         self.counters = counters
+        self.sessions = sessions
 
     async def start(self, request: ChatRequest, caller: Caller, headers, body_size: int) -> Turn:
         deadline = anyio.current_time() + self.chat.settings.request_timeout_s
@@ -106,6 +109,7 @@ class Pipeline:
         with trace.timed("prepare"):
             images = await self.chat.load_images(request)
             ctx = await off_loop(body_size, partial(self.responses.context, request, caller, headers, images))
+        self.sessions.touch(caller.tenant, ctx.owner.session, time.time())
         cached = await self._lookup(ctx, trace)
         if cached is not None:
             return Turn(self, ctx, trace, [self.chat.replay(cached, trace)], cached=True)

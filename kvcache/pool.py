@@ -5,8 +5,8 @@ Invariants (checked by `check()` in tests):
 - blocks in use (ref_count > 0) are never evicted;
 - `num_bytes` == sum of the blocks' nbytes; `free.num_bytes` == sum over the free queue's blocks;
 - `num_bytes + reserved_bytes <= budget_bytes`;
-- every block has an owner, except a block in use that a purge took its last owner from
-  (`purged`): it leaves the pool when its last holder releases it, never through the free queue.
+- a block is `purged` iff a purge took its last owner while it was in use: it leaves the pool
+  when its last holder releases it, never through the free queue (a new owner clears the mark).
 
 Owners are opaque labels (the gateway's "tenant, session, end user"): a block shared by several
 sessions is owned by each of them, and a purge removes the selected owners' references, deleting a

@@ -64,8 +64,8 @@ class PrefixMatch:
     num_ram_tokens: int  # of the matched tokens, found in RAM ...
     num_ssd_tokens: int  # ... and promoted from the SSD tier
     # Why the chain stopped before the prompt's last full block ("" when it did not): "cold" (never
-    # cached), "evicted" / "expired" / "purged" (cached, then removed so), "diverged" (a prefix was
-    # shared, and its last block has other children: the prompt differs from what was cached here).
+    # cached), "evicted" / "expired" / "purged" (cached, then removed so), "diverged" (the block
+    # before, or the tenant's chain root, has other cached children: the prompt differs from them).
     miss_reason: str = ""
     # Where: the first missing block's start; for "diverged", the first token that differs from the
     # closest cached sibling (in_image: the tokens agree, an image's pixels differ).

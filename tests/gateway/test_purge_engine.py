@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import pytest
 from litestar.testing import TestClient
@@ -151,3 +152,20 @@ def test_purge_while_the_sessions_request_is_running_is_safe(tiny_model_path, tm
 
 def _cached(header: str) -> int:
     return int(header.split("cached=")[1].split(";")[0])
+
+
+def test_a_session_idle_past_its_ttl_ends_by_itself(engine, settings):
+    live = dataclasses.replace(settings, exact_store="sqlite", admin_key="admin-key", session_ttl_s=0.5,
+                               sweep_interval_s=0.2)
+    with TestClient(create_app(live, engine=engine)) as client:
+        question = "Is the reading room open on Sundays, and may visitors bring their own charts and notebooks? " * 3
+        first = _ask(client, "idle-1", "ida", question).headers  # long enough for blocks of its own
+        kept = _ask(client, "", "kim", "Who donated the lighthouse lens?").headers  # no session: never ends
+        assert first["x-cache-exact"].startswith("miss") and kept["x-cache-exact"].startswith("miss")
+        deadline = time.monotonic() + 10
+        while client.app.state.sweeper.snapshot()["removed"].get("sessions", 0) < 1:
+            assert time.monotonic() < deadline, "the idle session was never ended"
+            time.sleep(0.1)
+        again = _ask(client, "idle-1", "ida", question).headers
+        assert again["x-cache-exact"].startswith("miss") and "why=purged" in again["x-cache-prefix"]
+        assert _ask(client, "", "kim", "Who donated the lighthouse lens?").headers["x-cache-exact"].startswith("hit")
