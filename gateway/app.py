@@ -5,7 +5,9 @@
     GET|DELETE /v1/responses/ID a stored response (the caller's tenant's only)
     POST /v1/embeddings         MiniLM sentence embeddings
     GET  /v1/models             the served model
-    GET  /healthz               liveness; details (model, BLAS, queue) only with the admin key
+    GET  /health, /healthz      liveness: 503 with the reason when the engine worker died or is stuck;
+                                details (model, BLAS, queue) only with the admin key
+    GET  /health/ready          readiness: 503 until the warm-up ended well
     GET  /admin/stats           per-layer counters (admin key)
     GET  /schema                OpenAPI (Litestar)
 """
@@ -243,15 +245,31 @@ async def list_models(request: Request) -> dict:
     return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "strata"} for name in models]}
 
 
-@get("/healthz")
-async def healthz(request: Request) -> dict:
-    """Anyone may ask whether the server lives; the model fingerprint and queue state are for admins."""
+@get(["/health", "/healthz"])
+async def health(request: Request) -> Response:
+    """Liveness: 200 while the engine worker runs and steps when work waits, else 503 with the reason.
+    Anyone may ask; the model fingerprint and queue state are for admins."""
     services = _services(request)
-    if not services.auth.is_admin(request.headers.get("authorization")):
-        return {"status": "ok"}
+    state = services.engine.health(services.settings.stuck_after_s)
+    body = {"status": "ok"} if state.alive else {"status": "unavailable", "reason": state.reason}
+    if services.auth.is_admin(request.headers.get("authorization")):
+        body |= _health_details(services)
+    return Response(body, status_code=200 if state.alive else 503)
+
+
+@get("/health/ready")
+async def ready(request: Request) -> Response:
+    """Readiness: 503 until the engine's warm-up has ended well (and whenever it is not alive)."""
+    services = _services(request)
+    state = services.engine.health(services.settings.stuck_after_s)
+    if state.ready:
+        return Response({"status": "ready"}, status_code=200)
+    return Response({"status": "not_ready", "reason": state.reason}, status_code=503)
+
+
+def _health_details(services: Services) -> dict:
     engine = services.engine.snapshot()
     return {
-        "status": "ok",
         "model": services.engine.info.name,
         "model_fingerprint": services.engine.info.fingerprint,
         "blas": blas_in_use(),
@@ -277,6 +295,16 @@ async def admin_stats(request: Request) -> dict:
             "response_store_errors": store_errors, "sweeps": request.app.state.sweeper.snapshot()}
 
 
+async def _report_warm_up(engine: Engine) -> None:
+    """Log the end of the warm-up; a failed one leaves the server up, answering 503 with the reason on
+    /health and /health/ready (and to requests), so a probe sees why."""
+    try:
+        await anyio.to_thread.run_sync(engine.worker.wait_warm)
+        log.info("engine warm-up done: ready")
+    except RuntimeError as exc:
+        log.critical("%s", exc)
+
+
 def create_app(settings: Settings, engine: Engine | None = None, embedder: Embedder | None = None) -> Litestar:
     """The app for `settings`. Pass a started `engine` (and an `embedder`) to share them across apps
     (tests); otherwise the lifespan loads the model and MiniLM, starts the worker, and stops it."""
@@ -287,7 +315,7 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
         private_dir(settings.data_dir)
         live = engine or await anyio.to_thread.run_sync(_load_engine, settings)
         if owned:
-            await anyio.to_thread.run_sync(live.start)  # waits for warm-up: a model that cannot run stops start-up
+            live.launch()  # serving starts now: requests queue until warm-up ends; /health/ready says when
         counters = LayerCounters()
         auth = Authenticator(settings.api_keys, settings.admin_key, load_server_secret(settings.data_dir))
         responses = await anyio.to_thread.run_sync(ResponseCaches, settings, live.info.fingerprint, embedder)
@@ -305,6 +333,8 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
         try:
             async with anyio.create_task_group() as background:
                 background.start_soon(sweeper.run)
+                if owned:
+                    background.start_soon(_report_warm_up, live)
                 yield
                 background.cancel_scope.cancel()
         finally:
@@ -315,7 +345,8 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
                 log.info("engine stopped")
 
     return Litestar(
-        route_handlers=[chat_completions, create_response, get_response, delete_response, create_embeddings, list_models, healthz, admin_stats, *ADMIN_CACHE_ROUTES],
+        route_handlers=[chat_completions, create_response, get_response, delete_response, create_embeddings, list_models,
+                        health, ready, admin_stats, *ADMIN_CACHE_ROUTES],
         lifespan=[lifespan],
         exception_handlers=EXCEPTION_HANDLERS,
         request_max_body_size=settings.limits.max_body_bytes,

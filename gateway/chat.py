@@ -24,8 +24,8 @@ from semantic import Owner, StoredResponse, owner_label
 from vision import DecodedImage
 
 from .auth import Caller
-from .engine import (Delta, Engine, Failed, Finished, GrammarError, OverBudget, PreparedPrompt, PromptError, QueueFull,
-                     Sampling, Started, TokenLogprob, json_schema_grammar)
+from .engine import (Delta, Engine, EngineStopped, Failed, Finished, GrammarError, OverBudget, PreparedPrompt,
+                     PromptError, QueueFull, Sampling, Started, TokenLogprob, json_schema_grammar)
 from .engine.caching import PrefixReport, VisionReport
 from .errors import ApiError, bad_request
 from .images import load_image
@@ -131,6 +131,8 @@ class ChatService:
         The engine's caches record `owner` (with the tenant) on what the job stores or reuses."""
         try:
             job = self.engine.submit(prompt, sampling, caller.salt, owner_label(caller.tenant, owner))
+        except EngineStopped as stopped:
+            raise ApiError(503, f"the engine cannot take requests: {stopped}", "engine_unavailable") from None
         except QueueFull as full:
             message = ("this tenant holds its share of the engine queue; retry shortly" if full.reason == "tenant_share"
                        else "the engine queue is full; retry shortly")

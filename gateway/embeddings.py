@@ -23,7 +23,7 @@ import numpy as np
 from semantic import Embedder, MiniLMEmbedder
 
 from .chat import deadline_error
-from .engine import Embedded, Engine, QueueFull
+from .engine import Embedded, Engine, EngineStopped, QueueFull
 from .errors import ApiError, bad_request
 from .settings import Limits, Settings
 
@@ -104,6 +104,8 @@ class Embeddings:
         except QueueFull:
             raise ApiError(429, "the engine's embedding queue is full; retry shortly", "queue_full",
                            headers={"Retry-After": "1"}) from None
+        except EngineStopped as stopped:
+            raise ApiError(503, f"the engine cannot take requests: {stopped}", "engine_unavailable") from None
         events = self.engine.events(job)
         try:
             with anyio.fail_after(self.settings.request_timeout_s):

@@ -60,6 +60,7 @@ class Settings:
     port: int = 8000
     model_name: str | None = None  # the id clients send; defaults to the folder name
     conversation_ttl_s: float = 30 * 86400  # stored Responses-API conversations (previous_response_id) live this long
+    stuck_after_s: float = 60.0  # /health is 503 once no engine step ended for this long while work waits
     session_ttl_s: float = 0.0  # a session idle this long ends (purged from every layer); 0: only when ended
     sweep_interval_s: float = 60.0  # how often expired exact, semantic and conversation entries are deleted
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant
@@ -170,6 +171,7 @@ SETTINGS = (
     Setting("api_keys", "STRATA_API_KEYS", parse_api_keys, "key1:tenantA,key2:tenantB; unset: single-tenant", secret=True),
     Setting("admin_key", "STRATA_ADMIN_KEY", str, "guards /admin/*; unset: admin routes answer 403", secret=True),
     Setting("conversation_ttl_s", "STRATA_CONVERSATION_TTL_S", float, "how long a stored Responses-API conversation can be continued"),
+    Setting("stuck_after_s", "STRATA_STUCK_AFTER_S", float, "/health reports the engine stuck after this long without a step while work waits"),
     Setting("session_ttl_s", "STRATA_SESSION_TTL_S", float, "a session idle this long ends: purged from every layer (0: never)"),
     Setting("sweep_interval_s", "STRATA_SWEEP_INTERVAL_S", float, "how often expired cache entries and conversations are deleted"),
     Setting("max_queue", "STRATA_MAX_QUEUE", int, "requests that may wait for the engine; more answer 429"),

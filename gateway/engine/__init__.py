@@ -29,8 +29,8 @@ from .constraint import GrammarError, json_schema_grammar
 from .runner import ModelRunner, Sampler, TokenLogprob
 from .tools import ParsedCall, ToolFormat
 from .types import ImagePart, Message, Sampling, TextPart, Tool, ToolCall
-from .worker import (Delta, EmbedJob, Embedded, EngineWorker, Failed, Finished, Job, OverBudget, QueueFull, Started,
-                     WorkerSnapshot)
+from .worker import (Delta, EmbedJob, Embedded, EngineStopped, EngineWorker, Failed, Finished, Health, Job, OverBudget,
+                     QueueFull, Started, WorkerSnapshot)
 
 log = logging.getLogger("strata.engine")
 
@@ -38,7 +38,7 @@ BUILDABLE_FAMILIES = tuple(sorted(RECIPES))  # what `strata build-model --family
 
 __all__ = [
     "BUILDABLE_FAMILIES", "CacheConfig", "UnsupportedModel", "VISION_FAMILIES", "Delta", "EmbedJob", "Embedded", "Engine",
-    "EngineConfig", "Failed",
+    "EngineConfig", "EngineStopped", "Failed", "Health",
     "Finished", "GrammarError", "ImagePart", "Job", "Message", "ModelRunner", "OverBudget", "ParsedCall", "PreparedPrompt",
     "PromptError", "QueueFull", "Sampler", "Sampling", "Started", "TextPart", "TokenLogprob", "Tool", "ToolCall", "ToolFormat",
     "json_schema_grammar", "model_fingerprint", "resolve_model_path",
@@ -103,6 +103,13 @@ class Engine:
 
     def start(self) -> None:
         self.worker.start()
+
+    def launch(self) -> None:
+        """Start the worker without waiting for its warm-up (requests queue; health() says when ready)."""
+        self.worker.launch()
+
+    def health(self, stuck_after_s: float) -> Health:
+        return self.worker.health(stuck_after_s)
 
     def snapshot(self) -> WorkerSnapshot:
         """The worker's counters, queue depth and whether a job is on the model (any thread)."""

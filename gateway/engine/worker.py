@@ -157,6 +157,20 @@ class StepShape:
 
 
 @dataclass(frozen=True, slots=True)
+class Health:
+    """Whether the worker serves: `alive` (its loop runs and steps while work is pending) and `ready`
+    (warm-up ended well, and alive); `reason` says what is wrong when either is false."""
+
+    alive: bool
+    ready: bool
+    reason: str = ""
+
+
+class EngineStopped(Exception):
+    """The worker's loop has ended (stopped, warm-up failed, or broken): nothing queued will run."""
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerSnapshot:
     counters: EngineStats
     queue_depth: int
@@ -221,11 +235,20 @@ class EngineWorker:
         self.ended = threading.Event()  # the loop has ended (the thread itself parks: see _run)
         self.warmed_up = threading.Event()  # set once warm-up ended, well or not (warm_up_error says)
         self.warm_up_error: BaseException | None = None
+        self.loop_error: BaseException | None = None  # what ended the loop, when not stop()
+        self.last_progress = time.monotonic()  # the end of the loop's last pass (health: stuck detection)
 
     def start(self, warm_up_timeout_s: float = 600.0) -> None:
         """Start the thread and wait for its warm-up: a model that cannot run fails here, at start-up,
         with the reason, never on the first request."""
+        self.launch()
+        self.wait_warm(warm_up_timeout_s)
+
+    def launch(self) -> None:
+        """Start the thread without waiting: jobs queue until its warm-up ends (health says when)."""
         self.thread.start()
+
+    def wait_warm(self, warm_up_timeout_s: float = 600.0) -> None:
         if not self.warmed_up.wait(warm_up_timeout_s):
             raise RuntimeError(f"engine warm-up did not finish within {warm_up_timeout_s:.0f} s")
         if self.warm_up_error is not None:
@@ -269,8 +292,26 @@ class EngineWorker:
             _, future = self.calls.popleft()
             future.set_exception(RuntimeError("the engine worker has stopped"))
 
+    def health(self, stuck_after_s: float) -> Health:
+        """Alive unless the loop has ended or, with work pending, no pass of it ended for stuck_after_s."""
+        if self.ended.is_set():
+            error = self.warm_up_error or self.loop_error
+            why = f"warm-up failed: {error!r}" if self.warm_up_error else (
+                f"the engine worker has stopped: {error!r}" if error else "the engine worker has stopped")
+            return Health(False, False, why)
+        pending = self.jobs.qsize() + len(self.running) + bool(self.prefilling) + len(self.embeddings) + len(self.calls)
+        idle_s = time.monotonic() - self.last_progress
+        if pending and idle_s > stuck_after_s and self.warmed_up.is_set():
+            return Health(False, False, f"stuck: no engine step ended for {idle_s:.0f} s with {pending} requests pending")
+        if not self.warmed_up.is_set():
+            return Health(True, False, "warming up")
+        return Health(True, True)
+
     def submit(self, prompt: PreparedPrompt, sampling: Sampling, salt: TenantSalt, owner: str | None = None) -> Job:
-        """Queue a job; QueueFull when there is no place for it, OverBudget when it can never fit."""
+        """Queue a job; QueueFull when there is no place for it, OverBudget when it can never fit,
+        EngineStopped when the worker's loop has ended."""
+        if self.ended.is_set():
+            raise EngineStopped(self.health(0).reason)
         budget = self.runner.caches.running_budget_bytes()
         need = self.kv_bytes(prompt, sampling)
         if budget is not None and need > budget:
@@ -285,6 +326,8 @@ class EngineWorker:
 
     def submit_embedding(self, texts: tuple[tuple[int, ...], ...]) -> EmbedJob:
         """Queue texts to embed; QueueFull when max_queue embedding requests wait already."""
+        if self.ended.is_set():
+            raise EngineStopped(self.health(0).reason)
         if len(self.embeddings) >= self.max_embeddings:
             self.stats.num_rejected_full += 1
             raise QueueFull("queue_full")
@@ -324,9 +367,25 @@ class EngineWorker:
         one exit in four). A parked daemon thread never exits: the process ends around it."""
         try:
             self._loop()
+        except BaseException as exc:  # noqa: BLE001 - a broken loop: health reports it, waiting jobs fail
+            self.loop_error = exc
+            log.exception("the engine worker's loop broke")
         finally:
             self.ended.set()
+            self._fail_what_waits()
             threading.Event().wait()
+
+    def _fail_what_waits(self) -> None:
+        """Once the loop has ended nothing will run: every job still held or queued gets Failed (a job
+        that ended already ignores it), and submit() refuses new ones."""
+        admitting = self.prefilling.job if self.prefilling else None
+        held = [row.job for row in self.running] + [admitting, self.memory_wait]
+        for job in [*held, *self.jobs.drain(), *self.embeddings]:
+            if job is not None:
+                job.cancelled.set()
+                job.send(Failed("the engine has stopped"))
+        self.jobs.close()
+        self._fail_calls()
 
     def _loop(self) -> None:
         try:
@@ -335,6 +394,7 @@ class EngineWorker:
             self.warm_up_error = exc
             return
         finally:
+            self.last_progress = time.monotonic()
             self.warmed_up.set()
         while self._admit():
             self._expire_now_and_then()
@@ -345,6 +405,7 @@ class EngineWorker:
             if self.running:
                 self._step()
             self.last_step = StepShape(len(self.running), prefill_tokens)
+            self.last_progress = time.monotonic()
         # stopped: the rows still running store what they computed and release their blocks
         if self.prefilling:
             self.prefilling.steps.close()
