@@ -27,6 +27,7 @@ from litestar import Litestar, Request, Response, delete, get, post
 from litestar.openapi import OpenAPIConfig
 from litestar.params import FromPath
 from litestar.response import Stream
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kvcache import default_budget_bytes
 from kvcache.quant import QuantConfig
@@ -48,6 +49,9 @@ from .pipeline import Pipeline, off_loop
 from .responses import ResponseCaches
 from .schemas import parse_chat_request, parse_json_body
 from .settings import Settings
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import RequestMetrics, StateCollector
+from .requestlog import RequestStart, ResponseLog
 from .sessions import SessionClock
 from .stats import LayerCounters
 from .sweeper import Sweeper
@@ -68,6 +72,7 @@ class Services:
     stamp: ModelStamp
     embeddings: Embeddings
     conversations: ConversationStore
+    metrics: CollectorRegistry  # GET /metrics renders it
 
 
 def _services(request: Request) -> Services:
@@ -81,6 +86,7 @@ async def chat_completions(request: Request) -> Response:
     raw = await request.body()
     chat_request = await off_loop(len(raw), partial(_parse, raw, services.settings.limits))
     turn = await services.pipeline.start(chat_request, caller, request.headers, len(raw))
+    request.state.turn = turn  # for the request's log line
     if chat_request.stream:
         chunks = openai_format.sse(turn.events(), turn.completions, turn.trace, services.stamp, chat_request.include_usage,
                                    _tools(services, chat_request))
@@ -130,6 +136,7 @@ async def create_response(request: Request) -> Response:
     chat, conversation = responses_api.chat_body(body, history)
     chat_request = await off_loop(len(raw), partial(_parse_renamed, chat, limits))
     turn = await services.pipeline.start(chat_request, caller, request.headers, len(raw))
+    request.state.turn = turn  # for the request's log line
     response_id, tools, owner = responses_api.new_id(), _tools(services, chat_request), turn.ctx.owner
 
     async def finished(message: dict, response: dict) -> None:
@@ -280,6 +287,30 @@ def _health_details(services: Services) -> dict:
     }
 
 
+@get("/metrics", media_type=METRICS_CONTENT_TYPE)
+async def metrics(request: Request) -> Response:
+    """Prometheus text format (gateway/metrics.py): no prompts, sessions or keys in any label."""
+    body = await anyio.to_thread.run_sync(generate_latest, _services(request).metrics)
+    return Response(body, media_type=METRICS_CONTENT_TYPE)
+
+
+def _state_collector(services: Services) -> StateCollector:
+    settings, responses = services.settings, services.responses
+    files = {"exact": settings.data_dir / "responses.db"} if settings.exact_store == "sqlite" else {}
+    if responses.semantic is not None:
+        files["semantic"] = settings.data_dir / "semantic.db"
+
+    def read() -> tuple:
+        engine = services.engine
+        return (engine.snapshot(), engine.health(settings.stuck_after_s), engine.cache_stats(), responses.stats())
+
+    def index_bytes() -> int:
+        semantic = responses.semantic
+        return len(semantic.index) * semantic.embedder.dim * 4 if semantic is not None else 0  # float32 vectors
+
+    return StateCollector(read, files, index_bytes, settings.ssd_daily_write_bytes)
+
+
 @get("/admin/stats", guards=[require_admin])
 async def admin_stats(request: Request) -> dict:
     """Built from snapshots only: the per-layer outcome counters, the engine's, and each cache's stats()."""
@@ -308,6 +339,8 @@ async def _report_warm_up(engine: Engine) -> None:
 def create_app(settings: Settings, engine: Engine | None = None, embedder: Embedder | None = None) -> Litestar:
     """The app for `settings`. Pass a started `engine` (and an `embedder`) to share them across apps
     (tests); otherwise the lifespan loads the model and MiniLM, starts the worker, and stops it."""
+    registry = CollectorRegistry()  # GET /metrics: the request metrics, the state collector, HTTP counts
+    response_log = ResponseLog(registry, settings.log_format == "json")
 
     @asynccontextmanager
     async def lifespan(app: Litestar):
@@ -320,12 +353,15 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
         auth = Authenticator(settings.api_keys, settings.admin_key, load_server_secret(settings.data_dir))
         responses = await anyio.to_thread.run_sync(ResponseCaches, settings, live.info.fingerprint, embedder)
         sessions = SessionClock(settings.session_ttl_s)
-        pipeline = Pipeline(ChatService(settings, live), responses, counters, sessions)
+        pipeline = Pipeline(ChatService(settings, live), responses, counters, sessions,
+                            RequestMetrics(registry, settings.metrics_tenant_label))
         stamp = ModelStamp(live.info.name, live.info.fingerprint)
         shared = responses.semantic.embedder if responses.semantic is not None else embedder
         conversations = ConversationStore(private_file(settings.data_dir / "conversations.db"), settings.conversation_ttl_s)
         embeddings = Embeddings(shared, live, settings)
-        app.state.services = Services(settings, live, auth, pipeline, counters, responses, stamp, embeddings, conversations)
+        app.state.services = Services(settings, live, auth, pipeline, counters, responses, stamp, embeddings, conversations,
+                                      registry)
+        registry.register(_state_collector(app.state.services))
         sweeper = Sweeper({**responses.expiring(), "conversations": conversations.purge_expired,
                            "sessions": partial(end_idle_sessions, app.state.services, sessions)}, settings.sweep_interval_s)
         app.state.sweeper = sweeper
@@ -346,8 +382,10 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
 
     return Litestar(
         route_handlers=[chat_completions, create_response, get_response, delete_response, create_embeddings, list_models,
-                        health, ready, admin_stats, *ADMIN_CACHE_ROUTES],
+                        health, ready, metrics, admin_stats, *ADMIN_CACHE_ROUTES],
         lifespan=[lifespan],
+        middleware=[RequestStart()],
+        before_send=[response_log.before_send],
         exception_handlers=EXCEPTION_HANDLERS,
         request_max_body_size=settings.limits.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Strata", version=VERSION, path="/schema"),

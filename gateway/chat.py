@@ -168,8 +168,8 @@ class ChatService:
         if report.miss_reason == "diverged":
             where = "image" if report.miss_in_image else message_place(
                 prompt.messages, await anyio.to_thread.run_sync(self.engine.message_at, prompt, report.miss_at_token))
-        return PrefixFacts(report.num_prompt_tokens, report.num_cached_tokens, report.miss_reason, report.miss_tier,
-                           report.miss_lived_s, where)
+        return PrefixFacts(report.num_prompt_tokens, report.num_cached_tokens, report.num_ssd_tokens,
+                           report.miss_reason, report.miss_tier, report.miss_lived_s, where)
 
     async def _next(self, events: AsyncIterator, deadline: float | None):
         """The next event, or StopAsyncIteration; ApiError(504) once the deadline has passed."""

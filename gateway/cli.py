@@ -48,19 +48,30 @@ def main(argv: list[str] | None = None) -> int:
     return _serve(args)
 
 
+def _configure_logging(level: str, log_format: str) -> None:
+    if log_format == "json":
+        from .requestlog import JsonFormatter
+
+        handler = logging.StreamHandler()
+        handler.setFormatter(JsonFormatter())
+        logging.basicConfig(level=level.upper(), handlers=[handler])
+    else:
+        logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def _serve(args: argparse.Namespace) -> int:
     from .app import create_app
     from .server import serve
     from .settings import settings_from_env
 
     os.umask(0o077)  # everything the server writes holds tenants' data: owner-only (gateway/files.py)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         flags = {s.field: getattr(args, s.field) for s in SETTINGS if s.flag}
         settings = settings_from_env(args.model, args.data_dir, args.host, args.port, flags=flags)
     except ValueError as exc:
         print(f"strata: {exc}", file=sys.stderr)
         return 2
+    _configure_logging(args.log_level, settings.log_format)
     if Path(settings.model).is_dir():  # a local folder: refuse an unsupported family before anything loads
         from .engine.families import UnsupportedModel, family_of
 

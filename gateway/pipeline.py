@@ -26,10 +26,11 @@ from semantic import Answer, StoredResponse
 
 from .auth import Caller
 from .chat import ChatService, Run
-from .engine import Finished, Sampling
+from .engine import Delta, Finished, Sampling
 from .openai_format import Completion
 from .responses import RequestContext, ResponseCaches
 from .schemas import ChatRequest
+from .metrics import RequestMetrics
 from .sessions import SessionClock
 from .stats import LayerCounters
 from .trace import BYPASS, LayerOutcome, Trace
@@ -68,6 +69,8 @@ class Turn:
         try:
             for index, run in enumerate(self.runs):
                 async for event in self.pipeline.chat.events(run):
+                    if isinstance(event, Delta) and index == 0 and event.text:
+                        self.trace.token(from_engine=not self.cached)
                     if isinstance(event, Finished) and not self.cached and index == 0:
                         self.trace.time("decode", event.decode_ms)
                     yield index, event
@@ -88,6 +91,8 @@ class Turn:
             for layer in self.pipeline.responses.layers:
                 await layer.store(self.ctx, answer)
         self.pipeline.counters.add(self.trace)
+        self.pipeline.metrics.observe(self.trace, self.ctx.tenant, self.completion.prompt_tokens,
+                                      sum(c.completion_tokens for c in self.completions), time.perf_counter())
 
 
 def _choice(sampling: Sampling, index: int) -> Sampling:
@@ -96,11 +101,13 @@ def _choice(sampling: Sampling, index: int) -> Sampling:
 
 
 class Pipeline:
-    def __init__(self, chat: ChatService, responses: ResponseCaches, counters: LayerCounters, sessions: SessionClock):
+    def __init__(self, chat: ChatService, responses: ResponseCaches, counters: LayerCounters, sessions: SessionClock,
+                 metrics: RequestMetrics):
         self.chat = chat
         self.responses = responses
         self.counters = counters
         self.sessions = sessions
+        self.metrics = metrics
 
     async def start(self, request: ChatRequest, caller: Caller, headers, body_size: int) -> Turn:
         deadline = anyio.current_time() + self.chat.settings.request_timeout_s

@@ -65,8 +65,12 @@ def protocol_with_read_timeout(read_timeout_s: float) -> type[ReadDeadlineProtoc
 
 
 def serve(app, settings: Settings, log_level: str) -> None:
+    """With JSON logs, uvicorn's loggers go through the root's JSON handler and its own access lines
+    give way to Strata's (one per request, with the cache layers' outcomes)."""
+    json_logs = settings.log_format == "json"
     uvicorn.run(
         app, host=settings.host, port=settings.port, log_level=log_level,
+        log_config=None if json_logs else uvicorn.config.LOGGING_CONFIG, access_log=not json_logs,
         http=protocol_with_read_timeout(settings.http_read_timeout_s),
         timeout_keep_alive=settings.keep_alive_s,
         limit_concurrency=settings.max_connections,

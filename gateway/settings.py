@@ -20,6 +20,7 @@ from .engine import EngineConfig
 
 
 EXACT_STORES = ("sqlite", "memory", "off")
+LOG_FORMATS = ("text", "json")
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
@@ -61,6 +62,8 @@ class Settings:
     model_name: str | None = None  # the id clients send; defaults to the folder name
     conversation_ttl_s: float = 30 * 86400  # stored Responses-API conversations (previous_response_id) live this long
     stuck_after_s: float = 60.0  # /health is 503 once no engine step ended for this long while work waits
+    log_format: str = "text"  # json: log records as JSON lines, and one line per request (gateway/requestlog.py)
+    metrics_tenant_label: bool = False  # /metrics: a tenant label on per-request series (tenants are operator-set)
     session_ttl_s: float = 0.0  # a session idle this long ends (purged from every layer); 0: only when ended
     sweep_interval_s: float = 60.0  # how often expired exact, semantic and conversation entries are deleted
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant
@@ -144,10 +147,13 @@ def _network(cidr: str | Network) -> Network:
     return ipaddress.ip_network(cidr, strict=False)
 
 
-def _exact_store(text: str) -> str:
-    if text not in EXACT_STORES:
-        raise ValueError(f"must be one of {', '.join(EXACT_STORES)}; got {text!r}")
-    return text
+def _one_of(choices: tuple[str, ...]):
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}; got {text!r}")
+        return text
+
+    return parse
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +178,8 @@ SETTINGS = (
     Setting("admin_key", "STRATA_ADMIN_KEY", str, "guards /admin/*; unset: admin routes answer 403", secret=True),
     Setting("conversation_ttl_s", "STRATA_CONVERSATION_TTL_S", float, "how long a stored Responses-API conversation can be continued"),
     Setting("stuck_after_s", "STRATA_STUCK_AFTER_S", float, "/health reports the engine stuck after this long without a step while work waits"),
+    Setting("log_format", "STRATA_LOG_FORMAT", _one_of(LOG_FORMATS), "text, or json: JSON log lines and one per request"),
+    Setting("metrics_tenant_label", "STRATA_METRICS_TENANT_LABEL", bool, "label per-request metrics with the tenant"),
     Setting("session_ttl_s", "STRATA_SESSION_TTL_S", float, "a session idle this long ends: purged from every layer (0: never)"),
     Setting("sweep_interval_s", "STRATA_SWEEP_INTERVAL_S", float, "how often expired cache entries and conversations are deleted"),
     Setting("max_queue", "STRATA_MAX_QUEUE", int, "requests that may wait for the engine; more answer 429"),
@@ -191,7 +199,7 @@ SETTINGS = (
     Setting("ssd_min_prefix_tokens", "STRATA_SSD_MIN_PREFIX_TOKENS", int, "spill only blocks at least this deep in a prefix"),
     Setting("ssd_daily_write_bytes", "STRATA_SSD_DAILY_WRITE_BYTES", int, "the SSD tier's write budget per day"),
     Setting("kv_quant_bits", "STRATA_KV_QUANT_BITS", int, "8 or 4: quantise stored KV blocks (unset: off)"),
-    Setting("exact_store", "STRATA_EXACT_STORE", _exact_store, "sqlite, memory or off"),
+    Setting("exact_store", "STRATA_EXACT_STORE", _one_of(EXACT_STORES), "sqlite, memory or off"),
     Setting("exact_ttl_s", "STRATA_EXACT_TTL_S", float, "default lifetime of exact entries"),
     Setting("max_cache_ttl_s", "STRATA_MAX_CACHE_TTL_S", float, "the largest X-Strata-Cache-TTL a client may ask for"),
     Setting("semantic_enabled", "STRATA_SEMANTIC", parse_flag, "the semantic layer (loads MiniLM at start-up)"),

@@ -3,6 +3,7 @@
 Layers record typed outcomes; only `headers()` knows how they look on the wire:
     X-Cache-Layer: engine
     X-Cache-Prefix: hit; cached=3072; prompt=3100; tier=ram
+    Cache-Status: strata-prefix; fwd=partial; detail="cached=3072; prompt=3100; tier=ram", ...  (RFC 9211)
     Server-Timing: exact;dur=0.1, semantic;dur=6.2, prefill;dur=80.5
 """
 
@@ -40,6 +41,7 @@ class PrefixFacts:
 
     num_prompt_tokens: int
     num_cached_tokens: int
+    num_ssd_tokens: int = 0  # of the cached tokens, promoted from the SSD tier
     why: str = ""  # cold | diverged | evicted | expired | purged ("" when nothing reusable was missed)
     tier: str = ""  # evicted / expired / purged: from ram or ssd
     lived_s: float = 0.0  # ... after this long there
@@ -52,6 +54,19 @@ class Trace:
     served_by: str = "engine"  # exact | semantic | engine
     timings_ms: dict[str, float] = field(default_factory=dict)
     prefix: PrefixFacts | None = None  # set when the prefix cache was looked up
+    started: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None  # from start to the first piece of the answer (time to first token)
+    token_gaps_s: list[float] = field(default_factory=list)  # between the engine's pieces (inter-token latency)
+    last_token_at: float = 0.0
+
+    def token(self, from_engine: bool) -> None:
+        """A piece of the answer left (a stored answer's pieces count for the first token only)."""
+        now = time.perf_counter()
+        if self.first_token_s is None:
+            self.first_token_s = now - self.started
+        elif from_engine:
+            self.token_gaps_s.append(now - self.last_token_at)
+        self.last_token_at = now
 
     def record(self, layer: str, outcome: LayerOutcome) -> None:
         assert layer in LAYERS, f"unknown layer {layer!r}"
@@ -71,8 +86,25 @@ class Trace:
     def server_timing(self) -> str:
         return ", ".join(f"{step};dur={ms:.2f}" for step, ms in self.timings_ms.items())
 
+    def cache_status(self) -> str:
+        """RFC 9211: one member per layer, the one closest to the origin (the model) first. A hit that
+        answered is `hit`; the prefix cache's hit still runs the model on the rest (`fwd=partial`); a
+        miss is `fwd=miss`, a bypass `fwd=bypass`; `detail` repeats the X-Cache-* details."""
+        members = []
+        for layer in reversed(LAYERS):
+            outcome = self.outcomes[layer]
+            if outcome.status == HIT and layer != "prefix":
+                member = "hit"
+            else:
+                member = "fwd=" + {HIT: "partial", MISS: "miss", BYPASS: "bypass"}[outcome.status]
+            detail = "; ".join(f"{k}={v}" for k, v in outcome.details)
+            if detail:
+                member += '; detail="' + detail.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            members.append(f"strata-{layer}; {member}")
+        return ", ".join(members)
+
     def headers(self) -> dict[str, str]:
-        headers = {"X-Cache-Layer": self.served_by}
+        headers = {"X-Cache-Layer": self.served_by, "Cache-Status": self.cache_status()}
         headers.update({f"X-Cache-{name.capitalize()}": self.outcomes[name].header_value() for name in LAYERS})
         if self.timings_ms:
             headers["Server-Timing"] = self.server_timing()

@@ -99,7 +99,7 @@ def test_a_divergence_names_the_part_of_the_conversation(engine, admin_settings)
 
 def test_findings_need_a_fifth_of_the_missed_tokens_and_quiet_windows_say_so():
     def record(at, why, tokens, where="", tier=""):
-        return RequestRecord(at, ("bypass", "bypass", "bypass", "miss"), PrefixFacts(tokens, 0, why, tier, 30.0, where))
+        return RequestRecord(at, ("bypass", "bypass", "bypass", "miss"), PrefixFacts(tokens, 0, 0, why, tier, 30.0, where))
 
     records = [record(100, "expired", 700, tier="ssd"), record(100, "cold", 250), record(100, "diverged", 50, "image"),
                record(10, "evicted", 9999, tier="ram")]  # outside the window
