@@ -9,7 +9,7 @@ OPENBLAS = $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/openblas-pthread/lib
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test mutants bench clean
+.PHONY: setup test-tools serve test mutants bench clean
 
 setup: $(STAMP)
 
@@ -28,7 +28,16 @@ $(STAMP): requirements.lock constraints.txt pyproject.toml
 serve: setup
 	$(BIN)/strata serve --host 127.0.0.1 --port 8000 --model demo --data-dir $(DATA_DIR)
 
-test: setup
+# Tools the tests start for real: Prometheus (and promtool) scrape and check the metrics and alert
+# rules, headless Chromium loads the dashboard. Installed from Debian when missing.
+test-tools:
+	@if [ "$$(uname -s)" = Linux ] && ! (command -v prometheus && command -v promtool && command -v chromium) >/dev/null; then \
+		echo "installing prometheus and chromium for the tests"; \
+		$(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			--no-install-recommends prometheus chromium fonts-dejavu-core; \
+	fi
+
+test: setup test-tools
 	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # Each critical one-line breakage applied to a copy of the checkout must fail its tests (tests/mutants.py).

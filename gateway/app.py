@@ -308,7 +308,7 @@ def _state_collector(services: Services) -> StateCollector:
         semantic = responses.semantic
         return len(semantic.index) * semantic.embedder.dim * 4 if semantic is not None else 0  # float32 vectors
 
-    return StateCollector(read, files, index_bytes, settings.ssd_daily_write_bytes)
+    return StateCollector(read, files, index_bytes, settings.ssd_daily_write_bytes, settings.max_queue)
 
 
 @get("/admin/stats", guards=[require_admin])

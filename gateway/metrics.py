@@ -106,8 +106,9 @@ class StateCollector(Collector):
     `read()` returns (worker snapshot, health, engine cache stats, response cache stats)."""
 
     def __init__(self, read: Callable[[], tuple], files: dict[str, Path], index_bytes: Callable[[], int],
-                 ssd_daily_write_bytes: int):
+                 ssd_daily_write_bytes: int, queue_capacity: int):
         self.read = read
+        self.queue_capacity = queue_capacity
         self.files = files  # response layer -> its SQLite file (bytes held on disk)
         self.index_bytes = index_bytes  # the semantic index's vectors in RAM
         self.ssd_daily_write_bytes = ssd_daily_write_bytes
@@ -116,6 +117,7 @@ class StateCollector(Collector):
         worker, health, engine_caches, response_caches = self.read()
         yield _gauge("strata:num_requests_running", "Sequences in the decode batch", worker.num_running)
         yield _gauge("strata:num_requests_waiting", "Requests queued for the engine", worker.queue_depth)
+        yield _gauge("strata:queue_capacity", "Places in the engine's queue (STRATA_MAX_QUEUE)", self.queue_capacity)
         yield _gauge("strata:engine_up", "1 while the engine worker runs and steps (see /health)", health.alive)
         yield _gauge("strata:engine_ready", "1 once warm-up ended well and the engine is up", health.ready)
         yield from self._bytes(engine_caches, response_caches)
