@@ -8,6 +8,8 @@
     GET  /health, /healthz      liveness: 503 with the reason when the engine worker died or is stuck;
                                 details (model, BLAS, queue) only with the admin key
     GET  /health/ready          readiness: 503 until the warm-up ended well
+    GET  /metrics               Prometheus text format (gateway/metrics.py)
+    GET  /dashboard             the operator's page; its data: GET /admin/dashboard/data (admin key)
     GET  /admin/stats           per-layer counters (admin key)
     GET  /schema                OpenAPI (Litestar)
 """
@@ -49,6 +51,7 @@ from .pipeline import Pipeline, off_loop
 from .responses import ResponseCaches
 from .schemas import parse_chat_request, parse_json_body
 from .settings import Settings
+from .dashboard import DASHBOARD_ROUTES, History
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import RequestMetrics, StateCollector
 from .requestlog import RequestStart, ResponseLog
@@ -290,7 +293,10 @@ def _health_details(services: Services) -> dict:
 @get("/metrics", media_type=METRICS_CONTENT_TYPE)
 async def metrics(request: Request) -> Response:
     """Prometheus text format (gateway/metrics.py): no prompts, sessions or keys in any label."""
-    body = await anyio.to_thread.run_sync(generate_latest, _services(request).metrics)
+    services = _services(request)
+    if not services.settings.metrics_enabled:
+        raise ApiError(404, "metrics are off on this server (STRATA_METRICS=0)", "metrics_disabled")
+    body = await anyio.to_thread.run_sync(generate_latest, services.metrics)
     return Response(body, media_type=METRICS_CONTENT_TYPE)
 
 
@@ -340,7 +346,7 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
     """The app for `settings`. Pass a started `engine` (and an `embedder`) to share them across apps
     (tests); otherwise the lifespan loads the model and MiniLM, starts the worker, and stops it."""
     registry = CollectorRegistry()  # GET /metrics: the request metrics, the state collector, HTTP counts
-    response_log = ResponseLog(registry, settings.log_format == "json")
+    response_log = ResponseLog(registry, settings.log_format == "json", settings.metrics_enabled)
 
     @asynccontextmanager
     async def lifespan(app: Litestar):
@@ -353,22 +359,26 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
         auth = Authenticator(settings.api_keys, settings.admin_key, load_server_secret(settings.data_dir))
         responses = await anyio.to_thread.run_sync(ResponseCaches, settings, live.info.fingerprint, embedder)
         sessions = SessionClock(settings.session_ttl_s)
-        pipeline = Pipeline(ChatService(settings, live), responses, counters, sessions,
-                            RequestMetrics(registry, settings.metrics_tenant_label))
+        request_metrics = RequestMetrics(registry, settings.metrics_tenant_label) if settings.metrics_enabled else None
+        pipeline = Pipeline(ChatService(settings, live), responses, counters, sessions, request_metrics)
         stamp = ModelStamp(live.info.name, live.info.fingerprint)
         shared = responses.semantic.embedder if responses.semantic is not None else embedder
         conversations = ConversationStore(private_file(settings.data_dir / "conversations.db"), settings.conversation_ttl_s)
         embeddings = Embeddings(shared, live, settings)
         app.state.services = Services(settings, live, auth, pipeline, counters, responses, stamp, embeddings, conversations,
                                       registry)
-        registry.register(_state_collector(app.state.services))
+        if settings.metrics_enabled:
+            registry.register(_state_collector(app.state.services))
         sweeper = Sweeper({**responses.expiring(), "conversations": conversations.purge_expired,
                            "sessions": partial(end_idle_sessions, app.state.services, sessions)}, settings.sweep_interval_s)
         app.state.sweeper = sweeper
+        app.state.history = History(registry, settings.dashboard_sample_s)
         _log_startup(settings, live)
         try:
             async with anyio.create_task_group() as background:
                 background.start_soon(sweeper.run)
+                if settings.metrics_enabled:
+                    background.start_soon(app.state.history.run)
                 if owned:
                     background.start_soon(_report_warm_up, live)
                 yield
@@ -382,7 +392,7 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
 
     return Litestar(
         route_handlers=[chat_completions, create_response, get_response, delete_response, create_embeddings, list_models,
-                        health, ready, metrics, admin_stats, *ADMIN_CACHE_ROUTES],
+                        health, ready, metrics, admin_stats, *ADMIN_CACHE_ROUTES, *DASHBOARD_ROUTES],
         lifespan=[lifespan],
         middleware=[RequestStart()],
         before_send=[response_log.before_send],

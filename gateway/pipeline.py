@@ -91,8 +91,9 @@ class Turn:
             for layer in self.pipeline.responses.layers:
                 await layer.store(self.ctx, answer)
         self.pipeline.counters.add(self.trace)
-        self.pipeline.metrics.observe(self.trace, self.ctx.tenant, self.completion.prompt_tokens,
-                                      sum(c.completion_tokens for c in self.completions), time.perf_counter())
+        if self.pipeline.metrics is not None:
+            self.pipeline.metrics.observe(self.trace, self.ctx.tenant, self.completion.prompt_tokens,
+                                          sum(c.completion_tokens for c in self.completions), time.perf_counter())
 
 
 def _choice(sampling: Sampling, index: int) -> Sampling:
@@ -102,7 +103,7 @@ def _choice(sampling: Sampling, index: int) -> Sampling:
 
 class Pipeline:
     def __init__(self, chat: ChatService, responses: ResponseCaches, counters: LayerCounters, sessions: SessionClock,
-                 metrics: RequestMetrics):
+                 metrics: RequestMetrics | None):
         self.chat = chat
         self.responses = responses
         self.counters = counters

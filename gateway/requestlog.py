@@ -47,8 +47,9 @@ def _begin(scope) -> dict:
 
 
 class ResponseLog:
-    def __init__(self, registry: CollectorRegistry, json_lines: bool):
+    def __init__(self, registry: CollectorRegistry, json_lines: bool, counted: bool):
         self.json_lines = json_lines
+        self.counted = counted  # count responses in strata:http_requests_total (STRATA_METRICS)
         self.http_requests = Counter("strata:http_requests", "HTTP responses, by route template and status",
                                      ["route", "method", "status"], registry=registry)
 
@@ -64,7 +65,8 @@ class ResponseLog:
 
     def _end(self, scope, state: dict) -> None:
         route = scope.get("path_template") or "unmatched"
-        self.http_requests.labels(route, scope.get("method", ""), str(state.get("status", 0))).inc()
+        if self.counted:
+            self.http_requests.labels(route, scope.get("method", ""), str(state.get("status", 0))).inc()
         if self.json_lines:
             access_log.info("request", extra={"fields": _fields(scope, state, route)})
 

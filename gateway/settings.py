@@ -62,7 +62,9 @@ class Settings:
     model_name: str | None = None  # the id clients send; defaults to the folder name
     conversation_ttl_s: float = 30 * 86400  # stored Responses-API conversations (previous_response_id) live this long
     stuck_after_s: float = 60.0  # /health is 503 once no engine step ended for this long while work waits
+    dashboard_sample_s: float = 5.0  # the dashboard's history: one point this often (an hour of them kept)
     log_format: str = "text"  # json: log records as JSON lines, and one line per request (gateway/requestlog.py)
+    metrics_enabled: bool = True  # GET /metrics and the per-request accounting behind it (and the dashboard's)
     metrics_tenant_label: bool = False  # /metrics: a tenant label on per-request series (tenants are operator-set)
     session_ttl_s: float = 0.0  # a session idle this long ends (purged from every layer); 0: only when ended
     sweep_interval_s: float = 60.0  # how often expired exact, semantic and conversation entries are deleted
@@ -178,7 +180,9 @@ SETTINGS = (
     Setting("admin_key", "STRATA_ADMIN_KEY", str, "guards /admin/*; unset: admin routes answer 403", secret=True),
     Setting("conversation_ttl_s", "STRATA_CONVERSATION_TTL_S", float, "how long a stored Responses-API conversation can be continued"),
     Setting("stuck_after_s", "STRATA_STUCK_AFTER_S", float, "/health reports the engine stuck after this long without a step while work waits"),
+    Setting("dashboard_sample_s", "STRATA_DASHBOARD_SAMPLE_S", float, "seconds between the dashboard's history points"),
     Setting("log_format", "STRATA_LOG_FORMAT", _one_of(LOG_FORMATS), "text, or json: JSON log lines and one per request"),
+    Setting("metrics_enabled", "STRATA_METRICS", bool, "0 turns /metrics, its accounting and the dashboard's data off"),
     Setting("metrics_tenant_label", "STRATA_METRICS_TENANT_LABEL", bool, "label per-request metrics with the tenant"),
     Setting("session_ttl_s", "STRATA_SESSION_TTL_S", float, "a session idle this long ends: purged from every layer (0: never)"),
     Setting("sweep_interval_s", "STRATA_SWEEP_INTERVAL_S", float, "how often expired cache entries and conversations are deleted"),

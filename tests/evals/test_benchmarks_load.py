@@ -5,7 +5,8 @@ import importlib
 import pytest
 
 
-@pytest.mark.parametrize("name", ["bench_engine", "bench_ttft", "bench_layers", "bench_ssd", "bench_load", "bench_api", "false_hits"])
+@pytest.mark.parametrize("name", ["bench_engine", "bench_ttft", "bench_layers", "bench_ssd", "bench_load", "bench_api",
+                                  "bench_observability", "false_hits"])
 def test_benchmark_module_loads(name):
     module = importlib.import_module(f"evals.{name}")
     assert callable(module.main)

@@ -1,0 +1,113 @@
+"""What observability costs a request: exact-hit latency with metrics and JSON request logs on vs off.
+
+    python -m evals.bench_observability [--model demo] [--requests 1000]
+
+Two real `strata serve` processes on loopback, side by side in one run: one with /metrics accounting
+(STRATA_METRICS=1) and one JSON log line per request (STRATA_LOG_FORMAT=json, written to a file), one
+with both off. Each stores the same answer once, then the exact hits alternate between the two (so
+drift of the machine hits both alike). While they run, a scraper reads /metrics once a second from
+the first, as Prometheus would. Prints p50/p90/p99 per server, the p50 difference and ratio, and one
+JSON line. Target: on costs < 5% of the p50, or < 0.2 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+QUESTION = "How do I export my project to a CSV file?"
+
+
+def start_server(model: str, data_dir: Path, env: dict[str, str], log: Path) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port", str(port),
+                                "--data-dir", str(data_dir), "--log-level", "info"],
+                               env={**os.environ, "STRATA_MODEL_NAME": "bench", **env},
+                               stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(900):
+        try:
+            if httpx.get(url + "/health/ready", timeout=1).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise TimeoutError(f"server did not start: {log.read_text()[-2000:]}")
+
+
+def scrape_now_and_then(url: str, stop: threading.Event) -> int:
+    scrapes = 0
+    with httpx.Client(timeout=10) as client:
+        while not stop.wait(1.0):
+            assert client.get(url + "/metrics").status_code == 200
+            scrapes += 1
+    return scrapes
+
+
+def measure(model: str, requests: int, folder: Path) -> dict:
+    setups = {"on": {"STRATA_METRICS": "1", "STRATA_LOG_FORMAT": "json"},
+              "off": {"STRATA_METRICS": "0", "STRATA_LOG_FORMAT": "text"}}
+    servers = {name: start_server(model, folder / name, env, folder / f"{name}.log") for name, env in setups.items()}
+    body = {"model": "bench", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8, "temperature": 0}
+    times: dict[str, list[float]] = {name: [] for name in servers}
+    stop = threading.Event()
+    scraper = threading.Thread(target=scrape_now_and_then, args=(servers["on"][1], stop), daemon=True)
+    try:
+        clients = {name: httpx.Client(base_url=url, timeout=60) for name, (_, url) in servers.items()}
+        for client in clients.values():  # store the answer, then warm the connection and the path
+            for _ in range(20):
+                client.post("/v1/chat/completions", json=body)
+        scraper.start()
+        for _ in range(requests):
+            for name, client in clients.items():
+                start = time.perf_counter()
+                response = client.post("/v1/chat/completions", json=body)
+                times[name].append((time.perf_counter() - start) * 1000)
+                assert response.headers["x-cache-layer"] == "exact", response.headers
+        stop.set()
+        scraper.join(timeout=5)
+        log_lines = sum(1 for line in (folder / "on.log").read_text().splitlines() if '"logger": "strata.access"' in line)
+    finally:
+        for process, _ in servers.values():
+            process.terminate()
+            process.wait(timeout=30)
+    return {name: {q: float(np.percentile(samples, q)) for q in (50, 90, 99)} for name, samples in times.items()} | {
+        "requests": requests, "access_log_lines": log_lines}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m evals.bench_observability")
+    parser.add_argument("--model", default="demo")
+    parser.add_argument("--requests", type=int, default=1000)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="strata-bench-obs-") as folder:
+        result = measure(args.model, args.requests, Path(folder))
+    on, off = result["on"][50], result["off"][50]
+    result["p50_delta_ms"], result["p50_ratio"] = on - off, on / off
+    print(f"exact hits over loopback HTTP, {args.requests} each, alternating")
+    print(f"{'':<34} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}")
+    for name, label in (("on", "metrics + JSON logs on"), ("off", "metrics and JSON logs off")):
+        print(f"{label:<34} {result[name][50]:8.3f} {result[name][90]:8.3f} {result[name][99]:8.3f}")
+    met = result["p50_ratio"] < 1.05 or result["p50_delta_ms"] < 0.2
+    print(f"p50 on - off: {result['p50_delta_ms']:+.3f} ms, ratio {result['p50_ratio']:.3f} "
+          f"(target < 5% or < 0.2 ms: {'met' if met else 'NOT met'}); {result['access_log_lines']} JSON access lines written")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
