@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -38,8 +39,16 @@ class DevTools:
                 pass
             assert time.monotonic() < deadline, "Chromium's DevTools endpoint never answered"
             time.sleep(0.2)
-        self.socket = connect(pages[0]["webSocketDebuggerUrl"], max_size=None, open_timeout=10)
+        self.url = pages[0]["webSocketDebuggerUrl"]
         self.next_id = 0
+
+    def __enter__(self) -> DevTools:
+        self.connection = connect(self.url, max_size=None, open_timeout=10)
+        self.socket = self.connection.__enter__()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.connection.__exit__(*exc_info)
 
     def call(self, method: str, **params) -> dict:
         self.next_id += 1
@@ -79,28 +88,30 @@ def test_the_dashboard_shows_what_metrics_says_in_a_real_browser(tiny_model_path
             time.sleep(0.6)  # spread over several history points
         assert httpx.get(strata.url + "/admin/dashboard/data", timeout=5).status_code == 401  # its data: admins only
         port = _free_port()
+        # The suite runs under LD_PRELOAD=OpenBLAS (for MLX): Chromium must not inherit it (it then never starts)
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
         browser = subprocess.Popen([chromium_path, "--headless=new", "--no-sandbox", "--disable-gpu",
                                     "--disable-dev-shm-usage", f"--remote-debugging-port={port}",
                                     f"--user-data-dir={tmp_path / 'chromium'}", "--window-size=1400,1050", "about:blank"],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        page = DevTools(port)
-        page.call("Network.enable")
-        page.call("Network.setExtraHTTPHeaders", headers={"Authorization": f"Bearer {ADMIN}"})
-        page.call("Page.enable")
-        page.call("Page.navigate", url=strata.url + "/dashboard")
-        deadline = time.monotonic() + 30
-        while page.evaluate("document.body && document.body.dataset.loaded") != "1":
-            assert time.monotonic() < deadline, "the dashboard never loaded its data"
-            time.sleep(0.2)
-        time.sleep(0.5)  # the charts are drawn in the same pass; let the frame settle for the screenshot
-        shown = page.evaluate("JSON.stringify([...document.querySelectorAll('[data-metric]')]"
-                              ".map(e => [e.dataset.metric, Number(e.dataset.value), e.textContent]))")
-        texts = page.evaluate("JSON.stringify({requests: document.getElementById('requests').textContent,"
-                              " exact: document.getElementById('rate-exact').textContent,"
-                              " points: document.querySelectorAll('#chart-hits circle').length,"
-                              " engine: document.getElementById('engine').textContent})")
-        SCREENSHOT.parent.mkdir(exist_ok=True)
-        SCREENSHOT.write_bytes(base64.b64decode(page.call("Page.captureScreenshot", format="png")["data"]))
+                                   env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with DevTools(port) as page:
+            page.call("Network.enable")
+            page.call("Network.setExtraHTTPHeaders", headers={"Authorization": f"Bearer {ADMIN}"})
+            page.call("Page.enable")
+            page.call("Page.navigate", url=strata.url + "/dashboard")
+            deadline = time.monotonic() + 30
+            while page.evaluate("document.body && document.body.dataset.loaded") != "1":
+                assert time.monotonic() < deadline, "the dashboard never loaded its data"
+                time.sleep(0.2)
+            time.sleep(0.5)  # the charts are drawn in the same pass; let the frame settle for the screenshot
+            shown = page.evaluate("JSON.stringify([...document.querySelectorAll('[data-metric]')]"
+                                  ".map(e => [e.dataset.metric, Number(e.dataset.value), e.textContent]))")
+            texts = page.evaluate("JSON.stringify({requests: document.getElementById('requests').textContent,"
+                                  " exact: document.getElementById('rate-exact').textContent,"
+                                  " points: document.querySelectorAll('#chart-hits circle').length,"
+                                  " engine: document.getElementById('engine').textContent})")
+            SCREENSHOT.parent.mkdir(exist_ok=True)
+            SCREENSHOT.write_bytes(base64.b64decode(page.call("Page.captureScreenshot", format="png")["data"]))
         metrics = _metrics(strata.url)
     finally:
         if browser is not None:
