@@ -92,7 +92,7 @@ def test_the_dashboard_shows_what_metrics_says_in_a_real_browser(tiny_model_path
         env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
         browser = subprocess.Popen([chromium_path, "--headless=new", "--no-sandbox", "--disable-gpu",
                                     "--disable-dev-shm-usage", f"--remote-debugging-port={port}",
-                                    f"--user-data-dir={tmp_path / 'chromium'}", "--window-size=1400,1050", "about:blank"],
+                                    f"--user-data-dir={tmp_path / 'chromium'}", "--window-size=1400,1250", "about:blank"],
                                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with DevTools(port) as page:
             page.call("Network.enable")
