@@ -29,12 +29,14 @@ serve: setup
 	$(BIN)/strata serve --host 127.0.0.1 --port 8000 --model demo --data-dir $(DATA_DIR)
 
 # Tools the tests start for real: Prometheus (and promtool) scrape and check the metrics and alert
-# rules, headless Chromium loads the dashboard. Installed from Debian when missing.
+# rules, headless Chromium loads the dashboard, redis-server holds the shared exact cache. Installed
+# from Debian when missing.
 test-tools:
-	@if [ "$$(uname -s)" = Linux ] && ! (command -v prometheus && command -v promtool && command -v chromium) >/dev/null; then \
-		echo "installing prometheus and chromium for the tests"; \
+	@if [ "$$(uname -s)" = Linux ] && ! (command -v prometheus && command -v promtool && command -v chromium \
+			&& command -v redis-server) >/dev/null; then \
+		echo "installing prometheus, chromium and redis-server for the tests"; \
 		$(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-			--no-install-recommends prometheus chromium fonts-dejavu-core; \
+			--no-install-recommends prometheus chromium fonts-dejavu-core redis-server; \
 	fi
 
 test: setup test-tools

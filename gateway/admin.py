@@ -22,7 +22,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, FromQuery
 
-from semantic import Selector
+from semantic import Selector, StoreUnavailable
 
 from .diagnosis import diagnose
 from .errors import ApiError, bad_request
@@ -149,13 +149,21 @@ def purge_layers(services, selector: Selector, layers: list[str]) -> dict:
     purges = {"exact": services.responses.exact.purge_owned if services.responses.exact else None,
               "semantic": services.responses.semantic.purge_owned if services.responses.semantic else None,
               "conversations": services.conversations.purge}
-    removed = {}
+    removed, unreachable = {}, []
     for layer in (layer for layer in layers if layer in RESPONSE_LAYERS):
-        result = purges[layer](selector) if purges[layer] is not None else None
+        try:
+            result = purges[layer](selector) if purges[layer] is not None else None
+        except StoreUnavailable:
+            unreachable.append(layer)
+            continue
         removed[layer] = {"entries": result.num_entries, "bytes": result.num_bytes} if result is not None else None
     engine_layers = [layer for layer in layers if layer in ENGINE_LAYERS]
     if engine_layers:
         removed |= _purge_engine(services, selector, engine_layers)
+    if unreachable:
+        raise ApiError(503, f"the {', '.join(unreachable)} store cannot be reached: nothing was purged there (the "
+                            f"other layers were: {sorted(removed)}); a purge can be repeated: retry",
+                       "store_unavailable")
     log.info("purged %s for tenant %r session %r user %r: %s", layers, selector.tenant, selector.session,
              selector.end_user, removed)
     return {"tenant": selector.tenant, "session": selector.session, "user": selector.end_user, "removed": removed}

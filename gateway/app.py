@@ -302,7 +302,8 @@ async def metrics(request: Request) -> Response:
 
 def _state_collector(services: Services) -> StateCollector:
     settings, responses = services.settings, services.responses
-    files = {"exact": settings.data_dir / "responses.db"} if settings.exact_store == "sqlite" else {}
+    on_disk = settings.exact_store == "sqlite" and not settings.redis_url
+    files = {"exact": settings.data_dir / "responses.db"} if on_disk else {}
     if responses.semantic is not None:
         files["semantic"] = settings.data_dir / "semantic.db"
 

@@ -147,7 +147,8 @@ class StateCollector(Collector):
         for layer, path in self.files.items():
             held.add_metric([layer], _file_bytes(path))
         for layer, stats in response_caches.items():
-            entries.add_metric([layer], stats["num_entries"])
+            if "num_entries" in stats:  # absent while its store cannot be reached
+                entries.add_metric([layer], stats["num_entries"])
         held.add_metric(["semantic_index"], self.index_bytes())
         yield from (held, budget, entries)
 

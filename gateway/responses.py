@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass
 
 import anyio
 
-from semantic import (Answer, CacheControl, Embedder, ExactCache, MemoryStore, MiniLMEmbedder, Owner, RiskPolicy, Scope,
-                      SemanticCache, SemanticLookup, SemanticSettings, SqliteStore, StoredResponse, context_fingerprint,
-                      exact_key, load_risk_patterns)
+from semantic import (Answer, CacheControl, Embedder, ExactCache, MemoryStore, MiniLMEmbedder, Owner, RedisStore,
+                      RiskPolicy, Scope, SemanticCache, SemanticLookup, SemanticSettings, SqliteStore, StoreUnavailable,
+                      StoredResponse, context_fingerprint, exact_key, load_risk_patterns)
 from semantic.risk import DEFAULT_PATTERNS_FILE, PERSONAL_DATA
 from semantic.scope import VERSION_FIELDS
 from vision import DecodedImage
@@ -82,7 +82,14 @@ class ResponseCaches:
         return [cache for cache in (self.exact, self.semantic) if cache is not None]
 
     def stats(self) -> dict:
-        return {cache.name: asdict(cache.stats()) for cache in self.caches()}
+        """Each layer's snapshot; a store that cannot be reached reports `unavailable` instead."""
+        out = {}
+        for cache in self.caches():
+            try:
+                out[cache.name] = asdict(cache.stats())
+            except StoreUnavailable:
+                out[cache.name] = {"unavailable": True}
+        return out
 
     def expiring(self) -> dict:
         """layer -> its purge_expired(now), for the sweep."""
@@ -142,7 +149,12 @@ class ExactLayer:
         if ctx.bypass:
             trace.record("exact", LayerOutcome.of(BYPASS, reason=ctx.bypass))
             return None
-        result = self.cache.lookup(ctx.exact_key, ctx.control, ctx.deterministic, time.time())
+        try:
+            result = self.cache.lookup(ctx.exact_key, ctx.control, ctx.deterministic, time.time())
+        except StoreUnavailable:
+            self.store_errors["exact"] += 1
+            trace.record("exact", LayerOutcome.of(BYPASS, reason="store_unavailable"))
+            return None
         details = {"age": f"{result.age_s:.1f}"} if result.status == HIT else ({"reason": result.reason} if result.reason else {})
         trace.record("exact", LayerOutcome.of(result.status, **details))
         if result.status == HIT:
@@ -306,7 +318,9 @@ def parse_cache_control(headers, max_ttl_s: float) -> CacheControl:
 def _exact_cache(settings: Settings) -> ExactCache | None:
     if settings.exact_store == "off":
         return None
-    if settings.exact_store == "memory":
+    if settings.redis_url:  # shared by every replica pointing at the same Redis
+        store = RedisStore(settings.redis_url)
+    elif settings.exact_store == "memory":
         store = MemoryStore()
     else:
         store = SqliteStore(private_file(settings.data_dir / "responses.db"))

@@ -11,12 +11,13 @@ from .exact import CacheControl, ExactCache, ExactLookup, ExactSnapshot, exact_k
 from .guards import Verdict, check
 from .index import PartitionedIndex
 from .owners import Owner, Selector, owner_label
+from .redis_store import RedisStore, StoreUnavailable
 from .scope import Scope, context_fingerprint
 from .store import Answer, MemoryStore, Purged, ResponseStore, SqliteStore, StoredResponse
 
 __all__ = [
     "PERSONAL_DATA", "Answer", "CacheControl", "Embedder", "ExactCache", "ExactLookup", "ExactSnapshot", "MemoryStore",
-    "MiniLMEmbedder", "Owner", "Purged", "SemanticSnapshot", "Selector",
+    "MiniLMEmbedder", "Owner", "Purged", "RedisStore", "StoreUnavailable", "SemanticSnapshot", "Selector",
     "PartitionedIndex", "ResponseStore", "RiskPatterns", "RiskPolicy", "Scope", "Screening", "SemanticCache",
     "SemanticEntry", "SemanticLookup", "SemanticSettings", "SqliteStore", "StoredResponse", "Verdict", "check",
     "context_fingerprint", "exact_key", "load_risk_patterns", "owner_label",

@@ -63,3 +63,46 @@ def png_data_url(width: int = 64, height: int = 48, seed: int = 0, fmt: str = "P
     Image.fromarray(pixels).save(buffer, fmt)
     mime = {"PNG": "png", "WEBP": "webp", "BMP": "bmp"}[fmt]
     return f"data:image/{mime};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+class RedisServer:
+    """A real redis-server (Debian's, installed by `make test`) on a free loopback port, no persistence."""
+
+    def __init__(self, folder: Path, port: int | None = None):
+        import shutil
+        import socket
+        import subprocess
+        import time
+
+        folder.mkdir(parents=True, exist_ok=True)
+        binary = shutil.which("redis-server")
+        assert binary, "redis-server is missing: `make test` installs it (Debian's redis-server package)"
+        if port is None:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+        self.port = port
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.folder = folder
+        self.process = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                         "--appendonly", "no", "--dir", str(folder)],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                assert time.monotonic() < deadline and self.process.poll() is None, "redis-server did not start"
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()

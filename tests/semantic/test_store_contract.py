@@ -1,13 +1,20 @@
-"""One contract, every ResponseStore backend."""
+"""One contract, every ResponseStore backend: memory, SQLite, and Redis (a real redis-server)."""
+
+import uuid
 
 import pytest
 
 from semantic import MemoryStore, SqliteStore, StoredResponse
+from semantic.redis_store import RedisStore
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "sqlite", "redis"])
 def store(request, tmp_path):
-    backend = MemoryStore() if request.param == "memory" else SqliteStore(tmp_path / "responses.db")
+    if request.param == "redis":
+        server = request.getfixturevalue("redis_server")
+        backend = RedisStore(server.url, prefix=f"test-{uuid.uuid4().hex}:")  # each test its own namespace
+    else:
+        backend = MemoryStore() if request.param == "memory" else SqliteStore(tmp_path / "responses.db")
     yield backend
     backend.close()
 
