@@ -9,7 +9,7 @@ OPENBLAS = $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/openblas-pthread/lib
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: setup test-tools serve test mutants bench clean
+.PHONY: setup test-tools cluster-tools serve cluster test mutants bench clean
 
 setup: $(STAMP)
 
@@ -28,15 +28,26 @@ $(STAMP): requirements.lock constraints.txt pyproject.toml
 serve: setup
 	$(BIN)/strata serve --host 127.0.0.1 --port 8000 --model demo --data-dir $(DATA_DIR)
 
+# Redis, two replicas (ports 8001, 8002) and HAProxy on 8000, with the demo model; Ctrl-C stops them.
+cluster-tools:
+	@if [ "$$(uname -s)" = Linux ] && ! (command -v redis-server && command -v haproxy) >/dev/null; then \
+		echo "installing redis-server and haproxy"; \
+		$(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			--no-install-recommends redis-server haproxy; \
+	fi
+
+cluster: setup cluster-tools
+	$(BIN)/strata cluster up --model demo --port 8000 --data-dir $(DATA_DIR)/cluster
+
 # Tools the tests start for real: Prometheus (and promtool) scrape and check the metrics and alert
-# rules, headless Chromium loads the dashboard, redis-server holds the shared exact cache. Installed
-# from Debian when missing.
+# rules, headless Chromium loads the dashboard, redis-server holds the shared exact cache, HAProxy
+# routes to replicas. Installed from Debian when missing.
 test-tools:
 	@if [ "$$(uname -s)" = Linux ] && ! (command -v prometheus && command -v promtool && command -v chromium \
-			&& command -v redis-server) >/dev/null; then \
-		echo "installing prometheus, chromium and redis-server for the tests"; \
+			&& command -v redis-server && command -v haproxy) >/dev/null; then \
+		echo "installing prometheus, chromium, redis-server and haproxy for the tests"; \
 		$(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-			--no-install-recommends prometheus chromium fonts-dejavu-core redis-server; \
+			--no-install-recommends prometheus chromium fonts-dejavu-core redis-server haproxy; \
 	fi
 
 test: setup test-tools

@@ -1,4 +1,4 @@
-"""`strata serve` and `strata build-model`."""
+"""`strata serve`, `strata build-model` and `strata cluster up`."""
 
 from __future__ import annotations
 
@@ -31,12 +31,21 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--dtype", choices=DTYPES, default="float32")
     build.add_argument("--quantize", type=int, choices=(4, 8), default=None, help="quantise the language model's weights")
     build.add_argument("--out", type=Path, required=True)
+    cluster = commands.add_parser("cluster", help="Redis, two replicas and HAProxy on loopback (Ctrl-C stops them)")
+    cluster.add_argument("action", choices=["up"])
+    cluster.add_argument("--model", default="demo")
+    cluster.add_argument("--port", type=int, default=8000, help="the proxy's; the replicas take the next two")
+    cluster.add_argument("--data-dir", type=Path, default=Path("strata-data") / "cluster")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
+    if args.command == "cluster":
+        from .cluster import run
+
+        return run(args.model, args.data_dir, args.port)
     if args.command == "build-model":
         from .engine.builder import BuildSpec, build_model
 

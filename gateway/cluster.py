@@ -1,0 +1,158 @@
+"""`strata cluster up`: Redis, two Strata replicas and HAProxy on loopback, the shape of a deployment
+over several machines run on one, with the shipped proxy config (deploy/haproxy/haproxy.cfg).
+
+    Cluster(model, folder, port).start()   redis-server, replicas a and b (ports port+1, port+2,
+                                           sharing the exact cache in Redis), HAProxy on `port`
+    Cluster.stop()                         the proxy, then the replicas (SIGTERM: they persist their
+                                           KV and drain), then Redis; every process waited for
+
+Replicas log to FOLDER/<name>.log, the proxy to FOLDER/haproxy.log. Redis keeps no snapshot: the
+cluster's shared cache lives as long as the cluster does.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+PROXY_CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "haproxy" / "haproxy.cfg"
+REPLICAS = ("a", "b")  # the names the proxy config gives its servers
+START_TIMEOUT_S = 600.0  # a first start builds the demo model
+
+
+class Cluster:
+    def __init__(self, model: str, folder: Path, port: int = 8000, extra_env: dict[str, str] | None = None):
+        self.model = model
+        self.folder = Path(folder)
+        self.port = port
+        self.extra_env = extra_env or {}
+        self.processes: dict[str, subprocess.Popen] = {}  # name -> process, in start order
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def replica_url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.port + 1 + REPLICAS.index(name)}"
+
+    def start(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            redis_url = self._start_redis()
+            for name in REPLICAS:
+                self._start_replica(name, redis_url)
+            for name in REPLICAS:
+                _wait_http(self.replica_url(name) + "/health/ready", self.processes[name], self._log(name))
+            self._start_proxy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for name in reversed(list(self.processes)):  # proxy, replicas, then Redis
+            process = self.processes.pop(name)
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+    def _start_redis(self) -> str:
+        port = _free_port()
+        binary = _required("redis-server")
+        folder = self.folder / "redis"
+        folder.mkdir(exist_ok=True)
+        self._spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                              "--dir", str(folder)])
+        _wait_port(port, self.processes["redis"], self._log("redis"))
+        return f"redis://127.0.0.1:{port}/0"
+
+    def _start_replica(self, name: str, redis_url: str) -> None:
+        port = self.port + 1 + REPLICAS.index(name)
+        env = {"STRATA_REDIS_URL": redis_url, **self.extra_env}
+        self._spawn(name, [sys.executable, "-m", "gateway.cli", "serve", "--model", self.model, "--port", str(port),
+                           "--data-dir", str(self.folder / name)], env)
+
+    def _start_proxy(self) -> None:
+        env = {"STRATA_PROXY_BIND": f"127.0.0.1:{self.port}",
+               **{f"STRATA_REPLICA_{name.upper()}": self.replica_url(name).removeprefix("http://") for name in REPLICAS}}
+        self._spawn("haproxy", [_required("haproxy"), "-db", "-f", str(PROXY_CONFIG)], env)
+        _wait_port(self.port, self.processes["haproxy"], self._log("haproxy"))
+
+    def _spawn(self, name: str, command: list[str], env: dict[str, str] | None = None) -> None:
+        environment = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | (env or {})
+        self.processes[name] = subprocess.Popen(command, env=environment, stdout=self._log(name).open("w"),
+                                                stderr=subprocess.STDOUT)
+
+    def _log(self, name: str) -> Path:
+        return self.folder / f"{name}.log"
+
+
+def run(model: str, folder: Path, port: int) -> int:
+    """`strata cluster up`: start, say where, wait for Ctrl-C or SIGTERM, stop everything."""
+    cluster = Cluster(model, folder, port)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    try:
+        cluster.start()
+        print(f"strata cluster: proxy {cluster.url} -> replicas {', '.join(cluster.replica_url(n) for n in REPLICAS)}; "
+              f"logs in {folder}; Ctrl-C stops it", flush=True)
+        while not stopping and all(p.poll() is None for p in cluster.processes.values()):
+            time.sleep(0.5)
+        dead = [name for name, p in cluster.processes.items() if p.poll() is not None]
+        if dead:
+            print(f"strata cluster: {', '.join(dead)} exited; stopping (see {folder})", file=sys.stderr)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.stop()
+        print("strata cluster: stopped", flush=True)
+    return 0
+
+
+def _required(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise RuntimeError(f"{name} is not installed: `make cluster` installs it (apt-get install {name})")
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_port(port: int, process: subprocess.Popen, log: Path, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{log.stem} did not start: {log.read_text()[-2000:]}") from None
+            time.sleep(0.05)
+
+
+def _wait_http(url: str, process: subprocess.Popen, log: Path, timeout_s: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{log.stem} did not become ready: {log.read_text()[-2000:]}")
+        time.sleep(0.2)
