@@ -35,21 +35,25 @@ def percentile(samples: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(samples), q))
 
 
-def start_server(model: str, data_dir: Path) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, data_dir: Path, env: dict[str, str] | None = None, log: Path | None = None,
+                 log_level: str = "warning") -> tuple[subprocess.Popen, str]:
+    """A `strata serve` process on a free loopback port, once its warm-up has ended (/health/ready)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {**os.environ, "STRATA_MODEL_NAME": "bench"}
+    output = log.open("w") if log is not None else subprocess.DEVNULL
     process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port", str(port),
-                                "--data-dir", str(data_dir), "--log-level", "warning"], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                "--data-dir", str(data_dir), "--log-level", log_level],
+                               env={**os.environ, "STRATA_MODEL_NAME": "bench", **(env or {})},
+                               stdout=output, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
+    for _ in range(900):
         try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+            if httpx.get(url + "/health/ready", timeout=1).status_code == 200:
                 return process, url
         except httpx.HTTPError:
-            time.sleep(0.2)
+            pass
+        time.sleep(0.2)
     process.kill()
     raise TimeoutError("server did not start")
 

@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -28,28 +25,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from .bench_layers import start_server
+
 QUESTION = "How do I export my project to a CSV file?"
-
-
-def start_server(model: str, data_dir: Path, env: dict[str, str], log: Path,
-                 log_level: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port", str(port),
-                                "--data-dir", str(data_dir), "--log-level", log_level],
-                               env={**os.environ, "STRATA_MODEL_NAME": "bench", **env},
-                               stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(900):
-        try:
-            if httpx.get(url + "/health/ready", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise TimeoutError(f"server did not start: {log.read_text()[-2000:]}")
 
 
 def scrape_now_and_then(url: str, stop: threading.Event) -> int:
