@@ -5,7 +5,7 @@ import importlib
 import pytest
 
 
-@pytest.mark.parametrize("name", ["bench_engine", "bench_ttft", "bench_layers", "bench_ssd", "bench_load", "bench_api",
+@pytest.mark.parametrize("name", ["bench_engine", "bench_ttft", "bench_layers", "bench_ssd", "bench_load", "bench_api", "bench_cluster",
                                   "bench_observability", "false_hits"])
 def test_benchmark_module_loads(name):
     module = importlib.import_module(f"evals.{name}")
