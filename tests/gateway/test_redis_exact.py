@@ -39,7 +39,17 @@ def test_two_replicas_share_exact_answers_and_purges(engine, settings, redis_ser
 
 
 def test_an_unreachable_redis_is_a_bypass_and_the_layer_recovers(engine, settings, tmp_path):
-    server = RedisServer(tmp_path / "redis")
+    servers = [RedisServer(tmp_path / "redis")]
+    try:
+        _outage_and_recovery(engine, settings, tmp_path, servers)
+    finally:
+        for server in servers:
+            if server.process.poll() is None:
+                server.stop()
+
+
+def _outage_and_recovery(engine, settings, tmp_path, servers: list[RedisServer]) -> None:
+    server = servers[0]
     live = dataclasses.replace(settings, redis_url=server.url, exact_store="sqlite", admin_key="admin-key")
     with TestClient(create_app(live, engine=engine)) as client:
         _ask(client, "Will Redis keep this?")
@@ -52,8 +62,7 @@ def test_an_unreachable_redis_is_a_bypass_and_the_layer_recovers(engine, setting
         assert client.get("/metrics").status_code == 200
         purge = client.post("/admin/purge", json={"tenant": "default"}, headers=ADMIN)
         assert purge.status_code == 503 and purge.json()["error"]["code"] == "store_unavailable"
-        server = RedisServer(tmp_path / "redis", server.port)  # back, empty
+        servers.append(RedisServer(tmp_path / "redis", server.port))  # back, empty
         time.sleep(RETRY_AFTER_S)
         assert _ask(client, "Will Redis keep this?").headers["x-cache-exact"].startswith("miss")
         assert _ask(client, "Will Redis keep this?").headers["x-cache-exact"].startswith("hit")
-    server.stop()

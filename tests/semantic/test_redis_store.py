@@ -36,7 +36,17 @@ def test_entries_carry_redis_ttls_past_their_expiry(redis_server):
 
 
 def test_an_unreachable_server_fails_fast_and_a_restarted_one_is_used_again(tmp_path):
-    server = RedisServer(tmp_path)
+    servers = [RedisServer(tmp_path)]
+    try:
+        _outage_and_recovery(tmp_path, servers)
+    finally:
+        for server in servers:
+            if server.process.poll() is None:
+                server.stop()
+
+
+def _outage_and_recovery(tmp_path, servers: list[RedisServer]) -> None:
+    server = servers[0]
     store = RedisStore(server.url, "strata:exact:")
     store.put("k", "t", _response())
     server.stop()
@@ -46,8 +56,7 @@ def test_an_unreachable_server_fails_fast_and_a_restarted_one_is_used_again(tmp_
     with pytest.raises(StoreUnavailable):  # within the retry window: at once, no socket wait
         store.put("k2", "t", _response())
     assert time.monotonic() - start < 2.0
-    again = RedisServer(tmp_path, server.port)  # the same server back, empty (no persistence)
+    servers.append(RedisServer(tmp_path, server.port))  # the same server back, empty (no persistence)
     time.sleep(RETRY_AFTER_S)
     store.put("k3", "t", _response())
     assert store.get("k3", time.time()) is not None
-    again.stop()
