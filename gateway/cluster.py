@@ -45,6 +45,7 @@ class Cluster:
 
     def start(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
+        self._build_once()
         try:
             redis_url = self._start_redis()
             for name in REPLICAS:
@@ -66,6 +67,16 @@ class Cluster:
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()
+
+    def _build_once(self) -> None:
+        """A built-in model ('demo', ...) is built once under FOLDER/models, not once per replica;
+        the replicas serve that folder under the name the client knows."""
+        from .engine import resolve_model_path
+        from .engine.builder import parse_model_name
+
+        if parse_model_name(self.model) is not None:
+            self.extra_env.setdefault("STRATA_MODEL_NAME", self.model)
+            self.model = str(resolve_model_path(self.model, self.folder))
 
     def _start_redis(self) -> str:
         port = _free_port()
