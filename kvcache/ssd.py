@@ -169,30 +169,24 @@ class SsdTier:
         self._count("num_purged_blocks", num_blocks)
         return Purged(num_blocks, num_bytes, num_files)
 
-    def _rewrite_without(self, name: str, dropped: set[str]) -> Segment | None:
+    def _rewrite_without(self, name: str, dropped: set[str]) -> None:
         """Segment `name` without the `dropped` blocks. The old segment is doomed before anything is
         written: a crash at any point loses survivors (a cache may), never brings a dropped block back."""
         keep = [h for h in self.index.live_blocks(name) if h not in dropped]
-        survivors = self._read_blocks(name, keep) if keep else []
-        owners = {r.block_hash.hex(): self.index.owners_of(r.block_hash.hex()) for r in survivors}
+        survivors = [replace(r, owners=tuple(sorted(self.index.owners_of(r.block_hash.hex()))))
+                     for r in (self._read_blocks(name, keep) if keep else [])]
         old = self.index.doom(name)
         if survivors:
-            new = f"seg-{uuid.uuid4().hex}"
-            payload = encode(self.namespace, [replace(r, owners=tuple(sorted(owners[r.block_hash.hex()])))
-                                              for r in survivors])
             try:
-                write_atomically(self._segment_path(new), payload)
+                self._new_segment(survivors, old.written_at if old else time.time())
             except OSError as exc:  # a full or failing disk: the survivors are lost, the purge still holds
                 self._count("num_write_errors")
                 log.warning("SSD purge could not rewrite %s: %s", name, exc)
             else:
-                sizes = {r.block_hash.hex(): sum(t.nbytes for t in r.tensors.values()) for r in survivors}
-                self.index.add(new, len(payload), old.written_at if old else time.time(), sizes, owners)
                 self._count("num_rewritten_files")
         self._segment_path(name).unlink(missing_ok=True)
         self.index.undoom(name)
         self._remember(old, "purged", dropped)
-        return old
 
     def _read_blocks(self, name: str, hex_hashes: list[str]) -> list[SpillRequest]:
         try:
@@ -320,20 +314,26 @@ class SsdTier:
                     self.pending.task_done()
 
     def _write_segment(self, requests: list[SpillRequest]) -> None:
-        name = f"seg-{uuid.uuid4().hex}"
-        payload = encode(self.namespace, requests)
-        sizes = {r.block_hash.hex(): sum(t.nbytes for t in r.tensors.values()) for r in requests}
         with self.files_lock:
-            write_atomically(self._segment_path(name), payload)
-            self.index.add(name, len(payload), time.time(), sizes, {r.block_hash.hex(): r.owners for r in requests})
+            nbytes = self._new_segment(requests, time.time())
             self._enforce_capacity()
         with self.lock:
             day, written = self.written_today
-            self.written_today = (day, written + len(payload))
+            self.written_today = (day, written + nbytes)
             self.counters.num_spilled += len(requests)
             self.counters.num_segments_written += 1
         if self.pending.empty():
             self.index.flush_touches()
+
+    def _new_segment(self, requests: list[SpillRequest], written_at: float) -> int:
+        """Write the blocks to a new segment file and index it, with their owners: its bytes on disk
+        (the caller holds files_lock; OSError when the disk refuses, leaving no file behind)."""
+        name = f"seg-{uuid.uuid4().hex}"
+        payload = encode(self.namespace, requests)
+        write_atomically(self._segment_path(name), payload)
+        sizes = {r.block_hash.hex(): sum(t.nbytes for t in r.tensors.values()) for r in requests}
+        self.index.add(name, len(payload), written_at, sizes, {r.block_hash.hex(): r.owners for r in requests})
+        return len(payload)
 
     def _enforce_capacity(self, now: float | None = None) -> None:
         """LRU-evict segment files past the byte cap; remove files unused past the retention (the
