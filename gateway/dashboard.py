@@ -54,8 +54,9 @@ class History:
         self.previous = current
 
     async def run(self) -> None:
+        """Sample in a worker thread, as /metrics renders: collecting reads files and may ask Redis."""
         while True:
-            self.sample(time.time())
+            await anyio.to_thread.run_sync(self.sample, time.time())
             await anyio.sleep(self.sample_s)
 
 
@@ -111,7 +112,8 @@ async def dashboard_page() -> str:
 @get("/admin/dashboard/data", guards=[require_admin])
 async def dashboard_data(request: Request) -> Response:
     history: History = request.app.state.history
-    return Response({"t": time.time(), "metrics": samples(history.registry), "history": list(history.points),
+    current = await anyio.to_thread.run_sync(samples, history.registry)
+    return Response({"t": time.time(), "metrics": current, "history": list(history.points),
                      "sample_s": history.sample_s}, headers={"Cache-Control": "no-store"})
 
 
