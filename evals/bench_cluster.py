@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from gateway.cluster import Cluster
+from gateway.cluster import Cluster, free_ports
 from gateway.engine import resolve_model_path
 
 from .bench_layers import start_server
@@ -69,7 +69,7 @@ def exact_hits(urls: dict[str, str], hits: int) -> dict:
 
 def measure(model: str, requests: int, clients: int, hits: int, folder: Path) -> dict:
     model_path = str(resolve_model_path(model, folder / "models"))  # built once, shared by every process
-    cluster = Cluster(model_path, folder / "cluster", port=_free_base_port(), extra_env={"STRATA_MODEL_NAME": "bench"})
+    cluster = Cluster(model_path, folder / "cluster", port=free_ports(3), extra_env={"STRATA_MODEL_NAME": "bench"})
     sqlite_process = None
     try:
         cluster.start()
@@ -84,18 +84,6 @@ def measure(model: str, requests: int, clients: int, hits: int, folder: Path) ->
         cluster.stop()
     return {"one_replica": one, "two_replicas": two, "throughput_ratio": two["tokens_per_s"] / one["tokens_per_s"],
             "exact_hit_ms": latency, "requests": requests, "clients": clients, "hits": hits}
-
-
-def _free_base_port() -> int:
-    import socket
-
-    for _ in range(100):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            base = sock.getsockname()[1]
-        if base < 65000 and all(socket.socket().connect_ex(("127.0.0.1", base + i)) != 0 for i in (1, 2)):
-            return base
-    raise RuntimeError("no three free ports in a row")
 
 
 def main(argv: list[str] | None = None) -> int:

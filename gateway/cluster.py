@@ -79,7 +79,7 @@ class Cluster:
             self.model = str(resolve_model_path(self.model, self.folder))
 
     def _start_redis(self) -> str:
-        port = _free_port()
+        port = free_ports(1)
         binary = _required("redis-server")
         folder = self.folder / "redis"
         folder.mkdir(exist_ok=True)
@@ -138,10 +138,21 @@ def _required(name: str) -> str:
     return path
 
 
-def _free_port() -> int:
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive loopback ports free now (a cluster takes its port and the
+    next two)."""
+    for _ in range(100):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            first = sock.getsockname()[1]
+        if first + count <= 65536 and all(port_free(first + i) for i in range(1, count)):
+            return first
+    raise RuntimeError(f"no {count} free loopback ports in a row")
+
+
+def port_free(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        return sock.connect_ex(("127.0.0.1", port)) != 0
 
 
 def _wait_port(port: int, process: subprocess.Popen, log: Path, timeout_s: float = 30.0) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,23 +14,8 @@ import time
 import httpx
 import pytest
 
-from gateway.cluster import Cluster
+from gateway.cluster import Cluster, free_ports, port_free
 from tests.conftest import TINY
-
-
-def _three_free_ports() -> int:
-    for _ in range(100):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            base = sock.getsockname()[1]
-        if base < 65000 and all(_free(base + i) for i in (1, 2)):
-            return base
-    raise RuntimeError("no three free ports in a row")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) != 0
 
 
 def _ask(url: str, text: str, session: str | None = None, first: str = "Hello archive.") -> httpx.Response:
@@ -44,7 +28,7 @@ def _ask(url: str, text: str, session: str | None = None, first: str = "Hello ar
 
 @pytest.fixture
 def cluster(tiny_model_path, tmp_path):
-    running = Cluster(str(tiny_model_path), tmp_path / "cluster", _three_free_ports(), {"STRATA_MODEL_NAME": TINY})
+    running = Cluster(str(tiny_model_path), tmp_path / "cluster", free_ports(3), {"STRATA_MODEL_NAME": TINY})
     running.start()
     yield running
     running.stop()
@@ -81,7 +65,7 @@ def test_sessions_stick_share_answers_and_survive_a_dead_replica(cluster):
 
 @pytest.mark.slow
 def test_cluster_up_stops_everything_on_sigint(tiny_model_path, tmp_path):
-    port = _three_free_ports()
+    port = free_ports(3)
     command = [sys.executable, "-m", "gateway.cli", "cluster", "up", "--model", str(tiny_model_path), "--port", str(port),
                "--data-dir", str(tmp_path / "cluster")]
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | {"STRATA_MODEL_NAME": TINY}
@@ -91,4 +75,4 @@ def test_cluster_up_stops_everything_on_sigint(tiny_model_path, tmp_path):
     assert _ask(f"http://127.0.0.1:{port}", "Up?", "s").status_code == 200
     up.send_signal(signal.SIGINT)
     assert up.wait(timeout=90) == 0 and "strata cluster: stopped" in up.stdout.read()
-    assert all(_free(port + i) for i in range(3))  # proxy and replicas gone
+    assert all(port_free(port + i) for i in range(3))  # proxy and replicas gone
