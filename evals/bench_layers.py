@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from semantic import Answer, MiniLMEmbedder, Scope, SemanticCache, SemanticSettings
+from semantic import Answer, MiniLMEmbedder, Scope, SemanticCache, SemanticSettings, SqliteEntries
 
 from . import corpus_lines
 
@@ -111,7 +111,7 @@ def semantic_lookups(sizes: list[int], queries: int) -> dict:
              "What happened when the war ended?", "How do I import a CSV file into my project?"]
     for size in sizes:
         with tempfile.TemporaryDirectory() as folder:
-            cache = SemanticCache(embedder, Path(folder) / "s.db", SemanticSettings())
+            cache = SemanticCache(embedder, SqliteEntries(Path(folder) / "s.db"), SemanticSettings())
             cache.insert(QUESTION, Answer("Use File > Export."), scope, "ctx", time.time())
             cache.insert_many(prompts[:size - 1], ["answer"] * (size - 1), vectors[:size - 1], scope, "ctx", time.time())
             samples, statuses = [], []

@@ -22,7 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from semantic import Answer, MiniLMEmbedder, Scope, SemanticCache, SemanticSettings
+from semantic import Answer, MiniLMEmbedder, Scope, SemanticCache, SemanticSettings, SqliteEntries
 
 MODEL = "eval-model"
 CONTEXT = "eval-context"
@@ -122,7 +122,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     pairs = load_pairs(args.dataset)
     with tempfile.TemporaryDirectory() as folder:
-        cache = SemanticCache(MiniLMEmbedder(), Path(folder) / "semantic.db", SemanticSettings(threshold=args.threshold))
+        cache = SemanticCache(MiniLMEmbedder(), SqliteEntries(Path(folder) / "semantic.db"), SemanticSettings(threshold=args.threshold))
         summary = run(pairs, cache)
         cache.close()
     print_report(summary)

@@ -2,6 +2,7 @@
 
     ApiError                      raised by our code with the status it should answer
     litestar HTTPException        mapped (404 route, 405 method, 413 body too large, ...)
+    semantic StoreUnavailable     503 store_unavailable (a shared store such as Redis is down; admin routes)
     anything else                 500 server_error, logged; the server keeps serving
 """
 
@@ -11,6 +12,8 @@ import logging
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
+
+from semantic import StoreUnavailable
 
 log = logging.getLogger("strata")
 
@@ -71,6 +74,11 @@ def _http_exception_handler(_: Request, exc: HTTPException) -> Response:
     return Response(body, status_code=exc.status_code, headers=exc.headers or {})
 
 
+def _store_unavailable_handler(_: Request, exc: StoreUnavailable) -> Response:
+    message = f"the cache store cannot be reached ({exc}); nothing was changed: retry"
+    return Response(error_body(503, message, "store_unavailable"), status_code=503, headers={"Retry-After": "1"})
+
+
 def _unexpected_handler(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return Response(error_body(500, "internal server error", "internal_error"), status_code=500)
@@ -79,5 +87,6 @@ def _unexpected_handler(request: Request, exc: Exception) -> Response:
 EXCEPTION_HANDLERS = {
     ApiError: _api_error_handler,
     HTTPException: _http_exception_handler,
+    StoreUnavailable: _store_unavailable_handler,
     Exception: _unexpected_handler,
 }

@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass
 
 import anyio
 
-from semantic import (Answer, CacheControl, Embedder, ExactCache, MemoryStore, MiniLMEmbedder, Owner, RedisStore,
-                      RiskPolicy, Scope, SemanticCache, SemanticLookup, SemanticSettings, SqliteStore, StoreUnavailable,
-                      StoredResponse, context_fingerprint, exact_key, load_risk_patterns)
+from semantic import (Answer, CacheControl, Embedder, ExactCache, MemoryStore, MiniLMEmbedder, Owner, RedisEntries,
+                      RedisStore, RiskPolicy, Scope, SemanticCache, SemanticLookup, SemanticSettings, SqliteEntries,
+                      SqliteStore, StoreUnavailable, StoredResponse, context_fingerprint, exact_key, load_risk_patterns)
 from semantic.risk import DEFAULT_PATTERNS_FILE, PERSONAL_DATA
 from semantic.scope import VERSION_FIELDS
 from vision import DecodedImage
@@ -183,8 +183,13 @@ class SemanticLayer:
         if reason:
             trace.record("semantic", LayerOutcome.of(BYPASS, reason=reason))
             return None
-        result: SemanticLookup = await anyio.to_thread.run_sync(
-            self.cache.lookup, ctx.query, ctx.scope, ctx.context, time.time())
+        try:
+            result: SemanticLookup = await anyio.to_thread.run_sync(
+                self.cache.lookup, ctx.query, ctx.scope, ctx.context, time.time())
+        except StoreUnavailable:
+            self.store_errors["semantic"] += 1
+            trace.record("semantic", LayerOutcome.of(BYPASS, reason="store_unavailable"))
+            return None
         ctx.semantic_vector = result.vector
         trace.record("semantic", _semantic_outcome(result))
         if result.status != HIT:
@@ -332,6 +337,10 @@ def _semantic_cache(settings: Settings, embedder: Embedder | None) -> SemanticCa
         return None
     config = SemanticSettings(threshold=settings.semantic_threshold, require_approved=settings.semantic_require_approved,
                               default_ttl_s=settings.semantic_ttl_s)
-    cache = SemanticCache(embedder or MiniLMEmbedder(), private_file(settings.data_dir / "semantic.db"), config)
+    if settings.redis_url:  # shared by every replica; each follows the others' changes into its own index
+        store = RedisEntries(settings.redis_url)
+    else:
+        store = SqliteEntries(private_file(settings.data_dir / "semantic.db"))
+    cache = SemanticCache(embedder or MiniLMEmbedder(), store, config)
     cache.warm_up()
     return cache

@@ -89,7 +89,7 @@ class Settings:
     ssd_daily_write_bytes: int = _default(AdmissionPolicy, "daily_write_bytes")  # admission: write budget per day
     kv_quant_bits: int | None = None  # 8 or 4 quantises stored KV blocks (off by default)
     kv_quant_min_tokens: int = _default(QuantConfig, "min_tokens")  # ... only blocks at least this deep in a prefix
-    redis_url: str | None = None  # the exact cache in Redis, shared by replicas (takes precedence over exact_store)
+    redis_url: str | None = None  # the exact cache and semantic entries in Redis, shared by replicas (over exact_store)
     exact_store: str = "sqlite"  # sqlite (persistent, DATA_DIR/responses.db) | memory | off
     exact_ttl_s: float = 24 * 3600.0  # default entry lifetime; X-Strata-Cache-TTL overrides per request
     max_cache_ttl_s: float = 30 * 24 * 3600.0  # the largest X-Strata-Cache-TTL a client may ask for
@@ -204,7 +204,7 @@ SETTINGS = (
     Setting("ssd_min_prefix_tokens", "STRATA_SSD_MIN_PREFIX_TOKENS", int, "spill only blocks at least this deep in a prefix"),
     Setting("ssd_daily_write_bytes", "STRATA_SSD_DAILY_WRITE_BYTES", int, "the SSD tier's write budget per day"),
     Setting("kv_quant_bits", "STRATA_KV_QUANT_BITS", int, "8 or 4: quantise stored KV blocks (unset: off)"),
-    Setting("redis_url", "STRATA_REDIS_URL", str, "redis://host:port/db: the exact cache lives there, shared by replicas"),
+    Setting("redis_url", "STRATA_REDIS_URL", str, "redis://host:port/db: the exact cache and the semantic entries live there, shared by replicas"),
     Setting("exact_store", "STRATA_EXACT_STORE", _one_of(EXACT_STORES), "sqlite, memory or off"),
     Setting("exact_ttl_s", "STRATA_EXACT_TTL_S", float, "default lifetime of exact entries"),
     Setting("max_cache_ttl_s", "STRATA_MAX_CACHE_TTL_S", float, "the largest X-Strata-Cache-TTL a client may ask for"),

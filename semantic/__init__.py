@@ -7,17 +7,19 @@ A library: never imports `gateway`, never reads HTTP headers; returns typed resu
 from .cache import Screening, SemanticCache, SemanticEntry, SemanticLookup, SemanticSettings, SemanticSnapshot
 from .risk import PERSONAL_DATA, RiskPatterns, RiskPolicy, load_risk_patterns
 from .embedder import Embedder, MiniLMEmbedder
+from .entries import EntryStore, SqliteEntries
 from .exact import CacheControl, ExactCache, ExactLookup, ExactSnapshot, exact_key
 from .guards import Verdict, check
 from .index import PartitionedIndex
 from .owners import Owner, Selector, owner_label
-from .redis_store import RedisStore, StoreUnavailable
+from .redis_entries import RedisEntries
+from .redis_store import RedisStore
 from .scope import Scope, context_fingerprint
-from .store import Answer, MemoryStore, Purged, ResponseStore, SqliteStore, StoredResponse
+from .store import Answer, MemoryStore, Purged, ResponseStore, SqliteStore, StoredResponse, StoreUnavailable
 
 __all__ = [
     "PERSONAL_DATA", "Answer", "CacheControl", "Embedder", "ExactCache", "ExactLookup", "ExactSnapshot", "MemoryStore",
-    "MiniLMEmbedder", "Owner", "Purged", "RedisStore", "StoreUnavailable", "SemanticSnapshot", "Selector",
+    "EntryStore", "MiniLMEmbedder", "Owner", "Purged", "RedisEntries", "RedisStore", "SqliteEntries", "StoreUnavailable", "SemanticSnapshot", "Selector",
     "PartitionedIndex", "ResponseStore", "RiskPatterns", "RiskPolicy", "Scope", "Screening", "SemanticCache",
     "SemanticEntry", "SemanticLookup", "SemanticSettings", "SqliteStore", "StoredResponse", "Verdict", "check",
     "context_fingerprint", "exact_key", "load_risk_patterns", "owner_label",

@@ -1,18 +1,22 @@
 """The guarded semantic cache: embed -> search the scope's partition -> threshold + guards -> answer.
 
-Entries (with provenance and their vectors) live in SQLite beside the exact cache; the faiss
-partitions are rebuilt from them at start-up, so the index survives restarts with the entries and
-can never disagree with them. Rejected entries are never served; a setting can require approval.
+Entries (with provenance and their vectors) live in an EntryStore: SQLite beside the exact cache, or
+Redis shared by replicas (semantic/entries.py, semantic/redis_entries.py). The faiss partitions live
+in this process and are built from the store at start-up, so the index survives restarts with the
+entries. A store shared by replicas also reports changes (`changes(position, wait_s)`): a follower
+thread applies the others' inserts and deletes to this index, and rebuilds it whenever the store was
+unreachable (a restarted Redis may have lost entries). The index only proposes candidates: entries
+are read back from the store on every lookup, so a review status set on another replica, or an
+entry deleted there but not yet followed here, is honoured at once. Rejected entries are never
+served; a setting can require approval.
 """
 
 from __future__ import annotations
 
-import json
-import sqlite3
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -21,29 +25,15 @@ from .exact import Status
 from .guards import Verdict, check
 from .index import PartitionedIndex
 from .risk import PERSONAL_DATA
-from .owners import Owner, OwnerTable, Selector
+from .entries import STATUSES, EntryStore, SemanticEntry, valid_id
+from .owners import Owner, Selector
 from .scope import Scope
-from .store import Answer, Purged
+from .store import Answer, Purged, StoreUnavailable
 
-STATUSES = ("unreviewed", "approved", "rejected")
-MAX_ENTRY_ID = 2**63 - 1  # SQLite INTEGER; a larger id names no entry (and must not raise)
+log = logging.getLogger("strata.semantic")
+
 WORD_VECTOR_CACHE_SIZE = 4096  # single-word MiniLM vectors kept for the substitution guard
-
-
-@dataclass(frozen=True, slots=True)
-class SemanticEntry:
-    id: int
-    tenant: str
-    scope: dict
-    prompt: str
-    answer: str
-    created_at: float
-    expires_at: float | None
-    hit_count: int
-    status: str
-    finish_reason: str = "stop"  # replayed as the original ended: "stop" or "length"
-    completion_tokens: int = 0
-    prompt_tokens: int = 0  # of the stored question: a hit reports it without tokenising
+FOLLOW_WAIT_S = 1.0  # a follower blocks this long for news, then checks whether the cache closed
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,17 +77,20 @@ class SemanticCache:
 
     name = "semantic"
 
-    def __init__(self, embedder: Embedder, db_path: Path, settings: SemanticSettings):
+    def __init__(self, embedder: Embedder, store: EntryStore, settings: SemanticSettings):
         self.embedder = embedder
+        self.store = store
         self.settings = settings
-        self.index = PartitionedIndex(embedder.dim)
         self.word_vectors: OrderedDict[str, np.ndarray] = OrderedDict()  # guarded by word_lock
         self.word_lock = threading.Lock()
-        self.lock = threading.Lock()  # guards self.db
-        Path(db_path).parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None)
-        self._create_tables()
-        self._rebuild_index()
+        self.index = PartitionedIndex(embedder.dim)  # replaced whole by a rebuild; never mutated by two threads' swaps
+        self.closing = threading.Event()
+        self.follower = None
+        position = self._rebuild()
+        if hasattr(store, "changes"):  # shared by replicas: follow their inserts and deletes
+            self.follower = threading.Thread(target=self._follow, args=(position,), name="strata-semantic-follower",
+                                             daemon=True)
+            self.follower.start()
 
     # -- lookup and insert -------------------------------------------------------------------
 
@@ -117,6 +110,7 @@ class SemanticCache:
         return Screening(f"risk:{risk_category}" if risk_category else None)
 
     def lookup(self, query: str, scope: Scope, context: str, now: float) -> SemanticLookup:
+        """StoreUnavailable when the entry store cannot be reached (the caller bypasses the layer)."""
         vector = self.embedder.embed([query])[0]
         best: SemanticLookup | None = None
         for entry, score in self._candidates(scope.partition(context), vector):
@@ -124,74 +118,51 @@ class SemanticCache:
                 continue
             verdict = check(query, entry.prompt, score, self.settings.threshold, self.word_similarity)
             if verdict.accept:
-                self._count_hit(entry.id)
+                self.store.count_hit(entry.id)
                 return SemanticLookup("hit", score=score, entry=entry, verdict=verdict, vector=vector)
             best = best or SemanticLookup("miss", ",".join(verdict.reasons), score, verdict=verdict, vector=vector)
         return best or SemanticLookup("miss", "no_candidate", vector=vector)
 
     def _candidates(self, partition: str, vector: np.ndarray) -> list[tuple[SemanticEntry, float]]:
-        """The index's nearest entries, re-scored with their exact float32 vectors, best first."""
-        found = self.index.search(partition, vector, self.settings.candidates)
-        if not found:
+        """The index's nearest entries, re-scored with their exact float32 vectors, best first. An id
+        the store no longer has (deleted on another replica, not yet followed), or has in another
+        partition, is never served and leaves the index."""
+        index = self.index
+        ids = [entry_id for entry_id, _ in index.search(partition, vector, self.settings.candidates)]
+        if not ids:
             return []
-        ids = [entry_id for entry_id, _ in found]
-        with self.lock:
-            rows = self.db.execute(f"SELECT {_COLUMNS}, vector FROM semantic_entries WHERE id IN "
-                                   f"({','.join('?' * len(ids))})", ids).fetchall()
-        scored = [(_entry(row[:-1]), float(np.frombuffer(row[-1], dtype=np.float32) @ vector)) for row in rows]
-        return sorted(scored, key=lambda pair: -pair[1])
+        found = [(entry, stored) for entry, stored in self.store.fetch(ids) if entry.partition == partition]
+        for gone in set(ids) - {entry.id for entry, _ in found}:  # an id a restarted store gave another entry
+            index.remove(gone)
+        return sorted(((entry, float(stored @ vector)) for entry, stored in found), key=lambda pair: -pair[1])
 
     def insert(self, query: str, answer: Answer, scope: Scope, context: str, now: float,
                ttl_s: float | None = None, vector: np.ndarray | None = None, owner: Owner = Owner()) -> int:
         """Store an answer; a newer answer to the same question in the same partition replaces the
         older one (fresh review status and hit count), keeping its id, vector and owners (the new
         request's owner joins them)."""
-        entry_id = self._insert(query, answer, scope, context, now, ttl_s, vector)
-        with self.lock:
-            self.owners.add(entry_id, owner)
-        return entry_id
-
-    def _insert(self, query: str, answer: Answer, scope: Scope, context: str, now: float, ttl_s: float | None,
-                vector: np.ndarray | None) -> int:
         partition = scope.partition(context)
-        ttl = self.settings.default_ttl_s if ttl_s is None else ttl_s
-        expires = now + ttl if ttl > 0 else None
-        existing = self._find(partition, query)
-        if existing is not None:
-            with self.lock:
-                self.db.execute("UPDATE semantic_entries SET answer = ?, finish_reason = ?, completion_tokens = ?, "
-                                "prompt_tokens = ?, created_at = ?, expires_at = ?, hit_count = 0, status = 'unreviewed' "
-                                "WHERE id = ?", (answer.text, answer.finish_reason, answer.completion_tokens,
-                                                 answer.prompt_tokens, now, expires, existing))
-            return existing
-        vector = self.embedder.embed([query])[0] if vector is None else vector
-        with self.lock:
-            cursor = self.db.execute(
-                "INSERT INTO semantic_entries (partition, tenant, scope, prompt, answer, finish_reason, "
-                "completion_tokens, prompt_tokens, created_at, expires_at, hit_count, status, vector) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, 'unreviewed', ?)",
-                (partition, scope.tenant, json.dumps(scope.as_dict()), query, answer.text, answer.finish_reason,
-                 answer.completion_tokens, answer.prompt_tokens, now, expires,
-                 np.asarray(vector, dtype=np.float32).tobytes()))
-            entry_id = int(cursor.lastrowid)
-        self.index.add(partition, [entry_id], vector.reshape(1, -1))
+        if vector is None and self.store.find(partition, query) is None:
+            vector = self.embedder.embed([query])[0]
+        if vector is None:  # the entry exists: put() keeps its vector (one deleted meanwhile is stored with
+            vector = np.zeros(self.embedder.dim, dtype=np.float32)  # this one, which no query comes near)
+        entry_id, created = self.store.put(partition, scope, query, answer, now, self._expiry(now, ttl_s), vector)
+        if created:
+            self.index.add(partition, [entry_id], vector.reshape(1, -1))
+        self.store.own(entry_id, owner)
         return entry_id
 
     def insert_many(self, prompts: list[str], answers: list[str], vectors: np.ndarray, scope: Scope, context: str,
                     now: float) -> list[int]:
         """Bulk load (e.g. an FAQ import) with precomputed, normalised vectors; no de-duplication."""
         partition = scope.partition(context)
-        expires = now + self.settings.default_ttl_s if self.settings.default_ttl_s > 0 else None
-        rows = [(partition, scope.tenant, json.dumps(scope.as_dict()), p, a, now, expires,
-                 np.asarray(v, dtype=np.float32).tobytes()) for p, a, v in zip(prompts, answers, vectors)]
-        with self.lock:
-            self.db.execute("BEGIN")
-            ids = [int(self.db.execute("INSERT INTO semantic_entries (partition, tenant, scope, prompt, answer, created_at, "
-                                       "expires_at, hit_count, status, vector) VALUES (?, ?, ?, ?, ?, ?, ?, 0, "
-                                       "'unreviewed', ?)", row).lastrowid) for row in rows]
-            self.db.execute("COMMIT")
+        ids = self.store.put_many(partition, scope, prompts, answers, vectors, now, self._expiry(now, None))
         self.index.add(partition, ids, vectors)
         return ids
+
+    def _expiry(self, now: float, ttl_s: float | None) -> float | None:
+        ttl = self.settings.default_ttl_s if ttl_s is None else ttl_s
+        return now + ttl if ttl > 0 else None
 
     def _servable(self, entry: SemanticEntry, now: float) -> bool:
         if entry.expires_at is not None and entry.expires_at <= now:
@@ -218,115 +189,89 @@ class SemanticCache:
     # -- administration ----------------------------------------------------------------------
 
     def get(self, entry_id: int) -> SemanticEntry | None:
-        if not 0 < entry_id <= MAX_ENTRY_ID:
-            return None
-        with self.lock:
-            row = self.db.execute(f"SELECT {_COLUMNS} FROM semantic_entries WHERE id = ?", (entry_id,)).fetchone()
-        return _entry(row) if row else None
+        return self.store.get(entry_id) if valid_id(entry_id) else None
 
     def list_entries(self, tenant: str | None = None, status: str | None = None, limit: int = 100) -> list[SemanticEntry]:
-        query, args = f"SELECT {_COLUMNS} FROM semantic_entries WHERE 1=1", []
-        if tenant is not None:
-            query, args = query + " AND tenant = ?", args + [tenant]
-        if status is not None:
-            query, args = query + " AND status = ?", args + [status]
-        with self.lock:
-            rows = self.db.execute(query + " ORDER BY id DESC LIMIT ?", (*args, limit)).fetchall()
-        return [_entry(row) for row in rows]
+        return self.store.list_entries(tenant, status, limit)
 
     def set_status(self, entry_id: int, status: str) -> bool:
         assert status in STATUSES, status
-        if not 0 < entry_id <= MAX_ENTRY_ID:
-            return False
-        with self.lock:
-            return self.db.execute("UPDATE semantic_entries SET status = ? WHERE id = ?", (status, entry_id)).rowcount > 0
+        return valid_id(entry_id) and self.store.set_status(entry_id, status)
 
     def delete(self, entry_id: int) -> bool:
-        if not 0 < entry_id <= MAX_ENTRY_ID:
+        if not valid_id(entry_id):
             return False
         self.index.remove(entry_id)
-        with self.lock:
-            self.owners.forget([entry_id])
-            return self.db.execute("DELETE FROM semantic_entries WHERE id = ?", (entry_id,)).rowcount > 0
+        return self.store.delete(entry_id)
 
     def own(self, entry_id: int, owner: Owner) -> None:
         """A hit: the entry is the hitting request's owner's too."""
-        with self.lock:
-            if self.db.execute("SELECT 1 FROM semantic_entries WHERE id = ?", (entry_id,)).fetchone():
-                self.owners.add(entry_id, owner)
+        self.store.own(entry_id, owner)
 
     def purge_owned(self, selector: Selector) -> Purged:
         """A tenant's entries, or its session's or end user's share of them (semantic/owners.py)."""
-        with self.lock:
-            ids = self.owners.release(selector, "semantic_entries", "id")
-            size = sum(self.db.execute("SELECT LENGTH(prompt) + LENGTH(answer) + LENGTH(vector) FROM semantic_entries "
-                                       "WHERE id = ?", (entry_id,)).fetchone()[0] for entry_id in ids)
+        ids, size = self.store.release(selector)
         return Purged(sum(self.delete(entry_id) for entry_id in ids), size)
 
     def stats(self) -> SemanticSnapshot:
-        with self.lock:
-            by_status = dict(self.db.execute("SELECT status, COUNT(*) FROM semantic_entries GROUP BY status").fetchall())
-            num_partitions = self.db.execute("SELECT COUNT(DISTINCT partition) FROM semantic_entries").fetchone()[0]
-        return SemanticSnapshot(sum(by_status.values()), num_partitions, {s: by_status.get(s, 0) for s in STATUSES})
+        by_status, num_partitions = self.store.stats()
+        return SemanticSnapshot(sum(by_status.values()), num_partitions, by_status)
 
     def purge(self) -> Purged:
-        with self.lock:
-            ids = [row[0] for row in self.db.execute("SELECT id FROM semantic_entries")]
-        return Purged(sum(self.delete(i) for i in ids))
+        return Purged(sum(self.delete(i) for i in self.store.all_ids()))
 
     def purge_expired(self, now: float) -> int:
-        with self.lock:
-            ids = [r[0] for r in self.db.execute(
-                "SELECT id FROM semantic_entries WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,))]
-        return sum(self.delete(i) for i in ids)
+        return sum(self.delete(i) for i in self.store.expired_ids(now))
 
     def close(self) -> None:
-        with self.lock:
-            self.db.close()
+        self.closing.set()
+        if self.follower is not None:
+            self.follower.join(timeout=FOLLOW_WAIT_S + 2.0)
+        self.store.close()
 
-    # -- storage -----------------------------------------------------------------------------
+    # -- the index ---------------------------------------------------------------------------
 
-    def _create_tables(self) -> None:
-        with self.lock:
-            self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.execute("CREATE TABLE IF NOT EXISTS semantic_entries (id INTEGER PRIMARY KEY AUTOINCREMENT, "
-                            "partition TEXT NOT NULL, tenant TEXT NOT NULL, scope TEXT NOT NULL, prompt TEXT NOT NULL, "
-                            "answer TEXT NOT NULL, created_at REAL NOT NULL, expires_at REAL, hit_count INTEGER NOT NULL, "
-                            "status TEXT NOT NULL, vector BLOB NOT NULL, finish_reason TEXT NOT NULL DEFAULT 'stop', "
-                            "completion_tokens INTEGER NOT NULL DEFAULT 0, prompt_tokens INTEGER NOT NULL DEFAULT 0)")
-            self.db.execute("CREATE INDEX IF NOT EXISTS semantic_by_partition ON semantic_entries(partition, prompt)")
-            self.owners = OwnerTable(self.db, "semantic_owners", "INTEGER")
-            columns = {row[1] for row in self.db.execute("PRAGMA table_info(semantic_entries)")}
-            for column, ddl in (("finish_reason", "TEXT NOT NULL DEFAULT 'stop'"),
-                                ("completion_tokens", "INTEGER NOT NULL DEFAULT 0"),
-                                ("prompt_tokens", "INTEGER NOT NULL DEFAULT 0")):
-                if column not in columns:  # a database written by an earlier version
-                    self.db.execute(f"ALTER TABLE semantic_entries ADD COLUMN {column} {ddl}")
-
-    def _rebuild_index(self) -> None:
-        with self.lock:
-            rows = self.db.execute("SELECT id, partition, vector FROM semantic_entries").fetchall()
-        by_partition: dict[str, list[tuple[int, bytes]]] = {}
+    def _rebuild(self):
+        """A fresh index from every entry in the store, swapped in whole; returns the store's change
+        position read before the scan (None when the store cannot be reached: the index stays)."""
+        try:
+            position = self.store.position() if hasattr(self.store, "position") else None
+            rows = self.store.vectors()
+        except StoreUnavailable as exc:
+            log.warning("semantic index not rebuilt: %s", exc)
+            return None
+        index = PartitionedIndex(self.embedder.dim)
+        by_partition: dict[str, list[tuple[int, np.ndarray]]] = {}
         for entry_id, partition, vector in rows:
             by_partition.setdefault(partition, []).append((entry_id, vector))
         for partition, items in by_partition.items():
-            vectors = np.stack([np.frombuffer(v, dtype=np.float32) for _, v in items])
-            self.index.add(partition, [i for i, _ in items], vectors)
+            index.add(partition, [i for i, _ in items], np.stack([v for _, v in items]))
+        self.index = index
+        return position if position is not None else "rebuilt"
 
-    def _find(self, partition: str, prompt: str) -> int | None:
-        with self.lock:
-            row = self.db.execute("SELECT id FROM semantic_entries WHERE partition = ? AND prompt = ?",
-                                  (partition, prompt)).fetchone()
-        return int(row[0]) if row else None
+    def _follow(self, position) -> None:
+        """Apply the store's changes (every replica's inserts and deletes, this one's included:
+        applying is idempotent) until the cache closes. After the store was unreachable the index is
+        rebuilt, then followed from the position read before the rebuild."""
+        while not self.closing.is_set():
+            if position is None:
+                position = self._rebuild()
+                if position is None:
+                    self.closing.wait(FOLLOW_WAIT_S)
+                    continue
+            try:
+                changes, position = self.store.changes(position, FOLLOW_WAIT_S)
+            except StoreUnavailable:
+                position = None
+                self.closing.wait(FOLLOW_WAIT_S / 4)
+                continue
+            for change in changes:
+                self._apply(change)
 
-    def _count_hit(self, entry_id: int) -> None:
-        with self.lock:
-            self.db.execute("UPDATE semantic_entries SET hit_count = hit_count + 1 WHERE id = ?", (entry_id,))
-
-
-_COLUMNS = ("id, tenant, scope, prompt, answer, created_at, expires_at, hit_count, status, finish_reason, "
-            "completion_tokens, prompt_tokens")
-
-
-def _entry(row) -> SemanticEntry:
-    return SemanticEntry(row[0], row[1], json.loads(row[2]), *row[3:])
+    def _apply(self, change: tuple) -> None:
+        """("add", id, partition, vector) or ("remove", id)."""
+        if change[0] == "add":
+            _, entry_id, partition, vector = change
+            self.index.add(partition, [entry_id], vector.reshape(1, -1))
+        else:
+            self.index.remove(change[1])

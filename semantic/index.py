@@ -26,6 +26,12 @@ class PartitionedIndex:
         self.lock = threading.Lock()
 
     def add(self, partition: str, entry_ids: list[int], vectors: np.ndarray) -> None:
+        """Ids already indexed are skipped: a replica may hear of its own insert again."""
+        fresh = [i for i, entry_id in enumerate(entry_ids) if entry_id not in self.partition_of]
+        if len(fresh) < len(entry_ids):
+            entry_ids, vectors = [entry_ids[i] for i in fresh], np.asarray(vectors)[fresh]
+        if not entry_ids:
+            return
         with self.lock:
             index = self.partitions.get(partition)
             if index is None:

@@ -28,7 +28,7 @@ from dataclasses import asdict
 import redis
 
 from .owners import Owner, Selector
-from .store import Purged, StoredResponse
+from .store import Purged, StoredResponse, StoreUnavailable
 
 EXPIRY_GRACE_S = 60.0
 RETRY_AFTER_S = 1.0
@@ -36,17 +36,11 @@ CONNECT_TIMEOUT_S = 0.25
 SOCKET_TIMEOUT_S = 1.0
 
 
-class StoreUnavailable(Exception):
-    """The store cannot be reached now; the layer is bypassed, the request still answered."""
-
-
 class RedisStore:
     def __init__(self, url: str, prefix: str = "strata:exact:"):
-        self.client = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S,
-                                           socket_timeout=SOCKET_TIMEOUT_S, health_check_interval=30)
+        self.link = RedisLink(url)
+        self.client = self.link.client
         self.prefix = prefix
-        self.down_until = 0.0  # time.monotonic() before which calls fail at once
-        self.lock = threading.Lock()  # guards down_until
 
     # -- the contract --------------------------------------------------------------------------
 
@@ -112,7 +106,7 @@ class RedisStore:
         return removed
 
     def close(self) -> None:
-        self.client.close()
+        self.link.close()
 
     # -- parts ---------------------------------------------------------------------------------
 
@@ -142,14 +136,31 @@ class RedisStore:
         return Purged(len(raws), sum(len(raw) for raw in raws))
 
     def _transaction(self, write) -> None:
-        def run():
-            with self.client.pipeline(transaction=True) as pipe:
-                write(pipe)
-                pipe.execute()
-
-        self._call(run)
+        self.link.transaction(write)
 
     def _call(self, operation, *args, **kwargs):
+        return self.link.call(operation, *args, **kwargs)
+
+    def _entry(self, key: str) -> str:
+        return f"{self.prefix}e:{key}"
+
+    def _owners(self, key: str) -> str:
+        return f"{self.prefix}o:{key}"
+
+    def _tenant(self, tenant: str) -> str:
+        return f"{self.prefix}t:{tenant}"
+
+
+class RedisLink:
+    """One Redis client whose failures become StoreUnavailable, with the down window above."""
+
+    def __init__(self, url: str, socket_timeout_s: float = SOCKET_TIMEOUT_S):
+        self.client = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S,
+                                           socket_timeout=socket_timeout_s, health_check_interval=30)
+        self.down_until = 0.0  # time.monotonic() before which calls fail at once
+        self.lock = threading.Lock()  # guards down_until
+
+    def call(self, operation, *args, **kwargs):
         with self.lock:
             if time.monotonic() < self.down_until:
                 raise StoreUnavailable("redis was unreachable moments ago")
@@ -160,14 +171,17 @@ class RedisStore:
                 self.down_until = time.monotonic() + RETRY_AFTER_S
             raise StoreUnavailable(f"redis: {exc}") from None
 
-    def _entry(self, key: str) -> str:
-        return f"{self.prefix}e:{key}"
+    def transaction(self, write) -> None:
+        """`write(pipe)` queues commands that run in one MULTI/EXEC."""
+        def run():
+            with self.client.pipeline(transaction=True) as pipe:
+                write(pipe)
+                pipe.execute()
 
-    def _owners(self, key: str) -> str:
-        return f"{self.prefix}o:{key}"
+        self.call(run)
 
-    def _tenant(self, tenant: str) -> str:
-        return f"{self.prefix}t:{tenant}"
+    def close(self) -> None:
+        self.client.close()
 
 
 def _due(tenant: str, key: str) -> str:

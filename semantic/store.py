@@ -22,6 +22,10 @@ from typing import Protocol
 from .owners import Owner, OwnerTable, Selector
 
 
+class StoreUnavailable(Exception):
+    """The store cannot be reached now; the layer is bypassed, the request still answered."""
+
+
 @dataclass(frozen=True, slots=True)
 class Answer:
     """What the model said, as the response layers keep it and replay it."""

@@ -96,6 +96,12 @@ class RedisServer:
                 assert time.monotonic() < deadline and self.process.poll() is None, "redis-server did not start"
                 time.sleep(0.05)
 
+    def flush(self) -> None:
+        """Empty the server (a test that counts entries starts from none)."""
+        import redis
+
+        redis.Redis.from_url(self.url).flushall()
+
     def stop(self) -> None:
         self.process.terminate()
         self.process.wait(timeout=10)

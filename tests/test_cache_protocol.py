@@ -14,7 +14,7 @@ import pytest
 from gateway.caches import CacheLayer
 from kvcache import PrefixCache, TenantSalt
 from kvcache.ssd import AdmissionPolicy, SpillRequest, SsdConfig, SsdTier
-from semantic import Answer, ExactCache, MemoryStore, Scope, SemanticCache, SemanticSettings, SqliteStore, StoredResponse
+from semantic import Answer, ExactCache, MemoryStore, Scope, SemanticCache, SemanticSettings, SqliteEntries, SqliteStore, StoredResponse
 from vision import VisionCache
 
 SALT = TenantSalt(b"s" * 32)
@@ -28,7 +28,7 @@ def _exact(tmp_path, store):
 
 
 def _semantic(tmp_path, embedder):
-    cache = SemanticCache(embedder, tmp_path / "semantic.db", SemanticSettings())
+    cache = SemanticCache(embedder, SqliteEntries(tmp_path / "semantic.db"), SemanticSettings())
     for question in ("How do I reset my password?", "Where are the invoices?"):
         cache.insert(question, Answer("..."), Scope("tenant-a", "model"), "ctx", time.time())
     return cache, 2

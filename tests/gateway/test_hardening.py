@@ -94,7 +94,7 @@ def test_a_failing_store_still_answers_plain_and_streaming(client):
     """Both stores' connections refuse every write (a real SQLite error, as a full disk gives): 5 of 5
     plain requests once failed with 500, and streams were cut without [DONE]."""
     responses = client.app.state.services.responses
-    for db, lock in ((responses.exact.store.db, responses.exact.store.lock), (responses.semantic.db, responses.semantic.lock)):
+    for db, lock in ((responses.exact.store.db, responses.exact.store.lock), (responses.semantic.store.db, responses.semantic.store.lock)):
         with lock:
             db.execute("PRAGMA query_only = 1")
     plain = ask(client, "Write a story about a lighthouse keeper.", max_tokens=8)

@@ -1,6 +1,6 @@
-"""The exact cache in Redis (STRATA_REDIS_URL) under the real app: two replicas share answers and
-purges; a Redis that goes away degrades the layer to a bypass with its reason, never an error, and
-the layer comes back with it."""
+"""The exact cache and semantic entries in Redis (STRATA_REDIS_URL) under the real app: two replicas
+share answers, paraphrase hits and purges; a Redis that goes away degrades both layers to a bypass
+with its reason, never an error, and the layers come back with it."""
 
 from __future__ import annotations
 
@@ -23,10 +23,16 @@ def _ask(client, text, session="s-1"):
     return response
 
 
-def test_two_replicas_share_exact_answers_and_purges(engine, settings, redis_server, tmp_path):
-    shared = dataclasses.replace(settings, redis_url=redis_server.url, exact_store="sqlite", admin_key="admin-key")
+def _shared(settings, url):
+    return dataclasses.replace(settings, redis_url=url, exact_store="sqlite", semantic_enabled=True, admin_key="admin-key")
+
+
+def test_two_replicas_share_exact_answers_and_purges(engine, embedder, settings, redis_server, tmp_path):
+    redis_server.flush()
+    shared = _shared(settings, redis_server.url)
     replica_b = dataclasses.replace(shared, data_dir=tmp_path / "replica-b")
-    with TestClient(create_app(shared, engine=engine)) as a, TestClient(create_app(replica_b, engine=engine)) as b:
+    with TestClient(create_app(shared, engine=engine, embedder=embedder)) as a, \
+            TestClient(create_app(replica_b, engine=engine, embedder=embedder)) as b:
         stored = _ask(a, "Stored through replica A, served through B?")
         served = _ask(b, "Stored through replica A, served through B?")
         assert served.headers["x-cache-exact"].startswith("hit")
@@ -36,29 +42,53 @@ def test_two_replicas_share_exact_answers_and_purges(engine, settings, redis_ser
         assert removed["exact"]["entries"] == 1
         assert _ask(a, "Stored through replica A, served through B?").headers["x-cache-exact"].startswith("miss")
         assert not (tmp_path / "replica-b" / "responses.db").exists()  # nothing went to SQLite
+        assert not (tmp_path / "replica-b" / "semantic.db").exists()
 
 
-def test_an_unreachable_redis_is_a_bypass_and_the_layer_recovers(engine, settings, tmp_path):
+def test_a_paraphrase_stored_on_one_replica_hits_on_the_other(engine, embedder, settings, redis_server, tmp_path):
+    redis_server.flush()
+    shared = _shared(settings, redis_server.url)
+    replica_b = dataclasses.replace(shared, data_dir=tmp_path / "replica-b")
+    with TestClient(create_app(shared, engine=engine, embedder=embedder)) as a, \
+            TestClient(create_app(replica_b, engine=engine, embedder=embedder)) as b:
+        stored = _ask(a, "How do I reset my password?")
+        deadline = time.monotonic() + 2.0
+        while not (served := _ask(b, "What is the way to reset my password?")).headers["x-cache-semantic"].startswith("hit"):
+            assert time.monotonic() < deadline, served.headers["x-cache-semantic"]
+        assert served.json()["choices"][0]["message"]["content"] == stored.json()["choices"][0]["message"]["content"]
+        entry = b.get("/admin/semantic/entries", headers=ADMIN).json()["data"][0]
+        assert a.post(f"/admin/semantic/entries/{entry['id']}/reject", headers=ADMIN).status_code == 200
+        assert _ask(b, "What is the way to reset my password?").headers["x-cache-semantic"].startswith("miss")
+        removed = b.post("/admin/purge", json={"tenant": "default", "layers": ["semantic"]}, headers=ADMIN).json()
+        assert removed["removed"]["semantic"]["entries"] == 2  # the rejected one and B's own answer to its miss
+        assert a.get("/admin/semantic/entries", headers=ADMIN).json()["data"] == []
+
+
+def test_an_unreachable_redis_is_a_bypass_and_the_layers_recover(engine, embedder, settings, tmp_path):
     servers = [RedisServer(tmp_path / "redis")]
     try:
-        _outage_and_recovery(engine, settings, tmp_path, servers)
+        _outage_and_recovery(engine, embedder, settings, tmp_path, servers)
     finally:
         for server in servers:
             if server.process.poll() is None:
                 server.stop()
 
 
-def _outage_and_recovery(engine, settings, tmp_path, servers: list[RedisServer]) -> None:
+def _outage_and_recovery(engine, embedder, settings, tmp_path, servers: list[RedisServer]) -> None:
     server = servers[0]
-    live = dataclasses.replace(settings, redis_url=server.url, exact_store="sqlite", admin_key="admin-key")
-    with TestClient(create_app(live, engine=engine)) as client:
+    live = _shared(settings, server.url)
+    with TestClient(create_app(live, engine=engine, embedder=embedder)) as client:
         _ask(client, "Will Redis keep this?")
         assert _ask(client, "Will Redis keep this?").headers["x-cache-exact"].startswith("hit")
         server.stop()
         down = _ask(client, "Will Redis keep this?")
         assert down.headers["x-cache-exact"] == "bypass; reason=store_unavailable"
+        assert down.headers["x-cache-semantic"] == "bypass; reason=store_unavailable"
         assert down.json()["choices"][0]["message"]["content"]  # answered by the engine
-        assert client.get("/admin/stats", headers=ADMIN).json()["response_caches"]["exact"] == {"unavailable": True}
+        stats = client.get("/admin/stats", headers=ADMIN).json()["response_caches"]
+        assert stats["exact"] == stats["semantic"] == {"unavailable": True}
+        listing = client.get("/admin/semantic/entries", headers=ADMIN)
+        assert listing.status_code == 503 and listing.json()["error"]["code"] == "store_unavailable"
         assert client.get("/metrics").status_code == 200
         purge = client.post("/admin/purge", json={"tenant": "default"}, headers=ADMIN)
         assert purge.status_code == 503 and purge.json()["error"]["code"] == "store_unavailable"
@@ -66,3 +96,4 @@ def _outage_and_recovery(engine, settings, tmp_path, servers: list[RedisServer])
         time.sleep(RETRY_AFTER_S)
         assert _ask(client, "Will Redis keep this?").headers["x-cache-exact"].startswith("miss")
         assert _ask(client, "Will Redis keep this?").headers["x-cache-exact"].startswith("hit")
+        assert _ask(client, "Would Redis keep this?").headers["x-cache-semantic"].startswith("hit")

@@ -69,9 +69,9 @@ def test_below_threshold_is_refused_whatever_the_guards_say():
 
 
 def test_substitution_guard_lets_synonyms_through_when_it_can_compare_words(embedder, tmp_path):
-    from semantic import SemanticCache, SemanticSettings
+    from semantic import SemanticCache, SemanticSettings, SqliteEntries
 
-    cache = SemanticCache(embedder, tmp_path / "s.db", SemanticSettings())
+    cache = SemanticCache(embedder, SqliteEntries(tmp_path / "s.db"), SemanticSettings())
     synonyms = check("How do I upload a photo?", "How do I upload a picture?", 0.95, 0.8, cache.word_similarity)
     cohyponyms = check("Can I bring my cat on the train?", "Can I bring my dog on the train?", 0.95, 0.8,
                        cache.word_similarity)

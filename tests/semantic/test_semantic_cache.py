@@ -2,7 +2,7 @@
 
 import pytest
 
-from semantic import Answer, RiskPolicy, Scope, SemanticCache, SemanticSettings, load_risk_patterns
+from semantic import Answer, RiskPolicy, Scope, SemanticCache, SemanticSettings, SqliteEntries, load_risk_patterns
 
 SCOPE = Scope("tenant-a", "model-1")
 CONTEXT = "ctx"
@@ -10,7 +10,7 @@ CONTEXT = "ctx"
 
 @pytest.fixture
 def cache(tmp_path, embedder):
-    live = SemanticCache(embedder, tmp_path / "semantic.db", SemanticSettings())
+    live = SemanticCache(embedder, SqliteEntries(tmp_path / "semantic.db"), SemanticSettings())
     yield live
     live.close()
 
@@ -48,7 +48,7 @@ def test_rejected_entries_are_never_served_and_approval_can_be_required(cache, t
     entry_id = cache.insert("Is there a mobile app?", Answer("Yes."), SCOPE, CONTEXT, now=0)
     cache.set_status(entry_id, "rejected")
     assert cache.lookup("Is there a mobile app?", SCOPE, CONTEXT, now=1).status == "miss"
-    strict = SemanticCache(embedder, tmp_path / "strict.db", SemanticSettings(require_approved=True))
+    strict = SemanticCache(embedder, SqliteEntries(tmp_path / "strict.db"), SemanticSettings(require_approved=True))
     other = strict.insert("Is there a mobile app?", Answer("Yes."), SCOPE, CONTEXT, now=0)
     assert strict.lookup("Is there a mobile app?", SCOPE, CONTEXT, now=1).status == "miss"
     strict.set_status(other, "approved")
@@ -57,10 +57,10 @@ def test_rejected_entries_are_never_served_and_approval_can_be_required(cache, t
 
 
 def test_entries_and_index_survive_a_restart(tmp_path, embedder):
-    first = SemanticCache(embedder, tmp_path / "s.db", SemanticSettings())
+    first = SemanticCache(embedder, SqliteEntries(tmp_path / "s.db"), SemanticSettings())
     entry_id = first.insert("How do I export my data?", Answer("Use Export."), SCOPE, CONTEXT, now=0)
     first.close()
-    second = SemanticCache(embedder, tmp_path / "s.db", SemanticSettings())
+    second = SemanticCache(embedder, SqliteEntries(tmp_path / "s.db"), SemanticSettings())
     result = second.lookup("How can I export my data?", SCOPE, CONTEXT, now=1)
     assert result.status == "hit" and result.entry.id == entry_id
     assert second.delete(entry_id) and second.lookup("How can I export my data?", SCOPE, CONTEXT, now=1).status == "miss"
@@ -90,9 +90,9 @@ def test_personal_questions_need_a_named_end_user(cache):
     assert scoped.bypass_reason is None and scoped.personal
 
 def test_owned_entries_are_purged_by_session_keeping_shared_ones(tmp_path, embedder):
-    from semantic import Answer, Owner, Scope, Selector, SemanticCache, SemanticSettings
+    from semantic import Answer, Owner, Scope, Selector, SemanticCache, SemanticSettings, SqliteEntries
 
-    cache = SemanticCache(embedder, tmp_path / "s.db", SemanticSettings())
+    cache = SemanticCache(embedder, SqliteEntries(tmp_path / "s.db"), SemanticSettings())
     scope = Scope("tenant-a", "model")
     shared = cache.insert("What are your opening hours?", Answer("9 to 5"), scope, "ctx", 0.0, owner=Owner("s1"))
     assert cache.insert("What are your opening hours?", Answer("9 to 5"), scope, "ctx", 1.0, owner=Owner("s2")) == shared
