@@ -414,7 +414,8 @@ def engine_config(settings: Settings) -> EngineConfig:
     ssd = None
     if settings.ssd_capacity_bytes:
         admission = AdmissionPolicy(settings.ssd_min_hits, settings.ssd_min_prefix_tokens, settings.ssd_daily_write_bytes)
-        ssd = SsdConfig(settings.data_dir / "kv", settings.ssd_capacity_bytes, settings.ssd_retention_s, admission=admission)
+        ssd = SsdConfig(settings.ssd_dir or settings.data_dir / "kv", settings.ssd_capacity_bytes, settings.ssd_retention_s,
+                        admission=admission, writer=settings.ssd_writer)
     quant = QuantConfig(settings.kv_quant_bits, min_tokens=settings.kv_quant_min_tokens) if settings.kv_quant_bits else None
     caches = CacheConfig(budget, settings.vision_budget_bytes, settings.kv_block_size, ssd, quant,
                          prefix_idle_s=settings.kv_ram_retention_s, vision_idle_s=settings.vision_retention_s)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -87,6 +88,8 @@ class Settings:
     ssd_min_hits: int = _default(AdmissionPolicy, "min_hits")  # admission: spill only blocks reused this often
     ssd_min_prefix_tokens: int = _default(AdmissionPolicy, "min_prefix_tokens")  # only blocks this deep in a prefix
     ssd_daily_write_bytes: int = _default(AdmissionPolicy, "daily_write_bytes")  # admission: write budget per day
+    ssd_dir: Path | None = None  # the KV SSD tier's folder (None: DATA_DIR/kv); may be shared by replicas
+    ssd_writer: str = _default(SsdConfig, "writer")  # this replica's name in a shared ssd_dir ("": the only writer)
     kv_quant_bits: int | None = None  # 8 or 4 quantises stored KV blocks (off by default)
     kv_quant_min_tokens: int = _default(QuantConfig, "min_tokens")  # ... only blocks at least this deep in a prefix
     redis_url: str | None = None  # the exact cache and semantic entries in Redis, shared by replicas (over exact_store)
@@ -159,6 +162,13 @@ def _one_of(choices: tuple[str, ...]):
     return parse
 
 
+def _writer_name(text: str) -> str:
+    """A name that can be part of a file name: letters, digits, '-' and '_', at most 64."""
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", text):
+        raise ValueError(f"must be 1 to 64 letters, digits, '-' or '_'; got {text!r}")
+    return text
+
+
 @dataclass(frozen=True, slots=True)
 class Setting:
     """One setting, declared once: the Settings field (and its default), the environment variable,
@@ -203,6 +213,9 @@ SETTINGS = (
     Setting("ssd_min_hits", "STRATA_SSD_MIN_HITS", int, "spill only blocks reused at least this often in RAM"),
     Setting("ssd_min_prefix_tokens", "STRATA_SSD_MIN_PREFIX_TOKENS", int, "spill only blocks at least this deep in a prefix"),
     Setting("ssd_daily_write_bytes", "STRATA_SSD_DAILY_WRITE_BYTES", int, "the SSD tier's write budget per day"),
+    Setting("ssd_dir", "STRATA_SSD_DIR", Path, "the KV SSD tier's folder (default DATA_DIR/kv); replicas may share one"),
+    Setting("ssd_writer", "STRATA_SSD_WRITER", _writer_name, "this replica's name in a shared STRATA_SSD_DIR: several "
+            "writers made safe, every block written through for failover"),
     Setting("kv_quant_bits", "STRATA_KV_QUANT_BITS", int, "8 or 4: quantise stored KV blocks (unset: off)"),
     Setting("redis_url", "STRATA_REDIS_URL", str, "redis://host:port/db: the exact cache and the semantic entries live there, shared by replicas"),
     Setting("exact_store", "STRATA_EXACT_STORE", _one_of(EXACT_STORES), "sqlite, memory or off"),

@@ -119,9 +119,13 @@ class PrefixCache:
 
     name = "prefix"
 
-    def __init__(self, budget_bytes: int, block_size: int, ssd: SsdTier | None = None, quant: QuantConfig | None = None):
+    def __init__(self, budget_bytes: int, block_size: int, ssd: SsdTier | None = None, quant: QuantConfig | None = None,
+                 write_through: bool = False):
         self.block_size = block_size
         self.ssd = ssd
+        # Every new block is offered to SSD when stored, not when evicted (and the admission policy's
+        # hit count is not asked): a replica that dies leaves its conversations on a shared tier.
+        self.write_through = write_through and ssd is not None
         self.quant = quant
         self.pool = BlockPool(budget_bytes, on_evict=self._spill if ssd else None, on_discard=self._remember)
         self.counters = PrefixCacheStats()
@@ -272,13 +276,9 @@ class PrefixSession:
         read; a run that cannot be reserved is recomputed (counted), and a block that cannot be read
         or verified ends the match there."""
         ssd, start = self.cache.ssd, len(self.held)
-        run, sizes = [], []
-        for block_hash in self.hashes[start:]:
-            size = ssd.ram_size_of(block_hash.hex())
-            if size is None:
-                break
-            run.append(block_hash.hex())
-            sizes.append(size)
+        run, sizes = self._run_on_ssd(start)
+        if len(run) < len(self.hashes) - start and ssd.refresh():  # other writers of a shared folder
+            run, sizes = self._run_on_ssd(start)
         if not run:
             return
         if not self.pool.make_room(sum(sizes)):
@@ -294,6 +294,17 @@ class PrefixSession:
             block.num_hits += 1
             self.held.append(block)
             self.cache.counters.num_ssd_promoted += 1
+
+    def _run_on_ssd(self, start: int) -> tuple[list[str], list[int]]:
+        """The chain's blocks from `start` that the SSD tier holds, up to the first it lacks, and their RAM sizes."""
+        run, sizes = [], []
+        for block_hash in self.hashes[start:]:
+            size = self.cache.ssd.ram_size_of(block_hash.hex())
+            if size is None:
+                break
+            run.append(block_hash.hex())
+            sizes.append(size)
+        return run, sizes
 
     def _new_block(self, index: int, kv: tuple) -> Block:
         parent = self.hashes[index - 1] if index else self.root
@@ -320,7 +331,7 @@ class PrefixSession:
         self._extend(tuple(token_ids[:num_tokens]))
         size = self.cache.block_size
         num_blocks = min(num_tokens // size, len(self.hashes))
-        new_arrays, num_new = [], 0
+        new_arrays, new_blocks = [], []
         for index in range(len(self.held), num_blocks):
             block, created = self._block_for(index, layer_states)
             if block is None:
@@ -328,9 +339,12 @@ class PrefixSession:
             self.held.append(block)
             if created:
                 new_arrays += [getattr(a, "data", a) for pair in block.kv for a in pair]
-                num_new += 1
+                new_blocks.append(block)
         mx.eval(new_arrays)  # copy the new blocks out now, so the request's cache buffers can be freed
-        return num_new
+        if self.cache.write_through:
+            for block in new_blocks:
+                self.cache.ssd.offer(_spill_request(block, size))
+        return len(new_blocks)
 
     def _extend(self, token_ids: tuple[int, ...]) -> None:
         """Grow the chain to cover `token_ids`, hashing only the blocks it does not have yet."""

@@ -4,6 +4,7 @@
     verified_blocks(raw, namespace) -> ({hash: tensors}, problem)   XXH3-128 checked, up to the first bad block
     decode(raw, namespace, wanted) -> ([SpillRequest], problem)      the same, with each block's description
     write_atomically(path, payload)               temp file in the same folder, fsync, os.replace
+    describe(path, namespace)                     a segment's blocks and owners from its header alone
 
 A segment is a safetensors file: tensors named "<block hash hex>/<tensor name>", and metadata with the
 format version, the namespace (model fingerprint, block size, quantisation), and per block its hash,
@@ -88,6 +89,27 @@ def decode(raw: bytes, namespace: str, wanted: list[str]) -> tuple[list[SpillReq
 def described_owners(raw: bytes) -> dict[str, tuple[str, ...]]:
     """hash -> the owners a segment's metadata records (files written before owners: none)."""
     return {block["hash"]: tuple(block.get("owners", ())) for block in json.loads(parse(raw)[1]["blocks"])}
+
+
+def describe(path: Path, namespace: str) -> tuple[dict[str, int], dict[str, tuple[str, ...]]] | None:
+    """A segment file's blocks from its header alone (hash -> tensor bytes, hash -> owners); None when
+    the header is unreadable or of another format or namespace. Blocks are verified when read."""
+    try:
+        with open(path, "rb") as file:
+            header_len = int.from_bytes(file.read(8), "little")
+            header = json.loads(file.read(header_len)) if 0 < header_len < 1 << 24 else None
+        metadata = header.pop("__metadata__")
+        if metadata.get("format_version") != FORMAT_VERSION or metadata.get("namespace") != namespace:
+            return None
+        sizes: dict[str, int] = {}
+        for name, info in header.items():
+            begin, end = info["data_offsets"]
+            sizes[name.partition("/")[0]] = sizes.get(name.partition("/")[0], 0) + end - begin
+        described = json.loads(metadata["blocks"])
+        return ({block["hash"]: sizes.get(block["hash"], 0) for block in described},
+                {block["hash"]: tuple(block.get("owners", ())) for block in described})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def write_atomically(path: Path, payload: bytes) -> None:

@@ -5,6 +5,7 @@
     read_chain([hash, ...])       the request path: consecutive blocks, each checksum-verified;
                                   stops at the first missing or bad one (bad files: quarantined)
     reconcile()                   at start-up: temp leftovers and doomed files removed, index fixed from the files
+    refresh()                     a shared folder: take in the segments other writers wrote or deleted
     purge_owned(selects)          take owners off blocks; blocks left with none are cut out of their files
     ghost(hash)                   why a block recently left the tier ("evicted" / "expired" / "purged")
     drain(timeout_s) / close()    at shutdown: the writer finishes within a bounded time
@@ -28,10 +29,24 @@ Crash safety: a segment is written to a temp file in its folder, fsynced, then o
 its name, so a reader sees a whole file or none; a torn file can only be a temp file, and reconcile
 deletes those. Every block read verifies its XXH3-128 checksum; a mismatch quarantines the file.
 
+Several writers (a folder shared by replicas: `SsdConfig.writer` names this one). Segment files are
+written to a temp name and renamed, under names no other writer can pick (a random 128-bit id), so
+writers never touch one file at once. Each writer keeps its own index (`index-<writer>.sqlite`: no
+index is ever written by two processes) and appends one line per segment it writes ("+seg-...") or
+deletes ("-seg-...") to its own journal (`journal-<writer>.log`, O_APPEND, one write per line); the
+others read each journal from where they stopped (`refresh`, before every lookup that reaches SSD)
+and index the new segments from their headers alone (blocks are verified when read, as always). A
+segment another writer deleted reads as missing, which forgets it (never a quarantine). reconcile()
+leaves temp files younger than TEMP_STALE_S alone (another writer may be mid-write), and starts this
+writer's journal afresh: the others' folder scans cover what it said before. Capacity and retention
+bound the folder as a whole; every writer enforces them on the segments it knows, deleting others'
+files as well as its own (and saying so in its journal).
+
 Parts: `segment.py` is the file format (pure functions), `ssd_index.py` the index (its own lock);
 this module is the tier: the writer thread, admission and the daily budget, capacity and retention,
 quarantine and reconcile. Lock discipline here: `lock` guards `stats`, `written_today` and
-`ghosts`; the index guards itself; the two are never held together. `files_lock` serialises the
+`ghosts`; the index guards itself; the two are never held together. `journal_lock` guards
+`journals` (the others' journals read so far) for refresh(). `files_lock` serialises the
 writer's segment writes and capacity deletions with a purge's rewrites (never taken under `lock`).
 """
 
@@ -39,6 +54,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import queue
 import shutil
 import threading
@@ -53,14 +69,16 @@ from pathlib import Path
 import numpy as np
 
 from .pool import Ghost, Purged
-from .segment import (PRIVATE_DIR_MODE, SEGMENT_BLOCKS, TEMP_PREFIX, SpillRequest, decode, described_owners, encode,
-                      verified_blocks, write_atomically)
+from .segment import (PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, SEGMENT_BLOCKS, TEMP_PREFIX, SpillRequest, decode, describe,
+                      described_owners, encode, verified_blocks, write_atomically)
 from .ssd_index import Segment, SegmentIndex
 
 log = logging.getLogger("strata.kvcache.ssd")
 READER_THREADS = 4  # segment reads in flight at once while a chain is promoted
 PURGE_DRAIN_S = 10.0  # a purge first lets queued spills land, so none reappears after it
 GHOST_CAPACITY = 65536  # removed block hashes remembered for miss reasons
+TEMP_STALE_S = 600.0  # in a shared folder, a younger temp file may be another writer's, mid-write
+JOURNAL_PREFIX = "journal-"
 
 __all__ = ["AdmissionPolicy", "Purged", "SpillRequest", "SsdConfig", "SsdSnapshot", "SsdStats", "SsdTier"]
 
@@ -81,6 +99,7 @@ class SsdConfig:
     retention_s: float = 7 * 24 * 3600.0
     queue_blocks: int = 256
     admission: AdmissionPolicy = AdmissionPolicy()
+    writer: str = ""  # this process's name among the writers of a shared root ("": the only writer)
 
 
 @dataclass(slots=True)
@@ -100,6 +119,8 @@ class SsdStats:
     num_index_rows_dropped: int = 0
     num_purged_blocks: int = 0  # blocks whose last owner a purge removed (cut out of their files)
     num_rewritten_files: int = 0  # segments rewritten without purged blocks
+    num_foreign_indexed: int = 0  # segments other writers of a shared folder wrote, taken in by refresh()
+    num_vanished: int = 0  # segments gone when read (another writer deleted them): forgotten
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +152,9 @@ class SsdTier:
         self.written_today = (time.strftime("%Y-%m-%d"), 0)
         self.ghosts: OrderedDict[str, Ghost] = OrderedDict()  # recently removed blocks, by hex hash
         self.files_lock = threading.Lock()
-        self.index = SegmentIndex(self.folder / "index.sqlite")
+        self.index = SegmentIndex(self.folder / (f"index-{config.writer}.sqlite" if config.writer else "index.sqlite"))
+        self.journal_lock = threading.Lock()
+        self.journals: dict[str, tuple[int, int]] = {}  # another writer's journal -> (inode, bytes taken in)
         self.pending: queue.Queue[SpillRequest | None] = queue.Queue(maxsize=config.queue_blocks)
         self.readers = ThreadPoolExecutor(max_workers=READER_THREADS, thread_name_prefix="strata-ssd-reader")
         self.writer = threading.Thread(target=self._write_loop, name="strata-ssd-writer", daemon=True)
@@ -149,6 +172,7 @@ class SsdTier:
     def purge(self) -> Purged:
         """Every segment file and its index rows, after the spills already queued are written."""
         self.drain(PURGE_DRAIN_S)
+        self.refresh()
         num_files, num_blocks, num_bytes = 0, 0, 0
         with self.files_lock:
             for name, _ in self.index.least_recently_used():
@@ -160,6 +184,7 @@ class SsdTier:
         """Take the selected owners off every block (after queued spills land); blocks left with no
         owner are cut out of their segments. Counts blocks, their bytes, and the files replaced."""
         self.drain(PURGE_DRAIN_S)
+        self.refresh()
         num_blocks, num_bytes, num_files = 0, 0, 0
         with self.files_lock:
             for name, dropped in self.index.release(selects).items():
@@ -185,6 +210,7 @@ class SsdTier:
             else:
                 self._count("num_rewritten_files")
         self._segment_path(name).unlink(missing_ok=True)
+        self._journal(f"-{name}")
         self.index.undoom(name)
         self._remember(old, "purged", dropped)
 
@@ -279,6 +305,10 @@ class SsdTier:
         """The wanted blocks of one segment file, verified; the good ones before a bad one."""
         try:
             raw = self._segment_path(name).read_bytes()
+        except FileNotFoundError:  # another writer of a shared folder deleted it
+            self.index.forget(name)
+            self._count("num_vanished")
+            return {}
         except OSError as exc:
             self._quarantine(name, f"unreadable: {type(exc).__name__}")
             return {}
@@ -333,6 +363,7 @@ class SsdTier:
         write_atomically(self._segment_path(name), payload)
         sizes = {r.block_hash.hex(): sum(t.nbytes for t in r.tensors.values()) for r in requests}
         self.index.add(name, len(payload), written_at, sizes, {r.block_hash.hex(): r.owners for r in requests})
+        self._journal(f"+{name}")
         return len(payload)
 
     def _enforce_capacity(self, now: float | None = None) -> None:
@@ -353,6 +384,7 @@ class SsdTier:
         live = self.index.live_blocks(name)
         segment = self.index.forget(name)
         self._segment_path(name).unlink(missing_ok=True)
+        self._journal(f"-{name}")
         self._remember(segment, how, live)
         return segment
 
@@ -362,6 +394,7 @@ class SsdTier:
     def _quarantine(self, name: str, why: str) -> None:
         self.index.forget(name)
         self._move_to_quarantine(self._segment_path(name), why)
+        self._journal(f"-{name}")
 
     def _move_to_quarantine(self, path: Path, why: str) -> None:
         self._count("num_quarantined")
@@ -378,17 +411,113 @@ class SsdTier:
         for name in self.index.doomed():  # purged blocks: their file must not be indexed again
             self._segment_path(name).unlink(missing_ok=True)
             self.index.undoom(name)
+        self._start_journal()
         on_disk: dict[str, Path] = {}
         for path in self.folder.glob("*/*"):
             if path.name.startswith(TEMP_PREFIX):
-                path.unlink(missing_ok=True)
-                self._count("num_temp_removed")
+                if self._stale_temp(path):
+                    path.unlink(missing_ok=True)
+                    self._count("num_temp_removed")
             elif path.suffix == ".safetensors":
                 on_disk[path.stem] = path
         sizes = {name: path.stat().st_size for name, path in on_disk.items()}
         self._count("num_index_rows_dropped", self.index.num_rows_without_files(sizes))
         for name in self.index.load(sizes):
             self._reindex(name, on_disk[name])
+
+    def _stale_temp(self, path: Path) -> bool:
+        """A temp file no writer is still writing: any, for the only writer; in a shared folder, old ones."""
+        if not self.config.writer:
+            return True
+        try:
+            return time.time() - path.stat().st_mtime > TEMP_STALE_S
+        except FileNotFoundError:
+            return False
+
+    # -- a folder shared by several writers --------------------------------------------------
+
+    def refresh(self) -> int:
+        """Take in the segments the other writers of a shared folder wrote or deleted since the last
+        call, from their journals; returns how many were indexed. Cheap when nothing changed: a
+        listing of the folder's top level and one stat per other writer."""
+        if not self.config.writer:
+            return 0
+        added = 0
+        with self.journal_lock:
+            for path in self.folder.glob(f"{JOURNAL_PREFIX}*.log"):
+                if path.name == self._journal_path().name:
+                    continue
+                for line in self._news(path):
+                    if line.startswith("-"):
+                        self.index.forget(line[1:])
+                    elif line.startswith("+") and not self.index.has_segment(line[1:]):
+                        added += self._index_foreign(line[1:])
+        self._count("num_foreign_indexed", added)
+        return added
+
+    def _news(self, path: Path) -> list[str]:
+        """The complete lines another writer's journal gained since the last read (the caller holds
+        journal_lock). A journal with a new inode or fewer bytes was started afresh: read it whole."""
+        try:
+            status = path.stat()
+        except FileNotFoundError:
+            return []
+        inode, offset = self.journals.get(path.name, (status.st_ino, 0))
+        if inode != status.st_ino or status.st_size < offset:
+            offset = 0
+        if status.st_size == offset:
+            self.journals[path.name] = (status.st_ino, offset)
+            return []
+        with open(path, "rb") as journal:
+            journal.seek(offset)
+            data = journal.read(status.st_size - offset)
+        complete = data[:data.rfind(b"\n") + 1]  # a line being appended is read next time
+        self.journals[path.name] = (status.st_ino, offset + len(complete))
+        return complete.decode(errors="replace").split()
+
+    def _index_foreign(self, name: str) -> int:
+        """Index another writer's segment from its header (1), or nothing when it is gone or not ours (0)."""
+        path = self._segment_path(name)
+        described = describe(path, self.namespace)
+        if described is None:
+            return 0
+        try:
+            nbytes = path.stat().st_size
+        except FileNotFoundError:
+            return 0
+        self.index.add(name, nbytes, time.time(), *described)
+        return 1
+
+    def _journal(self, line: str) -> None:
+        """Tell the other writers of a shared folder: "+name" written, "-name" deleted. One write()
+        of one short line with O_APPEND: lines from one writer never interleave."""
+        if not self.config.writer:
+            return
+        try:
+            fd = os.open(self._journal_path(), os.O_WRONLY | os.O_APPEND | os.O_CREAT, PRIVATE_FILE_MODE)
+            try:
+                os.write(fd, f"{line}\n".encode())
+            finally:
+                os.close(fd)
+        except OSError as exc:  # the others then learn of it at their next start-up's folder scan
+            log.warning("SSD journal not written: %s", exc)
+
+    def _start_journal(self) -> None:
+        """At start-up: this writer's journal begins empty (the others re-read a new inode whole), and
+        the others' are taken as read (the folder scan that follows covers what they said)."""
+        if not self.config.writer:
+            return
+        write_atomically(self._journal_path(), b"")
+        with self.journal_lock:
+            for path in self.folder.glob(f"{JOURNAL_PREFIX}*.log"):
+                try:
+                    status = path.stat()
+                except FileNotFoundError:
+                    continue
+                self.journals[path.name] = (status.st_ino, status.st_size)
+
+    def _journal_path(self) -> Path:
+        return self.folder / f"{JOURNAL_PREFIX}{self.config.writer}.log"
 
     def _reindex(self, name: str, path: Path) -> None:
         try:

@@ -58,6 +58,10 @@ class SegmentIndex:
         with self.lock:
             return hex_hash in self.blocks
 
+    def has_segment(self, name: str) -> bool:
+        with self.lock:
+            return name in self.segments
+
     def kv_nbytes(self, hex_hash: str) -> int | None:
         with self.lock:
             entry = self.blocks.get(hex_hash)

@@ -179,4 +179,5 @@ def _prefix_cache(config: CacheConfig, model_fingerprint: str) -> PrefixCache:
     if config.ssd is not None:
         quant = f"{config.quant.bits}bit/g{config.quant.group_size}" if config.quant else "none"
         ssd = SsdTier(config.ssd, f"{model_fingerprint}|block={config.block_size}|quant={quant}")
-    return PrefixCache(config.prefix_budget_bytes, config.block_size, ssd, config.quant)
+    return PrefixCache(config.prefix_budget_bytes, config.block_size, ssd, config.quant,
+                       write_through=config.ssd is not None and bool(config.ssd.writer))

@@ -195,3 +195,30 @@ def test_diverged_names_the_first_differing_token_and_images(cache):
     with cache.open(SALT_A, "model", tokens, [ExtraSpan(18, 22, b"image-2")]) as session:
         match = session.match(len(tokens))
     assert (match.miss_reason, match.miss_at_token, match.miss_in_image) == ("diverged", 18, True)  # the image
+
+
+def test_write_through_leaves_a_conversation_on_a_shared_tier_for_another_replica(tmp_path):
+    """Replica A stores a chain and dies without persisting; replica B, sharing A's folder, continues
+    the conversation from the tier: every full block is reused, with the same keys and values."""
+    from kvcache.ssd import AdmissionPolicy, SsdConfig, SsdTier
+
+    def tier(name):
+        return SsdTier(SsdConfig(tmp_path / "kv", admission=AdmissionPolicy(min_hits=5), writer=name), "ns")
+
+    ssd_a, ssd_b = tier("a"), tier("b")
+    replica_a = PrefixCache(1 << 30, BS, ssd_a, write_through=True)
+    tokens = list(range(70))
+    _store(replica_a, SALT_A, tokens)  # never reused in RAM: admission (min_hits=5) alone would write nothing
+    assert ssd_a.drain(10) and ssd_a.stats().counters.num_spilled == 4
+    replica_b = PrefixCache(1 << 30, BS, ssd_b)
+    with replica_b.open(SALT_A, "model", tokens + [99]) as session:
+        match = session.match(len(tokens) + 1)
+        assert match.num_ssd_tokens == 64 and match.num_cached_tokens == 64
+        restored = session.gather(64)
+    expected = _kv_for(tokens[:64])
+    assert all(mx.array_equal(k, ek).item() and mx.array_equal(v, ev).item()
+               for (k, v), (ek, ev) in zip(restored, expected))
+    ssd_c = tier("c")
+    assert PrefixCache(1 << 30, BS, ssd_c).write_through is False  # only when asked
+    for ssd in (ssd_a, ssd_b, ssd_c):
+        ssd.close()

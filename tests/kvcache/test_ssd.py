@@ -262,3 +262,59 @@ def test_capacity_evictions_are_remembered_for_miss_reasons(tmp_path):
     ghost = tier.ghost(_hex(1))
     assert ghost.how == "expired" and ghost.lived_s >= 0
     tier.close()
+
+
+# -- one folder, several writers (replicas sharing a KV tier) --------------------------------------
+
+
+def test_two_writers_share_a_folder_each_with_its_own_index(tmp_path):
+    a, b = _tier(tmp_path, writer="a"), _tier(tmp_path, writer="b")
+    _spill(a, 1, 2)
+    assert not b.contains(_hex(1))  # not yet taken in
+    assert b.refresh() == 2 and b.refresh() == 0  # the journal is read once
+    assert np.array_equal(_read(b, 1)["0.k"], _request(1).tensors["0.k"])
+    _spill(b, 3)
+    assert a.refresh() == 1 and _read(a, 3) is not None
+    assert {p.name for p in a.folder.glob("index*")} >= {"index-a.sqlite", "index-b.sqlite"}
+    assert not (a.folder / "index.sqlite").exists()  # no index is written by two processes
+    a.close()
+    b.close()
+
+
+def test_a_segment_deleted_by_one_writer_is_forgotten_by_the_other(tmp_path):
+    a, b = _tier(tmp_path, writer="a"), _tier(tmp_path, writer="b")
+    _spill_together(a, _owned(1, "A"), _owned(2, "B"))
+    b.refresh()
+    assert b.owners_of(_hex(1)) == {"A"}  # owners come from the file's header
+    b.purge_owned(lambda owner: owner == "A")  # b rewrites a's file: a new segment without block 1
+    assert a.contains(_hex(1))  # until a hears of it...
+    a.refresh()
+    assert not a.contains(_hex(1)) and _read(a, 2) is not None and a.owners_of(_hex(2)) == {"B"}
+    _spill(a, 5)
+    b.refresh()
+    (next(a.folder.glob(f"*/{a.index.blocks[_hex(5)].segment}.safetensors"))).unlink()  # gone without a word
+    assert _read(b, 5) is None and not b.contains(_hex(5))
+    assert b.stats().counters.num_vanished == 1 and b.stats().counters.num_quarantined == 0
+    a.close()
+    b.close()
+
+
+def test_a_restarted_writer_keeps_others_temp_files_and_journals_afresh(tmp_path):
+    a, b = _tier(tmp_path, writer="a"), _tier(tmp_path, writer="b")
+    _spill(a, 1)
+    in_flight = a.folder / "ab" / ".tmp-another-writer-mid-write"
+    in_flight.parent.mkdir(exist_ok=True)
+    in_flight.write_bytes(b"partial")
+    stale = a.folder / "ab" / ".tmp-left-by-a-crash"
+    stale.write_bytes(b"partial")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    b.close()
+    b = _tier(tmp_path, writer="b")  # reconcile: indexes a's file from the folder, keeps the young temp file
+    assert in_flight.exists() and not stale.exists() and b.contains(_hex(1))
+    a.close()
+    a = _tier(tmp_path, writer="a")  # a's journal starts empty (a new file): b reads it from the start
+    assert (a.folder / "journal-a.log").read_bytes() == b""
+    _spill(a, 2)
+    assert b.refresh() == 1 and b.contains(_hex(2))
+    a.close()
+    b.close()
