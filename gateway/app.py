@@ -357,7 +357,7 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
         if owned:
             live.launch()  # serving starts now: requests queue until warm-up ends; /health/ready says when
         counters = LayerCounters()
-        auth = Authenticator(settings.api_keys, settings.admin_key, load_server_secret(settings.data_dir))
+        auth = Authenticator(settings.api_keys, settings.admin_key, load_server_secret(settings.secret_file or settings.data_dir / "server.secret"))
         responses = await anyio.to_thread.run_sync(ResponseCaches, settings, live.info.fingerprint, embedder)
         sessions = SessionClock(settings.session_ttl_s)
         request_metrics = RequestMetrics(registry, settings.metrics_tenant_label) if settings.metrics_enabled else None

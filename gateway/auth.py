@@ -26,22 +26,29 @@ class Caller:
     salt: TenantSalt
 
 
-def load_server_secret(data_dir: Path) -> bytes:
-    """32 random bytes kept in data_dir/server.secret (mode 0600), created on first start."""
-    path = Path(data_dir) / "server.secret"
+def load_server_secret(path: Path) -> bytes:
+    """32 random bytes kept in `path` (mode 0600), created on first start. Replicas that share a KV
+    tier share this file (tenant salts must agree for their block hashes to): it is created whole,
+    written aside and then hard-linked into place, so a replica starting at the same moment reads all
+    32 bytes or finds no file, never a part."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        secret = path.read_bytes()
-        if len(secret) != 32:
-            raise RuntimeError(f"{path} is damaged ({len(secret)} bytes, expected 32)") from None
-        return secret
-    secret = secrets.token_bytes(32)
-    with os.fdopen(fd, "wb") as out:
-        out.write(secret)
-        out.flush()
-        os.fsync(out.fileno())
+    if not path.exists():
+        aside = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+        fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(secrets.token_bytes(32))
+            out.flush()
+            os.fsync(out.fileno())
+        try:
+            os.link(aside, path)
+        except FileExistsError:
+            pass  # another replica made it first: use its secret
+        finally:
+            aside.unlink()
+    secret = path.read_bytes()
+    if len(secret) != 32:
+        raise RuntimeError(f"{path} is damaged ({len(secret)} bytes, expected 32)")
     return secret
 
 

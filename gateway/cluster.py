@@ -2,7 +2,8 @@
 over several machines run on one, with the shipped proxy config (deploy/haproxy/haproxy.cfg).
 
     Cluster(model, folder, port).start()   redis-server, replicas a and b (ports port+1, port+2,
-                                           sharing the exact cache in Redis), HAProxy on `port`
+                                           sharing the exact and semantic caches in Redis and the KV
+                                           SSD tier in FOLDER/kv-shared), HAProxy on `port`
     Cluster.stop()                         the proxy, then the replicas (SIGTERM: they persist their
                                            KV and drain), then Redis; every process waited for
 
@@ -35,6 +36,7 @@ class Cluster:
         self.port = port
         self.extra_env = extra_env or {}
         self.processes: dict[str, subprocess.Popen] = {}  # name -> process, in start order
+        self.redis_url = ""
 
     @property
     def url(self) -> str:
@@ -47,9 +49,9 @@ class Cluster:
         self.folder.mkdir(parents=True, exist_ok=True)
         self._build_once()
         try:
-            redis_url = self._start_redis()
+            self.redis_url = self._start_redis()
             for name in REPLICAS:
-                self._start_replica(name, redis_url)
+                self._start_replica(name)
             for name in REPLICAS:
                 _wait_http(self.replica_url(name) + "/health/ready", self.processes[name], self._log(name))
             self._start_proxy()
@@ -78,8 +80,8 @@ class Cluster:
             self.extra_env.setdefault("STRATA_MODEL_NAME", self.model)
             self.model = str(resolve_model_path(self.model, self.folder))
 
-    def _start_redis(self) -> str:
-        port = free_ports(1)
+    def _start_redis(self, port: int | None = None) -> str:
+        port = port or free_ports(1)
         binary = _required("redis-server")
         folder = self.folder / "redis"
         folder.mkdir(exist_ok=True)
@@ -88,9 +90,18 @@ class Cluster:
         _wait_port(port, self.processes["redis"], self._log("redis"))
         return f"redis://127.0.0.1:{port}/0"
 
-    def _start_replica(self, name: str, redis_url: str) -> None:
+    def restart_redis(self) -> None:
+        """Redis again on its port, empty (it keeps no snapshot), as after a crash or a failover."""
+        process = self.processes["redis"]
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        self._start_redis(int(self.redis_url.rsplit(":", 1)[1].split("/")[0]))
+
+    def _start_replica(self, name: str) -> None:
         port = self.port + 1 + REPLICAS.index(name)
-        env = {"STRATA_REDIS_URL": redis_url, **self.extra_env}
+        env = {"STRATA_REDIS_URL": self.redis_url, "STRATA_SSD_DIR": str(self.folder / "kv-shared"),
+               "STRATA_SSD_WRITER": name, "STRATA_SECRET_FILE": str(self.folder / "server.secret"), **self.extra_env}
         self._spawn(name, [sys.executable, "-m", "gateway.cli", "serve", "--model", self.model, "--port", str(port),
                            "--data-dir", str(self.folder / name)], env)
 

@@ -88,6 +88,7 @@ class Settings:
     ssd_min_hits: int = _default(AdmissionPolicy, "min_hits")  # admission: spill only blocks reused this often
     ssd_min_prefix_tokens: int = _default(AdmissionPolicy, "min_prefix_tokens")  # only blocks this deep in a prefix
     ssd_daily_write_bytes: int = _default(AdmissionPolicy, "daily_write_bytes")  # admission: write budget per day
+    secret_file: Path | None = None  # the server secret tenant salts derive from (None: DATA_DIR/server.secret)
     ssd_dir: Path | None = None  # the KV SSD tier's folder (None: DATA_DIR/kv); may be shared by replicas
     ssd_writer: str = _default(SsdConfig, "writer")  # this replica's name in a shared ssd_dir ("": the only writer)
     kv_quant_bits: int | None = None  # 8 or 4 quantises stored KV blocks (off by default)
@@ -213,6 +214,8 @@ SETTINGS = (
     Setting("ssd_min_hits", "STRATA_SSD_MIN_HITS", int, "spill only blocks reused at least this often in RAM"),
     Setting("ssd_min_prefix_tokens", "STRATA_SSD_MIN_PREFIX_TOKENS", int, "spill only blocks at least this deep in a prefix"),
     Setting("ssd_daily_write_bytes", "STRATA_SSD_DAILY_WRITE_BYTES", int, "the SSD tier's write budget per day"),
+    Setting("secret_file", "STRATA_SECRET_FILE", Path, "the server secret (default DATA_DIR/server.secret); replicas "
+            "sharing STRATA_SSD_DIR must share it"),
     Setting("ssd_dir", "STRATA_SSD_DIR", Path, "the KV SSD tier's folder (default DATA_DIR/kv); replicas may share one"),
     Setting("ssd_writer", "STRATA_SSD_WRITER", _writer_name, "this replica's name in a shared STRATA_SSD_DIR: several "
             "writers made safe, every block written through for failover"),

@@ -1,7 +1,9 @@
 """`strata cluster up`'s cluster (gateway/cluster.py): Debian's HAProxy with the shipped config in
-front of two replicas sharing one real redis-server. A conversation sticks to one replica, an exact
-answer stored through one is served through the other, a replica killed mid-conversation hands the
-session to the other without an error, and stopping leaves no process behind."""
+front of two replicas sharing one real redis-server and one KV folder. A conversation sticks to one
+replica; an exact answer and a paraphrase stored through one are served through the other; a purge
+through either reaches both; a replica killed mid-conversation hands the session to the other, which
+continues it from the shared KV tier with the answer a cold run gives; Redis restarted empty costs
+the response layers nothing but a bypass, and they recover; stopping leaves no process behind."""
 
 from __future__ import annotations
 
@@ -18,17 +20,32 @@ from gateway.cluster import Cluster, free_ports, port_free
 from tests.conftest import TINY
 
 
+KEYS = {"acme": "key-acme", "cold": "key-cold"}  # "cold" shares nothing with acme: its runs compute everything
+ADMIN = {"Authorization": "Bearer admin-key"}
+
+
+def _chat(url: str, messages: list[dict], session: str | None = None, tenant: str = "acme",
+          max_tokens: int = 4) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {KEYS[tenant]}"} | ({"X-Strata-Session": session} if session else {})
+    return httpx.post(url + "/v1/chat/completions", headers=headers, timeout=60,
+                      json={"model": TINY, "messages": messages, "max_tokens": max_tokens, "temperature": 0})
+
+
 def _ask(url: str, text: str, session: str | None = None, first: str = "Hello archive.") -> httpx.Response:
     messages = [{"role": "user", "content": first}, {"role": "assistant", "content": "Hello."},
                 {"role": "user", "content": text}]
-    headers = {"X-Strata-Session": session} if session else {}
-    return httpx.post(url + "/v1/chat/completions", headers=headers, timeout=60,
-                      json={"model": TINY, "messages": messages, "max_tokens": 4, "temperature": 0})
+    return _chat(url, messages, session)
+
+
+def _cached(response: httpx.Response) -> int:
+    return int(response.headers["x-cache-prefix"].split("cached=")[1].split(";")[0])
 
 
 @pytest.fixture
 def cluster(tiny_model_path, tmp_path):
-    running = Cluster(str(tiny_model_path), tmp_path / "cluster", free_ports(3), {"STRATA_MODEL_NAME": TINY})
+    env = {"STRATA_MODEL_NAME": TINY, "STRATA_API_KEYS": ",".join(f"{k}:{t}" for t, k in KEYS.items()),
+           "STRATA_ADMIN_KEY": "admin-key"}
+    running = Cluster(str(tiny_model_path), tmp_path / "cluster", free_ports(3), env)
     running.start()
     yield running
     running.stop()
@@ -56,11 +73,58 @@ def test_sessions_stick_share_answers_and_survive_a_dead_replica(cluster):
     served = _ask(cluster.url, "Shared through Redis?", on_b)
     assert (stored.headers["x-strata-replica"], served.headers["x-strata-replica"]) == ("a", "b")
     assert served.headers["x-cache-exact"].startswith("hit")
+    _semantic_and_purges_reach_both(cluster, on_a, on_b)
+    _a_dead_replica_leaves_its_conversation_on_the_shared_tier(cluster, on_a)
+    _redis_restarted_empty(cluster, on_b)
 
-    cluster.processes["a"].kill()  # mid-conversation, no goodbye
-    moved = _ask(cluster.url, "Are you still there?", on_a)
+
+def _semantic_and_purges_reach_both(cluster, on_a: str, on_b: str) -> None:
+    stored = _ask(cluster.url, "How do I reset my password?", on_a)
+    deadline = time.monotonic() + 5
+    while True:  # the entry reaches B's index through the Redis stream within a bounded delay
+        served = _ask(cluster.url, "What is the way to reset my password?", on_b)
+        if served.headers["x-cache-semantic"].startswith("hit"):
+            break
+        assert time.monotonic() < deadline, served.headers["x-cache-semantic"]
+    assert served.headers["x-strata-replica"] == "b"
+    assert served.json()["choices"][0]["message"] == stored.json()["choices"][0]["message"]
+    _ask(cluster.url, "Purge me from every replica?", on_a)
+    purge = httpx.post(cluster.replica_url("b") + "/admin/purge", headers=ADMIN, timeout=60,
+                       json={"tenant": "acme", "session": on_a, "layers": ["exact", "semantic"]})
+    assert purge.status_code == 200 and purge.json()["removed"]["exact"]["entries"] >= 1
+    again = _ask(cluster.url, "Purge me from every replica?", on_a)
+    assert again.headers["x-strata-replica"] == "a" and again.headers["x-cache-exact"].startswith("miss")
+
+
+def _a_dead_replica_leaves_its_conversation_on_the_shared_tier(cluster, on_a: str) -> None:
+    messages = [{"role": "system", "content": "You are the archive's patient assistant. " * 4}]
+    for turn in range(3):  # a conversation on A, each turn's blocks written through to the shared folder
+        messages.append({"role": "user", "content": f"Tell me about shelf {turn} of the archive."})
+        reply = _chat(cluster.url, messages, on_a, max_tokens=8)
+        assert reply.headers["x-strata-replica"] == "a"
+        messages.append({"role": "assistant", "content": reply.json()["choices"][0]["message"]["content"]})
+    time.sleep(1.0)  # the SSD writer's queue drains (a replica's last milliseconds may be lost, nothing more)
+    cluster.processes["a"].kill()  # mid-conversation, no goodbye: nothing persisted at shutdown
+    messages.append({"role": "user", "content": "And what is on the last shelf?"})
+    moved = _chat(cluster.url, messages, on_a, max_tokens=8)
     assert moved.status_code == 200 and moved.headers["x-strata-replica"] == "b"
-    assert moved.json()["choices"][0]["message"]["content"]
+    assert _cached(moved) > 0 and "ssd" in moved.headers["x-cache-prefix"], moved.headers["x-cache-prefix"]
+    cold = _chat(cluster.url, messages, tenant="cold", max_tokens=8)
+    assert _cached(cold) == 0
+    assert moved.json()["choices"][0]["message"]["content"] == cold.json()["choices"][0]["message"]["content"]
+
+
+def _redis_restarted_empty(cluster, session: str) -> None:
+    cluster.restart_redis()
+    deadline = time.monotonic() + 10
+    while True:  # the first requests find the old connection dead: a bypass, never an error
+        response = _ask(cluster.url, "Does Redis remember this?", session)
+        assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"]
+        if response.headers["x-cache-exact"].startswith("miss"):
+            break
+        assert response.headers["x-cache-exact"] == "bypass; reason=store_unavailable"
+        assert time.monotonic() < deadline
+    assert _ask(cluster.url, "Does Redis remember this?", session).headers["x-cache-exact"].startswith("hit")
 
 
 @pytest.mark.slow
@@ -72,7 +136,7 @@ def test_cluster_up_stops_everything_on_sigint(tiny_model_path, tmp_path):
     up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     line = up.stdout.readline()
     assert line.startswith(f"strata cluster: proxy http://127.0.0.1:{port}"), line + up.stdout.read()
-    assert _ask(f"http://127.0.0.1:{port}", "Up?", "s").status_code == 200
+    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
     up.send_signal(signal.SIGINT)
     assert up.wait(timeout=90) == 0 and "strata cluster: stopped" in up.stdout.read()
     assert all(port_free(port + i) for i in range(3))  # proxy and replicas gone

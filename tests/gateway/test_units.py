@@ -33,12 +33,13 @@ def test_api_keys_parse_and_reject_bad_entries():
 
 
 def test_tenant_salts_are_secret_derived_and_stable(tmp_path):
-    secret = load_server_secret(tmp_path)
-    assert load_server_secret(tmp_path) == secret
+    secret = load_server_secret(tmp_path / "server.secret")
+    assert load_server_secret(tmp_path / "server.secret") == secret and len(secret) == 32
+    assert [p.name for p in tmp_path.iterdir()] == ["server.secret"]  # nothing left aside
     auth = Authenticator({"k1": "a", "k2": "b"}, None, secret)
     a, b = auth.caller("Bearer k1"), auth.caller("Bearer k2")
     assert a.tenant == "a" and b.tenant == "b" and a.salt != b.salt
-    other_server = Authenticator({"k1": "a"}, None, load_server_secret(tmp_path / "other"))
+    other_server = Authenticator({"k1": "a"}, None, load_server_secret(tmp_path / "other" / "server.secret"))
     assert other_server.caller("Bearer k1").salt != a.salt
     with pytest.raises(ApiError) as denied:
         auth.caller("Bearer nope")
@@ -46,7 +47,7 @@ def test_tenant_salts_are_secret_derived_and_stable(tmp_path):
 
 
 def test_admin_routes_need_the_admin_key(tmp_path):
-    secret = load_server_secret(tmp_path)
+    secret = load_server_secret(tmp_path / "server.secret")
     with pytest.raises(ApiError) as disabled:
         Authenticator({}, None, secret).require_admin("Bearer x")
     assert disabled.value.status == 403
