@@ -8,6 +8,10 @@
     POST   /admin/purge {tenant, session?, user?, layers?}  what a tenant, session or end user stored
     POST   /admin/sessions/{id}/end?tenant=T                the same for one session, in every layer
     GET    /admin/diagnosis?window_s=900                    why the caches missed lately, and what to change
+
+With STRATA_REDIS_URL, a purge reaches every replica: the exact and semantic entries are shared in
+Redis, and the replica that takes the purge announces it on the purge feed (gateway/purge_feed.py),
+so every other replica purges its own layers too (`"announced": true` in the answer).
 """
 
 from __future__ import annotations
@@ -143,9 +147,9 @@ def _selector(body: dict) -> Selector:
     return Selector(fields["tenant"], fields["session"], fields["user"])
 
 
-def purge_layers(services, selector: Selector, layers: list[str]) -> dict:
+def purge_layers(services, selector: Selector, layers: list[str], announce: bool = True) -> dict:
     """Each named layer's purge, as {layer: {"entries", "bytes"}} ("blocks" for the KV tiers, and
-    "files" for the SSD tier; a disabled layer: null)."""
+    "files" for the SSD tier; a disabled layer: null); announced to the other replicas if asked."""
     purges = {"exact": services.responses.exact.purge_owned if services.responses.exact else None,
               "semantic": services.responses.semantic.purge_owned if services.responses.semantic else None,
               "conversations": services.conversations.purge}
@@ -166,7 +170,25 @@ def purge_layers(services, selector: Selector, layers: list[str]) -> dict:
                        "store_unavailable")
     log.info("purged %s for tenant %r session %r user %r: %s", layers, selector.tenant, selector.session,
              selector.end_user, removed)
-    return {"tenant": selector.tenant, "session": selector.session, "user": selector.end_user, "removed": removed}
+    announced = announce and services.purge_feed is not None
+    if announced:
+        try:
+            services.purge_feed.announce(selector.tenant, selector.session, selector.end_user, layers)
+        except StoreUnavailable:
+            raise ApiError(503, f"purged on this replica ({sorted(removed)}), but the other replicas could not be "
+                                "told: Redis cannot be reached; a purge can be repeated: retry", "store_unavailable") from None
+    return {"tenant": selector.tenant, "session": selector.session, "user": selector.end_user, "removed": removed,
+            "announced": announced}
+
+
+SHARED_IN_REDIS = ("exact", "semantic")  # one replica's purge removed them for all
+
+
+def purge_announced(services, tenant: str, session: str | None, user: str | None, layers: list[str]) -> None:
+    """Another replica's purge, run on this one's own layers (the purge feed's follower calls it)."""
+    mine = [layer for layer in layers if layer in PURGEABLE and layer not in SHARED_IN_REDIS]
+    if mine:
+        purge_layers(services, Selector(tenant, session, user), mine, announce=False)
 
 
 def _purge_engine(services, selector: Selector, layers: list[str]) -> dict:

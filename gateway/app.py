@@ -37,7 +37,7 @@ from kvcache.ssd import AdmissionPolicy, SsdConfig
 from semantic import Embedder
 
 from . import openai_format, responses_api
-from .admin import ADMIN_CACHE_ROUTES, end_idle_sessions, require_admin
+from .admin import ADMIN_CACHE_ROUTES, end_idle_sessions, purge_announced, require_admin
 from .auth import Authenticator, load_server_secret
 from .blas import blas_in_use
 from .chat import ChatService
@@ -57,6 +57,7 @@ from .metrics import RequestMetrics, StateCollector
 from .requestlog import RequestStart, ResponseLog
 from .sessions import SessionClock
 from .stats import LayerCounters
+from .purge_feed import PurgeFeed
 from .sweeper import Sweeper
 
 log = logging.getLogger("strata")
@@ -76,6 +77,7 @@ class Services:
     embeddings: Embeddings
     conversations: ConversationStore
     metrics: CollectorRegistry  # GET /metrics renders it
+    purge_feed: PurgeFeed | None = None  # with Redis: purges announced to, and heard from, the other replicas
 
 
 def _services(request: Request) -> Services:
@@ -368,6 +370,8 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
         embeddings = Embeddings(shared, live, settings)
         app.state.services = Services(settings, live, auth, pipeline, counters, responses, stamp, embeddings, conversations,
                                       registry)
+        if settings.redis_url:
+            app.state.services.purge_feed = PurgeFeed(settings.redis_url, partial(purge_announced, app.state.services))
         if settings.metrics_enabled:
             registry.register(_state_collector(app.state.services))
         sweeper = Sweeper({**responses.expiring(), "conversations": conversations.purge_expired,
@@ -385,6 +389,8 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
                 yield
                 background.cancel_scope.cancel()
         finally:
+            if app.state.services.purge_feed is not None:
+                app.state.services.purge_feed.close()
             responses.close()
             conversations.close()
             if owned:

@@ -92,6 +92,7 @@ def _semantic_and_purges_reach_both(cluster, on_a: str, on_b: str) -> None:
     purge = httpx.post(cluster.replica_url("b") + "/admin/purge", headers=ADMIN, timeout=60,
                        json={"tenant": "acme", "session": on_a, "layers": ["exact", "semantic"]})
     assert purge.status_code == 200 and purge.json()["removed"]["exact"]["entries"] >= 1
+    assert purge.json()["announced"] is True  # replica a purges its own layers (RAM KV, images) as well
     again = _ask(cluster.url, "Purge me from every replica?", on_a)
     assert again.headers["x-strata-replica"] == "a" and again.headers["x-cache-exact"].startswith("miss")
 

@@ -165,3 +165,21 @@ def test_a_restarted_redis_degrades_then_recovers(tmp_path, embedder):
     finally:
         cache.close()
         server.stop()
+
+
+def test_an_index_entry_naming_another_partitions_entry_is_never_served(embedder):
+    """A restarted Redis numbers entries from 1 again: until the follower rebuilds, this replica's
+    index may hold an old id that now names another tenant's entry. The store's partition decides."""
+    from semantic import PartitionedIndex
+
+    cache = SemanticCache(embedder, SqliteEntries(":memory:"), SemanticSettings())
+    other_tenant = Scope("tenant-b", "model-1")
+    question = "What is the refund policy?"
+    entry_id = cache.insert(question, Answer("Tenant b's answer."), other_tenant, "ctx", now=0)
+    stale = PartitionedIndex(embedder.dim)  # as if the id had been tenant-a's before the restart
+    stale.add(SCOPE.partition("ctx"), [entry_id], embedder.embed([question]))
+    cache.index = stale
+    result = cache.lookup(question, SCOPE, "ctx", now=1)
+    assert result.status == "miss" and result.reason == "no_candidate"
+    assert entry_id not in cache.index.partition_of  # and it leaves the index
+    cache.close()
