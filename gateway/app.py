@@ -306,7 +306,7 @@ def _state_collector(services: Services) -> StateCollector:
     settings, responses = services.settings, services.responses
     on_disk = settings.exact_store == "sqlite" and not settings.redis_url
     files = {"exact": settings.data_dir / "responses.db"} if on_disk else {}
-    if responses.semantic is not None:
+    if responses.semantic is not None and not settings.redis_url:
         files["semantic"] = settings.data_dir / "semantic.db"
 
     def read() -> tuple:
