@@ -87,6 +87,11 @@ class SemanticCache:
         self.closing = threading.Event()
         self.follower = None
         position = self._rebuild()
+        # True while the follower cannot reach a shared store: lookups bypass at once, even in
+        # partitions whose index is empty here (written by the follower thread only)
+        self.store_lost = position is None
+        if self.store_lost:
+            log.warning("semantic entry store unreachable at start: the layer bypasses until it is back")
         if hasattr(store, "changes"):  # shared by replicas: follow their inserts and deletes
             self.follower = threading.Thread(target=self._follow, args=(position,), name="strata-semantic-follower",
                                              daemon=True)
@@ -111,6 +116,8 @@ class SemanticCache:
 
     def lookup(self, query: str, scope: Scope, context: str, now: float) -> SemanticLookup:
         """StoreUnavailable when the entry store cannot be reached (the caller bypasses the layer)."""
+        if self.store_lost:
+            raise StoreUnavailable("the semantic entry store is unreachable")
         vector = self.embedder.embed([query])[0]
         best: SemanticLookup | None = None
         for entry, score in self._candidates(scope.partition(context), vector):
@@ -237,8 +244,7 @@ class SemanticCache:
         try:
             position = self.store.position() if hasattr(self.store, "position") else None
             rows = self.store.vectors()
-        except StoreUnavailable as exc:
-            log.warning("semantic index not rebuilt: %s", exc)
+        except StoreUnavailable:
             return None
         index = PartitionedIndex(self.embedder.dim)
         by_partition: dict[str, list[tuple[int, np.ndarray]]] = {}
@@ -257,12 +263,17 @@ class SemanticCache:
             if position is None:
                 position = self._rebuild()
                 if position is None:
-                    self.closing.wait(FOLLOW_WAIT_S)
+                    self.closing.wait(FOLLOW_WAIT_S / 4)
                     continue
+                if self.store_lost:
+                    log.info("semantic index rebuilt from the entry store, which is back")
+                    self.store_lost = False
             try:
                 changes, position = self.store.changes(position, FOLLOW_WAIT_S)
-            except StoreUnavailable:
-                position = None
+            except StoreUnavailable as exc:
+                if not self.store_lost:
+                    log.warning("semantic entry store unreachable (%s): the layer bypasses until it is back", exc)
+                self.store_lost, position = True, None
                 self.closing.wait(FOLLOW_WAIT_S / 4)
                 continue
             for change in changes:

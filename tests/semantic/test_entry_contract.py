@@ -183,3 +183,22 @@ def test_an_index_entry_naming_another_partitions_entry_is_never_served(embedder
     assert result.status == "miss" and result.reason == "no_candidate"
     assert entry_id not in cache.index.partition_of  # and it leaves the index
     cache.close()
+
+
+def test_a_cache_started_while_redis_is_down_bypasses_until_it_comes(tmp_path, embedder):
+    from gateway.cluster import free_ports
+    from tests.conftest import RedisServer
+
+    port = free_ports(1)
+    cache = SemanticCache(embedder, RedisEntries(f"redis://127.0.0.1:{port}/0"), SemanticSettings())
+    server = None
+    try:
+        with pytest.raises(StoreUnavailable):  # an empty index here must not pass for "no candidate"
+            cache.lookup("How do I export my data?", SCOPE, "ctx", now=1)
+        server = RedisServer(tmp_path / "redis", port=port)
+        _until(lambda: not cache.store_lost)
+        assert cache.lookup("How do I export my data?", SCOPE, "ctx", now=1).reason == "no_candidate"
+    finally:
+        cache.close()
+        if server is not None:
+            server.stop()
