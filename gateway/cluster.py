@@ -14,6 +14,7 @@ cluster's shared cache lives as long as the cluster does.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -27,6 +28,7 @@ import httpx
 PROXY_CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "haproxy" / "haproxy.cfg"
 REPLICAS = ("a", "b")  # the names the proxy config gives its servers
 START_TIMEOUT_S = 600.0  # a first start builds the demo model
+MIN_PORT = 10000  # free_ports draws from here up to the ephemeral range
 
 
 class Cluster:
@@ -81,7 +83,7 @@ class Cluster:
             self.model = str(resolve_model_path(self.model, self.folder))
 
     def _start_redis(self, port: int | None = None) -> str:
-        port = port or free_ports(1)
+        port = port or free_ports(1, avoid=range(self.port, self.port + 1 + len(REPLICAS)))
         binary = _required("redis-server")
         folder = self.folder / "redis"
         folder.mkdir(exist_ok=True)
@@ -149,16 +151,34 @@ def _required(name: str) -> str:
     return path
 
 
-def free_ports(count: int) -> int:
+def free_ports(count: int, avoid: range = range(0)) -> int:
     """The first of `count` consecutive loopback ports free now (a cluster takes its port and the
-    next two)."""
-    for _ in range(100):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            first = sock.getsockname()[1]
-        if first + count <= 65536 and all(port_free(first + i) for i in range(1, count)):
+    next two), none in `avoid`. Chosen below the kernel's ephemeral range: a port from that range
+    could be taken, before our server binds it, as the source port of any outgoing connection."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        first = random.randrange(MIN_PORT, low - count)
+        ports = range(first, first + count)
+        if not any(p in avoid for p in ports) and all(_bindable(p) for p in ports):
             return first
-    raise RuntimeError(f"no {count} free loopback ports in a row")
+    raise RuntimeError(f"no {count} free loopback ports in a row below {low}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no obstacle
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def port_free(port: int) -> bool:
