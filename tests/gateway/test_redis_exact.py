@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import pytest
 from litestar.testing import TestClient
 
 from gateway.app import create_app
@@ -27,41 +28,46 @@ def _shared(settings, url):
     return dataclasses.replace(settings, redis_url=url, exact_store="sqlite", semantic_enabled=True, admin_key="admin-key")
 
 
-def test_two_replicas_share_exact_answers_and_purges(engine, embedder, settings, redis_server, tmp_path):
+@pytest.fixture
+def replicas(engine, embedder, settings, redis_server, tmp_path):
+    """Two apps on one (emptied) Redis, each with its own data folder."""
     redis_server.flush()
     shared = _shared(settings, redis_server.url)
     replica_b = dataclasses.replace(shared, data_dir=tmp_path / "replica-b")
     with TestClient(create_app(shared, engine=engine, embedder=embedder)) as a, \
             TestClient(create_app(replica_b, engine=engine, embedder=embedder)) as b:
-        stored = _ask(a, "Stored through replica A, served through B?")
-        served = _ask(b, "Stored through replica A, served through B?")
-        assert served.headers["x-cache-exact"].startswith("hit")
-        assert served.json()["choices"][0]["message"] == stored.json()["choices"][0]["message"]
-        removed = b.post("/admin/purge", json={"tenant": "default", "session": "s-1", "layers": ["exact"]},
-                         headers=ADMIN).json()["removed"]
-        assert removed["exact"]["entries"] == 1
-        assert _ask(a, "Stored through replica A, served through B?").headers["x-cache-exact"].startswith("miss")
-        assert not (tmp_path / "replica-b" / "responses.db").exists()  # nothing went to SQLite
-        assert not (tmp_path / "replica-b" / "semantic.db").exists()
+        yield a, b
 
 
-def test_a_paraphrase_stored_on_one_replica_hits_on_the_other(engine, embedder, settings, redis_server, tmp_path):
-    redis_server.flush()
-    shared = _shared(settings, redis_server.url)
-    replica_b = dataclasses.replace(shared, data_dir=tmp_path / "replica-b")
-    with TestClient(create_app(shared, engine=engine, embedder=embedder)) as a, \
-            TestClient(create_app(replica_b, engine=engine, embedder=embedder)) as b:
-        stored = _ask(a, "How do I reset my password?")
-        deadline = time.monotonic() + 2.0
-        while not (served := _ask(b, "What is the way to reset my password?")).headers["x-cache-semantic"].startswith("hit"):
-            assert time.monotonic() < deadline, served.headers["x-cache-semantic"]
-        assert served.json()["choices"][0]["message"]["content"] == stored.json()["choices"][0]["message"]["content"]
-        entry = b.get("/admin/semantic/entries", headers=ADMIN).json()["data"][0]
-        assert a.post(f"/admin/semantic/entries/{entry['id']}/reject", headers=ADMIN).status_code == 200
-        assert _ask(b, "What is the way to reset my password?").headers["x-cache-semantic"].startswith("miss")
-        removed = b.post("/admin/purge", json={"tenant": "default", "layers": ["semantic"]}, headers=ADMIN).json()
-        assert removed["removed"]["semantic"]["entries"] == 2  # the rejected one and B's own answer to its miss
-        assert a.get("/admin/semantic/entries", headers=ADMIN).json()["data"] == []
+def test_two_replicas_share_exact_answers_and_purges(replicas, tmp_path):
+    a, b = replicas
+    stored = _ask(a, "Stored through replica A, served through B?")
+    served = _ask(b, "Stored through replica A, served through B?")
+    assert served.headers["x-cache-exact"].startswith("hit")
+    assert served.json()["choices"][0]["message"] == stored.json()["choices"][0]["message"]
+    removed = b.post("/admin/purge", json={"tenant": "default", "session": "s-1", "layers": ["exact"]},
+                     headers=ADMIN).json()["removed"]
+    assert removed["exact"]["entries"] == 1
+    assert _ask(a, "Stored through replica A, served through B?").headers["x-cache-exact"].startswith("miss")
+    assert not (tmp_path / "replica-b" / "responses.db").exists()  # nothing went to SQLite
+    assert not (tmp_path / "replica-b" / "semantic.db").exists()
+
+
+def test_a_paraphrase_stored_on_one_replica_hits_on_the_other(replicas):
+    a, b = replicas
+    stored = _ask(a, "How do I reset my password?")
+    deadline = time.monotonic() + 2.0
+    polls = {"Cache-Control": "no-store"}  # a missed poll stores nothing that a later poll could hit instead
+    while not (served := _ask(b, "What is the way to reset my password?", headers=polls)) \
+            .headers["x-cache-semantic"].startswith("hit"):
+        assert time.monotonic() < deadline, served.headers["x-cache-semantic"]
+    assert served.json()["choices"][0]["message"]["content"] == stored.json()["choices"][0]["message"]["content"]
+    entry = b.get("/admin/semantic/entries", headers=ADMIN).json()["data"][0]
+    assert a.post(f"/admin/semantic/entries/{entry['id']}/reject", headers=ADMIN).status_code == 200
+    assert _ask(b, "What is the way to reset my password?").headers["x-cache-semantic"].startswith("miss")
+    removed = b.post("/admin/purge", json={"tenant": "default", "layers": ["semantic"]}, headers=ADMIN).json()
+    assert removed["removed"]["semantic"]["entries"] == 2  # the rejected one and B's own answer to its miss
+    assert a.get("/admin/semantic/entries", headers=ADMIN).json()["data"] == []
 
 
 def test_an_unreachable_redis_is_a_bypass_and_the_layers_recover(engine, embedder, settings, tmp_path):
