@@ -442,7 +442,7 @@ class SsdTier:
         listing of the folder's top level and one stat per other writer."""
         if not self.config.writer:
             return 0
-        added = 0
+        found = []
         with self.journal_lock:
             for path in self.folder.glob(f"{JOURNAL_PREFIX}*.log"):
                 if path.name == self._journal_path().name:
@@ -451,9 +451,12 @@ class SsdTier:
                     if line.startswith("-"):
                         self.index.forget(line[1:])
                     elif line.startswith("+") and not self.index.has_segment(line[1:]):
-                        added += self._index_foreign(line[1:])
-        self._count("num_foreign_indexed", added)
-        return added
+                        found.append(self._described(line[1:]))
+        segments = [segment for segment in found if segment is not None]
+        if segments:
+            self.index.add_all(segments)
+        self._count("num_foreign_indexed", len(segments))
+        return len(segments)
 
     def _news(self, path: Path) -> list[str]:
         """The complete lines another writer's journal gained since the last read (the caller holds
@@ -475,18 +478,15 @@ class SsdTier:
         self.journals[path.name] = (status.st_ino, offset + len(complete))
         return complete.decode(errors="replace").split()
 
-    def _index_foreign(self, name: str) -> int:
-        """Index another writer's segment from its header (1), or nothing when it is gone or not ours (0)."""
+    def _described(self, name: str) -> tuple | None:
+        """Another writer's segment as the index takes it in, from its header; None when it is gone
+        or not of this namespace."""
         path = self._segment_path(name)
         described = describe(path, self.namespace)
-        if described is None:
-            return 0
         try:
-            nbytes = path.stat().st_size
+            return (name, path.stat().st_size, time.time(), *described) if described is not None else None
         except FileNotFoundError:
-            return 0
-        self.index.add(name, nbytes, time.time(), *described)
-        return 1
+            return None
 
     def _journal(self, line: str) -> None:
         """Tell the other writers of a shared folder: "+name" written, "-name" deleted. One write()

@@ -98,9 +98,15 @@ class SegmentIndex:
 
     def add(self, name: str, nbytes: int, last_used: float, sizes: dict[str, int],
             owners: dict[str, Iterable[str]] | None = None) -> None:
+        self.add_all([(name, nbytes, last_used, sizes, owners or {})])
+
+    def add_all(self, segments: list[tuple[str, int, float, dict[str, int], dict[str, Iterable[str]]]]) -> None:
+        """Several segments (name, nbytes, last_used, sizes, owners) in one transaction: one commit
+        (a disk flush) for all of them."""
         with self.lock:
             self.db.execute("BEGIN")
-            self._add(name, nbytes, last_used, sizes, owners or {})
+            for name, nbytes, last_used, sizes, owners in segments:
+                self._add(name, nbytes, last_used, sizes, owners)
             self.db.execute("COMMIT")
 
     def own(self, hex_hash: str, owners: Iterable[str]) -> None:
