@@ -1,7 +1,7 @@
 """The cluster of `strata cluster up` measured: Redis, two replicas and HAProxy, side by side in one run.
 
     python -m evals.bench_cluster [--model demo] [--requests 48] [--clients 8] [--hits 500]
-                                  [--conversations 5] [--propagations 30]
+                                  [--conversations 9] [--propagations 30]
 
 (a) Throughput on distinct prompts (every request a miss in every response layer), the same load
     sent to one replica directly and to the proxy in front of two; requests/s, tokens/s, ratio.
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--hits", type=int, default=500)
-    parser.add_argument("--conversations", type=int, default=5)
+    parser.add_argument("--conversations", type=int, default=9)
     parser.add_argument("--propagations", type=int, default=30)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="strata-bench-cluster-") as folder:
