@@ -6,6 +6,9 @@ over several machines run on one, with the shipped proxy config (deploy/haproxy/
                                            SSD tier in FOLDER/kv-shared), HAProxy on `port`
     Cluster.stop()                         the proxy, then the replicas (SIGTERM: they persist their
                                            KV and drain), then Redis; every process waited for
+    run(...)                               `strata cluster up`: a replica that dies is started again
+                                           (the proxy sends its sessions to the other meanwhile);
+                                           Redis or the proxy dying stops the cluster
 
 Replicas log to FOLDER/<name>.log, the proxy to FOLDER/haproxy.log. Redis keeps no snapshot: the
 cluster's shared cache lives as long as the cluster does.
@@ -28,6 +31,7 @@ import httpx
 PROXY_CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "haproxy" / "haproxy.cfg"
 REPLICAS = ("a", "b")  # the names the proxy config gives its servers
 START_TIMEOUT_S = 600.0  # a first start builds the demo model
+RESTART_AFTER_S = 10.0  # a replica that died is started again at most this often
 MIN_PORT = 10000  # free_ports draws from here up to the ephemeral range
 
 
@@ -38,6 +42,7 @@ class Cluster:
         self.port = port
         self.extra_env = extra_env or {}
         self.processes: dict[str, subprocess.Popen] = {}  # name -> process, in start order
+        self.started: dict[str, float] = {}  # name -> time.monotonic() of its last start
         self.redis_url = ""
 
     @property
@@ -100,6 +105,14 @@ class Cluster:
             process.wait()
         self._start_redis(int(self.redis_url.rsplit(":", 1)[1].split("/")[0]))
 
+    def restart_replica(self, name: str) -> bool:
+        """Start a replica that exited again, unless it started less than RESTART_AFTER_S ago (a
+        replica that cannot start is not restarted in a tight loop). True when started."""
+        if time.monotonic() - self.started.get(name, 0.0) < RESTART_AFTER_S:
+            return False
+        self._start_replica(name)
+        return True
+
     def _start_replica(self, name: str) -> None:
         port = self.port + 1 + REPLICAS.index(name)
         env = {"STRATA_REDIS_URL": self.redis_url, "STRATA_SSD_DIR": str(self.folder / "kv-shared"),
@@ -115,15 +128,17 @@ class Cluster:
 
     def _spawn(self, name: str, command: list[str], env: dict[str, str] | None = None) -> None:
         environment = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | (env or {})
-        self.processes[name] = subprocess.Popen(command, env=environment, stdout=self._log(name).open("w"),
-                                                stderr=subprocess.STDOUT)
+        self.processes[name] = subprocess.Popen(command, env=environment, stdout=self._log(name).open("a"),
+                                                stderr=subprocess.STDOUT)  # a restart keeps the last words
+        self.started[name] = time.monotonic()
 
     def _log(self, name: str) -> Path:
         return self.folder / f"{name}.log"
 
 
 def run(model: str, folder: Path, port: int) -> int:
-    """`strata cluster up`: start, say where, wait for Ctrl-C or SIGTERM, stop everything."""
+    """`strata cluster up`: start, say where, keep the replicas running, wait for Ctrl-C or SIGTERM,
+    stop everything."""
     cluster = Cluster(model, folder, port)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
@@ -131,11 +146,17 @@ def run(model: str, folder: Path, port: int) -> int:
         cluster.start()
         print(f"strata cluster: proxy {cluster.url} -> replicas {', '.join(cluster.replica_url(n) for n in REPLICAS)}; "
               f"logs in {folder}; Ctrl-C stops it", flush=True)
-        while not stopping and all(p.poll() is None for p in cluster.processes.values()):
+        while not stopping:
             time.sleep(0.5)
-        dead = [name for name, p in cluster.processes.items() if p.poll() is not None]
-        if dead:
-            print(f"strata cluster: {', '.join(dead)} exited; stopping (see {folder})", file=sys.stderr)
+            for name, process in list(cluster.processes.items()):
+                if process.poll() is None:
+                    continue
+                if name not in REPLICAS:
+                    print(f"strata cluster: {name} exited; stopping (see {folder})", file=sys.stderr, flush=True)
+                    stopping.append(True)
+                elif cluster.restart_replica(name):
+                    print(f"strata cluster: replica {name} exited ({process.returncode}); starting it again "
+                          f"(see {cluster._log(name)})", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         pass
     finally:

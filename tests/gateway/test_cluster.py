@@ -3,7 +3,8 @@ front of two replicas sharing one real redis-server and one KV folder. A convers
 replica; an exact answer and a paraphrase stored through one are served through the other; a purge
 through either reaches both; a replica killed mid-conversation hands the session to the other, which
 continues it from the shared KV tier with the answer a cold run gives; Redis restarted empty costs
-the response layers nothing but a bypass, and they recover; stopping leaves no process behind."""
+the response layers nothing but a bypass, and they recover; `strata cluster up` starts a replica that
+died again; stopping leaves no process behind."""
 
 from __future__ import annotations
 
@@ -128,16 +129,32 @@ def _redis_restarted_empty(cluster, session: str) -> None:
     assert _ask(cluster.url, "Does Redis remember this?", session).headers["x-cache-exact"].startswith("hit")
 
 
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 @pytest.mark.slow
-def test_cluster_up_stops_everything_on_sigint(tiny_model_path, tmp_path):
+def test_cluster_up_restarts_a_dead_replica_and_stops_everything_on_sigint(tiny_model_path, tmp_path):
     port = free_ports(3)
     command = [sys.executable, "-m", "gateway.cli", "cluster", "up", "--model", str(tiny_model_path), "--port", str(port),
                "--data-dir", str(tmp_path / "cluster")]
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | {"STRATA_MODEL_NAME": TINY}
+    env.pop("STRATA_API_KEYS", None)
     up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     line = up.stdout.readline()
     assert line.startswith(f"strata cluster: proxy http://127.0.0.1:{port}"), line + up.stdout.read()
     assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+    replica_a = f"http://127.0.0.1:{port + 1}/health/ready"
+    pid = int(subprocess.check_output(["pgrep", "-f", "--", f"data-dir {tmp_path / 'cluster' / 'a'}"]).split()[0])
+    os.kill(pid, signal.SIGKILL)  # a replica dies: it is started again, the cluster keeps serving
+    assert _ask(f"http://127.0.0.1:{port}", "Still served?", "s").status_code == 200
+    deadline = time.monotonic() + 120
+    while not _ready(replica_a):
+        assert time.monotonic() < deadline and up.poll() is None, "replica a was not started again"
+        time.sleep(0.5)
     up.send_signal(signal.SIGINT)
     assert up.wait(timeout=90) == 0 and "strata cluster: stopped" in up.stdout.read()
     assert all(port_free(port + i) for i in range(3))  # proxy and replicas gone
