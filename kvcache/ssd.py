@@ -34,8 +34,8 @@ written to a temp name and renamed, under names no other writer can pick (a rand
 writers never touch one file at once. Each writer keeps its own index (`index-<writer>.sqlite`: no
 index is ever written by two processes) and appends one line per segment it writes ("+seg-...") or
 deletes ("-seg-...") to its own journal (`journal-<writer>.log`, O_APPEND, one write per line); the
-others read each journal from where they stopped (`refresh`, before every lookup that reaches SSD)
-and index the new segments from their headers alone (blocks are verified when read, as always). A
+others read each journal from where they stopped (`refresh`: when a lookup's chain stops short on
+SSD, and before a purge) and index the new segments from their headers alone (blocks are verified when read, as always). A
 segment another writer deleted reads as missing, which forgets it (never a quarantine). reconcile()
 leaves temp files younger than TEMP_STALE_S alone (another writer may be mid-write), and starts this
 writer's journal afresh: the others' folder scans cover what it said before. Capacity and retention
