@@ -38,7 +38,7 @@ class PurgeFeed:
         self.apply = apply
         self.closing = threading.Event()
         try:
-            position = self._end()
+            position = self.link.stream_end(STREAM)
         except StoreUnavailable:
             position = "$"  # Redis is down: follow from whatever comes once it is back
         self.follower = threading.Thread(target=self._follow, args=(position,), name="strata-purge-feed", daemon=True)
@@ -54,15 +54,11 @@ class PurgeFeed:
         self.link.close()
         self.follow_link.close()
 
-    def _end(self) -> str:
-        last = self.link.call(self.link.client.xrevrange, STREAM, count=1)
-        return last[0][0].decode() if last else "0-0"
-
     def _follow(self, position: str) -> None:
         while not self.closing.is_set():
             try:
                 if position == "$":
-                    position = self._end()
+                    position = self.link.stream_end(STREAM)
                 reply = self.follow_link.call(self.follow_link.client.xread, {STREAM: position}, count=100,
                                               block=int(WAIT_S * 1000))
             except StoreUnavailable:

@@ -32,7 +32,7 @@ import numpy as np
 
 from .entries import STATUSES, SemanticEntry, valid_id
 from .owners import Owner, Selector
-from .redis_store import SOCKET_TIMEOUT_S, RedisLink, _owner, _parse_owner
+from .redis_store import SOCKET_TIMEOUT_S, RedisLink, _owner, release_owners
 from .scope import Scope
 from .store import Answer
 
@@ -221,8 +221,7 @@ class RedisEntries:
 
     def position(self) -> str:
         """Where the feed is now: changes after it are the ones an index built now must still apply."""
-        last = self.link.call(self.link.client.xrevrange, self.prefix + "changes", count=1)
-        return last[0][0].decode() if last else "0-0"
+        return self.link.stream_end(self.prefix + "changes")
 
     def changes(self, position: str, wait_s: float) -> tuple[list[tuple], str]:
         """Changes after `position` (waiting up to wait_s for the first): ("add", id, partition,
@@ -258,13 +257,7 @@ class RedisEntries:
                 for p, v in (self.link.call(read) if ids else [])]
 
     def _release(self, entry_id: int, selector: Selector) -> bool:
-        """Take the selector's owners off one entry; True when none is left (the entry must go)."""
-        key = f"{self.prefix}o:{entry_id}"
-        owners = [_parse_owner(raw) for raw in self.link.call(self.link.client.smembers, key)]
-        gone = [_owner(owner) for owner in owners if selector.matches(owner)]
-        if gone:
-            self.link.call(self.link.client.srem, key, *gone)
-        return len(gone) == len(owners)
+        return release_owners(self.link, f"{self.prefix}o:{entry_id}", selector)
 
     def _entry(self, entry_id: int) -> str:
         return f"{self.prefix}e:{entry_id}"

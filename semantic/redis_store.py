@@ -45,7 +45,7 @@ class RedisStore:
     # -- the contract --------------------------------------------------------------------------
 
     def get(self, key: str, now: float) -> StoredResponse | None:
-        raw = self._call(self.client.get, self._entry(key))
+        raw = self.link.call(self.client.get, self._entry(key))
         if raw is None:
             return None
         response = _response(json.loads(raw))
@@ -69,40 +69,40 @@ class RedisStore:
                 pipe.pexpireat(self._owners(key), deadline_ms)
                 pipe.zadd(self.prefix + "exp", {_due(tenant, key): response.expires_at})
 
-        self._transaction(write)
+        self.link.transaction(write)
 
     def own(self, key: str, owner: Owner) -> None:
-        if self._call(self.client.exists, self._entry(key)):
-            self._call(self.client.sadd, self._owners(key), _owner(owner))
+        if self.link.call(self.client.exists, self._entry(key)):
+            self.link.call(self.client.sadd, self._owners(key), _owner(owner))
 
     def delete(self, key: str) -> bool:
-        raw = self._call(self.client.get, self._entry(key))
+        raw = self.link.call(self.client.get, self._entry(key))
         if raw is None:
             return False
         self._remove([(key, json.loads(raw)["tenant"])])
         return True
 
     def purge_expired(self, now: float) -> int:
-        due = [tuple(json.loads(m)) for m in self._call(self.client.zrangebyscore, self.prefix + "exp", "-inf", now)]
+        due = [tuple(json.loads(m)) for m in self.link.call(self.client.zrangebyscore, self.prefix + "exp", "-inf", now)]
         return self._remove([(key, tenant) for tenant, key in due]).num_entries
 
     def purge_tenant(self, tenant: str) -> int:
         return self.purge(Selector(tenant)).num_entries
 
     def purge(self, selector: Selector) -> Purged:
-        keys = sorted(k.decode() for k in self._call(self.client.smembers, self._tenant(selector.tenant)))
+        keys = sorted(k.decode() for k in self.link.call(self.client.smembers, self._tenant(selector.tenant)))
         if not selector.whole_tenant:
             keys = [key for key in keys if self._release(key, selector)]
         return self._remove([(key, selector.tenant) for key in keys])
 
     def count(self) -> int:
-        return int(self._call(self.client.scard, self.prefix + "all"))
+        return int(self.link.call(self.client.scard, self.prefix + "all"))
 
     def purge_all(self) -> int:
-        keys = self._call(lambda: list(self.client.scan_iter(match=self.prefix + "*", count=1000)))
+        keys = self.link.call(lambda: list(self.client.scan_iter(match=self.prefix + "*", count=1000)))
         removed = self.count()
         for start in range(0, len(keys), 1000):
-            self._call(self.client.delete, *keys[start:start + 1000])
+            self.link.call(self.client.delete, *keys[start:start + 1000])
         return removed
 
     def close(self) -> None:
@@ -111,19 +111,14 @@ class RedisStore:
     # -- parts ---------------------------------------------------------------------------------
 
     def _release(self, key: str, selector: Selector) -> bool:
-        """Take the selector's owners off one entry; True when none is left (the entry must go)."""
-        owners = [_parse_owner(raw) for raw in self._call(self.client.smembers, self._owners(key))]
-        gone = [_owner(owner) for owner in owners if selector.matches(owner)]
-        if gone:
-            self._call(self.client.srem, self._owners(key), *gone)
-        return len(gone) == len(owners)
+        return release_owners(self.link, self._owners(key), selector)
 
     def _remove(self, keys: list[tuple[str, str]]) -> Purged:
         """Delete entries and their index members, given with their tenants: the entries still
         present (Redis may have dropped some by TTL already) and their bytes."""
         if not keys:
             return Purged()
-        raws = [raw for raw in self._call(self.client.mget, [self._entry(key) for key, _ in keys]) if raw is not None]
+        raws = [raw for raw in self.link.call(self.client.mget, [self._entry(key) for key, _ in keys]) if raw is not None]
 
         def write(pipe) -> None:
             for key, tenant in keys:
@@ -132,14 +127,8 @@ class RedisStore:
                 pipe.srem(self._tenant(tenant), key)
                 pipe.zrem(self.prefix + "exp", _due(tenant, key))
 
-        self._transaction(write)
-        return Purged(len(raws), sum(len(raw) for raw in raws))
-
-    def _transaction(self, write) -> None:
         self.link.transaction(write)
-
-    def _call(self, operation, *args, **kwargs):
-        return self.link.call(operation, *args, **kwargs)
+        return Purged(len(raws), sum(len(raw) for raw in raws))
 
     def _entry(self, key: str) -> str:
         return f"{self.prefix}e:{key}"
@@ -180,8 +169,23 @@ class RedisLink:
 
         self.call(run)
 
+    def stream_end(self, stream: str) -> str:
+        """The id of a stream's last record ("0-0" when it has none): what follows it is news."""
+        last = self.call(self.client.xrevrange, stream, count=1)
+        return last[0][0].decode() if last else "0-0"
+
     def close(self) -> None:
         self.client.close()
+
+
+def release_owners(link: RedisLink, owners_key: str, selector: Selector) -> bool:
+    """Take the selector's owners out of an entry's owner set (JSON [session, end user] members);
+    True when none is left (the entry must go)."""
+    owners = [_parse_owner(raw) for raw in link.call(link.client.smembers, owners_key)]
+    gone = [_owner(owner) for owner in owners if selector.matches(owner)]
+    if gone:
+        link.call(link.client.srem, owners_key, *gone)
+    return len(gone) == len(owners)
 
 
 def _due(tenant: str, key: str) -> str:
