@@ -121,14 +121,17 @@ ORDINAL_SUFFIX = re.compile(r"^(\d+)(st|nd|rd|th)$")
 
 
 GuardReason = Literal["below_threshold", "numbers", "arithmetic", "negation", "antonym", "date", "unit", "billing_period",
-                      "plan_tier", "entity", "direction", "order", "comparative", "quantifier", "substitution"]
+                      "plan_tier", "entity", "direction", "order", "comparative", "quantifier", "substitution",
+                      "verifier"]
 
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
     accept: bool
     score: float
-    reasons: tuple[GuardReason, ...] = ()
+    reasons: tuple[GuardReason, ...] = ()  # the objections that stand (empty when accepted)
+    probability: float | None = None  # the verifier's P(same answer), when it was asked
+    overruled: tuple[GuardReason, ...] = ()  # word-order objections the verifier overruled (accepted only)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,310 @@
+"""Train the semantic verifier (semantic/verifier.py) and write semantic/verifier.safetensors.
+
+    python -m evals.train_verifier [--seed 2026] [--epochs N] [--out FILE]
+
+Training data (provenance in evals/data/README.md), none of it used to report a number:
+- `evals/data/paws_train.tsv`: the PAWS-Wiki dev pairs *not* in `paws_sample.jsonl` (the reported
+  sample is never trained on);
+- question pairs written here (`written_pairs`): role and direction swaps (a different answer),
+  the same question reworded, and swaps that keep the meaning (symmetric relations, a moved
+  "on Android" / "in 2019"). The dev set `evals/data/dev.jsonl` is not trained on: it reports.
+A seeded tenth of each source is held out to pick the epoch and the two thresholds, which are stored
+in the weights' metadata. Deterministic for a seed on one machine (one CPU thread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from semantic import MiniLMEmbedder, SemanticCache, SemanticSettings, SqliteEntries
+from semantic.guards import check
+from semantic.verifier import FORMAT_VERSION, OVERRULABLE, WEIGHTS_FILE, Ensemble, Featurizer, PairScorer, Settings
+
+DATA = Path(__file__).resolve().parent / "data"
+BATCH = 64
+LEARNING_RATE = 2e-3
+EMA_DECAY = 0.99
+MEMBERS = 5  # scorers in the ensemble, seeds seed, seed + 1, ...
+HELD_OUT = 0.1
+WRITTEN_WEIGHT = 3  # each written pair is seen this many times an epoch: they are few beside PAWS, and the questions users ask
+
+
+@dataclass(frozen=True, slots=True)
+class Example:
+    cached: str
+    query: str
+    label: int  # 1: the cached answer serves the query
+    source: str  # "paws" or "written"
+
+
+def paws_pairs() -> list[Example]:
+    with open(DATA / "paws_train.tsv", newline="") as handle:
+        rows = list(csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE))
+    return [Example(left, right, int(label), "paws") for _, left, right, label in rows]
+
+
+# (cached, look-alike with another answer, rewording with the same answer); {x} and {y} take two
+# different fillers of the named kind.
+ASYMMETRIC = [
+    ("cities", "Flights from {x} to {y} tomorrow", "Flights from {y} to {x} tomorrow", "Tomorrow's flights from {x} to {y}"),
+    ("cities", "Is {x} bigger than {y}?", "Is {y} bigger than {x}?", "Is {x} larger than {y}?"),
+    ("cities", "How long is the train from {x} to {y}?", "How long is the train from {y} to {x}?",
+     "How long does the train from {x} to {y} take?"),
+    ("formats", "How do I convert {x} to {y}?", "How do I convert {y} to {x}?", "What's the way to turn {x} into {y}?"),
+    ("products", "How do I migrate from {x} to {y}?", "How do I migrate from {y} to {x}?",
+     "What are the steps to move from {x} to {y}?"),
+    ("products", "Does {x} replace {y}?", "Does {y} replace {x}?", "Is {y} replaced by {x}?"),
+    ("products", "Does {x} depend on {y}?", "Does {y} depend on {x}?", "Is {x} dependent on {y}?"),
+    ("roles", "Can a {x} see the {y}'s records?", "Can a {y} see the {x}'s records?",
+     "Is a {x} able to view the records of the {y}?"),
+    ("roles", "How much does a {x} earn compared to a {y}?", "How much does a {y} earn compared to a {x}?",
+     "What does a {x} earn relative to a {y}?"),
+    ("roles", "Who pays when a {x} cancels on a {y}?", "Who pays when a {y} cancels on a {x}?",
+     "If a {x} cancels on a {y}, who pays?"),
+    ("languages", "Is it harder for a {x} speaker to learn {y}?", "Is it harder for a {y} speaker to learn {x}?",
+     "Do {x} speakers find {y} harder to learn?"),
+    ("teams", "Did {x} beat {y} in the final?", "Did {y} beat {x} in the final?", "Did {x} win against {y} in the final?"),
+    ("currencies", "How do I exchange {x} for {y}?", "How do I exchange {y} for {x}?", "How can I swap my {x} for {y}?"),
+    ("devices", "How do I send a file from my {x} to my {y}?", "How do I send a file from my {y} to my {x}?",
+     "How can I move a file from my {x} over to my {y}?"),
+    ("accounts", "Can I move money from {x} into {y}?", "Can I move money from {y} into {x}?",
+     "Is it possible to transfer money from {x} into {y}?"),
+]
+# (cached, the same with x and y swapped: same answer, a look-alike naming another filler z)
+SYMMETRIC = [
+    ("products", "What is the difference between {x} and {y}?", "What is the difference between {y} and {x}?",
+     "What is the difference between {x} and {z}?"),
+    ("products", "Are {x} and {y} compatible?", "Are {y} and {x} compatible?", "Are {x} and {z} compatible?"),
+    ("cities", "How far is it between {x} and {y}?", "How far is it between {y} and {x}?", "How far is it between {x} and {z}?"),
+    ("formats", "Compare {x} with {y}", "Compare {y} with {x}", "Compare {z} with {y}"),
+    ("teams", "When did {x} and {y} last play each other?", "When did {y} and {x} last play each other?",
+     "When did {x} and {z} last play each other?"),
+]
+# (cached, the same with a phrase moved: same answer, a look-alike with another filler)
+MOVED = [
+    ("devices", "On my {x}, how do I change the wallpaper?", "How do I change the wallpaper on my {x}?",
+     "On my {y}, how do I change the wallpaper?"),
+    ("years", "In {x}, who won the world cup?", "Who won the world cup in {x}?", "In {y}, who won the world cup?"),
+    ("roles", "For a {x}, what is the login page?", "What is the login page for a {x}?", "For a {y}, what is the login page?"),
+    ("cities", "Which museums in {x} are open on Mondays?", "Which museums are open on Mondays in {x}?",
+     "Which museums in {y} are open on Mondays?"),
+]
+FILLERS = {
+    "cities": "Paris Lyon Berlin Madrid Tokyo Osaka Chicago Denver Boston Seattle Rome Milan Dublin Oslo Lisbon Prague".split(),
+    "formats": "PDF Word Excel CSV JSON XML PNG JPEG Markdown HTML YAML MP4".split(),
+    "products": "Slack Teams Zoom Jira Trello Asana Notion Confluence Dropbox SQLite MariaDB Redis Kafka Docker".split(),
+    "roles": "doctor patient teacher student manager employee landlord tenant buyer seller admin guest".split(),
+    "languages": "English French German Spanish Italian Japanese Chinese Portuguese Dutch Korean".split(),
+    "teams": "Arsenal Chelsea Liverpool Barcelona Madrid Juventus Bayern Ajax Celtic Benfica".split(),
+    "currencies": "dollars euros pounds yen francs pesos rupees".split(),
+    "devices": "phone laptop tablet desktop watch Mac iPad Kindle".split(),
+    "accounts": "brokerage crypto wallet pension PayPal Venmo escrow".split(),
+    "years": "1998 2002 2006 2010 2014 2018 2022".split(),
+}
+FILLINGS_PER_TEMPLATE = 12
+
+
+def written_pairs(rng: random.Random) -> list[Example]:
+    return _file_pairs(DATA / "written_pairs.txt") + _template_pairs(rng)
+
+
+def _file_pairs(path: Path) -> list[Example]:
+    """Same line: one question asked two ways (1). Same block, other line: a near question (0)."""
+    examples = []
+    for block in path.read_text().split("\n\n"):
+        lines = [[q.strip() for q in line.split(" | ")] for line in block.splitlines() if line and not line.startswith("#")]
+        for i, line in enumerate(lines):
+            examples += [Example(a, b, 1, "written") for a, b in itertools.permutations(line, 2)]
+            for other in lines[i + 1:]:
+                examples += [Example(a, b, 0, "written") for a in line for b in other]
+                examples += [Example(b, a, 0, "written") for a in line for b in other]
+    return examples
+
+
+def _template_pairs(rng: random.Random) -> list[Example]:
+    examples = []
+    for kind, cached, different, same in ASYMMETRIC:
+        for x, y in _fillings(rng, kind):
+            examples += [Example(cached.format(x=x, y=y), different.format(x=x, y=y), 0, "written"),
+                         Example(cached.format(x=x, y=y), same.format(x=x, y=y), 1, "written")]
+    for kind, cached, same, different in SYMMETRIC + MOVED:
+        for x, y in _fillings(rng, kind):
+            z = rng.choice([f for f in FILLERS[kind] if f not in (x, y)])
+            fill = {"x": x, "y": y, "z": z}
+            examples += [Example(cached.format(**fill), same.format(**fill), 1, "written"),
+                         Example(cached.format(**fill), different.format(**fill), 0, "written")]
+    return examples
+
+
+def _fillings(rng: random.Random, kind: str) -> list[tuple[str, str]]:
+    return [tuple(rng.sample(FILLERS[kind], 2)) for _ in range(FILLINGS_PER_TEMPLATE)]
+
+
+# -- training ------------------------------------------------------------------------------------
+
+
+def split(examples: list[Example], rng: random.Random) -> tuple[list[Example], list[Example]]:
+    shuffled = examples[:]
+    rng.shuffle(shuffled)
+    cut = int(len(shuffled) * HELD_OUT)
+    return shuffled[cut:], shuffled[:cut]
+
+
+def train(featurizer: Featurizer, examples: list[Example], cosines: dict, held_out: list[Example], epochs: int,
+          seed: int) -> PairScorer:
+    """AdamW on binary cross-entropy; the weights kept are an exponential moving average of the
+    steps' (decay EMA_DECAY), at the epoch where it did best on the held-out pairs: single steps'
+    weights swung the held-out loss by +-0.05 from epoch to epoch."""
+    torch.manual_seed(seed)
+    scorer = PairScorer(featurizer.table.shape[1])
+    average = PairScorer(featurizer.table.shape[1])
+    average.load_state_dict(scorer.state_dict())
+    optimiser = torch.optim.AdamW(scorer.parameters(), lr=LEARNING_RATE, weight_decay=1e-3)
+    rng = random.Random(seed)
+    best, best_state = float("inf"), None
+    for epoch in range(epochs):
+        scorer.train()
+        order = examples[:]
+        rng.shuffle(order)
+        for start in range(0, len(order), BATCH):
+            batch = order[start:start + BATCH]
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(
+                _logits(scorer, featurizer, batch, cosines), torch.tensor([e.label for e in batch], dtype=torch.float32))
+            optimiser.zero_grad()
+            loss.backward()
+            optimiser.step()
+            with torch.no_grad():
+                for kept, current in zip(average.parameters(), scorer.parameters()):
+                    kept.lerp_(current, 1 - EMA_DECAY)
+        held_loss = _loss(average, featurizer, held_out, cosines)
+        print(f"epoch {epoch + 1:>2}  held-out loss {held_loss:.4f}", flush=True)
+        if held_loss < best:
+            best, best_state = held_loss, {k: v.clone() for k, v in average.state_dict().items()}
+    average.load_state_dict(best_state)
+    return average.eval()
+
+
+def _logits(scorer: PairScorer, featurizer: Featurizer, batch: list[Example], cosines: dict) -> torch.Tensor:
+    inputs = featurizer.batch([e.cached for e in batch], [e.query for e in batch], [cosines[e] for e in batch])
+    return scorer(inputs.pieces_a, inputs.mask_a, inputs.pieces_b, inputs.mask_b, inputs.pair_features)
+
+
+def _loss(scorer, featurizer, examples, cosines) -> float:
+    with torch.inference_mode():
+        logits = torch.cat([_logits(scorer, featurizer, examples[i:i + 256], cosines) for i in range(0, len(examples), 256)])
+    labels = torch.tensor([e.label for e in examples], dtype=torch.float32)
+    return float(torch.nn.functional.binary_cross_entropy_with_logits(logits, labels))
+
+
+def probabilities(scorer, featurizer, examples, cosines) -> np.ndarray:
+    with torch.inference_mode():
+        logits = torch.cat([_logits(scorer, featurizer, examples[i:i + 256], cosines) for i in range(0, len(examples), 256)])
+    return torch.sigmoid(logits).numpy()
+
+
+# -- thresholds ----------------------------------------------------------------------------------
+
+
+def guard_outcomes(examples: list[Example], cosines: dict, similar) -> list[str]:
+    """Per example: "pass" (no guard objects), "structural" (only overrulable guards object), "refused"."""
+    outcomes = []
+    for example in examples:
+        verdict = check(example.query, example.cached, cosines[example], SemanticSettings().threshold, similar)
+        reasons = set(verdict.reasons)
+        outcomes.append("pass" if verdict.accept else "structural" if reasons <= OVERRULABLE else "refused")
+    return outcomes
+
+
+def served(probability: np.ndarray, outcomes: list[str], settings: Settings) -> np.ndarray:
+    return np.array([(o == "pass" and p >= settings.accept) or (o == "structural" and p >= settings.overrule)
+                     for p, o in zip(probability, outcomes)])
+
+
+def choose_settings(probability: np.ndarray, outcomes: list[str], labels: np.ndarray) -> Settings:
+    """The pair of bars that serves the most same-answer pairs while serving at most 5% of the
+    different-answer ones (held-out pairs), preferring higher bars on ties."""
+    best = (-1.0, Settings())
+    grid = [round(x, 2) for x in np.arange(0.05, 1.0, 0.05)] + [0.97, 0.99, 1.01]
+    for accept in grid:
+        for overrule in [o for o in grid if o >= accept]:
+            settings = Settings(accept, overrule)
+            hits = served(probability, outcomes, settings)
+            false_rate = hits[labels == 0].mean()
+            hit_rate = hits[labels == 1].mean()
+            if false_rate <= 0.05 and (hit_rate, accept + overrule) > (best[0], best[1].accept + best[1].overrule):
+                best = (hit_rate, settings)
+    return best[1]
+
+
+def report(name: str, probability, outcomes, labels, settings: Settings) -> None:
+    hits = served(probability, outcomes, settings)
+    rule_hits = np.array([o == "pass" for o in outcomes])
+    print(f"{name:<18} pairs {len(labels):>5}   rules only: same {rule_hits[labels == 1].mean():.1%} "
+          f"different {rule_hits[labels == 0].mean():.1%}   with verifier: same {hits[labels == 1].mean():.1%} "
+          f"different {hits[labels == 0].mean():.1%}")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m evals.train_verifier")
+    parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--epochs", type=int, default=8)  # the held-out loss was lowest at 4-6
+    parser.add_argument("--out", type=Path, default=WEIGHTS_FILE)
+    parser.add_argument("--limit", type=int, help="a smoke run: this many pairs of each source")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    rng = random.Random(args.seed)
+    train_paws, held_paws = split(paws_pairs()[:args.limit], rng)
+    train_written, held_written = split(written_pairs(rng)[:args.limit], rng)
+    embedder = MiniLMEmbedder()
+    featurizer = Featurizer.from_minilm(embedder)
+    everything = train_paws + held_paws + train_written + held_written
+    cosines = _cosines(embedder, everything)
+    held_out = held_paws + held_written
+    scorer = Ensemble(featurizer.table.shape[1], MEMBERS)
+    for number, member in enumerate(scorer.members):
+        trained = train(featurizer, train_paws + train_written * WRITTEN_WEIGHT, cosines, held_out, args.epochs,
+                        args.seed + number)
+        member.load_state_dict(trained.state_dict())
+    print(f"ensemble of {MEMBERS}: held-out loss {_loss(scorer, featurizer, held_out, cosines):.4f}")
+    similar = SemanticCache(embedder, SqliteEntries(":memory:"), SemanticSettings()).word_similarity
+    probability = probabilities(scorer, featurizer, held_out, cosines)
+    outcomes = guard_outcomes(held_out, cosines, similar)
+    labels = np.array([e.label for e in held_out])
+    settings = choose_settings(probability, outcomes, labels)
+    for source in ("paws", "written"):
+        rows = [i for i, e in enumerate(held_out) if e.source == source]
+        report(f"held-out {source}", probability[rows], [outcomes[i] for i in rows], labels[rows], settings)
+    save(scorer, settings, args, args.out)
+    print(f"bars: accept {settings.accept}, overrule {settings.overrule}; wrote {args.out} "
+          f"in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+def _cosines(embedder, examples: list[Example]) -> dict:
+    texts = sorted({t for e in examples for t in (e.cached, e.query)})
+    vectors = dict(zip(texts, embedder.embed(texts)))
+    return {e: float(vectors[e.cached] @ vectors[e.query]) for e in examples}
+
+
+def save(scorer: Ensemble, settings: Settings, args, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    meta = {"format_version": str(FORMAT_VERSION), "members": str(len(scorer.members)),
+            "settings": json.dumps(asdict(settings)), "seed": str(args.seed),
+            "epochs": str(args.epochs), "data": "evals/data/paws_train.tsv + evals.train_verifier.written_pairs"}
+    save_file({k: v.contiguous() for k, v in scorer.state_dict().items()}, str(path), metadata=meta)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
