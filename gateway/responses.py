@@ -286,11 +286,16 @@ def _response_bypass(request: ChatRequest) -> str | None:
 
 
 def _semantic_outcome(result: SemanticLookup) -> LayerOutcome:
+    """`hit; score=0.97; entry=3[; p=0.98][; overruled=order]` or `miss[; score=0.93]; reason=...[; p=0.12]`:
+    p is the verifier's P(same answer), when it was asked."""
+    verdict = result.verdict
+    verifier = {"p": f"{verdict.probability:.2f}"} if verdict and verdict.probability is not None else {}
     if result.status == HIT:
-        return LayerOutcome.of(HIT, score=f"{result.score:.2f}", entry=result.entry.id)
+        overruled = {"overruled": ",".join(verdict.overruled)} if verdict and verdict.overruled else {}
+        return LayerOutcome.of(HIT, score=f"{result.score:.2f}", entry=result.entry.id, **verifier, **overruled)
     if result.score is None:
         return LayerOutcome.of(MISS, reason=result.reason)
-    return LayerOutcome.of(MISS, score=f"{result.score:.2f}", reason=result.reason)
+    return LayerOutcome.of(MISS, score=f"{result.score:.2f}", reason=result.reason, **verifier)
 
 
 def _versions(metadata: dict[str, str], headers) -> dict[str, str]:
@@ -341,6 +346,10 @@ def _semantic_cache(settings: Settings, embedder: Embedder | None) -> SemanticCa
         store = RedisEntries(settings.redis_url)
     else:
         store = SqliteEntries(private_file(settings.data_dir / "semantic.db"))
-    cache = SemanticCache(embedder or MiniLMEmbedder(), store, config)
+    from semantic.verifier import Verifier  # torch: imported only when the layer is on
+
+    embedder = embedder or MiniLMEmbedder()
+    verifier = Verifier.load(embedder) if settings.semantic_verifier else None
+    cache = SemanticCache(embedder, store, config, verifier)
     cache.warm_up()
     return cache

@@ -100,6 +100,7 @@ class Settings:
     semantic_enabled: bool = True
     semantic_threshold: float = _default(SemanticSettings, "threshold")  # cosine; tuned on evals/data/dev.jsonl
     semantic_require_approved: bool = False  # serve only entries an admin approved
+    semantic_verifier: bool = True  # the learned second opinion after the guards (semantic/verifier.py)
     semantic_ttl_s: float = _default(SemanticSettings, "default_ttl_s")
     cache_nondeterministic: bool = False  # also cache sampled (temperature > 0, no seed) answers
     risk_patterns_file: Path | None = None  # None: semantic/risk_patterns.json
@@ -227,6 +228,8 @@ SETTINGS = (
     Setting("semantic_enabled", "STRATA_SEMANTIC", parse_flag, "the semantic layer (loads MiniLM at start-up)"),
     Setting("semantic_threshold", "STRATA_SEMANTIC_THRESHOLD", float, "cosine threshold before the guards"),
     Setting("semantic_require_approved", "STRATA_SEMANTIC_REQUIRE_APPROVED", parse_flag, "serve only approved semantic entries"),
+    Setting("semantic_verifier", "STRATA_SEMANTIC_VERIFIER", parse_flag, "the learned verifier after the guards: it "
+            "refuses word-order look-alikes and may overrule the word-order guards"),
     Setting("cache_nondeterministic", "STRATA_CACHE_NONDETERMINISTIC", parse_flag, "also cache sampled answers (exact layer)"),
     Setting("risk_patterns_file", "STRATA_RISK_PATTERNS_FILE", Path, "risk rules as JSON (default semantic/risk_patterns.json)"),
     Setting("allow_remote_images", "STRATA_ALLOW_REMOTE_IMAGES", parse_flag, "accept http(s) image URLs"),

@@ -17,6 +17,7 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,6 +30,9 @@ from .entries import STATUSES, EntryStore, SemanticEntry, valid_id
 from .owners import Owner, Selector
 from .scope import Scope
 from .store import Answer, Purged, StoreUnavailable
+
+if TYPE_CHECKING:  # the verifier imports torch; a cache without one never needs it
+    from .verifier import Verifier
 
 log = logging.getLogger("strata.semantic")
 
@@ -47,7 +51,7 @@ class Screening:
 @dataclass(frozen=True, slots=True)
 class SemanticLookup:
     status: Status
-    reason: str = ""  # a miss: "no_candidate", or the guards' reasons (GuardReason) joined by commas
+    reason: str = ""  # a miss: "no_candidate", or the guards' (and verifier's) reasons joined by commas
     score: float | None = None
     entry: SemanticEntry | None = None
     verdict: Verdict | None = None
@@ -77,10 +81,12 @@ class SemanticCache:
 
     name = "semantic"
 
-    def __init__(self, embedder: Embedder, store: EntryStore, settings: SemanticSettings):
+    def __init__(self, embedder: Embedder, store: EntryStore, settings: SemanticSettings,
+                 verifier: Verifier | None = None):
         self.embedder = embedder
         self.store = store
         self.settings = settings
+        self.verifier = verifier  # None: the rule guards decide alone
         self.word_vectors: OrderedDict[str, np.ndarray] = OrderedDict()  # guarded by word_lock
         self.word_lock = threading.Lock()
         self.index = PartitionedIndex(embedder.dim)  # replaced whole by a rebuild; never mutated by two threads' swaps
@@ -124,6 +130,8 @@ class SemanticCache:
             if not self._servable(entry, now):
                 continue
             verdict = check(query, entry.prompt, score, self.settings.threshold, self.word_similarity)
+            if self.verifier is not None:
+                verdict = self.verifier.review(query, entry.prompt, verdict)
             if verdict.accept:
                 self.store.count_hit(entry.id)
                 return SemanticLookup("hit", score=score, entry=entry, verdict=verdict, vector=vector)
