@@ -1,7 +1,8 @@
 """The false-hit regression run: labelled pairs through the real semantic layer.
 
     python -m evals false-hits --dataset FILE.jsonl [--dataset ...] [--json OUT]
-        [--max-false-hit-rate R] [--min-hit-rate R] [--threshold T]
+        [--max-false-hit-rate R] [--min-hit-rate R] [--threshold T] [--isolate]
+        [--verifier WEIGHTS | --without-verifier]
 
 Each line: {"id", "category", "cached_prompt", "query_prompt", "expect": "hit"|"miss",
 "cached_scope"?: {...}, "query_scope"?: {...}} (scope keys: tenant, prompt_version, policy_version,
@@ -9,6 +10,12 @@ data_version, locale). All cached prompts are stored first (one entry per distin
 then every query runs through SemanticCache.lookup, the gateway's own code path. A hit on any entry
 other than the pair's own is a false hit. Rates: hit rate = own hits / expect-hit pairs;
 false-hit rate = false hits / all pairs. Exits 1 when a gate fails.
+
+The set runs twice on the same vectors: with the rule guards alone, and with the learned verifier
+after them (semantic/verifier.py; the gateway's default). Both are reported per category; the gates
+judge the run with the verifier (or the rules alone, with --without-verifier). --isolate puts every
+pair in its own partition, so a query meets only its own pair's cached prompt (PAWS pairs share
+source sentences, so in one partition a query also meets other pairs' rewordings, unlabelled).
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from semantic import Answer, MiniLMEmbedder, Scope, SemanticCache, SemanticSettings, SqliteEntries
 
@@ -60,18 +69,38 @@ def _scope(raw: dict | None) -> Scope:
                  locale=raw.get("locale", ""))
 
 
-def run(pairs: list[Pair], cache: SemanticCache) -> dict:
+class RememberingEmbedder:
+    """The real embedder, each text embedded once: both runs of one report share their vectors."""
+
+    def __init__(self, embedder):
+        self.embedder = embedder
+        self.dim, self.name = embedder.dim, embedder.name
+        self.vectors: dict[str, np.ndarray] = {}
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        missing = [text for text in dict.fromkeys(texts) if text not in self.vectors]
+        if missing:
+            self.vectors.update(zip(missing, self.embedder.embed(missing)))
+        return np.stack([self.vectors[text] for text in texts])
+
+
+def run(pairs: list[Pair], cache: SemanticCache, isolate: bool = False) -> dict:
     now = time.time()
     own: dict[str, int] = {}
+    context = {pair.id: pair.id if isolate else CONTEXT for pair in pairs}
     for pair in pairs:
-        own[pair.id] = cache.insert(pair.cached_prompt, Answer(f"answer for {pair.id}"), pair.cached_scope, CONTEXT, now)
+        own[pair.id] = cache.insert(pair.cached_prompt, Answer(f"answer for {pair.id}"), pair.cached_scope,
+                                    context[pair.id], now)
     outcomes = []
     for pair in pairs:
-        result = cache.lookup(pair.query_prompt, pair.query_scope, CONTEXT, now)
+        result = cache.lookup(pair.query_prompt, pair.query_scope, context[pair.id], now)
         hit_id = result.entry.id if result.entry else None
         outcome = "miss" if hit_id is None else ("hit" if hit_id == own[pair.id] and pair.expect == "hit" else "false_hit")
+        verdict = result.verdict
         outcomes.append({"id": pair.id, "category": pair.category, "expect": pair.expect, "outcome": outcome,
-                         "score": result.score, "reason": result.reason})
+                         "score": result.score, "reason": result.reason,
+                         "verifier_p": verdict.probability if verdict else None,
+                         "overruled": ",".join(verdict.overruled) if verdict else ""})
     return summarise(outcomes)
 
 
@@ -92,11 +121,22 @@ def _rates(rows: list[dict]) -> dict:
             "false_hit_rate": false_hits / len(rows) if rows else 0.0}
 
 
-def print_report(summary: dict) -> None:
-    print(f"{'category':<22} {'pairs':>5} {'hit rate':>9} {'false hits':>10} {'false-hit rate':>14}")
-    for name, rates in [*summary["categories"].items(), ("OVERALL", summary["overall"])]:
-        hit_rate = "-" if rates["hit_rate"] is None else f"{rates['hit_rate']:.1%}"
-        print(f"{name:<22} {rates['pairs']:>5} {hit_rate:>9} {rates['false_hits']:>10} {rates['false_hit_rate']:>14.2%}")
+def print_report(summaries: dict[str, dict]) -> None:
+    """One row per category; for each run (e.g. "rules", "+verifier"): hit rate, false hits and their rate."""
+    first = next(iter(summaries.values()))
+    print(f"{'':<22} {'':>5}" + "".join(f" | {name:^32}" for name in summaries))
+    print(f"{'category':<22} {'pairs':>5}" + f" | {'hit rate':>9} {'false hits':>10} {'rate':>9}" * len(summaries))
+    for name in [*first["categories"], "OVERALL"]:
+        row = f"{name:<22} {_pick(first, name)['pairs']:>5}"
+        for summary in summaries.values():
+            rates = _pick(summary, name)
+            hit_rate = "-" if rates["hit_rate"] is None else f"{rates['hit_rate']:.1%}"
+            row += f" | {hit_rate:>9} {rates['false_hits']:>10} {rates['false_hit_rate']:>9.2%}"
+        print(row)
+
+
+def _pick(summary: dict, name: str) -> dict:
+    return summary["overall"] if name == "OVERALL" else summary["categories"][name]
 
 
 def gates(summary: dict, max_false_hit_rate: float | None, min_hit_rate: float | None) -> list[str]:
@@ -119,16 +159,36 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-false-hit-rate", type=float)
     parser.add_argument("--min-hit-rate", type=float)
     parser.add_argument("--threshold", type=float, default=SemanticSettings().threshold)
+    parser.add_argument("--isolate", action="store_true", help="every pair in its own partition")
+    verifier = parser.add_mutually_exclusive_group()
+    verifier.add_argument("--verifier", type=Path, help="the verifier's weights (default: the shipped ones)")
+    verifier.add_argument("--without-verifier", action="store_true", help="the rule guards alone")
     args = parser.parse_args(argv)
-    pairs = load_pairs(args.dataset)
-    with tempfile.TemporaryDirectory() as folder:
-        cache = SemanticCache(MiniLMEmbedder(), SqliteEntries(Path(folder) / "semantic.db"), SemanticSettings(threshold=args.threshold))
-        summary = run(pairs, cache)
-        cache.close()
-    print_report(summary)
+    summaries = run_both(load_pairs(args.dataset), args)
+    print_report(summaries)
+    summary = summaries["+verifier"] if "+verifier" in summaries else summaries["rules"]
     failures = gates(summary, args.max_false_hit_rate, args.min_hit_rate)
     if args.json:
-        args.json.write_text(json.dumps({**summary, "gate_failures": failures}, indent=1))
+        args.json.write_text(json.dumps({**summary, "rules_only": summaries["rules"], "gate_failures": failures}, indent=1))
     for failure in failures:
         print(f"GATE FAILED: {failure}", file=sys.stderr)
     return 1 if failures else 0
+
+
+def run_both(pairs: list[Pair], args) -> dict[str, dict]:
+    """{"rules": summary} and, unless --without-verifier, {"+verifier": summary}, on shared vectors."""
+    from semantic.verifier import WEIGHTS_FILE, Verifier
+
+    minilm = MiniLMEmbedder()
+    embedder = RememberingEmbedder(minilm)
+    verifiers = {"rules": None}
+    if not args.without_verifier:
+        verifiers["+verifier"] = Verifier.load(minilm, args.verifier or WEIGHTS_FILE)
+    summaries = {}
+    for name, verifier in verifiers.items():
+        with tempfile.TemporaryDirectory() as folder:
+            cache = SemanticCache(embedder, SqliteEntries(Path(folder) / "semantic.db"),
+                                  SemanticSettings(threshold=args.threshold), verifier)
+            summaries[name] = run(pairs, cache, args.isolate)
+            cache.close()
+    return summaries

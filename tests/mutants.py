@@ -37,6 +37,7 @@ HARDENING = "tests/gateway/test_hardening.py"
 GUARDS = "tests/semantic/test_guards.py::test_lookalikes_are_refused_with_the_right_reason"
 FAMILIES = "tests/gateway/test_families.py"
 BREADTH = "tests/gateway/test_api_breadth.py"
+VERIFIER = "tests/semantic/test_verifier.py"
 
 MUTANTS = (
     Mutant("tenant out of the exact key", "semantic/exact.py",
@@ -203,6 +204,15 @@ MUTANTS = (
     Mutant("removes during a semantic index rebuild lost", "semantic/index.py",
            "                    index.remove_ids(np.asarray([change[1]], dtype=np.int64))", "                    pass",
            ("tests/semantic/test_index.py::test_adds_and_removes_during_a_rebuild_are_kept",)),
+    Mutant("the verifier overrules a guard that names a fact", "semantic/verifier.py",
+           'if "below_threshold" in objections or not objections <= OVERRULABLE:', 'if "below_threshold" in objections:',
+           (VERIFIER + "::test_pairs_below_the_threshold_or_refused_for_a_fact_are_never_scored",)),
+    Mutant("the verifier overrules word-order guards at its lower bar", "semantic/verifier.py",
+           "bar = self.settings.overrule if objections else self.settings.accept", "bar = self.settings.accept",
+           (VERIFIER + "::test_word_order_objections_are_overruled_only_at_the_higher_bar",)),
+    Mutant("the semantic cache never asks its verifier", "semantic/cache.py",
+           "            if self.verifier is not None:", "            if False:",
+           (VERIFIER + "::test_the_cache_asks_the_verifier_about_candidates_and_reports_its_verdict",)),
     Mutant("another writer's temp file deleted mid-write", "kvcache/ssd.py",
            "                if self._stale_temp(path):", "                if True:",
            ("tests/kvcache/test_ssd.py::test_a_restarted_writer_keeps_others_temp_files_and_journals_afresh",)),

@@ -6,7 +6,7 @@ import pytest
 
 
 @pytest.mark.parametrize("name", ["bench_engine", "bench_ttft", "bench_layers", "bench_ssd", "bench_load", "bench_api", "bench_cluster",
-                                  "bench_observability", "false_hits"])
+                                  "bench_observability", "bench_verifier", "false_hits", "train_verifier"])
 def test_benchmark_module_loads(name):
     module = importlib.import_module(f"evals.{name}")
     assert callable(module.main)

@@ -115,7 +115,19 @@ def test_semantic_hit_for_a_paraphrase_and_guarded_miss_for_a_lookalike(client):
     lookalike = ask(client, "Why can't I reset my password?")
     assert lookalike.headers["x-cache-layer"] == "engine"
     assert lookalike.headers["x-cache-semantic"].startswith("miss; score=0.")
-    assert lookalike.headers["x-cache-semantic"].endswith("reason=negation")
+    assert lookalike.headers["x-cache-semantic"].endswith("reason=negation")  # a fact: the verifier is not asked
+
+
+def test_the_verifier_refuses_a_role_swap_the_guards_let_through(client):
+    ask(client, "Can a subsidiary own shares of its parent company?")
+    swapped = ask(client, "Can a parent company own shares of its subsidiary?")
+    assert swapped.headers["x-cache-layer"] == "engine"
+    header = swapped.headers["x-cache-semantic"]
+    assert header.startswith("miss; score=0.9") and "; reason=verifier; p=0." in header, header
+    assert float(header.rsplit("p=", 1)[1]) < 0.5
+    reworded = ask(client, "Is a subsidiary allowed to own shares of its parent company?")
+    assert reworded.headers["x-cache-layer"] == "semantic"
+    assert "; p=" in reworded.headers["x-cache-semantic"]
 
 
 def test_scope_versions_from_metadata_or_headers_separate_entries(client):
