@@ -128,6 +128,20 @@ def test_shipped_verifier_scores_a_pair_the_same_either_way_round(shipped):
     assert forward == pytest.approx(backward, abs=1e-5)
 
 
+def test_the_verifier_and_the_embedder_share_the_tokenizer_safely_across_threads(shipped, embedder):
+    """Lookups run on several threads, each embedding and verifying with the one shared tokenizer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def work(number: int) -> float:
+        text = f"Can a subsidiary own shares of its parent company number {number}?"
+        embedder.embed([text * (1 + number % 3)])
+        return shipped.probability(text, "Can a parent company own shares of its subsidiary?", 0.95)
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(work, range(40)))
+    assert len(results) == 40 and all(0.0 <= p <= 1.0 for p in results)
+
+
 # -- training data and the training command ------------------------------------------------------
 
 
