@@ -29,7 +29,7 @@ import torch
 
 from semantic import MiniLMEmbedder, SemanticCache, SemanticSettings, SqliteEntries
 from semantic.guards import check
-from semantic.verifier import FORMAT_VERSION, OVERRULABLE, WEIGHTS_FILE, Ensemble, Featurizer, PairScorer, Settings
+from semantic.verifier import FORMAT_VERSION, WEIGHTS_FILE, Ensemble, Featurizer, PairScorer, Settings, reviewable
 
 DATA = Path(__file__).resolve().parent / "data"
 BATCH = 64
@@ -197,37 +197,40 @@ def train(featurizer: Featurizer, examples: list[Example], cosines: dict, held_o
 
 def _logits(scorer: PairScorer, featurizer: Featurizer, batch: list[Example], cosines: dict) -> torch.Tensor:
     inputs = featurizer.batch([e.cached for e in batch], [e.query for e in batch], [cosines[e] for e in batch])
-    return scorer(inputs.pieces_a, inputs.mask_a, inputs.pieces_b, inputs.mask_b, inputs.pair_features)
+    return scorer(*inputs.tensors())
+
+
+def _all_logits(scorer, featurizer, examples, cosines) -> torch.Tensor:
+    """Logits of every example, without gradients, 256 at a time."""
+    with torch.inference_mode():
+        return torch.cat([_logits(scorer, featurizer, examples[i:i + 256], cosines) for i in range(0, len(examples), 256)])
 
 
 def _loss(scorer, featurizer, examples, cosines) -> float:
-    with torch.inference_mode():
-        logits = torch.cat([_logits(scorer, featurizer, examples[i:i + 256], cosines) for i in range(0, len(examples), 256)])
     labels = torch.tensor([e.label for e in examples], dtype=torch.float32)
-    return float(torch.nn.functional.binary_cross_entropy_with_logits(logits, labels))
+    return float(torch.nn.functional.binary_cross_entropy_with_logits(_all_logits(scorer, featurizer, examples, cosines), labels))
 
 
 def probabilities(scorer, featurizer, examples, cosines) -> np.ndarray:
-    with torch.inference_mode():
-        logits = torch.cat([_logits(scorer, featurizer, examples[i:i + 256], cosines) for i in range(0, len(examples), 256)])
-    return torch.sigmoid(logits).numpy()
+    return torch.sigmoid(_all_logits(scorer, featurizer, examples, cosines)).numpy()
 
 
 # -- thresholds ----------------------------------------------------------------------------------
 
 
 def guard_outcomes(examples: list[Example], cosines: dict, similar) -> list[str]:
-    """Per example: "pass" (no guard objects), "structural" (only overrulable guards object), "refused"."""
+    """Per example: "pass" (no guard objects), "structural" (only overrulable guards object), "refused"
+    (the verifier is not asked), as Verifier.review sees the guards' verdict."""
     outcomes = []
     for example in examples:
         verdict = check(example.query, example.cached, cosines[example], SemanticSettings().threshold, similar)
-        reasons = set(verdict.reasons)
-        outcomes.append("pass" if verdict.accept else "structural" if reasons <= OVERRULABLE else "refused")
+        outcomes.append("refused" if not reviewable(verdict) else "structural" if verdict.reasons else "pass")
     return outcomes
 
 
 def served(probability: np.ndarray, outcomes: list[str], settings: Settings) -> np.ndarray:
-    return np.array([(o == "pass" and p >= settings.accept) or (o == "structural" and p >= settings.overrule)
+    """Which examples Verifier.review would serve at these bars."""
+    return np.array([o != "refused" and p >= settings.bar(objected=o == "structural")
                      for p, o in zip(probability, outcomes)])
 
 

@@ -53,6 +53,16 @@ class Settings:
     accept: float = 0.5
     overrule: float = 0.9
 
+    def bar(self, objected: bool) -> float:
+        """The probability a reviewed pair needs to be served (`objected`: a word-order guard objects)."""
+        return self.overrule if objected else self.accept
+
+
+def reviewable(verdict: Verdict) -> bool:
+    """Whether the verifier is asked at all: above the threshold, and no guard that names a fact objects."""
+    objections = set(verdict.reasons)
+    return "below_threshold" not in objections and objections <= OVERRULABLE
+
 
 class PairScorer(nn.Module):
     """Logit of P(same answer) for padded batches of embedded pieces (batch, pieces, 384 + 3)."""
@@ -136,6 +146,10 @@ class PairInputs:
     mask_b: torch.Tensor
     pair_features: torch.Tensor
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """PairScorer's arguments, in order."""
+        return self.pieces_a, self.mask_a, self.pieces_b, self.mask_b, self.pair_features
+
 
 class Featurizer:
     """Texts -> PairInputs, with MiniLM's tokenizer and its frozen input-embedding table."""
@@ -194,14 +208,10 @@ def compiled(scorer: Ensemble, featurizer: Featurizer) -> torch.jit.ScriptModule
     example = featurizer.batch([cached], [query], [0.9])
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the tracer's notes on Python scalars (the fixed width)
-        traced = torch.jit.freeze(torch.jit.trace(scorer, _arguments(example)))
+        traced = torch.jit.freeze(torch.jit.trace(scorer, example.tensors()))
         for cached, query in WARM_UP_PAIRS * 2:
-            traced(*_arguments(featurizer.batch([cached], [query], [0.9])))
+            traced(*featurizer.batch([cached], [query], [0.9]).tensors())
     return traced
-
-
-def _arguments(inputs: PairInputs) -> tuple[torch.Tensor, ...]:
-    return inputs.pieces_a, inputs.mask_a, inputs.pieces_b, inputs.mask_b, inputs.pair_features
 
 
 class Verifier:
@@ -230,17 +240,15 @@ class Verifier:
         """The guards' verdict, seen again. Pairs below the cosine threshold or refused by a
         guard that names a fact are not scored. Others are served when P(same answer) reaches
         `accept` (no objection) or `overrule` (only word-order objections)."""
-        objections = set(verdict.reasons)
-        if "below_threshold" in objections or not objections <= OVERRULABLE:
+        if not reviewable(verdict):
             return verdict
         probability = self.probability(query, cached, verdict.score)
-        bar = self.settings.overrule if objections else self.settings.accept
-        if probability >= bar:
+        if probability >= self.settings.bar(objected=bool(verdict.reasons)):
             return Verdict(True, verdict.score, (), probability, overruled=verdict.reasons)
         return Verdict(False, verdict.score, (*verdict.reasons, "verifier"), probability)
 
     def probability(self, query: str, cached: str, cosine: float) -> float:
         with torch.inference_mode():
             inputs = self.featurizer.batch([cached], [query], [cosine])
-            logit = self.scorer(*_arguments(inputs))
+            logit = self.scorer(*inputs.tensors())
         return float(torch.sigmoid(logit)[0])
