@@ -20,17 +20,43 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from gateway.engine import (CacheConfig, Engine, EngineConfig, Finished, Message, Sampling, TextPart, Tool,
-                            json_schema_grammar, resolve_model_path)
+from gateway.engine import (
+    CacheConfig,
+    Engine,
+    EngineConfig,
+    Finished,
+    Message,
+    Sampling,
+    TextPart,
+    Tool,
+    json_schema_grammar,
+    resolve_model_path,
+)
 
 from . import corpus_lines
 
-SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 200},
-                                           "score": {"type": "integer", "minimum": 0, "maximum": 100000},
-                                           "tags": {"type": "array", "items": {"type": "string", "maxLength": 40}}},
-          "required": ["title", "score", "tags"], "additionalProperties": False}
-TOOL = Tool("lookup", "Look a word up", json.dumps({"type": "object", "properties": {"word": {"type": "string"}},
-                                                    "required": ["word"], "additionalProperties": False}))
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 200},
+        "score": {"type": "integer", "minimum": 0, "maximum": 100000},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 40}},
+    },
+    "required": ["title", "score", "tags"],
+    "additionalProperties": False,
+}
+TOOL = Tool(
+    "lookup",
+    "Look a word up",
+    json.dumps(
+        {
+            "type": "object",
+            "properties": {"word": {"type": "string"}},
+            "required": ["word"],
+            "additionalProperties": False,
+        }
+    ),
+)
 
 
 def _modes(engine: Engine, tokens: int) -> dict[str, Sampling]:
@@ -45,6 +71,7 @@ def _modes(engine: Engine, tokens: int) -> dict[str, Sampling]:
 
 async def _run(engine: Engine, prompts, sampling: Sampling, seed: int) -> float:
     """The rows' decode rates summed: tok/s of the batch while it decodes."""
+
     async def one(index, prompt):
         job = engine.submit(prompt, replace(sampling, seed=seed * 1000 + index), index.to_bytes(16, "little"))
         rate = 0.0
@@ -76,8 +103,10 @@ def main() -> None:
                 rates = []
                 for repeat in range(args.repeats):
                     offset = (repeat * len(args.rows) + rows) * 16
-                    prompts = [engine.prepare((Message("user", (TextPart(lines[(offset + i) % len(lines)]),)),), [])
-                               for i in range(rows)]
+                    prompts = [
+                        engine.prepare((Message("user", (TextPart(lines[(offset + i) % len(lines)]),)),), [])
+                        for i in range(rows)
+                    ]
                     rates.append(asyncio.run(_run(engine, prompts, sampling, repeat)))
                 results[(rows, name)] = statistics.median(rates)
     finally:

@@ -42,18 +42,29 @@ QUESTION = "How do I export my project to a CSV file?"
 KEYS = {"acme": "key-acme", "cold": "key-cold"}  # "cold" is another tenant: nothing it asks is cached for it
 AUTH = {"Authorization": f"Bearer {KEYS['acme']}"}
 TURNS_BEFORE_FAILOVER = 5
-PARAPHRASES = [("How do I rename the project {n}?", "What is the way to rename the project {n}?"),
-               ("Where can I download the invoice {n}?", "Where do I download the invoice {n}?"),
-               ("How can I change the password of account {n}?", "How do I change the password of account {n}?")]
+PARAPHRASES = [
+    ("How do I rename the project {n}?", "What is the way to rename the project {n}?"),
+    ("Where can I download the invoice {n}?", "Where do I download the invoice {n}?"),
+    ("How can I change the password of account {n}?", "How do I change the password of account {n}?"),
+]
 
 
 def distinct_load(url: str, requests: int, clients: int, max_tokens: int) -> dict:
     """`requests` distinct prompts from `clients` threads, each in its own session: requests/s, tokens/s."""
+
     def one(index: int) -> int:
-        body = {"model": "bench", "max_tokens": max_tokens, "temperature": 0,
-                "messages": [{"role": "user", "content": f"Request {index} ({uuid.uuid4().hex[:8]}): tell a story."}]}
-        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=600,
-                              headers={"X-Strata-Session": f"bench-{index}-{uuid.uuid4().hex[:6]}", **AUTH})
+        body = {
+            "model": "bench",
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": f"Request {index} ({uuid.uuid4().hex[:8]}): tell a story."}],
+        }
+        response = httpx.post(
+            url + "/v1/chat/completions",
+            json=body,
+            timeout=600,
+            headers={"X-Strata-Session": f"bench-{index}-{uuid.uuid4().hex[:6]}", **AUTH},
+        )
         response.raise_for_status()
         return response.json()["usage"]["completion_tokens"]
 
@@ -116,10 +127,15 @@ def failover(cluster: Cluster, conversations: int) -> dict:
         cold.append(ttft_cold)
         cached.append(headers["x-cache-prefix"])
         same += answer_b == answer_cold
-    return {"shared_ttft_ms": float(np.median(shared)) * 1000, "cold_ttft_ms": float(np.median(cold)) * 1000,
-            "warm_ram_ttft_ms": float(np.median(warm)) * 1000,
-            "ratio": float(np.median(shared) / np.median(cold)), "answers_equal": same, "conversations": conversations,
-            "prefix_headers": cached}
+    return {
+        "shared_ttft_ms": float(np.median(shared)) * 1000,
+        "cold_ttft_ms": float(np.median(cold)) * 1000,
+        "warm_ram_ttft_ms": float(np.median(warm)) * 1000,
+        "ratio": float(np.median(shared) / np.median(cold)),
+        "answers_equal": same,
+        "conversations": conversations,
+        "prefix_headers": cached,
+    }
 
 
 def propagation(cluster: Cluster, trials: int) -> dict:
@@ -128,28 +144,50 @@ def propagation(cluster: Cluster, trials: int) -> dict:
     for trial in range(trials):
         name = f"{trial}-{uuid.uuid4().hex[:6]}"
         question, paraphrase = (text.format(n=name) for text in PARAPHRASES[trial % len(PARAPHRASES)])
-        stored = httpx.post(cluster.replica_url("a") + "/v1/chat/completions", headers=AUTH, timeout=600, json={
-            "model": "bench", "messages": [{"role": "user", "content": question}], "max_tokens": 1, "temperature": 0})
+        stored = httpx.post(
+            cluster.replica_url("a") + "/v1/chat/completions",
+            headers=AUTH,
+            timeout=600,
+            json={
+                "model": "bench",
+                "messages": [{"role": "user", "content": question}],
+                "max_tokens": 1,
+                "temperature": 0,
+            },
+        )
         stored.raise_for_status()
         answered, count = time.perf_counter(), 0
         while True:
             count += 1
-            served = httpx.post(cluster.replica_url("b") + "/v1/chat/completions", timeout=600,
-                                headers={**AUTH, "Cache-Control": "no-store"},
-                                json={"model": "bench", "messages": [{"role": "user", "content": paraphrase}],
-                                      "max_tokens": 1, "temperature": 0})
+            served = httpx.post(
+                cluster.replica_url("b") + "/v1/chat/completions",
+                timeout=600,
+                headers={**AUTH, "Cache-Control": "no-store"},
+                json={
+                    "model": "bench",
+                    "messages": [{"role": "user", "content": paraphrase}],
+                    "max_tokens": 1,
+                    "temperature": 0,
+                },
+            )
             if served.headers["x-cache-semantic"].startswith("hit"):
                 break
             if count > 100:
                 raise RuntimeError(f"b never served a's entry: {served.headers['x-cache-semantic']}")
         delays.append(time.perf_counter() - answered)
         polls.append(count)
-    return {"p50_ms": float(np.percentile(delays, 50)) * 1000, "p99_ms": float(np.percentile(delays, 99)) * 1000,
-            "max_ms": max(delays) * 1000, "median_polls": float(np.median(polls)), "trials": trials}
+    return {
+        "p50_ms": float(np.percentile(delays, 50)) * 1000,
+        "p99_ms": float(np.percentile(delays, 99)) * 1000,
+        "max_ms": max(delays) * 1000,
+        "median_polls": float(np.median(polls)),
+        "trials": trials,
+    }
 
 
-def measure(model: str, requests: int, clients: int, hits: int, conversations: int, propagations: int,
-            folder: Path) -> dict:
+def measure(
+    model: str, requests: int, clients: int, hits: int, conversations: int, propagations: int, folder: Path
+) -> dict:
     model_path = str(resolve_model_path(model, folder / "models"))  # built once, shared by every process
     env = {"STRATA_MODEL_NAME": "bench", "STRATA_API_KEYS": ",".join(f"{k}:{t}" for t, k in KEYS.items())}
     cluster = Cluster(model_path, folder / "cluster", port=free_ports(3), extra_env=env)
@@ -170,9 +208,17 @@ def measure(model: str, requests: int, clients: int, hits: int, conversations: i
             sqlite_process.terminate()
             sqlite_process.wait(timeout=60)
         cluster.stop()
-    return {"one_replica": one, "two_replicas": two, "throughput_ratio": two["tokens_per_s"] / one["tokens_per_s"],
-            "exact_hit_ms": latency, "failover": moved, "semantic_propagation": delay, "requests": requests,
-            "clients": clients, "hits": hits}
+    return {
+        "one_replica": one,
+        "two_replicas": two,
+        "throughput_ratio": two["tokens_per_s"] / one["tokens_per_s"],
+        "exact_hit_ms": latency,
+        "failover": moved,
+        "semantic_propagation": delay,
+        "requests": requests,
+        "clients": clients,
+        "hits": hits,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,28 +231,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--propagations", type=int, default=30)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="strata-bench-cluster-") as folder:
-        result = measure(args.model, args.requests, args.clients, args.hits, args.conversations, args.propagations,
-                         Path(folder))
+        result = measure(
+            args.model, args.requests, args.clients, args.hits, args.conversations, args.propagations, Path(folder)
+        )
     one, two = result["one_replica"], result["two_replicas"]
     print(f"(a) distinct prompts, {args.requests} requests of 32 tokens from {args.clients} clients")
     print(f"    one replica directly        {one['requests_per_s']:6.2f} req/s {one['tokens_per_s']:8.1f} tok/s")
-    print(f"    two replicas behind HAProxy {two['requests_per_s']:6.2f} req/s {two['tokens_per_s']:8.1f} tok/s"
-          f"   ratio {result['throughput_ratio']:.2f}x")
+    print(
+        f"    two replicas behind HAProxy {two['requests_per_s']:6.2f} req/s {two['tokens_per_s']:8.1f} tok/s"
+        f"   ratio {result['throughput_ratio']:.2f}x"
+    )
     redis, sqlite = result["exact_hit_ms"]["redis"], result["exact_hit_ms"]["sqlite"]
     print(f"(b) exact hit over HTTP, {args.hits} each, taking turns")
-    print(f"    Redis  p50 {redis['p50']:.2f} ms  p99 {redis['p99']:.2f} ms  (target < 3 ms: "
-          f"{'met' if redis['p50'] < 3 else 'NOT met'})")
-    print(f"    SQLite p50 {sqlite['p50']:.2f} ms  p99 {sqlite['p99']:.2f} ms  (Redis/SQLite {redis['p50'] / sqlite['p50']:.2f}x)")
+    print(
+        f"    Redis  p50 {redis['p50']:.2f} ms  p99 {redis['p99']:.2f} ms  (target < 3 ms: "
+        f"{'met' if redis['p50'] < 3 else 'NOT met'})"
+    )
+    print(
+        f"    SQLite p50 {sqlite['p50']:.2f} ms  p99 {sqlite['p99']:.2f} ms  (Redis/SQLite {redis['p50'] / sqlite['p50']:.2f}x)"
+    )
     moved, delay = result["failover"], result["semantic_propagation"]
-    print(f"(c) failover: turn {TURNS_BEFORE_FAILOVER + 1} on replica b, median of {moved['conversations']} conversations")
+    print(
+        f"(c) failover: turn {TURNS_BEFORE_FAILOVER + 1} on replica b, median of {moved['conversations']} conversations"
+    )
     print(f"    from the shared KV tier  TTFT {moved['shared_ttft_ms']:8.1f} ms   e.g. {moved['prefix_headers'][0]}")
     print(f"    cold prefill, same prompt TTFT {moved['cold_ttft_ms']:8.1f} ms")
     print(f"    (replica a, from RAM      TTFT {moved['warm_ram_ttft_ms']:8.1f} ms: no failover)")
-    print(f"    ratio {moved['ratio']:.2f}x (target <= 0.3x: {'met' if moved['ratio'] <= 0.3 else 'NOT met'}); "
-          f"answers equal to the cold run: {moved['answers_equal']} of {moved['conversations']}")
+    print(
+        f"    ratio {moved['ratio']:.2f}x (target <= 0.3x: {'met' if moved['ratio'] <= 0.3 else 'NOT met'}); "
+        f"answers equal to the cold run: {moved['answers_equal']} of {moved['conversations']}"
+    )
     print(f"(d) semantic entry stored through a, served through b: {delay['trials']} trials")
-    print(f"    delay p50 {delay['p50_ms']:.0f} ms  p99 {delay['p99_ms']:.0f} ms  max {delay['max_ms']:.0f} ms "
-          f"(median {delay['median_polls']:.0f} polls; target p99 < 1 s: {'met' if delay['p99_ms'] < 1000 else 'NOT met'})")
+    print(
+        f"    delay p50 {delay['p50_ms']:.0f} ms  p99 {delay['p99_ms']:.0f} ms  max {delay['max_ms']:.0f} ms "
+        f"(median {delay['median_polls']:.0f} polls; target p99 < 1 s: {'met' if delay['p99_ms'] < 1000 else 'NOT met'})"
+    )
     print(json.dumps(result))
     return 0
 

@@ -53,8 +53,20 @@ def _child(model: str, data_dir: Path, lengths: list[int], repeats: int) -> dict
 
 
 def _run_child(env: dict[str, str], args: argparse.Namespace, repeats: int) -> dict:
-    command = [sys.executable, "-m", "evals.bench_engine", "--child", "--model", args.model,
-               "--data-dir", str(args.data_dir), "--repeats", str(repeats), "--lengths", *map(str, args.lengths)]
+    command = [
+        sys.executable,
+        "-m",
+        "evals.bench_engine",
+        "--child",
+        "--model",
+        args.model,
+        "--data-dir",
+        str(args.data_dir),
+        "--repeats",
+        str(repeats),
+        "--lengths",
+        *map(str, args.lengths),
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -81,17 +93,23 @@ def main() -> None:
 
 
 def _print_table(runs: dict, args: argparse.Namespace) -> None:
-    print(f"model={args.model}  decode={DECODE_TOKENS} tokens  medians of {args.repeats} (openblas) / "
-          f"{args.reference_repeats} (reference) runs")
+    print(
+        f"model={args.model}  decode={DECODE_TOKENS} tokens  medians of {args.repeats} (openblas) / "
+        f"{args.reference_repeats} (reference) runs"
+    )
     print(f"{'prompt':>7} | {'BLAS':>9} | {'prefill s':>9} | {'prefill tok/s':>13} | {'decode tok/s':>12}")
     for length in map(str, args.lengths):
         for name, run in runs.items():
             row = run["lengths"][length]
-            print(f"{length:>7} | {run['blas']:>9} | {row['prefill_s']:9.3f} | {row['prefill_tok_s']:13.1f} | {row['decode_tok_s']:12.1f}")
+            print(
+                f"{length:>7} | {run['blas']:>9} | {row['prefill_s']:9.3f} | {row['prefill_tok_s']:13.1f} | {row['decode_tok_s']:12.1f}"
+            )
         if "openblas" in runs:
             fast, slow = runs["openblas"]["lengths"][length], runs["reference"]["lengths"][length]
-            print(f"{length:>7} | {'ratio':>9} | prefill {slow['prefill_s'] / fast['prefill_s']:.1f}x faster, "
-                  f"decode {fast['decode_tok_s'] / slow['decode_tok_s']:.1f}x faster on OpenBLAS")
+            print(
+                f"{length:>7} | {'ratio':>9} | prefill {slow['prefill_s'] / fast['prefill_s']:.1f}x faster, "
+                f"decode {fast['decode_tok_s'] / slow['decode_tok_s']:.1f}x faster on OpenBLAS"
+            )
 
 
 if __name__ == "__main__":

@@ -37,17 +37,33 @@ def percentile(samples: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(samples), q))
 
 
-def start_server(model: str, data_dir: Path, env: dict[str, str] | None = None, log: Path | None = None,
-                 log_level: str = "warning") -> tuple[subprocess.Popen, str]:
+def start_server(
+    model: str, data_dir: Path, env: dict[str, str] | None = None, log: Path | None = None, log_level: str = "warning"
+) -> tuple[subprocess.Popen, str]:
     """A `strata serve` process on a free loopback port, once its warm-up has ended (/health/ready)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     output = log.open("w") if log is not None else subprocess.DEVNULL
-    process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port", str(port),
-                                "--data-dir", str(data_dir), "--log-level", log_level],
-                               env={**os.environ, "STRATA_MODEL_NAME": "bench", **(env or {})},
-                               stdout=output, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "serve",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+            "--log-level",
+            log_level,
+        ],
+        env={**os.environ, "STRATA_MODEL_NAME": "bench", **(env or {})},
+        stdout=output,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(900):
         try:
@@ -74,7 +90,9 @@ def http_layers(model: str, data_dir: Path, requests: int) -> dict:
             full = []
             for _ in range(3):  # what a cache hit replaces: the whole answer
                 start = time.perf_counter()
-                client.post("/v1/chat/completions", json={**body, "max_tokens": 64}, headers={"Cache-Control": "no-cache"})
+                client.post(
+                    "/v1/chat/completions", json={**body, "max_tokens": 64}, headers={"Cache-Control": "no-cache"}
+                )
                 full.append((time.perf_counter() - start) * 1000)
             exact = []
             for _ in range(requests):
@@ -85,9 +103,11 @@ def http_layers(model: str, data_dir: Path, requests: int) -> dict:
     finally:
         process.terminate()
         process.wait(30)
-    return {"exact_ms": {"p50": percentile(exact, 50), "p99": percentile(exact, 99), "n": len(exact)},
-            "engine_ttft_ms": {"p50": percentile(engine_ttft, 50), "n": len(engine_ttft)},
-            "engine_64_tokens_ms": {"p50": percentile(full, 50), "n": len(full)}}
+    return {
+        "exact_ms": {"p50": percentile(exact, 50), "p99": percentile(exact, 99), "n": len(exact)},
+        "engine_ttft_ms": {"p50": percentile(engine_ttft, 50), "n": len(engine_ttft)},
+        "engine_64_tokens_ms": {"p50": percentile(full, 50), "n": len(full)},
+    }
 
 
 def corpus_vectors(embedder: MiniLMEmbedder, size: int) -> tuple[list[str], np.ndarray]:
@@ -98,7 +118,9 @@ def corpus_vectors(embedder: MiniLMEmbedder, size: int) -> tuple[list[str], np.n
     vectors = embedder.embed(base)
     rng = np.random.default_rng(0)
     reps = -(-size // len(base))
-    tiled = np.concatenate([vectors + rng.normal(0, 0.02, vectors.shape).astype(np.float32) for _ in range(reps)])[:size]
+    tiled = np.concatenate([vectors + rng.normal(0, 0.02, vectors.shape).astype(np.float32) for _ in range(reps)])[
+        :size
+    ]
     tiled /= np.linalg.norm(tiled, axis=1, keepdims=True)
     prompts = [base[i % len(base)] for i in range(size)]
     return prompts, tiled.astype(np.float32)
@@ -109,13 +131,19 @@ def semantic_lookups(sizes: list[int], queries: int) -> dict:
     scope = Scope("bench-tenant", "bench-model")
     prompts, vectors = corpus_vectors(embedder, max(sizes))
     results = {}
-    probe = ["How can I export my project as a CSV file?", "Why is my export to CSV failing?",
-             "What happened when the war ended?", "How do I import a CSV file into my project?"]
+    probe = [
+        "How can I export my project as a CSV file?",
+        "Why is my export to CSV failing?",
+        "What happened when the war ended?",
+        "How do I import a CSV file into my project?",
+    ]
     for size in sizes:
         with tempfile.TemporaryDirectory() as folder:
             cache = SemanticCache(embedder, SqliteEntries(Path(folder) / "s.db"), SemanticSettings())
             cache.insert(QUESTION, Answer("Use File > Export."), scope, "ctx", time.time())
-            cache.insert_many(prompts[:size - 1], ["answer"] * (size - 1), vectors[:size - 1], scope, "ctx", time.time())
+            cache.insert_many(
+                prompts[: size - 1], ["answer"] * (size - 1), vectors[: size - 1], scope, "ctx", time.time()
+            )
             cache.index.settle()
             samples, statuses = [], []
             for i in range(queries):
@@ -124,8 +152,13 @@ def semantic_lookups(sizes: list[int], queries: int) -> dict:
                 samples.append((time.perf_counter() - start) * 1000)
                 statuses.append(result.status)
             cache.close()
-        results[size] = {"p50": percentile(samples, 50), "p99": percentile(samples, 99),
-                         "hits": statuses.count("hit"), "n": queries, "index": cache.index.kind(scope.partition("ctx"))}
+        results[size] = {
+            "p50": percentile(samples, 50),
+            "p99": percentile(samples, 99),
+            "hits": statuses.count("hit"),
+            "n": queries,
+            "index": cache.index.kind(scope.partition("ctx")),
+        }
     return results
 
 
@@ -144,20 +177,28 @@ def main() -> None:
     print(f"{'layer':<34} {'p50 ms':>8} {'p99 ms':>8}")
     print(f"{'exact hit, HTTP loopback':<34} {http['exact_ms']['p50']:8.2f} {http['exact_ms']['p99']:8.2f}")
     for size, row in semantic.items():
-        print(f"{f'semantic lookup, {size:,} entries':<34} {row['p50']:8.2f} {row['p99']:8.2f}   "
-              f"{row['hits']}/{row['n']} hits, {row['index']}")
+        print(
+            f"{f'semantic lookup, {size:,} entries':<34} {row['p50']:8.2f} {row['p99']:8.2f}   "
+            f"{row['hits']}/{row['n']} hits, {row['index']}"
+        )
     print(f"{'engine TTFT (same request), HTTP':<34} {http['engine_ttft_ms']['p50']:8.2f}")
     print(f"{'engine 64-token answer, HTTP':<34} {http['engine_64_tokens_ms']['p50']:8.2f}")
     ttft, full = http["engine_ttft_ms"]["p50"], http["engine_64_tokens_ms"]["p50"]
     exact, sem = http["exact_ms"]["p50"], semantic[100000]["p50"]
-    print(f"exact hit p50 {exact:.2f} ms (target < 3: {'met' if exact < 3 else 'NOT met'}); "
-          f"TTFT/exact = {ttft / exact:.1f}x, answer/exact = {full / exact:.0f}x")
-    print(f"semantic p50 at 100k {sem:.2f} ms (target < 20: {'met' if sem < 20 else 'NOT met'}); "
-          f"TTFT/semantic = {ttft / sem:.2f}x, answer/semantic = {full / sem:.1f}x")
+    print(
+        f"exact hit p50 {exact:.2f} ms (target < 3: {'met' if exact < 3 else 'NOT met'}); "
+        f"TTFT/exact = {ttft / exact:.1f}x, answer/exact = {full / exact:.0f}x"
+    )
+    print(
+        f"semantic p50 at 100k {sem:.2f} ms (target < 20: {'met' if sem < 20 else 'NOT met'}); "
+        f"TTFT/semantic = {ttft / sem:.2f}x, answer/semantic = {full / sem:.1f}x"
+    )
     base = semantic[1000]["p50"]
     for size, limit in ((100000, 1.2), (1000000, 1.5)):
         ratio = semantic[size]["p50"] / base
-        print(f"semantic p50 at {size:,} / at 1,000: {ratio:.2f}x (target <= {limit}x: {'met' if ratio <= limit else 'NOT met'})")
+        print(
+            f"semantic p50 at {size:,} / at 1,000: {ratio:.2f}x (target <= {limit}x: {'met' if ratio <= limit else 'NOT met'})"
+        )
     print(json.dumps({"model": args.model, "http": http, "semantic": semantic}))
 
 

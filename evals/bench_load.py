@@ -55,6 +55,7 @@ MAX_TOKENS = 48
 
 # -- servers -------------------------------------------------------------------------------------
 
+
 class Server:
     """A server process on a free loopback port, ready once GET /v1/models answers."""
 
@@ -64,8 +65,12 @@ class Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = (log_dir / f"{name.replace(' ', '_').replace('=', '')}-{self.port}.log").open("w")
-        self.process = subprocess.Popen([part.replace("{port}", str(self.port)) for part in command], env=env,
-                                        stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            [part.replace("{port}", str(self.port)) for part in command],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             self.model = self._wait_ready()
         except BaseException:  # a server that never got ready must not outlive the run
@@ -102,33 +107,72 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_strata(name: str, model_dir: Path, work: Path, max_num_seqs: int | None, extra_env: dict | None = None,
-                 api_key: str | None = None) -> Server:
+def start_strata(
+    name: str,
+    model_dir: Path,
+    work: Path,
+    max_num_seqs: int | None,
+    extra_env: dict | None = None,
+    api_key: str | None = None,
+) -> Server:
     """max_num_seqs None: Strata's default. The queue is deep enough for 64 closed-loop clients."""
     data_dir = Path(tempfile.mkdtemp(dir=work))
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "STRATA_MAX_NUM_SEQS")} | {
-        "STRATA_MAX_QUEUE": "256", "STRATA_SEMANTIC": "0", "STRATA_EXACT_STORE": "off",
-        "STRATA_MODEL_NAME": str(model_dir)} | (extra_env or {})  # (the CLI finds OpenBLAS itself)
+    env = (
+        {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "STRATA_MAX_NUM_SEQS")}
+        | {
+            "STRATA_MAX_QUEUE": "256",
+            "STRATA_SEMANTIC": "0",
+            "STRATA_EXACT_STORE": "off",
+            "STRATA_MODEL_NAME": str(model_dir),
+        }
+        | (extra_env or {})
+    )  # (the CLI finds OpenBLAS itself)
     if max_num_seqs is not None:
         env["STRATA_MAX_NUM_SEQS"] = str(max_num_seqs)
-    command = [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir), "--port", "{port}",
-               "--data-dir", str(data_dir), "--log-level", "warning"]
+    command = [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        "{port}",
+        "--data-dir",
+        str(data_dir),
+        "--log-level",
+        "warning",
+    ]
     return Server(name, command, env, work, api_key)
 
 
 def start_mlx_vlm(model_dir: Path, work: Path, max_num_seqs: int | None, prefix_cache: bool) -> Server:
     """max_num_seqs None: mlx-vlm's default (no --max-num-seqs cap: its batch generator's own limits)."""
     base = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    env = (env_with_openblas(base) or base) | {"APC_DISK_PATH": tempfile.mkdtemp(dir=work),
-                                                "APC_ENABLED": "1" if prefix_cache else "0"}
-    command = [sys.executable, "-m", "mlx_vlm.server", "--model", str(model_dir), "--host", "127.0.0.1",
-               "--port", "{port}", "--log-level", "WARNING"]
+    env = (env_with_openblas(base) or base) | {
+        "APC_DISK_PATH": tempfile.mkdtemp(dir=work),
+        "APC_ENABLED": "1" if prefix_cache else "0",
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "mlx_vlm.server",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+        "--log-level",
+        "WARNING",
+    ]
     if max_num_seqs is not None:
         command += ["--max-num-seqs", str(max_num_seqs)]
     return Server("mlx-vlm", command, env, work)
 
 
 # -- clients -------------------------------------------------------------------------------------
+
 
 @dataclass
 class Sample:
@@ -141,8 +185,14 @@ class Sample:
 
 async def stream(client: httpx.AsyncClient, server: Server, messages: list, api_key: str | None = None) -> Sample:
     """One streaming chat completion; TTFT is the first content chunk's arrival."""
-    body = {"model": server.model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": server.model,
+        "messages": messages,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     sample, start, last = Sample(), time.perf_counter(), None
     chunks = 0
@@ -178,7 +228,9 @@ def distinct_conversations(tag: str, client: int):
     index = 0
     while True:
         start = _seed(tag, client, index) % (len(SENTENCES) - 20)
-        yield [{"role": "user", "content": f"Request {tag}-{client}-{index}. " + " ".join(SENTENCES[start:start + 10])}]
+        yield [
+            {"role": "user", "content": f"Request {tag}-{client}-{index}. " + " ".join(SENTENCES[start : start + 10])}
+        ]
         index += 1
 
 
@@ -191,11 +243,13 @@ def mix_conversations(tag: str, client: int, system_prompt: str):
         with_image = (client + session) % 4 == 0
         for turn in range(3):
             start = _seed(tag, client, session, turn) % (len(SENTENCES) - 6)
-            text = f"Session {tag}-{client}-{session}, turn {turn}: " + " ".join(SENTENCES[start:start + 4])
+            text = f"Session {tag}-{client}-{session}, turn {turn}: " + " ".join(SENTENCES[start : start + 4])
             content = text
             if with_image and turn == 0:
-                content = [{"type": "image_url", "image_url": {"url": _image_url(_seed(tag, client, session))}},
-                           {"type": "text", "text": text}]
+                content = [
+                    {"type": "image_url", "image_url": {"url": _image_url(_seed(tag, client, session))}},
+                    {"type": "text", "text": text},
+                ]
             history.append({"role": "user", "content": content})
             yield history
         session += 1
@@ -243,9 +297,16 @@ def summarise(samples: list[Sample], wall_s: float) -> dict:
     good = [s for s in samples if not s.error and s.ttft_s is not None]
     ttfts = sorted(s.ttft_s for s in good)
     gaps = sorted(g for s in good for g in s.gaps_s)
-    return {"requests": len(samples), "errors": len(samples) - len(good), "wall_s": wall_s,
-            "tok_s": sum(s.completion_tokens for s in good) / wall_s,
-            "ttft_p50": _pct(ttfts, 50), "ttft_p99": _pct(ttfts, 99), "itl_p50": _pct(gaps, 50), "itl_p99": _pct(gaps, 99)}
+    return {
+        "requests": len(samples),
+        "errors": len(samples) - len(good),
+        "wall_s": wall_s,
+        "tok_s": sum(s.completion_tokens for s in good) / wall_s,
+        "ttft_p50": _pct(ttfts, 50),
+        "ttft_p99": _pct(ttfts, 99),
+        "itl_p50": _pct(gaps, 50),
+        "itl_p99": _pct(gaps, 99),
+    }
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -256,6 +317,7 @@ def _pct(values: list[float], q: float) -> float:
 
 # -- runs ----------------------------------------------------------------------------------------
 
+
 def requests_per_client(workload: str, num_clients: int, minimum_total: int) -> int:
     """At least minimum_total requests over all clients, at least two per client; whole sessions
     (three turns) in the mix."""
@@ -263,7 +325,9 @@ def requests_per_client(workload: str, num_clients: int, minimum_total: int) -> 
     return -(-per_client // 3) * 3 if workload == "mix" else per_client
 
 
-def run_workload(workload: str, servers: list[tuple[str, Callable[[], Server]]], client_counts: list[int], args) -> dict:
+def run_workload(
+    workload: str, servers: list[tuple[str, Callable[[], Server]]], client_counts: list[int], args
+) -> dict:
     """Each server in turn, started fresh, through every client count; a row per (server, count)."""
     system = system_prompt_text()
     results = {}
@@ -274,8 +338,11 @@ def run_workload(workload: str, servers: list[tuple[str, Callable[[], Server]]],
             asyncio.run(closed_loop(server, 1, 1, lambda c: distinct_conversations("warm", c)))  # kernels built
             for count in counts:
                 tag = f"{workload}{count}"
-                make = ((lambda c, tag=tag: distinct_conversations(tag, c)) if workload == "distinct"
-                        else (lambda c, tag=tag: mix_conversations(tag, c, system)))
+                make = (
+                    (lambda c, tag=tag: distinct_conversations(tag, c))
+                    if workload == "distinct"
+                    else (lambda c, tag=tag: mix_conversations(tag, c, system))
+                )
                 row = asyncio.run(closed_loop(server, count, requests_per_client(workload, count, args.requests), make))
                 results[f"{name}@{count}"] = row
                 print(f"  {workload:>8} {name:>14} {count:>3} clients: {_row(row)}", flush=True)
@@ -285,9 +352,11 @@ def run_workload(workload: str, servers: list[tuple[str, Callable[[], Server]]],
 
 
 def _row(row: dict) -> str:
-    return (f"{row['tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50']:6.2f} s p99 {row['ttft_p99']:6.2f} s  "
-            f"ITL p50 {row['itl_p50'] * 1000:6.1f} ms p99 {row['itl_p99'] * 1000:7.1f} ms  "
-            f"errors {row['errors']}/{row['requests']}")
+    return (
+        f"{row['tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50']:6.2f} s p99 {row['ttft_p99']:6.2f} s  "
+        f"ITL p50 {row['itl_p50'] * 1000:6.1f} ms p99 {row['itl_p99'] * 1000:7.1f} ms  "
+        f"errors {row['errors']}/{row['requests']}"
+    )
 
 
 def print_table(workload: str, results: dict, client_counts: list[int]) -> None:
@@ -299,15 +368,19 @@ def print_table(workload: str, results: dict, client_counts: list[int]) -> None:
         for name in names:
             row = results.get(f"{name}@{count}")
             if row:
-                print(f"| {count} | {name} | {row['tok_s']:.1f} | {row['ttft_p50']:.2f} s | {row['ttft_p99']:.2f} s | "
-                      f"{row['itl_p50'] * 1000:.0f} ms | {row['itl_p99'] * 1000:.0f} ms | {row['errors']}/{row['requests']} |")
+                print(
+                    f"| {count} | {name} | {row['tok_s']:.1f} | {row['ttft_p50']:.2f} s | {row['ttft_p99']:.2f} s | "
+                    f"{row['itl_p50'] * 1000:.0f} ms | {row['itl_p99'] * 1000:.0f} ms | {row['errors']}/{row['requests']} |"
+                )
         ours = results.get(f"strata@{count}")
         for name in (n for n in names if n.startswith("mlx-vlm")):
             theirs = results.get(f"{name}@{count}")
             if ours and theirs:
-                print(f"| {count} | **strata / {name}** | **{ours['tok_s'] / theirs['tok_s']:.2f}x** | "
-                      f"**{ours['ttft_p50'] / theirs['ttft_p50']:.2f}x** | {ours['ttft_p99'] / theirs['ttft_p99']:.2f}x | "
-                      f"{ours['itl_p50'] / theirs['itl_p50']:.2f}x | {ours['itl_p99'] / theirs['itl_p99']:.2f}x | |")
+                print(
+                    f"| {count} | **strata / {name}** | **{ours['tok_s'] / theirs['tok_s']:.2f}x** | "
+                    f"**{ours['ttft_p50'] / theirs['ttft_p50']:.2f}x** | {ours['ttft_p99'] / theirs['ttft_p99']:.2f}x | "
+                    f"{ours['itl_p50'] / theirs['itl_p50']:.2f}x | {ours['itl_p99'] / theirs['itl_p99']:.2f}x | |"
+                )
     lone, batched = results.get("strata seqs=1@1"), results.get("strata@1")
     if lone and batched:
         print(f"1 client: batching engine / one-at-a-time engine = {batched['tok_s'] / lone['tok_s']:.3f} (tok/s)")
@@ -353,13 +426,21 @@ def fairness(model_dir: Path, work: Path, max_num_seqs: int | None, requests: in
     out = {}
     for name, samples in (("idle", idle), ("with A at 32 streams", loaded)):
         ttfts = sorted(s.ttft_s for s in samples if s.ttft_s is not None)
-        out[name] = {"ttft_p50": _pct(ttfts, 50), "ttft_p99": _pct(ttfts, 99),
-                     "errors": sum(1 for s in samples if s.error)}
-    out["tenant A"] = {"requests": len(flood_samples), "errors": sum(1 for s in flood_samples if s.error),
-                       "ttft_p50": _pct(sorted(s.ttft_s for s in flood_samples if s.ttft_s is not None), 50)}
+        out[name] = {
+            "ttft_p50": _pct(ttfts, 50),
+            "ttft_p99": _pct(ttfts, 99),
+            "errors": sum(1 for s in samples if s.error),
+        }
+    out["tenant A"] = {
+        "requests": len(flood_samples),
+        "errors": sum(1 for s in flood_samples if s.error),
+        "ttft_p50": _pct(sorted(s.ttft_s for s in flood_samples if s.ttft_s is not None), 50),
+    }
     ratio = out["with A at 32 streams"]["ttft_p99"] / out["idle"]["ttft_p99"]
-    print(f"\nfairness (Strata, max_num_seqs {max_num_seqs or 'default'}): tenant B's TTFT over {requests} "
-          "sequential requests")
+    print(
+        f"\nfairness (Strata, max_num_seqs {max_num_seqs or 'default'}): tenant B's TTFT over {requests} "
+        "sequential requests"
+    )
     for name in ("idle", "with A at 32 streams"):
         row = out[name]
         print(f"  B {name:>22}: TTFT p50 {row['ttft_p50']:.2f} s  p99 {row['ttft_p99']:.2f} s  errors {row['errors']}")
@@ -377,8 +458,12 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--workloads", nargs="+", default=["distinct", "mix"], choices=["distinct", "mix"])
     parser.add_argument("--requests", type=int, default=16, help="at least this many requests per client count")
-    parser.add_argument("--max-num-seqs", type=int, default=None,
-                        help="both servers' batch cap (default: each server's own: Strata 16, mlx-vlm none)")
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="both servers' batch cap (default: each server's own: Strata 16, mlx-vlm none)",
+    )
     parser.add_argument("--fairness", action="store_true")
     args = parser.parse_args()
     model_dir = resolve_model_path(args.model, args.data_dir)
@@ -389,8 +474,10 @@ def main() -> None:
         return
     summary = {}
     for workload in args.workloads:
-        servers = [("strata", lambda: start_strata("strata", model_dir, work, args.max_num_seqs)),
-                   ("mlx-vlm", lambda w=workload: start_mlx_vlm(model_dir, work, args.max_num_seqs, w == "mix"))]
+        servers = [
+            ("strata", lambda: start_strata("strata", model_dir, work, args.max_num_seqs)),
+            ("mlx-vlm", lambda w=workload: start_mlx_vlm(model_dir, work, args.max_num_seqs, w == "mix")),
+        ]
         if workload == "distinct" and 1 in args.clients:
             servers.append(("strata seqs=1", lambda: start_strata("strata seqs=1", model_dir, work, 1)))
         if workload == "mix":  # its prefix cache off as well: APC's own costs show apart from batching's

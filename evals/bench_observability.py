@@ -40,11 +40,15 @@ def scrape_now_and_then(url: str, stop: threading.Event) -> int:
 
 
 def measure(model: str, requests: int, folder: Path) -> dict:
-    setups = {"on": ({"STRATA_METRICS": "1", "STRATA_LOG_FORMAT": "json"}, "info"),
-              "off": ({"STRATA_METRICS": "0", "STRATA_LOG_FORMAT": "text"}, "info"),
-              "quiet": ({"STRATA_METRICS": "0", "STRATA_LOG_FORMAT": "text"}, "warning")}
-    servers = {name: start_server(model, folder / name, env, folder / f"{name}.log", level)
-               for name, (env, level) in setups.items()}
+    setups = {
+        "on": ({"STRATA_METRICS": "1", "STRATA_LOG_FORMAT": "json"}, "info"),
+        "off": ({"STRATA_METRICS": "0", "STRATA_LOG_FORMAT": "text"}, "info"),
+        "quiet": ({"STRATA_METRICS": "0", "STRATA_LOG_FORMAT": "text"}, "warning"),
+    }
+    servers = {
+        name: start_server(model, folder / name, env, folder / f"{name}.log", level)
+        for name, (env, level) in setups.items()
+    }
     body = {"model": "bench", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8, "temperature": 0}
     times: dict[str, list[float]] = {name: [] for name in servers}
     stop = threading.Event()
@@ -63,13 +67,17 @@ def measure(model: str, requests: int, folder: Path) -> dict:
                 assert response.headers["x-cache-layer"] == "exact", response.headers
         stop.set()
         scraper.join(timeout=5)
-        log_lines = sum(1 for line in (folder / "on.log").read_text().splitlines() if '"logger": "strata.access"' in line)
+        log_lines = sum(
+            1 for line in (folder / "on.log").read_text().splitlines() if '"logger": "strata.access"' in line
+        )
     finally:
         for process, _ in servers.values():
             process.terminate()
             process.wait(timeout=30)
     return {name: {q: float(np.percentile(samples, q)) for q in (50, 90, 99)} for name, samples in times.items()} | {
-        "requests": requests, "access_log_lines": log_lines}
+        "requests": requests,
+        "access_log_lines": log_lines,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,14 +89,19 @@ def main(argv: list[str] | None = None) -> int:
         result = measure(args.model, args.requests, Path(folder))
     print(f"exact hits over loopback HTTP, {args.requests} each, taking turns")
     print(f"{'':<44} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}")
-    for name, label in (("on", "on: metrics + JSON request logs"), ("off", "off: default text logs (uvicorn access)"),
-                        ("quiet", "quiet: no metrics, no access log")):
+    for name, label in (
+        ("on", "on: metrics + JSON request logs"),
+        ("off", "off: default text logs (uvicorn access)"),
+        ("quiet", "quiet: no metrics, no access log"),
+    ):
         print(f"{label:<44} {result[name][50]:8.3f} {result[name][90]:8.3f} {result[name][99]:8.3f}")
     for base in ("off", "quiet"):
         delta, ratio = result["on"][50] - result[base][50], result["on"][50] / result[base][50]
         result[f"p50_delta_ms_vs_{base}"], result[f"p50_ratio_vs_{base}"] = delta, ratio
         met = ratio < 1.05 or delta < 0.2
-        print(f"p50 on - {base}: {delta:+.3f} ms, ratio {ratio:.3f} (target < 5% or < 0.2 ms: {'met' if met else 'NOT met'})")
+        print(
+            f"p50 on - {base}: {delta:+.3f} ms, ratio {ratio:.3f} (target < 5% or < 0.2 ms: {'met' if met else 'NOT met'})"
+        )
     print(f"{result['access_log_lines']} JSON access lines written by `on`")
     print(json.dumps(result))
     return 0

@@ -104,11 +104,18 @@ def measure_length(model_path: Path, length: int, work: Path) -> dict:
     ssd_s, ssd_report = ttft(cold, prompt)
     read_mb_s = statistics.median(_block_read_mb_s(cold, files, prompt) for _ in range(3))
     cold.caches.shutdown(10)
-    return {"tokens": length, "recompute_s": recompute_s, "ram_s": ram_s, "ssd_s": ssd_s,
-            "ram_cached": ram_report.num_cached_tokens, "ssd_cached": ssd_report.num_ssd_tokens,
-            "spill_mb_s": disk_bytes / spill_s / 1e6, "read_mb_s": read_mb_s,
-            "raw_read_mb_s": statistics.median(raw_read_mb_s(work, disk_bytes) for _ in range(3)),
-            "disk_bytes_per_token": disk_bytes / length}
+    return {
+        "tokens": length,
+        "recompute_s": recompute_s,
+        "ram_s": ram_s,
+        "ssd_s": ssd_s,
+        "ram_cached": ram_report.num_cached_tokens,
+        "ssd_cached": ssd_report.num_ssd_tokens,
+        "spill_mb_s": disk_bytes / spill_s / 1e6,
+        "read_mb_s": read_mb_s,
+        "raw_read_mb_s": statistics.median(raw_read_mb_s(work, disk_bytes) for _ in range(3)),
+        "disk_bytes_per_token": disk_bytes / length,
+    }
 
 
 def _block_read_mb_s(runner: ModelRunner, files: list[Path], ids: list[int]) -> float:
@@ -172,7 +179,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-ssd-", dir=base))
     try:
         rows = [measure_length(model_path, n, work) for n in args.lengths]
-        quality = {name: quant_quality(resolve_model_path(name, args.data_dir), work / name) for name in ("tiny", "demo")}
+        quality = {
+            name: quant_quality(resolve_model_path(name, args.data_dir), work / name) for name in ("tiny", "demo")
+        }
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report(rows, quality)
@@ -181,21 +190,29 @@ def main() -> None:
 
 def report(rows: list[dict], quality: dict) -> None:
     print(f"TTFT of a {FOLLOW_UP}-token follow-up after the prefix, demo model, block {BLOCK}")
-    print(f"{'prefix':>6} | {'recompute s':>11} | {'RAM s':>7} | {'SSD s':>7} | {'recompute/SSD':>13} | "
-          f"{'read MB/s':>9} | {'raw MB/s':>8} | {'raw/read':>8} | {'spill MB/s':>10} | {'B/token':>7}")
+    print(
+        f"{'prefix':>6} | {'recompute s':>11} | {'RAM s':>7} | {'SSD s':>7} | {'recompute/SSD':>13} | "
+        f"{'read MB/s':>9} | {'raw MB/s':>8} | {'raw/read':>8} | {'spill MB/s':>10} | {'B/token':>7}"
+    )
     for r in rows:
-        print(f"{r['tokens']:>6} | {r['recompute_s']:11.3f} | {r['ram_s']:7.3f} | {r['ssd_s']:7.3f} | "
-              f"{r['recompute_s'] / r['ssd_s']:13.1f} | {r['read_mb_s']:9.0f} | {r['raw_read_mb_s']:8.0f} | "
-              f"{r['raw_read_mb_s'] / r['read_mb_s']:8.2f} | {r['spill_mb_s']:10.0f} | {r['disk_bytes_per_token']:7.0f}")
+        print(
+            f"{r['tokens']:>6} | {r['recompute_s']:11.3f} | {r['ram_s']:7.3f} | {r['ssd_s']:7.3f} | "
+            f"{r['recompute_s'] / r['ssd_s']:13.1f} | {r['read_mb_s']:9.0f} | {r['raw_read_mb_s']:8.0f} | "
+            f"{r['raw_read_mb_s'] / r['read_mb_s']:8.2f} | {r['spill_mb_s']:10.0f} | {r['disk_bytes_per_token']:7.0f}"
+        )
     last = rows[-1]
-    print(f"target: SSD hit of {last['tokens']} tokens >= 10x faster than recompute: "
-          f"{last['recompute_s'] / last['ssd_s']:.1f}x; block reads within 2x of raw: "
-          f"{last['raw_read_mb_s'] / last['read_mb_s']:.2f}x")
+    print(
+        f"target: SSD hit of {last['tokens']} tokens >= 10x faster than recompute: "
+        f"{last['recompute_s'] / last['ssd_s']:.1f}x; block reads within 2x of raw: "
+        f"{last['raw_read_mb_s'] / last['read_mb_s']:.2f}x"
+    )
     print("\nKV quantisation (2048-token prefix, 32 greedy tokens, vs full precision):")
     for model, results in quality.items():
         for name, q in results.items():
-            print(f"  {model:<5} {name:>7}: RAM {q['ram_bytes'] / 1e6:7.2f} MB, disk {q['disk_bytes_per_token']:7.0f} B/token, "
-                  f"max logit drift {q['max_logit_drift']:.4f}, greedy agreement {q['greedy_agreement']:.0%}")
+            print(
+                f"  {model:<5} {name:>7}: RAM {q['ram_bytes'] / 1e6:7.2f} MB, disk {q['disk_bytes_per_token']:7.0f} B/token, "
+                f"max logit drift {q['max_logit_drift']:.4f}, greedy agreement {q['greedy_agreement']:.0%}"
+            )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,19 @@ import mlx.core as mx
 import numpy as np
 from PIL import Image
 
-from gateway.engine import (BUILDABLE_FAMILIES, VISION_FAMILIES, CacheConfig, ImagePart, Message, ModelRunner, Sampler,
-                            Sampling, TextPart, model_fingerprint, resolve_model_path)
+from gateway.engine import (
+    BUILDABLE_FAMILIES,
+    VISION_FAMILIES,
+    CacheConfig,
+    ImagePart,
+    Message,
+    ModelRunner,
+    Sampler,
+    Sampling,
+    TextPart,
+    model_fingerprint,
+    resolve_model_path,
+)
 from kvcache import PrefixCache, TenantSalt, chain_root, hash_blocks
 from vision import DecodedImage, pixel_hash
 
@@ -98,13 +109,27 @@ class ApcMode:
         import mlx_vlm
 
         start = time.perf_counter()
-        messages = [{"role": m.role, "content": [{"type": "image"} if isinstance(p, ImagePart) else
-                                                 {"type": "text", "text": p.text} for p in m.parts]} for m in history]
+        messages = [
+            {
+                "role": m.role,
+                "content": [
+                    {"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text} for p in m.parts
+                ],
+            }
+            for m in history
+        ]
         tokenizer = getattr(self.processor, "tokenizer", self.processor)  # text models load a bare tokenizer
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ttft, pieces = None, []
-        for response in mlx_vlm.stream_generate(self.model, self.processor, text, image=[image] if image else None,
-                                                max_tokens=REPLY_TOKENS, temperature=0.0, apc_manager=self.manager):
+        for response in mlx_vlm.stream_generate(
+            self.model,
+            self.processor,
+            text,
+            image=[image] if image else None,
+            max_tokens=REPLY_TOKENS,
+            temperature=0.0,
+            apc_manager=self.manager,
+        ):
             ttft = ttft or time.perf_counter() - start
             pieces.append(response.text)
         return ttft, "".join(pieces)
@@ -201,8 +226,12 @@ def shared_prompt_bytes(layers: int, heads: int, dim: int, sessions: int = 100) 
             session.store(tokens, kv, len(tokens))
     per_token = layers * 2 * heads * dim * 4
     unshared = sessions * (1100 // 64 * 64) * per_token
-    return {"sessions": sessions, "held_bytes": cache.pool.num_bytes, "unshared_bytes": unshared,
-            "ratio": cache.pool.num_bytes / unshared}
+    return {
+        "sessions": sessions,
+        "held_bytes": cache.pool.num_bytes,
+        "unshared_bytes": unshared,
+        "ratio": cache.pool.num_bytes / unshared,
+    }
 
 
 def family_rows(family: str, data_dir: Path, num_turns: int, runs: int) -> list[dict]:
@@ -225,32 +254,50 @@ def family_rows(family: str, data_dir: Path, num_turns: int, runs: int) -> list[
             apc_runs.append(run_chat(ApcMode(model_path), turns, picture))
         on_ms = [statistics.median(run[t] for run in on_runs) * 1000 for t in range(num_turns)]
         apc_ms = [statistics.median(run[t] for run in apc_runs) * 1000 for t in range(num_turns)]
-        rows.append({"family": family, "chat": chat, "runs": runs, "on_ms": on_ms, "apc_ms": apc_ms,
-                     "turn10_over_turn1": on_ms[-1] / on_ms[0],
-                     "max_on_over_apc": max(o / a for o, a in zip(on_ms, apc_ms)),
-                     "reused_at_last_turn": on.cached_tokens[-1] / on.prompt_tokens[-1],
-                     "prompt_tokens_last_turn": on.prompt_tokens[-1]})
+        rows.append(
+            {
+                "family": family,
+                "chat": chat,
+                "runs": runs,
+                "on_ms": on_ms,
+                "apc_ms": apc_ms,
+                "turn10_over_turn1": on_ms[-1] / on_ms[0],
+                "max_on_over_apc": max(o / a for o, a in zip(on_ms, apc_ms)),
+                "reused_at_last_turn": on.cached_tokens[-1] / on.prompt_tokens[-1],
+                "prompt_tokens_last_turn": on.prompt_tokens[-1],
+            }
+        )
     return rows
 
 
 def family_table(rows: list[dict], num_turns: int) -> None:
-    print(f"\nTTFT ms per family, Strata on vs mlx-vlm APC, medians of {rows[0]['runs']} runs, demo-size models, "
-          f"{num_turns}-turn chats")
-    print(f"{'family':<16} {'chat':<5} | {'on t1':>7} {'on tN':>7} | {'APC t1':>7} {'APC tN':>7} | "
-          f"{'tN/t1 on':>8} | {'max on/APC':>10} | {'reused tN':>9} | {'prompt tN':>9}")
+    print(
+        f"\nTTFT ms per family, Strata on vs mlx-vlm APC, medians of {rows[0]['runs']} runs, demo-size models, "
+        f"{num_turns}-turn chats"
+    )
+    print(
+        f"{'family':<16} {'chat':<5} | {'on t1':>7} {'on tN':>7} | {'APC t1':>7} {'APC tN':>7} | "
+        f"{'tN/t1 on':>8} | {'max on/APC':>10} | {'reused tN':>9} | {'prompt tN':>9}"
+    )
     for row in rows:
         on, apc = row["on_ms"], row["apc_ms"]
-        print(f"{row['family']:<16} {row['chat']:<5} | {on[0]:7.1f} {on[-1]:7.1f} | {apc[0]:7.1f} {apc[-1]:7.1f} | "
-              f"{row['turn10_over_turn1']:8.2f} | {row['max_on_over_apc']:10.2f} | {row['reused_at_last_turn']:8.1%} | "
-              f"{row['prompt_tokens_last_turn']:9d}")
+        print(
+            f"{row['family']:<16} {row['chat']:<5} | {on[0]:7.1f} {on[-1]:7.1f} | {apc[0]:7.1f} {apc[-1]:7.1f} | "
+            f"{row['turn10_over_turn1']:8.2f} | {row['max_on_over_apc']:10.2f} | {row['reused_at_last_turn']:8.1%} | "
+            f"{row['prompt_tokens_last_turn']:9d}"
+        )
     print("targets: text tN/t1 <= 2.5; text max on/APC <= 1.0; image reused at tN >= 80%")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="demo")
-    parser.add_argument("--family", choices=list(BUILDABLE_FAMILIES) + ["all"], default=None,
-                        help="run the ten-turn chats on this family's demo model (or every family's) instead")
+    parser.add_argument(
+        "--family",
+        choices=list(BUILDABLE_FAMILIES) + ["all"],
+        default=None,
+        help="run the ten-turn chats on this family's demo model (or every family's) instead",
+    )
     parser.add_argument("--data-dir", type=Path, default=Path(".strata"))
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--turns", type=int, default=10)
@@ -276,10 +323,14 @@ def main() -> None:
 def report(results: dict, costs: dict, args) -> dict:
     summary = {}
     for chat in ("text", "image"):
-        medians = {mode: [statistics.median(run[t] for run in runs) for t in range(args.turns)]
-                   for mode, runs in results[chat].items()}
+        medians = {
+            mode: [statistics.median(run[t] for run in runs) for t in range(args.turns)]
+            for mode, runs in results[chat].items()
+        }
         print(f"\n({'a' if chat == 'text' else 'b'}) {chat} chat, TTFT ms (median of {args.runs} runs)")
-        print(f"{'turn':>4} | {'strata off':>10} | {'strata on':>9} | {'mlx-vlm APC':>11} | {'on/APC':>6} | {'APC/on':>6}")
+        print(
+            f"{'turn':>4} | {'strata off':>10} | {'strata on':>9} | {'mlx-vlm APC':>11} | {'on/APC':>6} | {'APC/on':>6}"
+        )
         for t in range(args.turns):
             off, on, apc = (medians[m][t] * 1000 for m in ("strata off", "strata on", "mlx-vlm APC"))
             print(f"{t + 1:>4} | {off:10.1f} | {on:9.1f} | {apc:11.1f} | {on / apc:6.2f} | {apc / on:6.2f}")
@@ -295,15 +346,23 @@ def report(results: dict, costs: dict, args) -> dict:
         print(f"turn-{args.turns} / turn-1 with Strata on: {on[-1] / on[0]:.2f}x (target <= 2.5)")
         print(f"worst Strata-on / APC ratio over turns: {summary[chat]['max_on_over_apc']:.2f} (target <= 1.0 on text)")
         print(f"APC / Strata-on at turn {args.turns}: {apc[-1] / on[-1]:.1f}x (target >= 5 on the image chat)")
-    print("\nhashing cost, ns per token (SHA-256 chain):", {k: round(v, 1) for k, v in costs["hash_ns_per_token"].items()})
-    print("block gather, ms for 2k / 8k cached tokens:",
-          {bs: f"{v[2048]:.2f} / {v[8192]:.2f}" for bs, v in costs["gather_ms"].items()})
+    print(
+        "\nhashing cost, ns per token (SHA-256 chain):", {k: round(v, 1) for k, v in costs["hash_ns_per_token"].items()}
+    )
+    print(
+        "block gather, ms for 2k / 8k cached tokens:",
+        {bs: f"{v[2048]:.2f} / {v[8192]:.2f}" for bs, v in costs["gather_ms"].items()},
+    )
     print("block store, ms for 8k new tokens:", {bs: round(v, 1) for bs, v in costs["store_ms_8k"].items()})
-    print("mean TTFT ms over text-chat turns 2-10 by block size:",
-          {bs: round(ms, 1) for bs, ms in costs["block_size_sweep_ttft_ms"].items()})
+    print(
+        "mean TTFT ms over text-chat turns 2-10 by block size:",
+        {bs: round(ms, 1) for bs, ms in costs["block_size_sweep_ttft_ms"].items()},
+    )
     shared = costs["shared_prompt"]
-    print(f"100 sessions sharing a 1,000-token system prompt: {shared['held_bytes'] / 1e6:.1f} MB held vs "
-          f"{shared['unshared_bytes'] / 1e6:.1f} MB unshared ({shared['ratio']:.3f}x)")
+    print(
+        f"100 sessions sharing a 1,000-token system prompt: {shared['held_bytes'] / 1e6:.1f} MB held vs "
+        f"{shared['unshared_bytes'] / 1e6:.1f} MB unshared ({shared['ratio']:.3f}x)"
+    )
     return summary
 
 

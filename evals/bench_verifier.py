@@ -51,14 +51,20 @@ def main(argv: list[str]) -> int:
         measure(embedder, verifier, pairs[:20], 1)  # warm both
         timings = measure(embedder, verifier, pairs, args.rounds)
         embed_ms, verify_ms = (statistics.median(timings[k]) * 1000 for k in ("embed", "verify"))
-        results[name] = {"pairs": len(pairs), "embed_ms": round(embed_ms, 3), "verify_ms": round(verify_ms, 3),
-                         "ratio": round(verify_ms / embed_ms, 3)}
+        results[name] = {
+            "pairs": len(pairs),
+            "embed_ms": round(embed_ms, 3),
+            "verify_ms": round(verify_ms, 3),
+            "ratio": round(verify_ms / embed_ms, 3),
+        }
     print(f"{'pairs':<12} {'n':>5} {'embed p50 ms':>13} {'verifier p50 ms':>16} {'ratio':>7}")
     for name, row in results.items():
         print(f"{name:<12} {row['pairs']:>5} {row['embed_ms']:>13.2f} {row['verify_ms']:>16.2f} {row['ratio']:>6.2f}x")
     worst = max(row["ratio"] for row in results.values())
-    print(f"verifier per candidate / one query embedding: {worst:.2f}x at most "
-          f"(target <= {TARGET_RATIO}x: {'met' if worst <= TARGET_RATIO else 'NOT met'})")
+    print(
+        f"verifier per candidate / one query embedding: {worst:.2f}x at most "
+        f"(target <= {TARGET_RATIO}x: {'met' if worst <= TARGET_RATIO else 'NOT met'})"
+    )
     print(json.dumps(results))
     return 0
 

@@ -57,16 +57,30 @@ def load_pairs(paths: list[Path]) -> list[Pair]:
             row = json.loads(line)
             if row.get("expect") not in ("hit", "miss"):
                 raise ValueError(f"{path}:{number}: expect must be 'hit' or 'miss'")
-            pairs.append(Pair(str(row["id"]), row["category"], row["cached_prompt"], row["query_prompt"], row["expect"],
-                              _scope(row.get("cached_scope")), _scope(row.get("query_scope"))))
+            pairs.append(
+                Pair(
+                    str(row["id"]),
+                    row["category"],
+                    row["cached_prompt"],
+                    row["query_prompt"],
+                    row["expect"],
+                    _scope(row.get("cached_scope")),
+                    _scope(row.get("query_scope")),
+                )
+            )
     return pairs
 
 
 def _scope(raw: dict | None) -> Scope:
     raw = raw or {}
-    return Scope(tenant=raw.get("tenant", "eval-tenant"), model=MODEL, prompt_version=raw.get("prompt_version", ""),
-                 policy_version=raw.get("policy_version", ""), data_version=raw.get("data_version", ""),
-                 locale=raw.get("locale", ""))
+    return Scope(
+        tenant=raw.get("tenant", "eval-tenant"),
+        model=MODEL,
+        prompt_version=raw.get("prompt_version", ""),
+        policy_version=raw.get("policy_version", ""),
+        data_version=raw.get("data_version", ""),
+        locale=raw.get("locale", ""),
+    )
 
 
 class RememberingEmbedder:
@@ -89,18 +103,29 @@ def run(pairs: list[Pair], cache: SemanticCache, isolate: bool = False) -> dict:
     own: dict[str, int] = {}
     context = {pair.id: pair.id if isolate else CONTEXT for pair in pairs}
     for pair in pairs:
-        own[pair.id] = cache.insert(pair.cached_prompt, Answer(f"answer for {pair.id}"), pair.cached_scope,
-                                    context[pair.id], now)
+        own[pair.id] = cache.insert(
+            pair.cached_prompt, Answer(f"answer for {pair.id}"), pair.cached_scope, context[pair.id], now
+        )
     outcomes = []
     for pair in pairs:
         result = cache.lookup(pair.query_prompt, pair.query_scope, context[pair.id], now)
         hit_id = result.entry.id if result.entry else None
-        outcome = "miss" if hit_id is None else ("hit" if hit_id == own[pair.id] and pair.expect == "hit" else "false_hit")
+        outcome = (
+            "miss" if hit_id is None else ("hit" if hit_id == own[pair.id] and pair.expect == "hit" else "false_hit")
+        )
         verdict = result.verdict
-        outcomes.append({"id": pair.id, "category": pair.category, "expect": pair.expect, "outcome": outcome,
-                         "score": result.score, "reason": result.reason,
-                         "verifier_p": verdict.probability if verdict else None,
-                         "overruled": ",".join(verdict.overruled) if verdict else ""})
+        outcomes.append(
+            {
+                "id": pair.id,
+                "category": pair.category,
+                "expect": pair.expect,
+                "outcome": outcome,
+                "score": result.score,
+                "reason": result.reason,
+                "verifier_p": verdict.probability if verdict else None,
+                "overruled": ",".join(verdict.overruled) if verdict else "",
+            }
+        )
     return summarise(outcomes)
 
 
@@ -116,9 +141,14 @@ def _rates(rows: list[dict]) -> dict:
     expect_hit = [r for r in rows if r["expect"] == "hit"]
     hits = sum(r["outcome"] == "hit" for r in expect_hit)
     false_hits = sum(r["outcome"] == "false_hit" for r in rows)
-    return {"pairs": len(rows), "expect_hit": len(expect_hit), "hits": hits, "false_hits": false_hits,
-            "hit_rate": hits / len(expect_hit) if expect_hit else None,
-            "false_hit_rate": false_hits / len(rows) if rows else 0.0}
+    return {
+        "pairs": len(rows),
+        "expect_hit": len(expect_hit),
+        "hits": hits,
+        "false_hits": false_hits,
+        "hit_rate": hits / len(expect_hit) if expect_hit else None,
+        "false_hit_rate": false_hits / len(rows) if rows else 0.0,
+    }
 
 
 def print_report(summaries: dict[str, dict]) -> None:
@@ -169,7 +199,9 @@ def main(argv: list[str]) -> int:
     summary = summaries["+verifier"] if "+verifier" in summaries else summaries["rules"]
     failures = gates(summary, args.max_false_hit_rate, args.min_hit_rate)
     if args.json:
-        args.json.write_text(json.dumps({**summary, "rules_only": summaries["rules"], "gate_failures": failures}, indent=1))
+        args.json.write_text(
+            json.dumps({**summary, "rules_only": summaries["rules"], "gate_failures": failures}, indent=1)
+        )
     for failure in failures:
         print(f"GATE FAILED: {failure}", file=sys.stderr)
     return 1 if failures else 0
@@ -187,8 +219,12 @@ def run_both(pairs: list[Pair], args) -> dict[str, dict]:
     summaries = {}
     for name, verifier in verifiers.items():
         with tempfile.TemporaryDirectory() as folder:
-            cache = SemanticCache(embedder, SqliteEntries(Path(folder) / "semantic.db"),
-                                  SemanticSettings(threshold=args.threshold), verifier)
+            cache = SemanticCache(
+                embedder,
+                SqliteEntries(Path(folder) / "semantic.db"),
+                SemanticSettings(threshold=args.threshold),
+                verifier,
+            )
             summaries[name] = run(pairs, cache, args.isolate)
             cache.close()
     return summaries

@@ -25,7 +25,8 @@ def evaluate(rows: list[dict], policy: RiskPolicy) -> dict:
     personal = [r for r in rows if r["label"] == "personal"]
     general = [r for r in rows if r["label"] == "general"]
     return {
-        "num_personal": len(personal), "num_general": len(general),
+        "num_personal": len(personal),
+        "num_general": len(general),
         "recall": sum(flagged[r["id"]] for r in personal) / len(personal),
         "general_flagged": sum(flagged[r["id"]] for r in general) / len(general),
         "missed": [r["text"] for r in personal if not flagged[r["id"]]],

@@ -37,7 +37,9 @@ LEARNING_RATE = 2e-3
 EMA_DECAY = 0.99
 MEMBERS = 5  # scorers in the ensemble, seeds seed, seed + 1, ...
 HELD_OUT = 0.1
-WRITTEN_WEIGHT = 3  # each written pair is seen this many times an epoch: they are few beside PAWS, and the questions users ask
+WRITTEN_WEIGHT = (
+    3  # each written pair is seen this many times an epoch: they are few beside PAWS, and the questions users ask
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,48 +59,121 @@ def paws_pairs() -> list[Example]:
 # (cached, look-alike with another answer, rewording with the same answer); {x} and {y} take two
 # different fillers of the named kind.
 ASYMMETRIC = [
-    ("cities", "Flights from {x} to {y} tomorrow", "Flights from {y} to {x} tomorrow", "Tomorrow's flights from {x} to {y}"),
+    (
+        "cities",
+        "Flights from {x} to {y} tomorrow",
+        "Flights from {y} to {x} tomorrow",
+        "Tomorrow's flights from {x} to {y}",
+    ),
     ("cities", "Is {x} bigger than {y}?", "Is {y} bigger than {x}?", "Is {x} larger than {y}?"),
-    ("cities", "How long is the train from {x} to {y}?", "How long is the train from {y} to {x}?",
-     "How long does the train from {x} to {y} take?"),
+    (
+        "cities",
+        "How long is the train from {x} to {y}?",
+        "How long is the train from {y} to {x}?",
+        "How long does the train from {x} to {y} take?",
+    ),
     ("formats", "How do I convert {x} to {y}?", "How do I convert {y} to {x}?", "What's the way to turn {x} into {y}?"),
-    ("products", "How do I migrate from {x} to {y}?", "How do I migrate from {y} to {x}?",
-     "What are the steps to move from {x} to {y}?"),
+    (
+        "products",
+        "How do I migrate from {x} to {y}?",
+        "How do I migrate from {y} to {x}?",
+        "What are the steps to move from {x} to {y}?",
+    ),
     ("products", "Does {x} replace {y}?", "Does {y} replace {x}?", "Is {y} replaced by {x}?"),
     ("products", "Does {x} depend on {y}?", "Does {y} depend on {x}?", "Is {x} dependent on {y}?"),
-    ("roles", "Can a {x} see the {y}'s records?", "Can a {y} see the {x}'s records?",
-     "Is a {x} able to view the records of the {y}?"),
-    ("roles", "How much does a {x} earn compared to a {y}?", "How much does a {y} earn compared to a {x}?",
-     "What does a {x} earn relative to a {y}?"),
-    ("roles", "Who pays when a {x} cancels on a {y}?", "Who pays when a {y} cancels on a {x}?",
-     "If a {x} cancels on a {y}, who pays?"),
-    ("languages", "Is it harder for a {x} speaker to learn {y}?", "Is it harder for a {y} speaker to learn {x}?",
-     "Do {x} speakers find {y} harder to learn?"),
-    ("teams", "Did {x} beat {y} in the final?", "Did {y} beat {x} in the final?", "Did {x} win against {y} in the final?"),
-    ("currencies", "How do I exchange {x} for {y}?", "How do I exchange {y} for {x}?", "How can I swap my {x} for {y}?"),
-    ("devices", "How do I send a file from my {x} to my {y}?", "How do I send a file from my {y} to my {x}?",
-     "How can I move a file from my {x} over to my {y}?"),
-    ("accounts", "Can I move money from {x} into {y}?", "Can I move money from {y} into {x}?",
-     "Is it possible to transfer money from {x} into {y}?"),
+    (
+        "roles",
+        "Can a {x} see the {y}'s records?",
+        "Can a {y} see the {x}'s records?",
+        "Is a {x} able to view the records of the {y}?",
+    ),
+    (
+        "roles",
+        "How much does a {x} earn compared to a {y}?",
+        "How much does a {y} earn compared to a {x}?",
+        "What does a {x} earn relative to a {y}?",
+    ),
+    (
+        "roles",
+        "Who pays when a {x} cancels on a {y}?",
+        "Who pays when a {y} cancels on a {x}?",
+        "If a {x} cancels on a {y}, who pays?",
+    ),
+    (
+        "languages",
+        "Is it harder for a {x} speaker to learn {y}?",
+        "Is it harder for a {y} speaker to learn {x}?",
+        "Do {x} speakers find {y} harder to learn?",
+    ),
+    (
+        "teams",
+        "Did {x} beat {y} in the final?",
+        "Did {y} beat {x} in the final?",
+        "Did {x} win against {y} in the final?",
+    ),
+    (
+        "currencies",
+        "How do I exchange {x} for {y}?",
+        "How do I exchange {y} for {x}?",
+        "How can I swap my {x} for {y}?",
+    ),
+    (
+        "devices",
+        "How do I send a file from my {x} to my {y}?",
+        "How do I send a file from my {y} to my {x}?",
+        "How can I move a file from my {x} over to my {y}?",
+    ),
+    (
+        "accounts",
+        "Can I move money from {x} into {y}?",
+        "Can I move money from {y} into {x}?",
+        "Is it possible to transfer money from {x} into {y}?",
+    ),
 ]
 # (cached, the same with x and y swapped: same answer, a look-alike naming another filler z)
 SYMMETRIC = [
-    ("products", "What is the difference between {x} and {y}?", "What is the difference between {y} and {x}?",
-     "What is the difference between {x} and {z}?"),
+    (
+        "products",
+        "What is the difference between {x} and {y}?",
+        "What is the difference between {y} and {x}?",
+        "What is the difference between {x} and {z}?",
+    ),
     ("products", "Are {x} and {y} compatible?", "Are {y} and {x} compatible?", "Are {x} and {z} compatible?"),
-    ("cities", "How far is it between {x} and {y}?", "How far is it between {y} and {x}?", "How far is it between {x} and {z}?"),
+    (
+        "cities",
+        "How far is it between {x} and {y}?",
+        "How far is it between {y} and {x}?",
+        "How far is it between {x} and {z}?",
+    ),
     ("formats", "Compare {x} with {y}", "Compare {y} with {x}", "Compare {z} with {y}"),
-    ("teams", "When did {x} and {y} last play each other?", "When did {y} and {x} last play each other?",
-     "When did {x} and {z} last play each other?"),
+    (
+        "teams",
+        "When did {x} and {y} last play each other?",
+        "When did {y} and {x} last play each other?",
+        "When did {x} and {z} last play each other?",
+    ),
 ]
 # (cached, the same with a phrase moved: same answer, a look-alike with another filler)
 MOVED = [
-    ("devices", "On my {x}, how do I change the wallpaper?", "How do I change the wallpaper on my {x}?",
-     "On my {y}, how do I change the wallpaper?"),
+    (
+        "devices",
+        "On my {x}, how do I change the wallpaper?",
+        "How do I change the wallpaper on my {x}?",
+        "On my {y}, how do I change the wallpaper?",
+    ),
     ("years", "In {x}, who won the world cup?", "Who won the world cup in {x}?", "In {y}, who won the world cup?"),
-    ("roles", "For a {x}, what is the login page?", "What is the login page for a {x}?", "For a {y}, what is the login page?"),
-    ("cities", "Which museums in {x} are open on Mondays?", "Which museums are open on Mondays in {x}?",
-     "Which museums in {y} are open on Mondays?"),
+    (
+        "roles",
+        "For a {x}, what is the login page?",
+        "What is the login page for a {x}?",
+        "For a {y}, what is the login page?",
+    ),
+    (
+        "cities",
+        "Which museums in {x} are open on Mondays?",
+        "Which museums are open on Mondays in {x}?",
+        "Which museums in {y} are open on Mondays?",
+    ),
 ]
 FILLERS = {
     "cities": "Paris Lyon Berlin Madrid Tokyo Osaka Chicago Denver Boston Seattle Rome Milan Dublin Oslo Lisbon Prague".split(),
@@ -123,10 +198,12 @@ def _file_pairs(path: Path) -> list[Example]:
     """Same line: one question asked two ways (1). Same block, other line: a near question (0)."""
     examples = []
     for block in path.read_text().split("\n\n"):
-        lines = [[q.strip() for q in line.split(" | ")] for line in block.splitlines() if line and not line.startswith("#")]
+        lines = [
+            [q.strip() for q in line.split(" | ")] for line in block.splitlines() if line and not line.startswith("#")
+        ]
         for i, line in enumerate(lines):
             examples += [Example(a, b, 1, "written") for a, b in itertools.permutations(line, 2)]
-            for other in lines[i + 1:]:
+            for other in lines[i + 1 :]:
                 examples += [Example(a, b, 0, "written") for a in line for b in other]
                 examples += [Example(b, a, 0, "written") for a in line for b in other]
     return examples
@@ -136,14 +213,18 @@ def _template_pairs(rng: random.Random) -> list[Example]:
     examples = []
     for kind, cached, different, same in ASYMMETRIC:
         for x, y in _fillings(rng, kind):
-            examples += [Example(cached.format(x=x, y=y), different.format(x=x, y=y), 0, "written"),
-                         Example(cached.format(x=x, y=y), same.format(x=x, y=y), 1, "written")]
+            examples += [
+                Example(cached.format(x=x, y=y), different.format(x=x, y=y), 0, "written"),
+                Example(cached.format(x=x, y=y), same.format(x=x, y=y), 1, "written"),
+            ]
     for kind, cached, same, different in SYMMETRIC + MOVED:
         for x, y in _fillings(rng, kind):
             z = rng.choice([f for f in FILLERS[kind] if f not in (x, y)])
             fill = {"x": x, "y": y, "z": z}
-            examples += [Example(cached.format(**fill), same.format(**fill), 1, "written"),
-                         Example(cached.format(**fill), different.format(**fill), 0, "written")]
+            examples += [
+                Example(cached.format(**fill), same.format(**fill), 1, "written"),
+                Example(cached.format(**fill), different.format(**fill), 0, "written"),
+            ]
     return examples
 
 
@@ -161,8 +242,9 @@ def split(examples: list[Example], rng: random.Random) -> tuple[list[Example], l
     return shuffled[cut:], shuffled[:cut]
 
 
-def train(featurizer: Featurizer, examples: list[Example], cosines: dict, held_out: list[Example], epochs: int,
-          seed: int) -> PairScorer:
+def train(
+    featurizer: Featurizer, examples: list[Example], cosines: dict, held_out: list[Example], epochs: int, seed: int
+) -> PairScorer:
     """AdamW on binary cross-entropy; the weights kept are an exponential moving average of the
     steps' (decay EMA_DECAY), at the epoch where it did best on the held-out pairs: single steps'
     weights swung the held-out loss by +-0.05 from epoch to epoch."""
@@ -178,9 +260,10 @@ def train(featurizer: Featurizer, examples: list[Example], cosines: dict, held_o
         order = examples[:]
         rng.shuffle(order)
         for start in range(0, len(order), BATCH):
-            batch = order[start:start + BATCH]
+            batch = order[start : start + BATCH]
             loss = torch.nn.functional.binary_cross_entropy_with_logits(
-                _logits(scorer, featurizer, batch, cosines), torch.tensor([e.label for e in batch], dtype=torch.float32))
+                _logits(scorer, featurizer, batch, cosines), torch.tensor([e.label for e in batch], dtype=torch.float32)
+            )
             optimiser.zero_grad()
             loss.backward()
             optimiser.step()
@@ -203,12 +286,16 @@ def _logits(scorer: PairScorer, featurizer: Featurizer, batch: list[Example], co
 def _all_logits(scorer, featurizer, examples, cosines) -> torch.Tensor:
     """Logits of every example, without gradients, 256 at a time."""
     with torch.inference_mode():
-        return torch.cat([_logits(scorer, featurizer, examples[i:i + 256], cosines) for i in range(0, len(examples), 256)])
+        return torch.cat(
+            [_logits(scorer, featurizer, examples[i : i + 256], cosines) for i in range(0, len(examples), 256)]
+        )
 
 
 def _loss(scorer, featurizer, examples, cosines) -> float:
     labels = torch.tensor([e.label for e in examples], dtype=torch.float32)
-    return float(torch.nn.functional.binary_cross_entropy_with_logits(_all_logits(scorer, featurizer, examples, cosines), labels))
+    return float(
+        torch.nn.functional.binary_cross_entropy_with_logits(_all_logits(scorer, featurizer, examples, cosines), labels)
+    )
 
 
 def probabilities(scorer, featurizer, examples, cosines) -> np.ndarray:
@@ -230,8 +317,9 @@ def guard_outcomes(examples: list[Example], cosines: dict, similar) -> list[str]
 
 def served(probability: np.ndarray, outcomes: list[str], settings: Settings) -> np.ndarray:
     """Which examples Verifier.review would serve at these bars."""
-    return np.array([o != "refused" and p >= settings.bar(objected=o == "structural")
-                     for p, o in zip(probability, outcomes)])
+    return np.array(
+        [o != "refused" and p >= settings.bar(objected=o == "structural") for p, o in zip(probability, outcomes)]
+    )
 
 
 def choose_settings(probability: np.ndarray, outcomes: list[str], labels: np.ndarray) -> Settings:
@@ -253,9 +341,11 @@ def choose_settings(probability: np.ndarray, outcomes: list[str], labels: np.nda
 def report(name: str, probability, outcomes, labels, settings: Settings) -> None:
     hits = served(probability, outcomes, settings)
     rule_hits = np.array([o == "pass" for o in outcomes])
-    print(f"{name:<18} pairs {len(labels):>5}   rules only: same {rule_hits[labels == 1].mean():.1%} "
-          f"different {rule_hits[labels == 0].mean():.1%}   with verifier: same {hits[labels == 1].mean():.1%} "
-          f"different {hits[labels == 0].mean():.1%}")
+    print(
+        f"{name:<18} pairs {len(labels):>5}   rules only: same {rule_hits[labels == 1].mean():.1%} "
+        f"different {rule_hits[labels == 0].mean():.1%}   with verifier: same {hits[labels == 1].mean():.1%} "
+        f"different {hits[labels == 0].mean():.1%}"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -267,8 +357,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     started = time.perf_counter()
     rng = random.Random(args.seed)
-    train_paws, held_paws = split(paws_pairs()[:args.limit], rng)
-    train_written, held_written = split(written_pairs(rng)[:args.limit], rng)
+    train_paws, held_paws = split(paws_pairs()[: args.limit], rng)
+    train_written, held_written = split(written_pairs(rng)[: args.limit], rng)
     embedder = MiniLMEmbedder()
     featurizer = Featurizer.from_minilm(embedder)
     everything = train_paws + held_paws + train_written + held_written
@@ -276,8 +366,9 @@ def main(argv: list[str]) -> int:
     held_out = held_paws + held_written
     scorer = Ensemble(featurizer.table.shape[1], MEMBERS)
     for number, member in enumerate(scorer.members):
-        trained = train(featurizer, train_paws + train_written * WRITTEN_WEIGHT, cosines, held_out, args.epochs,
-                        args.seed + number)
+        trained = train(
+            featurizer, train_paws + train_written * WRITTEN_WEIGHT, cosines, held_out, args.epochs, args.seed + number
+        )
         member.load_state_dict(trained.state_dict())
     print(f"ensemble of {MEMBERS}: held-out loss {_loss(scorer, featurizer, held_out, cosines):.4f}")
     similar = SemanticCache(embedder, SqliteEntries(":memory:"), SemanticSettings()).word_similarity
@@ -289,8 +380,10 @@ def main(argv: list[str]) -> int:
         rows = [i for i, e in enumerate(held_out) if e.source == source]
         report(f"held-out {source}", probability[rows], [outcomes[i] for i in rows], labels[rows], settings)
     save(scorer, settings, args, args.out)
-    print(f"bars: accept {settings.accept}, overrule {settings.overrule}; wrote {args.out} "
-          f"in {time.perf_counter() - started:.0f} s")
+    print(
+        f"bars: accept {settings.accept}, overrule {settings.overrule}; wrote {args.out} "
+        f"in {time.perf_counter() - started:.0f} s"
+    )
     return 0
 
 
@@ -303,9 +396,14 @@ def _cosines(embedder, examples: list[Example]) -> dict:
 def save(scorer: Ensemble, settings: Settings, args, path: Path) -> None:
     from safetensors.torch import save_file
 
-    meta = {"format_version": str(FORMAT_VERSION), "members": str(len(scorer.members)),
-            "settings": json.dumps(asdict(settings)), "seed": str(args.seed),
-            "epochs": str(args.epochs), "data": "evals/data/paws_train.tsv + evals.train_verifier.written_pairs"}
+    meta = {
+        "format_version": str(FORMAT_VERSION),
+        "members": str(len(scorer.members)),
+        "settings": json.dumps(asdict(settings)),
+        "seed": str(args.seed),
+        "epochs": str(args.epochs),
+        "data": "evals/data/paws_train.tsv + evals.train_verifier.written_pairs",
+    }
     save_file({k: v.contiguous() for k, v in scorer.state_dict().items()}, str(path), metadata=meta)
 
 

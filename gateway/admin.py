@@ -51,8 +51,12 @@ def _semantic(request: Request):
 
 
 @get("/admin/semantic/entries", guards=[require_admin])
-async def list_entries(request: Request, tenant: FromQuery[str | None] = None, status: FromQuery[str | None] = None,
-                       limit: FromQuery[int] = 100) -> dict:
+async def list_entries(
+    request: Request,
+    tenant: FromQuery[str | None] = None,
+    status: FromQuery[str | None] = None,
+    limit: FromQuery[int] = 100,
+) -> dict:
     cache = _semantic(request)
     if status is not None and status not in ("unreviewed", "approved", "rejected"):
         raise bad_request("status must be unreviewed, approved or rejected", "invalid_value", "status")
@@ -150,9 +154,11 @@ def _selector(body: dict) -> Selector:
 def purge_layers(services, selector: Selector, layers: list[str], announce: bool = True) -> dict:
     """Each named layer's purge, as {layer: {"entries", "bytes"}} ("blocks" for the KV tiers, and
     "files" for the SSD tier; a disabled layer: null); announced to the other replicas if asked."""
-    purges = {"exact": services.responses.exact.purge_owned if services.responses.exact else None,
-              "semantic": services.responses.semantic.purge_owned if services.responses.semantic else None,
-              "conversations": services.conversations.purge}
+    purges = {
+        "exact": services.responses.exact.purge_owned if services.responses.exact else None,
+        "semantic": services.responses.semantic.purge_owned if services.responses.semantic else None,
+        "conversations": services.conversations.purge,
+    }
     removed, unreachable = {}, []
     for layer in (layer for layer in layers if layer in RESPONSE_LAYERS):
         try:
@@ -165,20 +171,38 @@ def purge_layers(services, selector: Selector, layers: list[str], announce: bool
     if engine_layers:
         removed |= _purge_engine(services, selector, engine_layers)
     if unreachable:
-        raise ApiError(503, f"the {', '.join(unreachable)} store cannot be reached: nothing was purged there (the "
-                            f"other layers were: {sorted(removed)}); a purge can be repeated: retry",
-                       "store_unavailable")
-    log.info("purged %s for tenant %r session %r user %r: %s", layers, selector.tenant, selector.session,
-             selector.end_user, removed)
+        raise ApiError(
+            503,
+            f"the {', '.join(unreachable)} store cannot be reached: nothing was purged there (the "
+            f"other layers were: {sorted(removed)}); a purge can be repeated: retry",
+            "store_unavailable",
+        )
+    log.info(
+        "purged %s for tenant %r session %r user %r: %s",
+        layers,
+        selector.tenant,
+        selector.session,
+        selector.end_user,
+        removed,
+    )
     announced = announce and services.purge_feed is not None
     if announced:
         try:
             services.purge_feed.announce(selector.tenant, selector.session, selector.end_user, layers)
         except StoreUnavailable:
-            raise ApiError(503, f"purged on this replica ({sorted(removed)}), but the other replicas could not be "
-                                "told: Redis cannot be reached; a purge can be repeated: retry", "store_unavailable") from None
-    return {"tenant": selector.tenant, "session": selector.session, "user": selector.end_user, "removed": removed,
-            "announced": announced}
+            raise ApiError(
+                503,
+                f"purged on this replica ({sorted(removed)}), but the other replicas could not be "
+                "told: Redis cannot be reached; a purge can be repeated: retry",
+                "store_unavailable",
+            ) from None
+    return {
+        "tenant": selector.tenant,
+        "session": selector.session,
+        "user": selector.end_user,
+        "removed": removed,
+        "announced": announced,
+    }
 
 
 SHARED_IN_REDIS = ("exact", "semantic")  # one replica's purge removed them for all
@@ -195,8 +219,11 @@ def _purge_engine(services, selector: Selector, layers: list[str]) -> dict:
     try:
         results = services.engine.purge_caches(selector.selects, layers, ENGINE_PURGE_TIMEOUT_S)
     except (TimeoutError, RuntimeError) as exc:
-        raise ApiError(503, f"the engine's caches could not be purged now ({exc or 'timed out'}); a purge "
-                            "can be repeated: retry", "engine_unavailable") from None
+        raise ApiError(
+            503,
+            f"the engine's caches could not be purged now ({exc or 'timed out'}); a purge can be repeated: retry",
+            "engine_unavailable",
+        ) from None
     return {layer: _engine_removed(layer, result) for layer, result in results.items()}
 
 
@@ -222,5 +249,14 @@ async def diagnosis(request: Request, window_s: FromQuery[float] = DIAGNOSIS_WIN
     return diagnose(records, window_s, time.time(), "ssd" in services.engine.cache_stats())
 
 
-ADMIN_CACHE_ROUTES = [list_entries, approve_entry, reject_entry, delete_entry, purge_exact, delete_exact_entry, purge,
-                      end_session, diagnosis]
+ADMIN_CACHE_ROUTES = [
+    list_entries,
+    approve_entry,
+    reject_entry,
+    delete_entry,
+    purge_exact,
+    delete_exact_entry,
+    purge,
+    end_session,
+    diagnosis,
+]

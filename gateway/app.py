@@ -1,17 +1,17 @@
 """The Litestar app: routes and lifespan only; a request's way through the layers is pipeline.py.
 
-    POST /v1/chat/completions   OpenAI chat completions (JSON or SSE)
-    POST /v1/responses          OpenAI Responses API (previous_response_id kept per tenant)
-    GET|DELETE /v1/responses/ID a stored response (the caller's tenant's only)
-    POST /v1/embeddings         MiniLM sentence embeddings
-    GET  /v1/models             the served model
-    GET  /health, /healthz      liveness: 503 with the reason when the engine worker died or is stuck;
-                                details (model, BLAS, queue) only with the admin key
-    GET  /health/ready          readiness: 503 until the warm-up ended well
-    GET  /metrics               Prometheus text format (gateway/metrics.py)
-    GET  /dashboard             the operator's page; its data: GET /admin/dashboard/data (admin key)
-    GET  /admin/stats           per-layer counters (admin key)
-    GET  /schema                OpenAPI (Litestar)
+POST /v1/chat/completions   OpenAI chat completions (JSON or SSE)
+POST /v1/responses          OpenAI Responses API (previous_response_id kept per tenant)
+GET|DELETE /v1/responses/ID a stored response (the caller's tenant's only)
+POST /v1/embeddings         MiniLM sentence embeddings
+GET  /v1/models             the served model
+GET  /health, /healthz      liveness: 503 with the reason when the engine worker died or is stuck;
+                            details (model, BLAS, queue) only with the admin key
+GET  /health/ready          readiness: 503 until the warm-up ended well
+GET  /metrics               Prometheus text format (gateway/metrics.py)
+GET  /dashboard             the operator's page; its data: GET /admin/dashboard/data (admin key)
+GET  /admin/stats           per-layer counters (admin key)
+GET  /schema                OpenAPI (Litestar)
 """
 
 from __future__ import annotations
@@ -93,8 +93,14 @@ async def chat_completions(request: Request) -> Response:
     turn = await services.pipeline.start(chat_request, caller, request.headers, len(raw))
     request.state.turn = turn  # for the request's log line
     if chat_request.stream:
-        chunks = openai_format.sse(turn.events(), turn.completions, turn.trace, services.stamp, chat_request.include_usage,
-                                   _tools(services, chat_request))
+        chunks = openai_format.sse(
+            turn.events(),
+            turn.completions,
+            turn.trace,
+            services.stamp,
+            chat_request.include_usage,
+            _tools(services, chat_request),
+        )
         return Stream(chunks, media_type="text/event-stream", headers=_stream_headers(services, turn))
     if await _client_left(request, turn):
         return Response(b"", status_code=499)  # nobody reads it: the job was cancelled
@@ -146,12 +152,21 @@ async def create_response(request: Request) -> Response:
 
     async def finished(message: dict, response: dict) -> None:
         if body.get("store", True) is not False:
-            await anyio.to_thread.run_sync(services.conversations.save, response_id, caller.tenant, owner.session or None,
-                                           owner.end_user or None, conversation + [message], response, time.time())
+            await anyio.to_thread.run_sync(
+                services.conversations.save,
+                response_id,
+                caller.tenant,
+                owner.session or None,
+                owner.end_user or None,
+                conversation + [message],
+                response,
+                time.time(),
+            )
 
     if chat_request.stream:
-        events = responses_api.stream_events(turn.events(), turn.completion, turn.trace, response_id, body, previous_id,
-                                             tools, finished)
+        events = responses_api.stream_events(
+            turn.events(), turn.completion, turn.trace, response_id, body, previous_id, tools, finished
+        )
         return Stream(events, media_type="text/event-stream", headers=_stream_headers(services, turn))
     if await _client_left(request, turn):
         return Response(b"", status_code=499)
@@ -181,8 +196,12 @@ async def delete_response(request: Request, response_id: FromPath[str]) -> dict:
 
 
 def _no_response(response_id: str) -> ApiError:
-    return ApiError(404, f"no stored response {response_id[:100]!r} (expired, deleted, not stored, or never made)",
-                    "response_not_found", "response_id")
+    return ApiError(
+        404,
+        f"no stored response {response_id[:100]!r} (expired, deleted, not stored, or never made)",
+        "response_not_found",
+        "response_id",
+    )
 
 
 async def _history(services: Services, previous_id, tenant: str) -> list[dict] | None:
@@ -193,8 +212,12 @@ async def _history(services: Services, previous_id, tenant: str) -> list[dict] |
         raise bad_request("'previous_response_id' must be a string", "invalid_type", "previous_response_id")
     history = await anyio.to_thread.run_sync(services.conversations.load, previous_id, tenant, time.time())
     if history is None:
-        raise ApiError(404, f"no stored response {previous_id!r} (expired, not stored, or never made)",
-                       "previous_response_not_found", "previous_response_id")
+        raise ApiError(
+            404,
+            f"no stored response {previous_id!r} (expired, not stored, or never made)",
+            "previous_response_not_found",
+            "previous_response_id",
+        )
     return history
 
 
@@ -254,7 +277,10 @@ async def list_models(request: Request) -> dict:
     services.auth.caller(request.headers.get("authorization"))
     info = services.engine.info
     models = [info.name, EMBEDDING_MODELS[0]]
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "strata"} for name in models]}
+    return {
+        "object": "list",
+        "data": [{"id": name, "object": "model", "created": 0, "owned_by": "strata"} for name in models],
+    }
 
 
 @get(["/health", "/healthz"])
@@ -324,15 +350,25 @@ def _state_collector(services: Services) -> StateCollector:
 async def admin_stats(request: Request) -> dict:
     """Built from snapshots only: the per-layer outcome counters, the engine's, and each cache's stats()."""
     services = _services(request)
-    store_errors = {"exact": services.responses.num_store_errors["exact"],
-                    "semantic": services.responses.num_store_errors["semantic"]}
+    store_errors = {
+        "exact": services.responses.num_store_errors["exact"],
+        "semantic": services.responses.num_store_errors["semantic"],
+    }
     engine = services.engine.snapshot()
     engine_stats = asdict(engine.counters) | {
-        "queue_depth": engine.queue_depth, "num_running": engine.num_running, "waiting_for_memory": engine.waiting_for_memory,
-        "last_step": asdict(engine.last_step)}
-    return {**services.counters.snapshot(), "engine": engine_stats,
-            "engine_caches": services.engine.cache_stats(), "response_caches": services.responses.stats(),
-            "response_store_errors": store_errors, "sweeps": request.app.state.sweeper.snapshot()}
+        "queue_depth": engine.queue_depth,
+        "num_running": engine.num_running,
+        "waiting_for_memory": engine.waiting_for_memory,
+        "last_step": asdict(engine.last_step),
+    }
+    return {
+        **services.counters.snapshot(),
+        "engine": engine_stats,
+        "engine_caches": services.engine.cache_stats(),
+        "response_caches": services.responses.stats(),
+        "response_store_errors": store_errors,
+        "sweeps": request.app.state.sweeper.snapshot(),
+    }
 
 
 async def _report_warm_up(engine: Engine) -> None:
@@ -359,23 +395,36 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
         if owned:
             live.launch()  # serving starts now: requests queue until warm-up ends; /health/ready says when
         counters = LayerCounters()
-        auth = Authenticator(settings.api_keys, settings.admin_key, load_server_secret(settings.secret_file or settings.data_dir / "server.secret"))
+        auth = Authenticator(
+            settings.api_keys,
+            settings.admin_key,
+            load_server_secret(settings.secret_file or settings.data_dir / "server.secret"),
+        )
         responses = await anyio.to_thread.run_sync(ResponseCaches, settings, live.info.fingerprint, embedder)
         sessions = SessionClock(settings.session_ttl_s)
         request_metrics = RequestMetrics(registry, settings.metrics_tenant_label) if settings.metrics_enabled else None
         pipeline = Pipeline(ChatService(settings, live), responses, counters, sessions, request_metrics)
         stamp = ModelStamp(live.info.name, live.info.fingerprint)
         shared = responses.semantic.embedder if responses.semantic is not None else embedder
-        conversations = ConversationStore(private_file(settings.data_dir / "conversations.db"), settings.conversation_ttl_s)
+        conversations = ConversationStore(
+            private_file(settings.data_dir / "conversations.db"), settings.conversation_ttl_s
+        )
         embeddings = Embeddings(shared, live, settings)
-        app.state.services = Services(settings, live, auth, pipeline, counters, responses, stamp, embeddings, conversations,
-                                      registry)
+        app.state.services = Services(
+            settings, live, auth, pipeline, counters, responses, stamp, embeddings, conversations, registry
+        )
         if settings.redis_url:
             app.state.services.purge_feed = PurgeFeed(settings.redis_url, partial(purge_announced, app.state.services))
         if settings.metrics_enabled:
             registry.register(_state_collector(app.state.services))
-        sweeper = Sweeper({**responses.expiring(), "conversations": conversations.purge_expired,
-                           "sessions": partial(end_idle_sessions, app.state.services, sessions)}, settings.sweep_interval_s)
+        sweeper = Sweeper(
+            {
+                **responses.expiring(),
+                "conversations": conversations.purge_expired,
+                "sessions": partial(end_idle_sessions, app.state.services, sessions),
+            },
+            settings.sweep_interval_s,
+        )
         app.state.sweeper = sweeper
         app.state.history = History(registry, settings.dashboard_sample_s)
         _log_startup(settings, live)
@@ -398,8 +447,20 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
                 log.info("engine stopped")
 
     return Litestar(
-        route_handlers=[chat_completions, create_response, get_response, delete_response, create_embeddings, list_models,
-                        health, ready, metrics, admin_stats, *ADMIN_CACHE_ROUTES, *DASHBOARD_ROUTES],
+        route_handlers=[
+            chat_completions,
+            create_response,
+            get_response,
+            delete_response,
+            create_embeddings,
+            list_models,
+            health,
+            ready,
+            metrics,
+            admin_stats,
+            *ADMIN_CACHE_ROUTES,
+            *DASHBOARD_ROUTES,
+        ],
         lifespan=[lifespan],
         middleware=[RequestStart()],
         before_send=[response_log.before_send],
@@ -419,12 +480,28 @@ def engine_config(settings: Settings) -> EngineConfig:
     budget = settings.kv_budget_bytes if settings.kv_budget_bytes is not None else default_budget_bytes(0.25)
     ssd = None
     if settings.ssd_capacity_bytes:
-        admission = AdmissionPolicy(settings.ssd_min_hits, settings.ssd_min_prefix_tokens, settings.ssd_daily_write_bytes)
-        ssd = SsdConfig(settings.ssd_dir or settings.data_dir / "kv", settings.ssd_capacity_bytes, settings.ssd_retention_s,
-                        admission=admission, writer=settings.ssd_writer)
-    quant = QuantConfig(settings.kv_quant_bits, min_tokens=settings.kv_quant_min_tokens) if settings.kv_quant_bits else None
-    caches = CacheConfig(budget, settings.vision_budget_bytes, settings.kv_block_size, ssd, quant,
-                         prefix_idle_s=settings.kv_ram_retention_s, vision_idle_s=settings.vision_retention_s)
+        admission = AdmissionPolicy(
+            settings.ssd_min_hits, settings.ssd_min_prefix_tokens, settings.ssd_daily_write_bytes
+        )
+        ssd = SsdConfig(
+            settings.ssd_dir or settings.data_dir / "kv",
+            settings.ssd_capacity_bytes,
+            settings.ssd_retention_s,
+            admission=admission,
+            writer=settings.ssd_writer,
+        )
+    quant = (
+        QuantConfig(settings.kv_quant_bits, min_tokens=settings.kv_quant_min_tokens) if settings.kv_quant_bits else None
+    )
+    caches = CacheConfig(
+        budget,
+        settings.vision_budget_bytes,
+        settings.kv_block_size,
+        ssd,
+        quant,
+        prefix_idle_s=settings.kv_ram_retention_s,
+        vision_idle_s=settings.vision_retention_s,
+    )
     return EngineConfig(settings.max_queue, settings.prefill_chunk_tokens, caches, settings.max_num_seqs)
 
 

@@ -65,19 +65,29 @@ class Authenticator:
         for known, tenant in self.api_keys.items():
             if key is not None and hmac.compare_digest(key.encode(), known.encode()):
                 return Caller(tenant, self.salts[tenant])
-        raise ApiError(401, "missing or invalid API key (use Authorization: Bearer <key>)", "invalid_api_key",
-                       headers={"WWW-Authenticate": "Bearer"})
+        raise ApiError(
+            401,
+            "missing or invalid API key (use Authorization: Bearer <key>)",
+            "invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
 
     def is_admin(self, authorization: str | None) -> bool:
         key = _bearer(authorization)
-        return self.admin_key is not None and key is not None and hmac.compare_digest(key.encode(), self.admin_key.encode())
+        return (
+            self.admin_key is not None
+            and key is not None
+            and hmac.compare_digest(key.encode(), self.admin_key.encode())
+        )
 
     def require_admin(self, authorization: str | None) -> None:
         if self.admin_key is None:
             raise ApiError(403, "admin routes are disabled: set STRATA_ADMIN_KEY", "admin_disabled")
         key = _bearer(authorization)
         if key is None or not hmac.compare_digest(key.encode(), self.admin_key.encode()):
-            raise ApiError(401, "missing or invalid admin key", "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise ApiError(
+                401, "missing or invalid admin key", "invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+            )
 
 
 def _bearer(authorization: str | None) -> str | None:

@@ -24,8 +24,22 @@ from semantic import Owner, StoredResponse, owner_label
 from vision import DecodedImage
 
 from .auth import Caller
-from .engine import (Delta, Engine, EngineStopped, Failed, Finished, GrammarError, OverBudget, PreparedPrompt,
-                     PromptError, QueueFull, Sampling, Started, TokenLogprob, json_schema_grammar)
+from .engine import (
+    Delta,
+    Engine,
+    EngineStopped,
+    Failed,
+    Finished,
+    GrammarError,
+    OverBudget,
+    PreparedPrompt,
+    PromptError,
+    QueueFull,
+    Sampling,
+    Started,
+    TokenLogprob,
+    json_schema_grammar,
+)
 from .engine.caching import PrefixReport, VisionReport
 from .errors import ApiError, bad_request
 from .images import load_image
@@ -57,8 +71,12 @@ class ChatService:
 
     def check_model(self, request: ChatRequest) -> None:
         if request.model != self.engine.info.name:
-            raise ApiError(404, f"model {request.model!r} does not exist; this server serves {self.engine.info.name!r}",
-                           "model_not_found", "model")
+            raise ApiError(
+                404,
+                f"model {request.model!r} does not exist; this server serves {self.engine.info.name!r}",
+                "model_not_found",
+                "model",
+            )
 
     async def load_images(self, request: ChatRequest) -> list[DecodedImage]:
         """Decode every image part (CPU work, off the event loop); none: no thread hop."""
@@ -80,8 +98,12 @@ class ChatService:
         before the tokenizer runs."""
         biased = [token for token, _ in request.sampling.logit_bias if token >= self.engine.info.vocab_size]
         if biased:
-            raise bad_request(f"'logit_bias' names token {biased[0]}; this model's token ids run from 0 to "
-                              f"{self.engine.info.vocab_size - 1}", "invalid_value", "logit_bias")
+            raise bad_request(
+                f"'logit_bias' names token {biased[0]}; this model's token ids run from 0 to "
+                f"{self.engine.info.vocab_size - 1}",
+                "invalid_value",
+                "logit_bias",
+            )
         limit = min(self.settings.limits.max_context_tokens, self.engine.info.max_context_tokens)
         at_least = -(-request.num_text_bytes // self.engine.info.max_token_bytes)
         if at_least + request.sampling.max_tokens > limit:
@@ -106,8 +128,9 @@ class ChatService:
                 grammar = json_schema_grammar(json.loads(schema) if schema else {"type": "object"})
             self.engine.check_grammar(grammar)
         except (GrammarError, ValueError) as exc:
-            raise bad_request(f"the {param} schema cannot be used to constrain the output: {_brief(exc)}",
-                              "invalid_schema", param) from None
+            raise bad_request(
+                f"the {param} schema cannot be used to constrain the output: {_brief(exc)}", "invalid_schema", param
+            ) from None
         return grammar
 
     def replay(self, stored: StoredResponse, trace: Trace) -> Run:
@@ -125,8 +148,9 @@ class ChatService:
 
         return Run(events(), completion, None)
 
-    async def start(self, prompt: PreparedPrompt, sampling: Sampling, caller: Caller, owner: Owner, trace: Trace,
-                    deadline: float) -> Run:
+    async def start(
+        self, prompt: PreparedPrompt, sampling: Sampling, caller: Caller, owner: Owner, trace: Trace, deadline: float
+    ) -> Run:
         """Queue the job and wait until its prefill is done (or it failed, or the deadline passed).
         The engine's caches record `owner` (with the tenant) on what the job stores or reuses."""
         try:
@@ -134,13 +158,20 @@ class ChatService:
         except EngineStopped as stopped:
             raise ApiError(503, f"the engine cannot take requests: {stopped}", "engine_unavailable") from None
         except QueueFull as full:
-            message = ("this tenant holds its share of the engine queue; retry shortly" if full.reason == "tenant_share"
-                       else "the engine queue is full; retry shortly")
+            message = (
+                "this tenant holds its share of the engine queue; retry shortly"
+                if full.reason == "tenant_share"
+                else "the engine queue is full; retry shortly"
+            )
             raise ApiError(429, message, full.reason, headers={"Retry-After": "1"}) from None
         except OverBudget as over:
-            raise bad_request(f"the prompt and max_tokens need {over.need_bytes >> 10} KiB of KV cache, more than the "
-                              f"engine's memory budget ({over.budget_bytes >> 10} KiB); send a shorter prompt or a "
-                              "lower max_tokens", "context_length_exceeded", "max_tokens") from None
+            raise bad_request(
+                f"the prompt and max_tokens need {over.need_bytes >> 10} KiB of KV cache, more than the "
+                f"engine's memory budget ({over.budget_bytes >> 10} KiB); send a shorter prompt or a "
+                "lower max_tokens",
+                "context_length_exceeded",
+                "max_tokens",
+            ) from None
         events = self.engine.events(job)
         try:
             first = await self._next(events, deadline)
@@ -157,8 +188,13 @@ class ChatService:
         trace.prefix = facts
         trace.record("prefix", prefix_outcome(first.prefix, facts.where if facts else ""))
         trace.record("vision", vision_outcome(first.vision))
-        completion = Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), first.num_prompt_tokens,
-                                first.num_cached_tokens, logprobs=[] if sampling.top_logprobs is not None else None)
+        completion = Completion(
+            f"chatcmpl-{uuid.uuid4().hex}",
+            int(time.time()),
+            first.num_prompt_tokens,
+            first.num_cached_tokens,
+            logprobs=[] if sampling.top_logprobs is not None else None,
+        )
         return Run(events, completion, deadline)
 
     async def _prefix_facts(self, prompt: PreparedPrompt, report: PrefixReport) -> PrefixFacts | None:
@@ -166,10 +202,23 @@ class ChatService:
             return None
         where = ""
         if report.miss_reason == "diverged":
-            where = "image" if report.miss_in_image else message_place(
-                prompt.messages, await anyio.to_thread.run_sync(self.engine.message_at, prompt, report.miss_at_token))
-        return PrefixFacts(report.num_prompt_tokens, report.num_cached_tokens, report.num_ssd_tokens,
-                           report.miss_reason, report.miss_tier, report.miss_lived_s, where)
+            where = (
+                "image"
+                if report.miss_in_image
+                else message_place(
+                    prompt.messages,
+                    await anyio.to_thread.run_sync(self.engine.message_at, prompt, report.miss_at_token),
+                )
+            )
+        return PrefixFacts(
+            report.num_prompt_tokens,
+            report.num_cached_tokens,
+            report.num_ssd_tokens,
+            report.miss_reason,
+            report.miss_tier,
+            report.miss_lived_s,
+            where,
+        )
 
     async def _next(self, events: AsyncIterator, deadline: float | None):
         """The next event, or StopAsyncIteration; ApiError(504) once the deadline has passed."""
@@ -228,8 +277,12 @@ def _brief(exc: Exception) -> str:
 
 
 def _context_error(limit: int, prompt_tokens: str, max_tokens: int) -> ApiError:
-    return bad_request(f"this model's context is {limit} tokens; the prompt has {prompt_tokens} tokens and "
-                       f"max_tokens asks for {max_tokens} more", "context_length_exceeded", "messages")
+    return bad_request(
+        f"this model's context is {limit} tokens; the prompt has {prompt_tokens} tokens and "
+        f"max_tokens asks for {max_tokens} more",
+        "context_length_exceeded",
+        "messages",
+    )
 
 
 def prefix_outcome(report: PrefixReport, where: str = "") -> LayerOutcome:
@@ -268,6 +321,6 @@ def vision_outcome(report: VisionReport) -> LayerOutcome:
     if not report.enabled:
         return LayerOutcome.of(BYPASS, reason="disabled", images=report.num_images)
     status = MISS if report.num_misses else HIT
-    return LayerOutcome.of(status, images=report.num_images, hits=report.num_hits, misses=report.num_misses,
-                           skipped=report.num_skipped)
-
+    return LayerOutcome.of(
+        status, images=report.num_images, hits=report.num_hits, misses=report.num_misses, skipped=report.num_skipped
+    )

@@ -18,18 +18,27 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible gateway")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--model", default="demo",
-                       help="'demo' or 'tiny' (built in), '<family>-demo' / '<family>-tiny' for another built-in family, "
-                            "a model folder, or a hub id")
+    serve.add_argument(
+        "--model",
+        default="demo",
+        help="'demo' or 'tiny' (built in), '<family>-demo' / '<family>-tiny' for another built-in family, "
+        "a model folder, or a hub id",
+    )
     serve.add_argument("--data-dir", type=Path, default=Path(os.environ.get("STRATA_DATA_DIR", "strata-data")))
     serve.add_argument("--log-level", default="info")
     add_setting_flags(serve)
     build = commands.add_parser("build-model", help="build a seeded random-init model folder of one family")
-    build.add_argument("--family", choices=sorted(RECIPES), default=DEFAULT_FAMILY,
-                       help="the library's own model_type (default %(default)s)")
+    build.add_argument(
+        "--family",
+        choices=sorted(RECIPES),
+        default=DEFAULT_FAMILY,
+        help="the library's own model_type (default %(default)s)",
+    )
     build.add_argument("--size", choices=sorted(SIZES), default="tiny")
     build.add_argument("--dtype", choices=DTYPES, default="float32")
-    build.add_argument("--quantize", type=int, choices=(4, 8), default=None, help="quantise the language model's weights")
+    build.add_argument(
+        "--quantize", type=int, choices=(4, 8), default=None, help="quantise the language model's weights"
+    )
     build.add_argument("--out", type=Path, required=True)
     cluster = commands.add_parser("cluster", help="Redis, two replicas and HAProxy on loopback (Ctrl-C stops them)")
     cluster.add_argument("action", choices=["up"])

@@ -92,8 +92,22 @@ class Cluster:
         binary = _required("redis-server")
         folder = self.folder / "redis"
         folder.mkdir(exist_ok=True)
-        self._spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                              "--dir", str(folder)])
+        self._spawn(
+            "redis",
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(folder),
+            ],
+        )
         _wait_port(port, self.processes["redis"], self._log("redis"))
         return f"redis://127.0.0.1:{port}/0"
 
@@ -115,21 +129,43 @@ class Cluster:
 
     def _start_replica(self, name: str) -> None:
         port = self.port + 1 + REPLICAS.index(name)
-        env = {"STRATA_REDIS_URL": self.redis_url, "STRATA_SSD_DIR": str(self.folder / "kv-shared"),
-               "STRATA_SSD_WRITER": name, "STRATA_SECRET_FILE": str(self.folder / "server.secret"), **self.extra_env}
-        self._spawn(name, [sys.executable, "-m", "gateway.cli", "serve", "--model", self.model, "--port", str(port),
-                           "--data-dir", str(self.folder / name)], env)
+        env = {
+            "STRATA_REDIS_URL": self.redis_url,
+            "STRATA_SSD_DIR": str(self.folder / "kv-shared"),
+            "STRATA_SSD_WRITER": name,
+            "STRATA_SECRET_FILE": str(self.folder / "server.secret"),
+            **self.extra_env,
+        }
+        self._spawn(
+            name,
+            [
+                sys.executable,
+                "-m",
+                "gateway.cli",
+                "serve",
+                "--model",
+                self.model,
+                "--port",
+                str(port),
+                "--data-dir",
+                str(self.folder / name),
+            ],
+            env,
+        )
 
     def _start_proxy(self) -> None:
-        env = {"STRATA_PROXY_BIND": f"127.0.0.1:{self.port}",
-               **{f"STRATA_REPLICA_{name.upper()}": self.replica_url(name).removeprefix("http://") for name in REPLICAS}}
+        env = {
+            "STRATA_PROXY_BIND": f"127.0.0.1:{self.port}",
+            **{f"STRATA_REPLICA_{name.upper()}": self.replica_url(name).removeprefix("http://") for name in REPLICAS},
+        }
         self._spawn("haproxy", [_required("haproxy"), "-db", "-f", str(PROXY_CONFIG)], env)
         _wait_port(self.port, self.processes["haproxy"], self._log("haproxy"))
 
     def _spawn(self, name: str, command: list[str], env: dict[str, str] | None = None) -> None:
         environment = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | (env or {})
-        self.processes[name] = subprocess.Popen(command, env=environment, stdout=self._log(name).open("a"),
-                                                stderr=subprocess.STDOUT)  # a restart keeps the last words
+        self.processes[name] = subprocess.Popen(
+            command, env=environment, stdout=self._log(name).open("a"), stderr=subprocess.STDOUT
+        )  # a restart keeps the last words
         self.started[name] = time.monotonic()
 
     def _log(self, name: str) -> Path:
@@ -144,8 +180,11 @@ def run(model: str, folder: Path, port: int) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     try:
         cluster.start()
-        print(f"strata cluster: proxy {cluster.url} -> replicas {', '.join(cluster.replica_url(n) for n in REPLICAS)}; "
-              f"logs in {folder}; Ctrl-C stops it", flush=True)
+        print(
+            f"strata cluster: proxy {cluster.url} -> replicas {', '.join(cluster.replica_url(n) for n in REPLICAS)}; "
+            f"logs in {folder}; Ctrl-C stops it",
+            flush=True,
+        )
         while not stopping:
             time.sleep(0.5)
             for name, process in list(cluster.processes.items()):
@@ -155,8 +194,12 @@ def run(model: str, folder: Path, port: int) -> int:
                     print(f"strata cluster: {name} exited; stopping (see {folder})", file=sys.stderr, flush=True)
                     stopping.append(True)
                 elif cluster.restart_replica(name):
-                    print(f"strata cluster: replica {name} exited ({process.returncode}); starting it again "
-                          f"(see {cluster._log(name)})", file=sys.stderr, flush=True)
+                    print(
+                        f"strata cluster: replica {name} exited ({process.returncode}); starting it again "
+                        f"(see {cluster._log(name)})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
     except KeyboardInterrupt:
         pass
     finally:

@@ -46,13 +46,31 @@ class ConversationStore:
         self.db.executescript(SCHEMA)
         self.lock = threading.Lock()
 
-    def save(self, response_id: str, tenant: str, session: str | None, user: str | None, messages: list[dict],
-             response: dict, now: float) -> None:
+    def save(
+        self,
+        response_id: str,
+        tenant: str,
+        session: str | None,
+        user: str | None,
+        messages: list[dict],
+        response: dict,
+        now: float,
+    ) -> None:
         with self.lock:
             self.db.execute("DELETE FROM conversations WHERE expires_at <= ?", (now,))
-            self.db.execute("INSERT OR REPLACE INTO conversations VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                            (response_id, tenant, session, user, json.dumps(messages, ensure_ascii=False),
-                             json.dumps(response, ensure_ascii=False), now, now + self.retention_s))
+            self.db.execute(
+                "INSERT OR REPLACE INTO conversations VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    response_id,
+                    tenant,
+                    session,
+                    user,
+                    json.dumps(messages, ensure_ascii=False),
+                    json.dumps(response, ensure_ascii=False),
+                    now,
+                    now + self.retention_s,
+                ),
+            )
 
     def load(self, response_id: str, tenant: str, now: float) -> list[dict] | None:
         row = self._row("messages", response_id, tenant, now)
@@ -71,19 +89,24 @@ class ConversationStore:
         where = " AND ".join(["tenant = ?"] + ([owned] if owned else []))
         values = (selector.tenant, *named)
         with self.lock:
-            (size,) = self.db.execute(f"SELECT COALESCE(SUM(LENGTH(messages) + LENGTH(response)), 0) FROM conversations "
-                                      f"WHERE {where}", values).fetchone()
+            (size,) = self.db.execute(
+                f"SELECT COALESCE(SUM(LENGTH(messages) + LENGTH(response)), 0) FROM conversations WHERE {where}", values
+            ).fetchone()
             return Purged(self.db.execute(f"DELETE FROM conversations WHERE {where}", values).rowcount, size)
 
     def delete(self, response_id: str, tenant: str) -> bool:
         with self.lock:
-            return self.db.execute("DELETE FROM conversations WHERE id = ? AND tenant = ?",
-                                   (response_id, tenant)).rowcount > 0
+            return (
+                self.db.execute("DELETE FROM conversations WHERE id = ? AND tenant = ?", (response_id, tenant)).rowcount
+                > 0
+            )
 
     def _row(self, column: str, response_id: str, tenant: str, now: float) -> str | None:
         with self.lock:
-            row = self.db.execute(f"SELECT {column} FROM conversations WHERE id = ? AND tenant = ? AND expires_at > ?",
-                                  (response_id, tenant, now)).fetchone()
+            row = self.db.execute(
+                f"SELECT {column} FROM conversations WHERE id = ? AND tenant = ? AND expires_at > ?",
+                (response_id, tenant, now),
+            ).fetchone()
         return row[0] if row else None
 
     def close(self) -> None:

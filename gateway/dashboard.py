@@ -72,10 +72,15 @@ def _point(now: float, before: dict[str, float], after: dict[str, float]) -> dic
     queried = delta("strata:prefix_cache_queries_total")
     reused = sum(delta(f'strata:prefix_cache_hits_total{{tier="{t}"}}') for t in ("ram", "ssd"))
     buckets = _bucket_deltas(before, after, "strata:time_to_first_token_seconds_bucket")
-    return {"t": now, "hit_rate": rates, "prefix_tokens": reused / queried if queried else None,
-            "ttft_p50": _quantile(0.5, buckets), "ttft_p95": _quantile(0.95, buckets),
-            "waiting": after.get("strata:num_requests_waiting", 0.0),
-            "running": after.get("strata:num_requests_running", 0.0)}
+    return {
+        "t": now,
+        "hit_rate": rates,
+        "prefix_tokens": reused / queried if queried else None,
+        "ttft_p50": _quantile(0.5, buckets),
+        "ttft_p95": _quantile(0.95, buckets),
+        "waiting": after.get("strata:num_requests_waiting", 0.0),
+        "running": after.get("strata:num_requests_running", 0.0),
+    }
 
 
 def _bucket_deltas(before: dict[str, float], after: dict[str, float], name: str) -> list[tuple[float, float]]:
@@ -113,8 +118,10 @@ async def dashboard_page() -> str:
 async def dashboard_data(request: Request) -> Response:
     history: History = request.app.state.history
     current = await anyio.to_thread.run_sync(samples, history.registry)
-    return Response({"t": time.time(), "metrics": current, "history": list(history.points),
-                     "sample_s": history.sample_s}, headers={"Cache-Control": "no-store"})
+    return Response(
+        {"t": time.time(), "metrics": current, "history": list(history.points), "sample_s": history.sample_s},
+        headers={"Cache-Control": "no-store"},
+    )
 
 
 DASHBOARD_ROUTES = [dashboard_page, dashboard_data]

@@ -39,39 +39,75 @@ class Cause:
 
 
 CAUSES = {
-    "ram_budget": Cause("ram_budget", True, "were evicted from RAM within {lived} of being stored",
-                        "the RAM budget is the bottleneck; raise STRATA_KV_BUDGET_BYTES"),
-    "ssd_capacity": Cause("ssd_capacity", True, "were evicted from the SSD tier within {lived} of being written",
-                          "the SSD capacity is the bottleneck; raise STRATA_SSD_CAPACITY_BYTES"),
-    "ram_retention": Cause("ram_retention", True, "expired from RAM {lived} after being stored",
-                           "the RAM retention is the bottleneck; raise STRATA_KV_RAM_RETENTION_S"),
-    "ssd_retention": Cause("ssd_retention", True, "expired from the SSD tier {lived} after being written",
-                           "the SSD retention is the bottleneck; raise STRATA_SSD_RETENTION_S"),
-    "system_prompt": Cause("system_prompt", True, "follow a change in the system prompt",
-                           "keep the system prompt byte-identical across requests and move what varies (dates, "
-                           "names, retrieved text) after it, to the end of the conversation"),
-    "earlier_turns": Cause("earlier_turns", True, "follow a change in an earlier turn of the conversation",
-                           "send the conversation's history unchanged: no trimming, summarising or re-rendering "
-                           "of old turns"),
-    "images": Cause("images", True, "follow an image whose pixels changed",
-                    "send the same image bytes each turn: no re-encoding or resizing on the client"),
-    "purges": Cause("purges", False, "were purged (admin purges and ended sessions)",
-                    "expected after purges; nothing to tune"),
-    "new_content": Cause("new_content", False, "are new content (first sight of a prompt, or a conversation's "
-                         "latest message)", "nothing to tune: the unseen cannot be cached"),
+    "ram_budget": Cause(
+        "ram_budget",
+        True,
+        "were evicted from RAM within {lived} of being stored",
+        "the RAM budget is the bottleneck; raise STRATA_KV_BUDGET_BYTES",
+    ),
+    "ssd_capacity": Cause(
+        "ssd_capacity",
+        True,
+        "were evicted from the SSD tier within {lived} of being written",
+        "the SSD capacity is the bottleneck; raise STRATA_SSD_CAPACITY_BYTES",
+    ),
+    "ram_retention": Cause(
+        "ram_retention",
+        True,
+        "expired from RAM {lived} after being stored",
+        "the RAM retention is the bottleneck; raise STRATA_KV_RAM_RETENTION_S",
+    ),
+    "ssd_retention": Cause(
+        "ssd_retention",
+        True,
+        "expired from the SSD tier {lived} after being written",
+        "the SSD retention is the bottleneck; raise STRATA_SSD_RETENTION_S",
+    ),
+    "system_prompt": Cause(
+        "system_prompt",
+        True,
+        "follow a change in the system prompt",
+        "keep the system prompt byte-identical across requests and move what varies (dates, "
+        "names, retrieved text) after it, to the end of the conversation",
+    ),
+    "earlier_turns": Cause(
+        "earlier_turns",
+        True,
+        "follow a change in an earlier turn of the conversation",
+        "send the conversation's history unchanged: no trimming, summarising or re-rendering of old turns",
+    ),
+    "images": Cause(
+        "images",
+        True,
+        "follow an image whose pixels changed",
+        "send the same image bytes each turn: no re-encoding or resizing on the client",
+    ),
+    "purges": Cause(
+        "purges", False, "were purged (admin purges and ended sessions)", "expected after purges; nothing to tune"
+    ),
+    "new_content": Cause(
+        "new_content",
+        False,
+        "are new content (first sight of a prompt, or a conversation's latest message)",
+        "nothing to tune: the unseen cannot be cached",
+    ),
 }
 
 
 def cause_of(facts: PrefixFacts) -> str:
     if facts.why in ("evicted", "expired"):
-        kind = "budget" if facts.why == "evicted" and facts.tier == "ram" else (
-            "capacity" if facts.why == "evicted" else "retention")
+        kind = (
+            "budget"
+            if facts.why == "evicted" and facts.tier == "ram"
+            else ("capacity" if facts.why == "evicted" else "retention")
+        )
         return f"{facts.tier or 'ram'}_{kind}"
     if facts.why == "purged":
         return "purges"
     if facts.why == "diverged":
-        return {"system": "system_prompt", "earlier_turn": "earlier_turns", "image": "images"}.get(facts.where,
-                                                                                                  "new_content")
+        return {"system": "system_prompt", "earlier_turn": "earlier_turns", "image": "images"}.get(
+            facts.where, "new_content"
+        )
     return "new_content"
 
 
@@ -84,12 +120,16 @@ def diagnose(records: Iterable[RequestRecord], window_s: float, now: float, ssd_
             missed[cause_of(facts)].append(facts)
     tokens = {name: sum(f.num_prompt_tokens - f.num_cached_tokens for f in group) for name, group in missed.items()}
     total = sum(tokens.values())
-    causes = {name: _cause_summary(group, tokens[name], total) for name, group in
-              sorted(missed.items(), key=lambda item: -tokens[item[0]])}
-    findings = [_finding(name, summary, ssd_enabled) for name, summary in causes.items()
-                if summary["share"] >= FINDING_SHARE]
-    actionable = [name for name, summary in causes.items()
-                  if CAUSES[name].actionable and summary["share"] >= FINDING_SHARE]
+    causes = {
+        name: _cause_summary(group, tokens[name], total)
+        for name, group in sorted(missed.items(), key=lambda item: -tokens[item[0]])
+    }
+    findings = [
+        _finding(name, summary, ssd_enabled) for name, summary in causes.items() if summary["share"] >= FINDING_SHARE
+    ]
+    actionable = [
+        name for name, summary in causes.items() if CAUSES[name].actionable and summary["share"] >= FINDING_SHARE
+    ]
     return {
         "window_s": window_s,
         "requests": len(recent),

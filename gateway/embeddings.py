@@ -44,13 +44,20 @@ def parse_embeddings_request(body: dict[str, Any], limits: Limits, engine_model:
         raise bad_request("'model' is required and must be a string", "invalid_type", "model")
     if model not in MODEL_NAMES and model != engine_model:
         offered = " or ".join(repr(name) for name in (MODEL_NAMES[0], engine_model) if name)
-        raise ApiError(404, f"embedding model {model[:100]!r} does not exist; this server embeds with {offered}",
-                       "model_not_found", "model")
+        raise ApiError(
+            404,
+            f"embedding model {model[:100]!r} does not exist; this server embeds with {offered}",
+            "model_not_found",
+            "model",
+        )
     raw = body.get("input")
     inputs = [raw] if isinstance(raw, str) else raw
     if not isinstance(inputs, list) or not inputs or not all(isinstance(text, str) and text for text in inputs):
-        raise bad_request("'input' must be a non-empty string or an array of them (token arrays are not accepted)",
-                          "invalid_type", "input")
+        raise bad_request(
+            "'input' must be a non-empty string or an array of them (token arrays are not accepted)",
+            "invalid_type",
+            "input",
+        )
     if len(inputs) > limits.max_embedding_inputs:
         raise bad_request(f"at most {limits.max_embedding_inputs} inputs per request", "invalid_value", "input")
     if sum(len(text.encode("utf-8", errors="replace")) for text in inputs) > limits.max_text_bytes:
@@ -81,10 +88,16 @@ class Embeddings:
             vectors, num_tokens = await anyio.to_thread.run_sync(self._embed, list(request.inputs))
         else:
             vectors, num_tokens = await self._engine_embed(request.inputs)
-        data = [{"object": "embedding", "index": index, "embedding": _encoded(vector, request.base64)}
-                for index, vector in enumerate(vectors)]
-        return {"object": "list", "data": data, "model": request.model,
-                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+        data = [
+            {"object": "embedding", "index": index, "embedding": _encoded(vector, request.base64)}
+            for index, vector in enumerate(vectors)
+        ]
+        return {
+            "object": "list",
+            "data": data,
+            "model": request.model,
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+        }
 
     def _embed(self, texts: list[str]) -> tuple[np.ndarray, int]:
         with self.lock:
@@ -92,18 +105,19 @@ class Embeddings:
                 self.embedder = MiniLMEmbedder()
         return self.embedder.embed(texts), sum(self.embedder.count_tokens(texts))
 
-
     async def _engine_embed(self, inputs: tuple[str, ...]) -> tuple[list, int]:
         texts = await anyio.to_thread.run_sync(lambda: tuple(self.engine.embedding_tokens(text) for text in inputs))
         limit = min(self.settings.limits.max_context_tokens, self.engine.info.max_context_tokens)
         if (longest := max(len(ids) for ids in texts)) > limit:
-            raise bad_request(f"an input has {longest} tokens; this model's context is {limit}",
-                              "context_length_exceeded", "input")
+            raise bad_request(
+                f"an input has {longest} tokens; this model's context is {limit}", "context_length_exceeded", "input"
+            )
         try:
             job = self.engine.submit_embedding(texts)
         except QueueFull:
-            raise ApiError(429, "the engine's embedding queue is full; retry shortly", "queue_full",
-                           headers={"Retry-After": "1"}) from None
+            raise ApiError(
+                429, "the engine's embedding queue is full; retry shortly", "queue_full", headers={"Retry-After": "1"}
+            ) from None
         except EngineStopped as stopped:
             raise ApiError(503, f"the engine cannot take requests: {stopped}", "engine_unavailable") from None
         events = self.engine.events(job)

@@ -1,9 +1,9 @@
 """OpenAI-style errors: every 4xx/5xx body is {"error": {"message", "type", "code", "param"}}.
 
-    ApiError                      raised by our code with the status it should answer
-    litestar HTTPException        mapped (404 route, 405 method, 413 body too large, ...)
-    semantic StoreUnavailable     503 store_unavailable (a shared store such as Redis is down; admin routes)
-    anything else                 500 server_error, logged; the server keeps serving
+ApiError                      raised by our code with the status it should answer
+litestar HTTPException        mapped (404 route, 405 method, 413 body too large, ...)
+semantic StoreUnavailable     503 store_unavailable (a shared store such as Redis is down; admin routes)
+anything else                 500 server_error, logged; the server keeps serving
 """
 
 from __future__ import annotations
@@ -67,9 +67,7 @@ def _api_error_handler(_: Request, exc: ApiError) -> Response:
 
 
 def _http_exception_handler(_: Request, exc: HTTPException) -> Response:
-    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
-        exc.status_code, "http_error"
-    )
+    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code, "http_error")
     body = error_body(exc.status_code, str(exc.detail), code)
     return Response(body, status_code=exc.status_code, headers=exc.headers or {})
 

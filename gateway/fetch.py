@@ -118,7 +118,8 @@ def fetch_image(url: str, policy: FetchPolicy) -> bytes:
     deadline = time.monotonic() + policy.timeout_s
     transport = httpx.HTTPTransport()
     transport._pool = httpcore.ConnectionPool(  # httpx has no parameter for the network backend
-        ssl_context=httpx.create_ssl_context(), network_backend=GuardedBackend(policy, deadline))
+        ssl_context=httpx.create_ssl_context(), network_backend=GuardedBackend(policy, deadline)
+    )
     with httpx.Client(transport=transport, trust_env=False, follow_redirects=False, timeout=policy.timeout_s) as client:
         for _ in range(policy.max_redirects + 1):
             if httpx.URL(url).scheme not in ("http", "https"):

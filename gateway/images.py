@@ -39,17 +39,25 @@ def load_image(url: str, settings: Settings, param: str) -> DecodedImage:
 
 def _fetch_http(url: str, settings: Settings, param: str) -> bytes:
     if not settings.allow_remote_images:
-        raise bad_request(f"{param}: http(s) image URLs are disabled on this server; send a data: URL",
-                          "image_url_not_allowed", param)
-    policy = FetchPolicy(settings.remote_image_allow, settings.remote_image_timeout_s, settings.limits.max_image_bytes,
-                         settings.remote_image_max_redirects)
+        raise bad_request(
+            f"{param}: http(s) image URLs are disabled on this server; send a data: URL", "image_url_not_allowed", param
+        )
+    policy = FetchPolicy(
+        settings.remote_image_allow,
+        settings.remote_image_timeout_s,
+        settings.limits.max_image_bytes,
+        settings.remote_image_max_redirects,
+    )
     try:
         return fetch_image(url, policy)
     except (FetchFailed, httpx.HTTPError, httpx.InvalidURL, OSError, ValueError) as exc:
         log.info("image fetch refused or failed (%s): %s", type(exc).__name__, exc)
-        raise bad_request(f"{param}: could not fetch the image (it failed, was refused, took longer than "
-                          f"{settings.remote_image_timeout_s:g} s or exceeded {settings.limits.max_image_bytes} bytes)",
-                          "image_fetch_failed", param) from None
+        raise bad_request(
+            f"{param}: could not fetch the image (it failed, was refused, took longer than "
+            f"{settings.remote_image_timeout_s:g} s or exceeded {settings.limits.max_image_bytes} bytes)",
+            "image_fetch_failed",
+            param,
+        ) from None
 
 
 def _read_file(url: str, settings: Settings, param: str) -> bytes:

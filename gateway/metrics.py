@@ -45,29 +45,65 @@ class RequestMetrics:
     def __init__(self, registry: CollectorRegistry, tenant_label: bool):
         tenant = ["tenant"] if tenant_label else []
         self.tenant_label = tenant_label
-        self.requests = Counter("strata:requests", "Finished requests, by the layer that answered",
-                                ["served_by", *tenant], registry=registry)
-        self.lookups = Counter("strata:cache_lookups", "Cache layer outcomes per request (hit, miss, bypass)",
-                               ["layer", "outcome", *tenant], registry=registry)
-        self.prefix_queries = Counter("strata:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                      tenant, registry=registry)
-        self.prefix_hits = Counter("strata:prefix_cache_hits", "Prompt tokens served by the prefix cache, by tier",
-                                   ["tier", *tenant], registry=registry)
-        self.prefix_misses = Counter("strata:prefix_cache_misses", "Prefix lookups that stopped short, by why",
-                                     ["reason"], registry=registry)
-        self.semantic_refusals = Counter("strata:semantic_refusals", "Semantic misses, by the guard or rule that "
-                                         "refused (one request may count under several)", ["reason"], registry=registry)
+        self.requests = Counter(
+            "strata:requests",
+            "Finished requests, by the layer that answered",
+            ["served_by", *tenant],
+            registry=registry,
+        )
+        self.lookups = Counter(
+            "strata:cache_lookups",
+            "Cache layer outcomes per request (hit, miss, bypass)",
+            ["layer", "outcome", *tenant],
+            registry=registry,
+        )
+        self.prefix_queries = Counter(
+            "strata:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", tenant, registry=registry
+        )
+        self.prefix_hits = Counter(
+            "strata:prefix_cache_hits",
+            "Prompt tokens served by the prefix cache, by tier",
+            ["tier", *tenant],
+            registry=registry,
+        )
+        self.prefix_misses = Counter(
+            "strata:prefix_cache_misses", "Prefix lookups that stopped short, by why", ["reason"], registry=registry
+        )
+        self.semantic_refusals = Counter(
+            "strata:semantic_refusals",
+            "Semantic misses, by the guard or rule that refused (one request may count under several)",
+            ["reason"],
+            registry=registry,
+        )
         self.prompt_tokens = Counter("strata:prompt_tokens", "Prompt tokens of finished requests", registry=registry)
-        self.generation_tokens = Counter("strata:generation_tokens", "Tokens generated or replayed",
-                                         registry=registry)
-        self.ttft = Histogram("strata:time_to_first_token_seconds", "From the request to the first piece of the answer",
-                              ["served_by"], buckets=LATENCY_BUCKETS, registry=registry)
-        self.itl = Histogram("strata:inter_token_latency_seconds", "Between the engine's streamed pieces",
-                             buckets=TOKEN_GAP_BUCKETS, registry=registry)
-        self.e2e = Histogram("strata:e2e_request_latency_seconds", "From the request to its last piece",
-                             ["served_by"], buckets=LATENCY_BUCKETS, registry=registry)
-        self.lookup_seconds = Histogram("strata:cache_lookup_seconds", "Time in one layer's lookup",
-                                        ["layer"], buckets=LOOKUP_BUCKETS, registry=registry)
+        self.generation_tokens = Counter("strata:generation_tokens", "Tokens generated or replayed", registry=registry)
+        self.ttft = Histogram(
+            "strata:time_to_first_token_seconds",
+            "From the request to the first piece of the answer",
+            ["served_by"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "strata:inter_token_latency_seconds",
+            "Between the engine's streamed pieces",
+            buckets=TOKEN_GAP_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "strata:e2e_request_latency_seconds",
+            "From the request to its last piece",
+            ["served_by"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.lookup_seconds = Histogram(
+            "strata:cache_lookup_seconds",
+            "Time in one layer's lookup",
+            ["layer"],
+            buckets=LOOKUP_BUCKETS,
+            registry=registry,
+        )
 
     def observe(self, trace: Trace, tenant: str, prompt_tokens: int, completion_tokens: int, end: float) -> None:
         """One finished request (`end`: time.perf_counter() at its last piece)."""
@@ -105,8 +141,14 @@ class StateCollector(Collector):
     """Gauges and counters read from snapshots at scrape time (the layers keep their own counts).
     `read()` returns (worker snapshot, health, engine cache stats, response cache stats)."""
 
-    def __init__(self, read: Callable[[], tuple], files: dict[str, Path], index_bytes: Callable[[], int],
-                 ssd_daily_write_bytes: int, queue_capacity: int):
+    def __init__(
+        self,
+        read: Callable[[], tuple],
+        files: dict[str, Path],
+        index_bytes: Callable[[], int],
+        ssd_daily_write_bytes: int,
+        queue_capacity: int,
+    ):
         self.read = read
         self.queue_capacity = queue_capacity
         self.files = files  # response layer -> its SQLite file (bytes held on disk)
@@ -125,21 +167,29 @@ class StateCollector(Collector):
         prefix = engine_caches.get("prefix")
         if prefix:
             used = (prefix["num_bytes"] + prefix["reserved_bytes"]) / max(prefix["budget_bytes"], 1)
-            yield _gauge("strata:kv_cache_usage_perc", "Share of the KV byte budget held by cached blocks and "
-                         "running sequences (0 to 1)", used)
+            yield _gauge(
+                "strata:kv_cache_usage_perc",
+                "Share of the KV byte budget held by cached blocks and running sequences (0 to 1)",
+                used,
+            )
         ssd = engine_caches.get("ssd")
         if ssd:
             yield _gauge("strata:ssd_written_today_bytes", "Bytes the SSD tier wrote today", ssd["written_today_bytes"])
-            yield _gauge("strata:ssd_daily_write_budget_bytes", "The SSD tier's write budget per day",
-                         self.ssd_daily_write_bytes)
+            yield _gauge(
+                "strata:ssd_daily_write_budget_bytes", "The SSD tier's write budget per day", self.ssd_daily_write_bytes
+            )
 
     def _bytes(self, engine_caches: dict, response_caches: dict) -> Iterator:
         held = GaugeMetricFamily("strata:cache_bytes", "Bytes each tier holds", labels=["tier"])
         budget = GaugeMetricFamily("strata:cache_budget_bytes", "Each tier's byte budget", labels=["tier"])
-        entries = GaugeMetricFamily("strata:cache_entries", "Entries (blocks, features, answers) each tier holds",
-                                    labels=["tier"])
-        for tier, stats in (("kv_ram", engine_caches.get("prefix")), ("kv_ssd", engine_caches.get("ssd")),
-                            ("vision", engine_caches.get("vision"))):
+        entries = GaugeMetricFamily(
+            "strata:cache_entries", "Entries (blocks, features, answers) each tier holds", labels=["tier"]
+        )
+        for tier, stats in (
+            ("kv_ram", engine_caches.get("prefix")),
+            ("kv_ssd", engine_caches.get("ssd")),
+            ("vision", engine_caches.get("vision")),
+        ):
             if stats:
                 held.add_metric([tier], stats["num_bytes"])
                 entries.add_metric([tier], stats.get("num_blocks", stats.get("num_entries", 0)))
@@ -157,15 +207,30 @@ def _layer_counters(engine_caches: dict) -> Iterator:
     """The cache layers' own running counts, as Prometheus counters."""
     prefix, ssd, vision = (engine_caches.get(name) or {} for name in ("prefix", "ssd", "vision"))
     families = {
-        "strata:cache_evictions": ("Entries pushed out by a budget, by tier",
-                                   {"kv_ram": prefix.get("num_evicted"), "kv_ssd": ssd.get("num_evicted_files"),
-                                    "vision": vision.get("num_evicted")}),
-        "strata:cache_expired": ("Entries dropped past their retention, by tier",
-                                 {"kv_ram": prefix.get("num_expired"), "kv_ssd": ssd.get("num_expired_files"),
-                                  "vision": vision.get("num_expired")}),
-        "strata:cache_purged": ("Entries deleted by purges once no owner was left, by tier",
-                                {"kv_ram": prefix.get("num_purged"), "kv_ssd": ssd.get("num_purged_blocks"),
-                                 "vision": vision.get("num_purged")}),
+        "strata:cache_evictions": (
+            "Entries pushed out by a budget, by tier",
+            {
+                "kv_ram": prefix.get("num_evicted"),
+                "kv_ssd": ssd.get("num_evicted_files"),
+                "vision": vision.get("num_evicted"),
+            },
+        ),
+        "strata:cache_expired": (
+            "Entries dropped past their retention, by tier",
+            {
+                "kv_ram": prefix.get("num_expired"),
+                "kv_ssd": ssd.get("num_expired_files"),
+                "vision": vision.get("num_expired"),
+            },
+        ),
+        "strata:cache_purged": (
+            "Entries deleted by purges once no owner was left, by tier",
+            {
+                "kv_ram": prefix.get("num_purged"),
+                "kv_ssd": ssd.get("num_purged_blocks"),
+                "vision": vision.get("num_purged"),
+            },
+        ),
     }
     for name, (text, by_tier) in families.items():
         family = CounterMetricFamily(name, text, labels=["tier"])
@@ -175,11 +240,15 @@ def _layer_counters(engine_caches: dict) -> Iterator:
         yield family
     if ssd:
         yield CounterMetricFamily("strata:kv_spilled_blocks", "KV blocks written to the SSD tier", ssd["num_spilled"])
-        yield CounterMetricFamily("strata:ssd_quarantined_files", "SSD files moved to quarantine (unreadable, "
-                                  "checksum mismatch)", ssd["num_quarantined"])
+        yield CounterMetricFamily(
+            "strata:ssd_quarantined_files",
+            "SSD files moved to quarantine (unreadable, checksum mismatch)",
+            ssd["num_quarantined"],
+        )
     if prefix:
-        yield CounterMetricFamily("strata:kv_promoted_blocks", "KV blocks read back from SSD into RAM",
-                                  prefix["num_ssd_promoted"])
+        yield CounterMetricFamily(
+            "strata:kv_promoted_blocks", "KV blocks read back from SSD into RAM", prefix["num_ssd_promoted"]
+        )
 
 
 def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:

@@ -51,7 +51,9 @@ def usage(completions: list[Completion], trace: Trace) -> dict:
     }
 
 
-def response_body(completions: list[Completion], trace: Trace, stamp: ModelStamp, tools: ToolFormat | None = None) -> dict:
+def response_body(
+    completions: list[Completion], trace: Trace, stamp: ModelStamp, tools: ToolFormat | None = None
+) -> dict:
     """`tools`: the model's tool-call format when the request offered tools (calls are parsed out)."""
     return {
         **_base(completions[0], "chat.completion", stamp),
@@ -83,12 +85,24 @@ def sendable(text: str, tools: ToolFormat | None) -> int:
 
 
 def tool_calls(calls: list[ParsedCall]) -> list[dict]:
-    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": call.name, "arguments": call.arguments}} for call in calls]
+    return [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
+        for call in calls
+    ]
 
 
-async def sse(events: AsyncIterator, completions: list[Completion], trace: Trace, stamp: ModelStamp,
-              include_usage: bool, tools: ToolFormat | None = None) -> AsyncIterator[bytes]:
+async def sse(
+    events: AsyncIterator,
+    completions: list[Completion],
+    trace: Trace,
+    stamp: ModelStamp,
+    include_usage: bool,
+    tools: ToolFormat | None = None,
+) -> AsyncIterator[bytes]:
     """SSE chunks of a request's (choice index, event) pairs (already applied to `completions`). An
     error mid-stream ends it with an error event; closing this generator early closes `events`
     (which cancels the jobs). With `tools`, text from where a call may start is held back; at the
@@ -110,7 +124,9 @@ async def sse(events: AsyncIterator, completions: list[Completion], trace: Trace
     finally:
         await events.aclose()
     if include_usage:
-        yield _sse({**_base(completions[0], "chat.completion.chunk", stamp), "choices": [], "usage": usage(completions, trace)})
+        yield _sse(
+            {**_base(completions[0], "chat.completion.chunk", stamp), "choices": [], "usage": usage(completions, trace)}
+        )
     yield b"data: [DONE]\n\n"
 
 
@@ -129,10 +145,10 @@ class ChoiceStream:
     def delta(self, stamp: ModelStamp) -> bytes | None:
         text, tools = self.completion.text, self.tools
         end = sendable(text, tools)
-        logprobs = self.completion.logprobs[self.num_logprobs:] if self.completion.logprobs is not None else None
+        logprobs = self.completion.logprobs[self.num_logprobs :] if self.completion.logprobs is not None else None
         if end <= self.sent and not logprobs:
             return None
-        chunk = _chunk(self, {"content": text[self.sent:end]}, None, stamp, logprobs=logprobs)
+        chunk = _chunk(self, {"content": text[self.sent : end]}, None, stamp, logprobs=logprobs)
         self.sent, self.num_logprobs = max(self.sent, end), self.num_logprobs + len(logprobs or ())
         return chunk
 
@@ -162,15 +178,34 @@ def _held_back(text: str, sent: int, tools: ToolFormat | None) -> list[dict]:
 
 
 def _base(completion: Completion, kind: str, stamp: ModelStamp) -> dict:
-    return {"id": completion.id, "object": kind, "created": completion.created, "model": stamp.name,
-            "system_fingerprint": stamp.fingerprint[:16]}
+    return {
+        "id": completion.id,
+        "object": kind,
+        "created": completion.created,
+        "model": stamp.name,
+        "system_fingerprint": stamp.fingerprint[:16],
+    }
 
 
-def _chunk(choice: ChoiceStream, delta: dict, finish_reason: str | None, stamp: ModelStamp,
-           summary: dict | None = None, logprobs: list[dict] | None = None) -> bytes:
-    body = {**_base(choice.head, "chat.completion.chunk", stamp), "choices": [{
-        "index": choice.index, "delta": delta, "finish_reason": finish_reason,
-        "logprobs": {"content": logprobs} if logprobs is not None else None}]}
+def _chunk(
+    choice: ChoiceStream,
+    delta: dict,
+    finish_reason: str | None,
+    stamp: ModelStamp,
+    summary: dict | None = None,
+    logprobs: list[dict] | None = None,
+) -> bytes:
+    body = {
+        **_base(choice.head, "chat.completion.chunk", stamp),
+        "choices": [
+            {
+                "index": choice.index,
+                "delta": delta,
+                "finish_reason": finish_reason,
+                "logprobs": {"content": logprobs} if logprobs is not None else None,
+            }
+        ],
+    }
     if summary is not None:
         body["usage"] = summary
     return _sse(body)

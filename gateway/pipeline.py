@@ -86,14 +86,23 @@ class Turn:
 
     async def _end(self) -> None:
         if not self.cached:
-            answer = Answer(self.completion.text, self.completion.finish_reason, self.completion.completion_tokens,
-                            self.completion.prompt_tokens)
+            answer = Answer(
+                self.completion.text,
+                self.completion.finish_reason,
+                self.completion.completion_tokens,
+                self.completion.prompt_tokens,
+            )
             for layer in self.pipeline.responses.layers:
                 await layer.store(self.ctx, answer)
         self.pipeline.counters.add(self.trace)
         if self.pipeline.metrics is not None:
-            self.pipeline.metrics.observe(self.trace, self.ctx.tenant, self.completion.prompt_tokens,
-                                          sum(c.completion_tokens for c in self.completions), time.perf_counter())
+            self.pipeline.metrics.observe(
+                self.trace,
+                self.ctx.tenant,
+                self.completion.prompt_tokens,
+                sum(c.completion_tokens for c in self.completions),
+                time.perf_counter(),
+            )
 
 
 def _choice(sampling: Sampling, index: int) -> Sampling:
@@ -102,8 +111,14 @@ def _choice(sampling: Sampling, index: int) -> Sampling:
 
 
 class Pipeline:
-    def __init__(self, chat: ChatService, responses: ResponseCaches, counters: LayerCounters, sessions: SessionClock,
-                 metrics: RequestMetrics | None):
+    def __init__(
+        self,
+        chat: ChatService,
+        responses: ResponseCaches,
+        counters: LayerCounters,
+        sessions: SessionClock,
+        metrics: RequestMetrics | None,
+    ):
         self.chat = chat
         self.responses = responses
         self.counters = counters
@@ -126,7 +141,9 @@ class Pipeline:
         runs = [await self.chat.start(prompt, sampling, caller, ctx.owner, trace, deadline)]
         try:
             for index in range(1, request.n):
-                runs.append(await self.chat.start(prompt, _choice(sampling, index), caller, ctx.owner, Trace(), deadline))
+                runs.append(
+                    await self.chat.start(prompt, _choice(sampling, index), caller, ctx.owner, Trace(), deadline)
+                )
         except BaseException:
             for run in runs:
                 await run.events.aclose()
@@ -139,7 +156,7 @@ class Pipeline:
                 found = await layer.lookup(ctx, trace)
             if found is not None:
                 trace.served_by = layer.name
-                for later in self.responses.layers[index + 1:]:
+                for later in self.responses.layers[index + 1 :]:
                     trace.record(later.name, LayerOutcome.of(BYPASS, reason=f"{layer.name}_hit"))
                 return found
         return None

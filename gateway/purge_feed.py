@@ -45,7 +45,9 @@ class PurgeFeed:
         self.follower.start()
 
     def announce(self, tenant: str, session: str | None, user: str | None, layers: list[str]) -> None:
-        purge = json.dumps({"origin": self.origin, "tenant": tenant, "session": session, "user": user, "layers": layers})
+        purge = json.dumps(
+            {"origin": self.origin, "tenant": tenant, "session": session, "user": user, "layers": layers}
+        )
         self.link.call(self.link.client.xadd, STREAM, {"purge": purge}, maxlen=MAX_PURGES, approximate=True)
 
     def close(self) -> None:
@@ -59,12 +61,13 @@ class PurgeFeed:
             try:
                 if position == "$":
                     position = self.link.stream_end(STREAM)
-                reply = self.follow_link.call(self.follow_link.client.xread, {STREAM: position}, count=100,
-                                              block=int(WAIT_S * 1000))
+                reply = self.follow_link.call(
+                    self.follow_link.client.xread, {STREAM: position}, count=100, block=int(WAIT_S * 1000)
+                )
             except StoreUnavailable:
                 self.closing.wait(WAIT_S / 4)
                 continue
-            for record_id, fields in (reply[0][1] if reply else []):
+            for record_id, fields in reply[0][1] if reply else []:
                 position = record_id.decode()
                 self._run(json.loads(fields[b"purge"]))
 

@@ -50,8 +50,12 @@ class ResponseLog:
     def __init__(self, registry: CollectorRegistry, json_lines: bool, counted: bool):
         self.json_lines = json_lines
         self.counted = counted  # count responses in strata:http_requests_total (STRATA_METRICS)
-        self.http_requests = Counter("strata:http_requests", "HTTP responses, by route template and status",
-                                     ["route", "method", "status"], registry=registry)
+        self.http_requests = Counter(
+            "strata:http_requests",
+            "HTTP responses, by route template and status",
+            ["route", "method", "status"],
+            registry=registry,
+        )
 
     async def before_send(self, message, scope) -> None:
         if scope.get("type") != "http":
@@ -72,16 +76,24 @@ class ResponseLog:
 
 
 def _fields(scope, state: dict, route: str) -> dict:
-    fields = {"request_id": state["request_id"], "method": scope.get("method"), "route": route,
-              "status": state.get("status"), "duration_ms": round((time.perf_counter() - state["started"]) * 1000, 2)}
+    fields = {
+        "request_id": state["request_id"],
+        "method": scope.get("method"),
+        "route": route,
+        "status": state.get("status"),
+        "duration_ms": round((time.perf_counter() - state["started"]) * 1000, 2),
+    }
     turn = state.get("turn")
     if turn is not None:
         trace = turn.trace
-        fields |= {"tenant": turn.ctx.tenant, "served_by": trace.served_by,
-                   "cache": {layer: trace.outcomes[layer].header_value() for layer in LAYERS},
-                   "timings_ms": {step: round(ms, 2) for step, ms in trace.timings_ms.items()},
-                   "prompt_tokens": turn.completion.prompt_tokens,
-                   "completion_tokens": sum(c.completion_tokens for c in turn.completions)}
+        fields |= {
+            "tenant": turn.ctx.tenant,
+            "served_by": trace.served_by,
+            "cache": {layer: trace.outcomes[layer].header_value() for layer in LAYERS},
+            "timings_ms": {step: round(ms, 2) for step, ms in trace.timings_ms.items()},
+            "prompt_tokens": turn.completion.prompt_tokens,
+            "completion_tokens": sum(c.completion_tokens for c in turn.completions),
+        }
     return fields
 
 
@@ -89,8 +101,12 @@ class JsonFormatter(logging.Formatter):
     """One JSON object a line: time, level, logger, message, and a record's `fields` when it has them."""
 
     def format(self, record: logging.LogRecord) -> str:
-        line = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
-                "message": record.getMessage()}
+        line = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         line |= getattr(record, "fields", {})
         if record.exc_info:
             line["error"] = self.formatException(record.exc_info)

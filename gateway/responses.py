@@ -30,9 +30,29 @@ from dataclasses import asdict, dataclass
 
 import anyio
 
-from semantic import (Answer, CacheControl, Embedder, ExactCache, MemoryStore, MiniLMEmbedder, Owner, RedisEntries,
-                      RedisStore, RiskPolicy, Scope, SemanticCache, SemanticLookup, SemanticSettings, SqliteEntries,
-                      SqliteStore, StoreUnavailable, StoredResponse, context_fingerprint, exact_key, load_risk_patterns)
+from semantic import (
+    Answer,
+    CacheControl,
+    Embedder,
+    ExactCache,
+    MemoryStore,
+    MiniLMEmbedder,
+    Owner,
+    RedisEntries,
+    RedisStore,
+    RiskPolicy,
+    Scope,
+    SemanticCache,
+    SemanticLookup,
+    SemanticSettings,
+    SqliteEntries,
+    SqliteStore,
+    StoreUnavailable,
+    StoredResponse,
+    context_fingerprint,
+    exact_key,
+    load_risk_patterns,
+)
 from semantic.risk import DEFAULT_PATTERNS_FILE, PERSONAL_DATA
 from semantic.scope import VERSION_FIELDS
 from vision import DecodedImage
@@ -73,9 +93,14 @@ class ResponseCaches:
         self.exact = _exact_cache(settings)
         self.semantic = _semantic_cache(settings, embedder)
         self.num_store_errors: Counter[str] = Counter()  # by layer
-        self.layers = tuple(layer for layer in (ExactLayer(self.exact, self.num_store_errors) if self.exact else None,
-                                                SemanticLayer(self.semantic, self.num_store_errors) if self.semantic else None)
-                            if layer is not None)
+        self.layers = tuple(
+            layer
+            for layer in (
+                ExactLayer(self.exact, self.num_store_errors) if self.exact else None,
+                SemanticLayer(self.semantic, self.num_store_errors) if self.semantic else None,
+            )
+            if layer is not None
+        )
 
     def caches(self) -> list:
         """The response caches that are on (each speaks the cache protocol, gateway/caches.py)."""
@@ -124,18 +149,28 @@ class ResponseCaches:
         image_keys = [c["image"] for m in messages for c in m["content"] if "image" in c]
         context = context_fingerprint(messages[:-1] + [decoding], image_keys)
         sampling = request.sampling
-        return RequestContext(caller.tenant, scope, parse_cache_control(headers, self.settings.max_cache_ttl_s),
-                              sampling.temperature == 0.0 or sampling.seed is not None, sampling.temperature == 0.0,
-                              key, query, context, bypass, bypass=_response_bypass(request), owner=owner)
+        return RequestContext(
+            caller.tenant,
+            scope,
+            parse_cache_control(headers, self.settings.max_cache_ttl_s),
+            sampling.temperature == 0.0 or sampling.seed is not None,
+            sampling.temperature == 0.0,
+            key,
+            query,
+            context,
+            bypass,
+            bypass=_response_bypass(request),
+            owner=owner,
+        )
 
-    def _semantic_bypass(self, request: ChatRequest, query: str | None, category: str | None,
-                         has_end_user: bool) -> str | None:
+    def _semantic_bypass(
+        self, request: ChatRequest, query: str | None, category: str | None, has_end_user: bool
+    ) -> str | None:
         if self.semantic is None:
             return "disabled"
         if query is None or not query.strip():
             return "no_user_query"
         return self.semantic.screen(query, request.uses_tools, category, has_end_user).bypass_reason
-
 
 
 class ExactLayer:
@@ -155,7 +190,11 @@ class ExactLayer:
             self.store_errors["exact"] += 1
             trace.record("exact", LayerOutcome.of(BYPASS, reason="store_unavailable"))
             return None
-        details = {"age": f"{result.age_s:.1f}"} if result.status == HIT else ({"reason": result.reason} if result.reason else {})
+        details = (
+            {"age": f"{result.age_s:.1f}"}
+            if result.status == HIT
+            else ({"reason": result.reason} if result.reason else {})
+        )
         trace.record("exact", LayerOutcome.of(result.status, **details))
         if result.status == HIT:
             _guarded(self.store_errors, "exact", self.cache.own, ctx.exact_key, ctx.owner)
@@ -165,10 +204,25 @@ class ExactLayer:
         if ctx.bypass:
             return
         now = time.time()
-        response = StoredResponse(answer.text, answer.finish_reason, answer.prompt_tokens, answer.completion_tokens,
-                                  now, self.cache.expiry(ctx.control, now))
-        _guarded(self.store_errors, "exact", self.cache.store_response, ctx.exact_key, ctx.tenant, response,
-                 ctx.control, ctx.deterministic, ctx.owner)
+        response = StoredResponse(
+            answer.text,
+            answer.finish_reason,
+            answer.prompt_tokens,
+            answer.completion_tokens,
+            now,
+            self.cache.expiry(ctx.control, now),
+        )
+        _guarded(
+            self.store_errors,
+            "exact",
+            self.cache.store_response,
+            ctx.exact_key,
+            ctx.tenant,
+            response,
+            ctx.control,
+            ctx.deterministic,
+            ctx.owner,
+        )
 
 
 class SemanticLayer:
@@ -185,7 +239,8 @@ class SemanticLayer:
             return None
         try:
             result: SemanticLookup = await anyio.to_thread.run_sync(
-                self.cache.lookup, ctx.query, ctx.scope, ctx.context, time.time())
+                self.cache.lookup, ctx.query, ctx.scope, ctx.context, time.time()
+            )
         except StoreUnavailable:
             self.store_errors["semantic"] += 1
             trace.record("semantic", LayerOutcome.of(BYPASS, reason="store_unavailable"))
@@ -196,14 +251,29 @@ class SemanticLayer:
             return None
         entry = result.entry
         _guarded(self.store_errors, "semantic", self.cache.own, entry.id, ctx.owner)
-        return StoredResponse(entry.answer, entry.finish_reason, entry.prompt_tokens, entry.completion_tokens,
-                              entry.created_at, entry.expires_at)
+        return StoredResponse(
+            entry.answer,
+            entry.finish_reason,
+            entry.prompt_tokens,
+            entry.completion_tokens,
+            entry.created_at,
+            entry.expires_at,
+        )
 
     async def store(self, ctx: RequestContext, answer: Answer) -> None:
         if ctx.semantic_bypass is not None or ctx.bypass or ctx.control.no_store or not ctx.greedy:
             return
-        insert = (self.cache.insert, ctx.query, answer, ctx.scope, ctx.context, time.time(), ctx.control.ttl_s,
-                  ctx.semantic_vector, ctx.owner)
+        insert = (
+            self.cache.insert,
+            ctx.query,
+            answer,
+            ctx.scope,
+            ctx.context,
+            time.time(),
+            ctx.control.ttl_s,
+            ctx.semantic_vector,
+            ctx.owner,
+        )
         if ctx.semantic_vector is not None:  # the lookup embedded the query already: ~0.1 ms
             _guarded(self.store_errors, "semantic", *insert)
         else:  # no-cache skipped the lookup: embedding (~12 ms) must not block the event loop
@@ -240,8 +310,11 @@ def _decoding(sampling: Sampling) -> dict:
         if sampling.top_k or sampling.min_p:
             decoding.update(top_k=sampling.top_k, min_p=sampling.min_p)
     if sampling.presence_penalty or sampling.frequency_penalty or sampling.logit_bias:
-        decoding.update(presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
-                        logit_bias=[list(pair) for pair in sampling.logit_bias])
+        decoding.update(
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            logit_bias=[list(pair) for pair in sampling.logit_bias],
+        )
     return decoding
 
 
@@ -257,8 +330,10 @@ def request_owner(request: ChatRequest, headers, max_chars: int) -> Owner:
 def _canonical(message, hashes) -> dict:
     """A message as the keys see it: images by pixel hash; tool calls and results only when present,
     so plain messages keep the keys they always had."""
-    canonical = {"role": message.role, "content": [{"text": p.text} if isinstance(p, TextPart) else {"image": next(hashes)}
-                                                  for p in message.parts]}
+    canonical = {
+        "role": message.role,
+        "content": [{"text": p.text} if isinstance(p, TextPart) else {"image": next(hashes)} for p in message.parts],
+    }
     if message.tool_calls:
         canonical["tool_calls"] = [[call.id, call.name, call.arguments] for call in message.tool_calls]
     if message.tool_call_id is not None:
@@ -271,7 +346,9 @@ def _output_shape(request: ChatRequest) -> dict:
     are in both keys (only when set: plain requests keep their keys)."""
     shape: dict = {}
     if request.tools:
-        shape.update(tools=[[t.name, t.description, t.parameters] for t in request.tools], tool_choice=request.tool_choice)
+        shape.update(
+            tools=[[t.name, t.description, t.parameters] for t in request.tools], tool_choice=request.tool_choice
+        )
     if request.response_format is not None:
         shape["response_format"] = request.response_format
     return shape
@@ -318,11 +395,15 @@ def parse_cache_control(headers, max_ttl_s: float) -> CacheControl:
     if ttl is not None:
         ttl = ttl.strip()
         if not _SECONDS.fullmatch(ttl) or not 1 <= int(ttl) <= max_ttl_s:
-            raise bad_request(f"X-Strata-Cache-TTL must be a whole number of seconds from 1 to {max_ttl_s:.0f}",
-                              "invalid_header")
-    return CacheControl(no_store="no-store" in value, no_cache="no-cache" in value,
-                        max_age_s=float(max_age.group(1)) if max_age else None,
-                        ttl_s=float(ttl) if ttl is not None else None)
+            raise bad_request(
+                f"X-Strata-Cache-TTL must be a whole number of seconds from 1 to {max_ttl_s:.0f}", "invalid_header"
+            )
+    return CacheControl(
+        no_store="no-store" in value,
+        no_cache="no-cache" in value,
+        max_age_s=float(max_age.group(1)) if max_age else None,
+        ttl_s=float(ttl) if ttl is not None else None,
+    )
 
 
 def _exact_cache(settings: Settings) -> ExactCache | None:
@@ -340,8 +421,11 @@ def _exact_cache(settings: Settings) -> ExactCache | None:
 def _semantic_cache(settings: Settings, embedder: Embedder | None) -> SemanticCache | None:
     if not settings.semantic_enabled:
         return None
-    config = SemanticSettings(threshold=settings.semantic_threshold, require_approved=settings.semantic_require_approved,
-                              default_ttl_s=settings.semantic_ttl_s)
+    config = SemanticSettings(
+        threshold=settings.semantic_threshold,
+        require_approved=settings.semantic_require_approved,
+        default_ttl_s=settings.semantic_ttl_s,
+    )
     if settings.redis_url:  # shared by every replica; each follows the others' changes into its own index
         store = RedisEntries(settings.redis_url)
     else:

@@ -29,8 +29,14 @@ from .trace import Trace
 RENAMED = {"max_output_tokens": "max_tokens"}
 PASSED = ("model", "temperature", "top_p", "stream", "metadata", "user", "parallel_tool_calls")
 # Responses fields Strata does not implement, with the values that change nothing (else a 400).
-UNSUPPORTED_UNLESS = {"include": (None, []), "top_logprobs": (None, 0), "background": (None, False), "reasoning": (None,),
-                      "prompt": (None,), "conversation": (None,)}
+UNSUPPORTED_UNLESS = {
+    "include": (None, []),
+    "top_logprobs": (None, 0),
+    "background": (None, False),
+    "reasoning": (None,),
+    "prompt": (None,),
+    "conversation": (None,),
+}
 
 
 def new_id() -> str:
@@ -71,19 +77,30 @@ def input_messages(raw: Any) -> list[dict]:
         if kind == "message":
             messages.append({"role": item.get("role"), "content": _content(index, item.get("content"))})
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments")},
+            }
             if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
                 messages[-1]["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": output if isinstance(output, str) else json.dumps(output)})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item.get("call_id"),
+                    "content": output if isinstance(output, str) else json.dumps(output),
+                }
+            )
         else:
-            raise bad_request(f"input[{index}].type {kind!r} is not supported (message, function_call, "
-                              "function_call_output)", "unsupported_content_type", f"input[{index}]")
+            raise bad_request(
+                f"input[{index}].type {kind!r} is not supported (message, function_call, function_call_output)",
+                "unsupported_content_type",
+                f"input[{index}]",
+            )
     return messages
 
 
@@ -91,7 +108,9 @@ def _content(index: int, raw: Any) -> Any:
     if isinstance(raw, str):
         return raw
     if not isinstance(raw, list):
-        raise bad_request(f"input[{index}].content must be a string or an array of parts", "invalid_type", f"input[{index}]")
+        raise bad_request(
+            f"input[{index}].content must be a string or an array of parts", "invalid_type", f"input[{index}]"
+        )
     parts = []
     for part in raw:
         kind = part.get("type") if isinstance(part, dict) else None
@@ -101,8 +120,11 @@ def _content(index: int, raw: Any) -> Any:
             url = part.get("image_url")
             parts.append({"type": "image_url", "image_url": {"url": url.get("url") if isinstance(url, dict) else url}})
         else:
-            raise bad_request(f"input[{index}]: content part type {kind!r} is not supported (input_text, input_image)",
-                              "unsupported_content_type", f"input[{index}]")
+            raise bad_request(
+                f"input[{index}]: content part type {kind!r} is not supported (input_text, input_image)",
+                "unsupported_content_type",
+                f"input[{index}]",
+            )
     return parts
 
 
@@ -112,7 +134,9 @@ def _tools(raw: Any) -> Any:
     tools = []
     for index, tool in enumerate(raw):
         if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise bad_request(f"tools[{index}]: only function tools are supported", "unsupported_tool", f"tools[{index}]")
+            raise bad_request(
+                f"tools[{index}]: only function tools are supported", "unsupported_tool", f"tools[{index}]"
+            )
         function = {key: tool[key] for key in ("name", "description", "parameters") if key in tool}
         tools.append({"type": "function", "function": function})
     return tools
@@ -131,8 +155,14 @@ def _format(text: Any) -> dict:
     if not isinstance(shape, dict):
         raise bad_request("'text.format' must be an object", "invalid_type", "text.format")
     if shape.get("type") == "json_schema":
-        return {"type": "json_schema", "json_schema": {"name": shape.get("name", "output"), "schema": shape.get("schema"),
-                                                       "strict": shape.get("strict", False)}}
+        return {
+            "type": "json_schema",
+            "json_schema": {
+                "name": shape.get("name", "output"),
+                "schema": shape.get("schema"),
+                "strict": shape.get("strict", False),
+            },
+        }
     return shape
 
 
@@ -144,44 +174,86 @@ def output(completion: Completion, tools: ToolFormat | None) -> tuple[list[dict]
     message = assistant_message(completion.text, tools)
     calls = message.get("tool_calls", [])
     items = [_message_item(message["content"] or "")] if message["content"] or not calls else []
-    items += [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}", "call_id": call["id"],
-               "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
-              for call in calls]
+    items += [
+        {
+            "type": "function_call",
+            "id": f"fc_{uuid.uuid4().hex[:24]}",
+            "call_id": call["id"],
+            "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"],
+            "status": "completed",
+        }
+        for call in calls
+    ]
     return items, message
 
 
 def _message_item(text: str) -> dict:
-    return {"type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}", "status": "completed", "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+    return {
+        "type": "message",
+        "id": f"msg_{uuid.uuid4().hex[:24]}",
+        "status": "completed",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": []}],
+    }
 
 
-def response_object(response_id: str, body: dict, completion: Completion | None, trace: Trace | None,
-                    items: list[dict], previous_id: str | None) -> dict:
+def response_object(
+    response_id: str,
+    body: dict,
+    completion: Completion | None,
+    trace: Trace | None,
+    items: list[dict],
+    previous_id: str | None,
+) -> dict:
     """The `response` object; `completion` None: still in progress (the stream's first events)."""
     done = completion is not None and completion.whole
     incomplete = done and completion.finish_reason == "length"
     return {
-        "id": response_id, "object": "response", "created_at": int(time.time()), "model": body.get("model"),
+        "id": response_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "model": body.get("model"),
         "status": ("incomplete" if incomplete else "completed") if done else "in_progress",
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-        "error": None, "output": items, "instructions": body.get("instructions"),
-        "previous_response_id": previous_id, "parallel_tool_calls": body.get("parallel_tool_calls", True),
-        "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-        "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-        "max_output_tokens": body.get("max_output_tokens"), "metadata": body.get("metadata") or {},
-        "store": body.get("store", True), "text": body.get("text") or {"format": {"type": "text"}},
+        "error": None,
+        "output": items,
+        "instructions": body.get("instructions"),
+        "previous_response_id": previous_id,
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "tool_choice": body.get("tool_choice", "auto"),
+        "tools": body.get("tools") or [],
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "metadata": body.get("metadata") or {},
+        "store": body.get("store", True),
+        "text": body.get("text") or {"format": {"type": "text"}},
         "usage": _usage(completion, trace) if done else None,
     }
 
 
 def _usage(completion: Completion, trace: Trace) -> dict:
-    return {"input_tokens": completion.prompt_tokens, "input_tokens_details": {"cached_tokens": completion.cached_tokens},
-            "output_tokens": completion.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": completion.prompt_tokens + completion.completion_tokens, "strata": trace.summary()}
+    return {
+        "input_tokens": completion.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": completion.cached_tokens},
+        "output_tokens": completion.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": completion.prompt_tokens + completion.completion_tokens,
+        "strata": trace.summary(),
+    }
 
 
-async def stream_events(events: AsyncIterator, completion: Completion, trace: Trace, response_id: str, body: dict,
-                        previous_id: str | None, tools: ToolFormat | None, finished) -> AsyncIterator[bytes]:
+async def stream_events(
+    events: AsyncIterator,
+    completion: Completion,
+    trace: Trace,
+    response_id: str,
+    body: dict,
+    previous_id: str | None,
+    tools: ToolFormat | None,
+    finished,
+) -> AsyncIterator[bytes]:
     """Responses streaming events. Text goes out as `response.output_text.delta` while no tool call
     may have started; the final items (calls included) come with `response.completed`. `finished`
     is awaited with the assistant message and the response once the answer is whole (it stores them)."""
@@ -190,16 +262,26 @@ async def stream_events(events: AsyncIterator, completion: Completion, trace: Tr
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     item = {"type": "message", "id": message_id, "status": "in_progress", "role": "assistant", "content": []}
     yield stream.event("response.output_item.added", output_index=0, item=item)
-    yield stream.event("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
-                       part={"type": "output_text", "text": "", "annotations": []})
+    yield stream.event(
+        "response.content_part.added",
+        item_id=message_id,
+        output_index=0,
+        content_index=0,
+        part={"type": "output_text", "text": "", "annotations": []},
+    )
     sent = 0
     try:
         async for _, event in events:
             if isinstance(event, Delta):
                 end = sendable(completion.text, tools)
                 if end > sent:
-                    yield stream.event("response.output_text.delta", item_id=message_id, output_index=0,
-                                       content_index=0, delta=completion.text[sent:end])
+                    yield stream.event(
+                        "response.output_text.delta",
+                        item_id=message_id,
+                        output_index=0,
+                        content_index=0,
+                        delta=completion.text[sent:end],
+                    )
                     sent = end
     except ApiError as exc:
         yield stream.event("error", **exc.body()["error"])
@@ -211,8 +293,11 @@ async def stream_events(events: AsyncIterator, completion: Completion, trace: Tr
         items[0]["id"] = message_id
     text = message["content"] or ""
     yield stream.event("response.output_text.done", item_id=message_id, output_index=0, content_index=0, text=text)
-    yield stream.event("response.output_item.done", output_index=0, item=items[0] if items[0]["type"] == "message"
-                       else {**item, "status": "completed", "content": []})
+    yield stream.event(
+        "response.output_item.done",
+        output_index=0,
+        item=items[0] if items[0]["type"] == "message" else {**item, "status": "completed", "content": []},
+    )
     response = response_object(response_id, body, completion, trace, items, previous_id)
     await finished(message, response)
     yield stream.event("response.completed", response=response)

@@ -88,7 +88,9 @@ def _utf8_size(text: str) -> int:
     try:
         return len(text.encode("utf-8"))
     except UnicodeEncodeError:
-        raise bad_request("request body contains a lone UTF-16 surrogate (\\ud800-\\udfff)", "invalid_unicode") from None
+        raise bad_request(
+            "request body contains a lone UTF-16 surrogate (\\ud800-\\udfff)", "invalid_unicode"
+        ) from None
 
 
 def _short(exc: Exception) -> str:
@@ -107,8 +109,9 @@ UNSUPPORTED_UNLESS = {
 def refuse_unsupported(body: dict[str, Any], unsupported: dict[str, tuple]) -> None:
     for field, neutral in unsupported.items():
         if not _is_neutral(body.get(field), neutral):
-            raise bad_request(f"'{field}' is not supported yet (send it unset{_or_shown(neutral)})",
-                              "unsupported_parameter", field)
+            raise bad_request(
+                f"'{field}' is not supported yet (send it unset{_or_shown(neutral)})", "unsupported_parameter", field
+            )
 
 
 def _is_neutral(value: Any, neutral: tuple) -> bool:
@@ -136,8 +139,11 @@ def parse_chat_request(body: dict[str, Any], limits: Limits) -> ChatRequest:
     tools = parse_tools(body, limits)
     num_text_bytes = _prompt_text_bytes(messages, tools)
     if num_text_bytes > limits.max_text_bytes:
-        raise bad_request(f"the messages and tools hold {num_text_bytes} bytes of text; the limit is "
-                          f"{limits.max_text_bytes}", "context_length_exceeded", "messages")
+        raise bad_request(
+            f"the messages and tools hold {num_text_bytes} bytes of text; the limit is {limits.max_text_bytes}",
+            "context_length_exceeded",
+            "messages",
+        )
     stream = _typed(body, "stream", bool, False)
     options = _typed(body, "stream_options", dict, None) or {}
     n = body.get("n", 1) if body.get("n") is not None else 1
@@ -170,13 +176,17 @@ def parse_tools(body: dict[str, Any], limits: Limits) -> tuple[Tool, ...]:
     """`tools` (or the older `functions`) -> Tools with canonical JSON parameter schemas."""
     if body.get("tools") is not None and body.get("functions") is not None:
         raise bad_request("send 'tools' or the older 'functions', not both", "invalid_value", "functions")
-    field, raw = ("functions", body.get("functions")) if body.get("functions") is not None else ("tools", body.get("tools"))
+    field, raw = (
+        ("functions", body.get("functions")) if body.get("functions") is not None else ("tools", body.get("tools"))
+    )
     if raw is None:
         return ()
     if not isinstance(raw, list) or len(raw) > limits.max_tools:
         raise bad_request(f"'{field}' must be an array of at most {limits.max_tools} functions", "invalid_type", field)
-    tools = [_parse_tool(f"{field}[{i}]", item if field == "tools" else {"type": "function", "function": item}, limits)
-             for i, item in enumerate(raw)]
+    tools = [
+        _parse_tool(f"{field}[{i}]", item if field == "tools" else {"type": "function", "function": item}, limits)
+        for i, item in enumerate(raw)
+    ]
     names = [tool.name for tool in tools]
     if len(set(names)) != len(names):
         raise bad_request(f"'{field}' names a function twice", "invalid_value", field)
@@ -185,7 +195,7 @@ def parse_tools(body: dict[str, Any], limits: Limits) -> tuple[Tool, ...]:
 
 def _parse_tool(param: str, item: Any, limits: Limits) -> Tool:
     if not isinstance(item, dict) or item.get("type") != "function" or not isinstance(item.get("function"), dict):
-        raise bad_request(f"{param} must be {{\"type\": \"function\", \"function\": {{...}}}}", "invalid_type", param)
+        raise bad_request(f'{param} must be {{"type": "function", "function": {{...}}}}', "invalid_type", param)
     function = item["function"]
     name = function.get("name")
     if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
@@ -216,8 +226,12 @@ def parse_tool_choice(body: dict[str, Any], tools: tuple[Tool, ...]) -> str:
         function = raw.get("function") if field == "tool_choice" else raw
         name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str) or (field == "tool_choice" and raw.get("type") != "function"):
-            raise bad_request(f"'{field}' must be 'none', 'auto', 'required' or "
-                              "{\"type\": \"function\", \"function\": {\"name\": ...}}", "invalid_value", field)
+            raise bad_request(
+                f"'{field}' must be 'none', 'auto', 'required' or "
+                '{"type": "function", "function": {"name": ...}}',
+                "invalid_value",
+                field,
+            )
         if name not in {tool.name for tool in tools}:
             raise bad_request(f"'{field}' names {_short(name)!r}, which is not among the tools", "invalid_value", field)
         return name
@@ -240,12 +254,16 @@ def parse_response_format(raw: Any, limits: Limits) -> dict | None:
     if kind == "json_schema":
         spec = raw.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
-            raise bad_request("'response_format.json_schema' must be an object with a 'schema'", "invalid_type",
-                              "response_format")
-        return {"type": "json_schema",
-                "schema": _schema_json("response_format.json_schema.schema", spec.get("schema"), limits)}
-    raise bad_request("'response_format.type' must be 'text', 'json_object' or 'json_schema'", "invalid_value",
-                      "response_format")
+            raise bad_request(
+                "'response_format.json_schema' must be an object with a 'schema'", "invalid_type", "response_format"
+            )
+        return {
+            "type": "json_schema",
+            "schema": _schema_json("response_format.json_schema.schema", spec.get("schema"), limits),
+        }
+    raise bad_request(
+        "'response_format.type' must be 'text', 'json_object' or 'json_schema'", "invalid_value", "response_format"
+    )
 
 
 def _prompt_text_bytes(messages: tuple[Message, ...], tools: tuple[Tool, ...]) -> int:
@@ -280,8 +298,12 @@ def _check_tool_results(messages: tuple[Message, ...]) -> None:
     for index, message in enumerate(messages):
         calls.update(call.id for call in message.tool_calls)
         if message.role == "tool" and message.tool_call_id not in calls:
-            raise bad_request(f"messages[{index}] is a tool result for call {_short(message.tool_call_id)!r}, which no "
-                              "earlier assistant message made", "invalid_tool_message", f"messages[{index}]")
+            raise bad_request(
+                f"messages[{index}] is a tool result for call {_short(message.tool_call_id)!r}, which no "
+                "earlier assistant message made",
+                "invalid_tool_message",
+                f"messages[{index}]",
+            )
 
 
 def _parse_message(index: int, item: Any, limits: Limits) -> Message:
@@ -318,10 +340,19 @@ def _parse_tool_calls(param: str, raw: Any, role: str) -> tuple[ToolCall, ...]:
     calls = []
     for j, call in enumerate(raw):
         function = call.get("function") if isinstance(call, dict) else None
-        if not (isinstance(function, dict) and isinstance(call.get("id"), str) and call["id"]
-                and isinstance(function.get("name"), str) and isinstance(function.get("arguments"), str)):
-            raise bad_request(f"{param}.tool_calls[{j}] must have an 'id' and a 'function' with a 'name' and "
-                              "'arguments' (a JSON string)", "invalid_type", param)
+        if not (
+            isinstance(function, dict)
+            and isinstance(call.get("id"), str)
+            and call["id"]
+            and isinstance(function.get("name"), str)
+            and isinstance(function.get("arguments"), str)
+        ):
+            raise bad_request(
+                f"{param}.tool_calls[{j}] must have an 'id' and a 'function' with a 'name' and "
+                "'arguments' (a JSON string)",
+                "invalid_type",
+                param,
+            )
         calls.append(ToolCall(call["id"], function["name"], function["arguments"]))
     return tuple(calls)
 
@@ -340,7 +371,9 @@ def _parse_part(param: str, part: Any) -> TextPart | ImagePart:
         if not isinstance(url, str) or not url:
             raise bad_request(f"{param}.image_url.url must be a string", "invalid_type", param)
         return ImagePart(url)
-    raise bad_request(f"{param}.type {kind!r} is not supported (use 'text' or 'image_url')", "unsupported_content_type", param)
+    raise bad_request(
+        f"{param}.type {kind!r} is not supported (use 'text' or 'image_url')", "unsupported_content_type", param
+    )
 
 
 def _parse_sampling(body: dict[str, Any], limits: Limits) -> Sampling:
@@ -360,11 +393,19 @@ def _parse_sampling(body: dict[str, Any], limits: Limits) -> Sampling:
     top_k = body.get("top_k", 0)
     if not _is_int(top_k) or top_k < -1:
         raise bad_request("'top_k' must be an integer: -1 or 0 for off, else at least 1", "invalid_value", "top_k")
-    return Sampling(max_tokens, temperature, top_p, seed, _parse_stop(body.get("stop"), limits),
-                    presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-                    frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-                    logit_bias=_parse_logit_bias(body.get("logit_bias")), top_k=max(top_k, 0),
-                    min_p=_number(body, "min_p", 0.0, 0.0, 1.0), top_logprobs=_parse_logprobs(body, limits))
+    return Sampling(
+        max_tokens,
+        temperature,
+        top_p,
+        seed,
+        _parse_stop(body.get("stop"), limits),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        logit_bias=_parse_logit_bias(body.get("logit_bias")),
+        top_k=max(top_k, 0),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        top_logprobs=_parse_logprobs(body, limits),
+    )
 
 
 def _parse_logprobs(body: dict[str, Any], limits: Limits) -> int | None:
@@ -372,8 +413,9 @@ def _parse_logprobs(body: dict[str, Any], limits: Limits) -> int | None:
     wanted = _typed(body, "logprobs", bool, False)
     top = body.get("top_logprobs")
     if top is not None and (not _is_int(top) or not 0 <= top <= limits.max_top_logprobs):
-        raise bad_request(f"'top_logprobs' must be an integer from 0 to {limits.max_top_logprobs}", "invalid_value",
-                          "top_logprobs")
+        raise bad_request(
+            f"'top_logprobs' must be an integer from 0 to {limits.max_top_logprobs}", "invalid_value", "top_logprobs"
+        )
     if not wanted:
         if top:
             raise bad_request("'top_logprobs' needs 'logprobs': true", "invalid_value", "top_logprobs")
@@ -390,8 +432,9 @@ def _parse_logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
     if raw is None:
         return ()
     if not isinstance(raw, dict) or len(raw) > MAX_LOGIT_BIAS:
-        raise bad_request(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids", "invalid_type",
-                          "logit_bias")
+        raise bad_request(
+            f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids", "invalid_type", "logit_bias"
+        )
     pairs = []
     for key, value in raw.items():
         if not (key.isascii() and key.isdigit() and len(key) <= 9):
@@ -420,7 +463,9 @@ def _parse_metadata(raw: Any) -> dict[str, str]:
         raise bad_request("'metadata' must be an object of at most 16 string values", "invalid_type", "metadata")
     for key, value in raw.items():
         if not isinstance(value, str) or len(key) > 64 or len(value) > 512 or not key:
-            raise bad_request(f"metadata[{key!r}] must be a string of at most 512 characters", "invalid_type", "metadata")
+            raise bad_request(
+                f"metadata[{key!r}] must be a string of at most 512 characters", "invalid_type", "metadata"
+            )
     return dict(raw)
 
 
@@ -446,4 +491,13 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-__all__ = ["ApiError", "ChatRequest", "ImagePart", "Message", "Sampling", "TextPart", "parse_chat_request", "parse_json_body"]
+__all__ = [
+    "ApiError",
+    "ChatRequest",
+    "ImagePart",
+    "Message",
+    "Sampling",
+    "TextPart",
+    "parse_chat_request",
+    "parse_json_body",
+]

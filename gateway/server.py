@@ -69,8 +69,12 @@ def serve(app, settings: Settings, log_level: str) -> None:
     give way to Strata's (one per request, with the cache layers' outcomes)."""
     json_logs = settings.log_format == "json"
     uvicorn.run(
-        app, host=settings.host, port=settings.port, log_level=log_level,
-        log_config=None if json_logs else uvicorn.config.LOGGING_CONFIG, access_log=not json_logs,
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=log_level,
+        log_config=None if json_logs else uvicorn.config.LOGGING_CONFIG,
+        access_log=not json_logs,
         http=protocol_with_read_timeout(settings.http_read_timeout_s),
         timeout_keep_alive=settings.keep_alive_s,
         limit_concurrency=settings.max_connections,

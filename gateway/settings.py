@@ -189,49 +189,133 @@ class Setting:
 
 SETTINGS = (
     Setting("model_name", "STRATA_MODEL_NAME", str, "the model id clients send (default: the model folder's name)"),
-    Setting("api_keys", "STRATA_API_KEYS", parse_api_keys, "key1:tenantA,key2:tenantB; unset: single-tenant", secret=True),
+    Setting(
+        "api_keys", "STRATA_API_KEYS", parse_api_keys, "key1:tenantA,key2:tenantB; unset: single-tenant", secret=True
+    ),
     Setting("admin_key", "STRATA_ADMIN_KEY", str, "guards /admin/*; unset: admin routes answer 403", secret=True),
-    Setting("conversation_ttl_s", "STRATA_CONVERSATION_TTL_S", float, "how long a stored Responses-API conversation can be continued"),
-    Setting("stuck_after_s", "STRATA_STUCK_AFTER_S", float, "/health reports the engine stuck after this long without a step while work waits"),
+    Setting(
+        "conversation_ttl_s",
+        "STRATA_CONVERSATION_TTL_S",
+        float,
+        "how long a stored Responses-API conversation can be continued",
+    ),
+    Setting(
+        "stuck_after_s",
+        "STRATA_STUCK_AFTER_S",
+        float,
+        "/health reports the engine stuck after this long without a step while work waits",
+    ),
     Setting("dashboard_sample_s", "STRATA_DASHBOARD_SAMPLE_S", float, "seconds between the dashboard's history points"),
-    Setting("log_format", "STRATA_LOG_FORMAT", _one_of(LOG_FORMATS), "text, or json: JSON log lines and one per request"),
+    Setting(
+        "log_format", "STRATA_LOG_FORMAT", _one_of(LOG_FORMATS), "text, or json: JSON log lines and one per request"
+    ),
     Setting("metrics_enabled", "STRATA_METRICS", bool, "0 turns /metrics, its accounting and the dashboard's data off"),
     Setting("metrics_tenant_label", "STRATA_METRICS_TENANT_LABEL", bool, "label per-request metrics with the tenant"),
-    Setting("session_ttl_s", "STRATA_SESSION_TTL_S", float, "a session idle this long ends: purged from every layer (0: never)"),
-    Setting("sweep_interval_s", "STRATA_SWEEP_INTERVAL_S", float, "how often expired cache entries and conversations are deleted"),
+    Setting(
+        "session_ttl_s",
+        "STRATA_SESSION_TTL_S",
+        float,
+        "a session idle this long ends: purged from every layer (0: never)",
+    ),
+    Setting(
+        "sweep_interval_s",
+        "STRATA_SWEEP_INTERVAL_S",
+        float,
+        "how often expired cache entries and conversations are deleted",
+    ),
     Setting("max_queue", "STRATA_MAX_QUEUE", int, "requests that may wait for the engine; more answer 429"),
     Setting("max_num_seqs", "STRATA_MAX_NUM_SEQS", int, "sequences that decode together, one batched step each"),
-    Setting("request_timeout_s", "STRATA_REQUEST_TIMEOUT_S", float, "deadline of one request, queue wait included; then 504"),
-    Setting("http_read_timeout_s", "STRATA_HTTP_READ_TIMEOUT_S", float, "a request's headers and body must arrive within this"),
+    Setting(
+        "request_timeout_s", "STRATA_REQUEST_TIMEOUT_S", float, "deadline of one request, queue wait included; then 504"
+    ),
+    Setting(
+        "http_read_timeout_s",
+        "STRATA_HTTP_READ_TIMEOUT_S",
+        float,
+        "a request's headers and body must arrive within this",
+    ),
     Setting("keep_alive_s", "STRATA_KEEP_ALIVE_S", int, "idle keep-alive connections are closed after this"),
     Setting("max_connections", "STRATA_MAX_CONNECTIONS", int, "open connections; more are answered 503"),
     Setting("kv_block_size", "STRATA_KV_BLOCK_SIZE", int, "tokens per prefix KV block"),
-    Setting("kv_budget_bytes", "STRATA_KV_BUDGET_BYTES", int, "RAM for KV: cached prefix blocks and running sequences (unset: 25% of available RAM; 0: prefix cache off)"),
+    Setting(
+        "kv_budget_bytes",
+        "STRATA_KV_BUDGET_BYTES",
+        int,
+        "RAM for KV: cached prefix blocks and running sequences (unset: 25% of available RAM; 0: prefix cache off)",
+    ),
     Setting("vision_budget_bytes", "STRATA_VISION_BUDGET_BYTES", int, "RAM for cached image features (0: off)"),
-    Setting("kv_ram_retention_s", "STRATA_KV_RAM_RETENTION_S", float, "prefix KV blocks in RAM unused this long are dropped (0: never)"),
-    Setting("vision_retention_s", "STRATA_VISION_RETENTION_S", float, "cached image features unused this long are dropped (0: never)"),
+    Setting(
+        "kv_ram_retention_s",
+        "STRATA_KV_RAM_RETENTION_S",
+        float,
+        "prefix KV blocks in RAM unused this long are dropped (0: never)",
+    ),
+    Setting(
+        "vision_retention_s",
+        "STRATA_VISION_RETENTION_S",
+        float,
+        "cached image features unused this long are dropped (0: never)",
+    ),
     Setting("ssd_capacity_bytes", "STRATA_SSD_CAPACITY_BYTES", int, "byte cap of the KV SSD tier (0: no SSD tier)"),
     Setting("ssd_retention_s", "STRATA_SSD_RETENTION_S", float, "KV files on SSD unused this long are deleted"),
     Setting("ssd_min_hits", "STRATA_SSD_MIN_HITS", int, "spill only blocks reused at least this often in RAM"),
-    Setting("ssd_min_prefix_tokens", "STRATA_SSD_MIN_PREFIX_TOKENS", int, "spill only blocks at least this deep in a prefix"),
+    Setting(
+        "ssd_min_prefix_tokens", "STRATA_SSD_MIN_PREFIX_TOKENS", int, "spill only blocks at least this deep in a prefix"
+    ),
     Setting("ssd_daily_write_bytes", "STRATA_SSD_DAILY_WRITE_BYTES", int, "the SSD tier's write budget per day"),
-    Setting("secret_file", "STRATA_SECRET_FILE", Path, "the server secret (default DATA_DIR/server.secret); replicas "
-            "sharing STRATA_SSD_DIR must share it"),
-    Setting("ssd_dir", "STRATA_SSD_DIR", Path, "the KV SSD tier's folder (default DATA_DIR/kv); replicas may share one"),
-    Setting("ssd_writer", "STRATA_SSD_WRITER", _writer_name, "this replica's name in a shared STRATA_SSD_DIR: several "
-            "writers made safe, every block written through for failover"),
+    Setting(
+        "secret_file",
+        "STRATA_SECRET_FILE",
+        Path,
+        "the server secret (default DATA_DIR/server.secret); replicas sharing STRATA_SSD_DIR must share it",
+    ),
+    Setting(
+        "ssd_dir", "STRATA_SSD_DIR", Path, "the KV SSD tier's folder (default DATA_DIR/kv); replicas may share one"
+    ),
+    Setting(
+        "ssd_writer",
+        "STRATA_SSD_WRITER",
+        _writer_name,
+        "this replica's name in a shared STRATA_SSD_DIR: several "
+        "writers made safe, every block written through for failover",
+    ),
     Setting("kv_quant_bits", "STRATA_KV_QUANT_BITS", int, "8 or 4: quantise stored KV blocks (unset: off)"),
-    Setting("redis_url", "STRATA_REDIS_URL", str, "redis://host:port/db: the exact cache and the semantic entries live there, shared by replicas"),
+    Setting(
+        "redis_url",
+        "STRATA_REDIS_URL",
+        str,
+        "redis://host:port/db: the exact cache and the semantic entries live there, shared by replicas",
+    ),
     Setting("exact_store", "STRATA_EXACT_STORE", _one_of(EXACT_STORES), "sqlite, memory or off"),
     Setting("exact_ttl_s", "STRATA_EXACT_TTL_S", float, "default lifetime of exact entries"),
     Setting("max_cache_ttl_s", "STRATA_MAX_CACHE_TTL_S", float, "the largest X-Strata-Cache-TTL a client may ask for"),
     Setting("semantic_enabled", "STRATA_SEMANTIC", parse_flag, "the semantic layer (loads MiniLM at start-up)"),
     Setting("semantic_threshold", "STRATA_SEMANTIC_THRESHOLD", float, "cosine threshold before the guards"),
-    Setting("semantic_require_approved", "STRATA_SEMANTIC_REQUIRE_APPROVED", parse_flag, "serve only approved semantic entries"),
-    Setting("semantic_verifier", "STRATA_SEMANTIC_VERIFIER", parse_flag, "the learned verifier after the guards: it "
-            "refuses word-order look-alikes and may overrule the word-order guards"),
-    Setting("cache_nondeterministic", "STRATA_CACHE_NONDETERMINISTIC", parse_flag, "also cache sampled answers (exact layer)"),
-    Setting("risk_patterns_file", "STRATA_RISK_PATTERNS_FILE", Path, "risk rules as JSON (default semantic/risk_patterns.json)"),
+    Setting(
+        "semantic_require_approved",
+        "STRATA_SEMANTIC_REQUIRE_APPROVED",
+        parse_flag,
+        "serve only approved semantic entries",
+    ),
+    Setting(
+        "semantic_verifier",
+        "STRATA_SEMANTIC_VERIFIER",
+        parse_flag,
+        "the learned verifier after the guards: it "
+        "refuses word-order look-alikes and may overrule the word-order guards",
+    ),
+    Setting(
+        "cache_nondeterministic",
+        "STRATA_CACHE_NONDETERMINISTIC",
+        parse_flag,
+        "also cache sampled answers (exact layer)",
+    ),
+    Setting(
+        "risk_patterns_file",
+        "STRATA_RISK_PATTERNS_FILE",
+        Path,
+        "risk rules as JSON (default semantic/risk_patterns.json)",
+    ),
     Setting("allow_remote_images", "STRATA_ALLOW_REMOTE_IMAGES", parse_flag, "accept http(s) image URLs"),
     Setting("remote_image_allow", "STRATA_REMOTE_IMAGE_ALLOW", _cidrs, "CIDRs that may be fetched although not public"),
     Setting("remote_image_timeout_s", "STRATA_REMOTE_IMAGE_TIMEOUT_S", float, "total deadline of one image fetch"),
@@ -260,8 +344,11 @@ def settings_from_env(model: str, data_dir: Path, host: str, port: int, env=None
     flags = flags or {}
     values = {}
     for setting in SETTINGS:
-        source, text = (setting.flag, flags[setting.field]) if flags.get(setting.field) is not None \
+        source, text = (
+            (setting.flag, flags[setting.field])
+            if flags.get(setting.field) is not None
             else (setting.env, env.get(setting.env, ""))
+        )
         if not text.strip():
             continue
         try:

@@ -20,8 +20,9 @@ class LayerCounters:
         self.served_by[trace.served_by] += 1
         for layer in LAYERS:
             self.outcomes[(layer, trace.outcomes[layer].status)] += 1
-        self.recent.append(RequestRecord(time.time(), tuple(trace.outcomes[layer].status for layer in LAYERS),
-                                         trace.prefix))
+        self.recent.append(
+            RequestRecord(time.time(), tuple(trace.outcomes[layer].status for layer in LAYERS), trace.prefix)
+        )
 
     def snapshot(self) -> dict:
         layers = {}

@@ -7,11 +7,35 @@ See README.md in this folder for the architecture and invariants.
 from .chain import ExtraSpan, hash_blocks
 from .keys import BlockHash, TenantSalt, block_hash, chain_root, tenant_salt
 from .pool import Block, BlockPool, FreeBlockQueue, Purged
-from .prefix import (Cacheability, PrefixCache, PrefixCacheStats, PrefixMatch, PrefixSession, PrefixSnapshot,
-                     cacheability, default_budget_bytes)
+from .prefix import (
+    Cacheability,
+    PrefixCache,
+    PrefixCacheStats,
+    PrefixMatch,
+    PrefixSession,
+    PrefixSnapshot,
+    cacheability,
+    default_budget_bytes,
+)
 
 __all__ = [
-    "Block", "BlockHash", "BlockPool", "Cacheability", "ExtraSpan", "FreeBlockQueue", "PrefixCache",
-    "PrefixCacheStats", "PrefixMatch", "PrefixSession", "PrefixSnapshot", "Purged", "TenantSalt", "block_hash", "cacheability", "chain_root",
-    "default_budget_bytes", "hash_blocks", "tenant_salt",
+    "Block",
+    "BlockHash",
+    "BlockPool",
+    "Cacheability",
+    "ExtraSpan",
+    "FreeBlockQueue",
+    "PrefixCache",
+    "PrefixCacheStats",
+    "PrefixMatch",
+    "PrefixSession",
+    "PrefixSnapshot",
+    "Purged",
+    "TenantSalt",
+    "block_hash",
+    "cacheability",
+    "chain_root",
+    "default_budget_bytes",
+    "hash_blocks",
+    "tenant_salt",
 ]

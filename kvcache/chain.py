@@ -22,8 +22,9 @@ class ExtraSpan:
     key: bytes
 
 
-def hash_blocks(token_ids: Sequence[int], block_size: int, root: BlockHash,
-                spans: Sequence[ExtraSpan] = (), first_block: int = 0) -> list[BlockHash]:
+def hash_blocks(
+    token_ids: Sequence[int], block_size: int, root: BlockHash, spans: Sequence[ExtraSpan] = (), first_block: int = 0
+) -> list[BlockHash]:
     """Chained hashes of the full blocks of `token_ids` from block `first_block` on; `root` is the
     parent of that block (the chain root for block 0, else the previous block's hash)."""
     raw = token_bytes(token_ids)
@@ -33,6 +34,6 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, root: BlockHash,
     for index in range(first_block, len(token_ids) // block_size):
         begin, end = index * block_size, (index + 1) * block_size
         extra = b"".join(s.key for s in spans if s.start < end and s.end > begin)
-        parent = block_hash(parent, raw[index * width:(index + 1) * width], extra)
+        parent = block_hash(parent, raw[index * width : (index + 1) * width], extra)
         hashes.append(parent)
     return hashes

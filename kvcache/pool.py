@@ -116,8 +116,12 @@ class PoolStats:
 
 
 class BlockPool:
-    def __init__(self, budget_bytes: int, on_evict: Callable[[Block], None] | None = None,
-                 on_discard: Callable[[Block, str], None] | None = None):
+    def __init__(
+        self,
+        budget_bytes: int,
+        on_evict: Callable[[Block], None] | None = None,
+        on_discard: Callable[[Block, str], None] | None = None,
+    ):
         self.budget_bytes = budget_bytes
         self.on_evict = on_evict  # e.g. spill to the SSD tier; called before the block's data is dropped
         self.on_discard = on_discard  # (block, "evicted" | "expired" | "purged") once it has left the pool
@@ -256,4 +260,8 @@ class BlockPool:
         assert len(free) + len(in_use) == len(self.by_hash), (len(free), len(in_use), len(self.by_hash))
         total = sum(b.nbytes for b in self.by_hash.values())
         assert total == self.num_bytes, (total, self.num_bytes)
-        assert self.num_bytes + self.reserved_bytes <= self.budget_bytes, (self.num_bytes, self.reserved_bytes, self.budget_bytes)
+        assert self.num_bytes + self.reserved_bytes <= self.budget_bytes, (
+            self.num_bytes,
+            self.reserved_bytes,
+            self.budget_bytes,
+        )

@@ -119,8 +119,14 @@ class PrefixCache:
 
     name = "prefix"
 
-    def __init__(self, budget_bytes: int, block_size: int, ssd: SsdTier | None = None, quant: QuantConfig | None = None,
-                 write_through: bool = False):
+    def __init__(
+        self,
+        budget_bytes: int,
+        block_size: int,
+        ssd: SsdTier | None = None,
+        quant: QuantConfig | None = None,
+        write_through: bool = False,
+    ):
         self.block_size = block_size
         self.ssd = ssd
         # Every new block is offered to SSD when stored, not when evicted (and the admission policy's
@@ -137,8 +143,9 @@ class PrefixCache:
     def stats(self) -> PrefixSnapshot:
         pool = self.pool
         counters = replace(self.counters, miss_reasons=dict(self.counters.miss_reasons))
-        return PrefixSnapshot(counters, replace(pool.counters), len(pool.by_hash), pool.num_bytes,
-                              pool.budget_bytes, pool.reserved_bytes)
+        return PrefixSnapshot(
+            counters, replace(pool.counters), len(pool.by_hash), pool.num_bytes, pool.budget_bytes, pool.reserved_bytes
+        )
 
     def purge(self) -> Purged:
         """Every block in RAM that no running request holds (nothing is spilled to SSD on the way)."""
@@ -190,8 +197,14 @@ class PrefixCache:
             self.ssd.offer(_spill_request(block, self.block_size))
         return len(blocks)
 
-    def open(self, salt: TenantSalt, model_fingerprint: str, token_ids: Sequence[int],
-             spans: Sequence[ExtraSpan] = (), owner: str | None = None) -> PrefixSession:
+    def open(
+        self,
+        salt: TenantSalt,
+        model_fingerprint: str,
+        token_ids: Sequence[int],
+        spans: Sequence[ExtraSpan] = (),
+        owner: str | None = None,
+    ) -> PrefixSession:
         """`owner`: who the request is (an opaque label purges select by); None records nobody."""
         root = chain_root(salt, f"{model_fingerprint}|block={self.block_size}")
         return PrefixSession(self, root, tuple(token_ids), tuple(spans), owner)
@@ -201,8 +214,14 @@ class PrefixSession:
     """Invariant: hashes == hash_blocks(token_ids, block size, root, spans); held[i] is the block of
     hashes[i], acquired once, for i < len(held)."""
 
-    def __init__(self, cache: PrefixCache, root: BlockHash, token_ids: tuple[int, ...], spans: tuple[ExtraSpan, ...],
-                 owner: str | None = None):
+    def __init__(
+        self,
+        cache: PrefixCache,
+        root: BlockHash,
+        token_ids: tuple[int, ...],
+        spans: tuple[ExtraSpan, ...],
+        owner: str | None = None,
+    ):
         self.cache = cache
         self.owner = owner
         self.pool = cache.pool
@@ -245,8 +264,18 @@ class PrefixSession:
         if miss is None:
             return PrefixMatch(num_prompt_tokens, matched, cached, num_ram * size, matched - num_ram * size)
         stats.miss_reasons[miss.reason] = stats.miss_reasons.get(miss.reason, 0) + 1
-        return PrefixMatch(num_prompt_tokens, matched, cached, num_ram * size, matched - num_ram * size, miss.reason,
-                           miss.at_token, miss.tier, miss.lived_s, miss.in_image)
+        return PrefixMatch(
+            num_prompt_tokens,
+            matched,
+            cached,
+            num_ram * size,
+            matched - num_ram * size,
+            miss.reason,
+            miss.at_token,
+            miss.tier,
+            miss.lived_s,
+            miss.in_image,
+        )
 
     def _why_missed(self, num_prompt_tokens: int) -> Miss | None:
         """Why the match stopped before the prompt's last full block that could be reused (None: it
@@ -262,13 +291,14 @@ class PrefixSession:
         siblings = self.pool.children.get(self.hashes[index - 1] if index else self.root)
         if not siblings:
             return Miss("cold", start)
-        mine = self.token_ids[start:start + size]
+        mine = self.token_ids[start : start + size]
         same = max(_common_prefix(mine, self.pool.by_hash[h].token_ids) for h in siblings)
         if same < len(mine):
             return Miss("diverged", start + same)
         # the same tokens and another hash: an image in this block has other pixels
-        image_start = min((span.start for span in self.spans if span.start < start + size and span.end > start),
-                          default=start)
+        image_start = min(
+            (span.start for span in self.spans if span.start < start + size and span.end > start), default=start
+        )
         return Miss("diverged", max(image_start, start), in_image=True)
 
     def _promote_from_ssd(self) -> None:
@@ -310,9 +340,16 @@ class PrefixSession:
         parent = self.hashes[index - 1] if index else self.root
         nbytes = sum(k.nbytes + v.nbytes for k, v in kv)  # from shape and dtype: nothing is evaluated
         size = self.cache.block_size
-        return Block(self.hashes[index], kv, nbytes, parent_hash=parent, end_token=(index + 1) * size,
-                     scope=self.scope, token_ids=self.token_ids[index * size:(index + 1) * size],
-                     owners={self.owner} if self.owner is not None else set())
+        return Block(
+            self.hashes[index],
+            kv,
+            nbytes,
+            parent_hash=parent,
+            end_token=(index + 1) * size,
+            scope=self.scope,
+            token_ids=self.token_ids[index * size : (index + 1) * size],
+            owners={self.owner} if self.owner is not None else set(),
+        )
 
     def gather(self, num_tokens: int) -> list[tuple[mx.array, mx.array]]:
         size = self.cache.block_size
@@ -325,7 +362,9 @@ class PrefixSession:
             layers.append((keys, values))
         return layers
 
-    def store(self, token_ids: Sequence[int], layer_states: Sequence[tuple[mx.array, mx.array]], num_tokens: int) -> int:
+    def store(
+        self, token_ids: Sequence[int], layer_states: Sequence[tuple[mx.array, mx.array]], num_tokens: int
+    ) -> int:
         """Cache every full block of the first `num_tokens` of `token_ids` that this session does not
         hold. `token_ids` is the session's tokens or a continuation of them (the prompt and the reply)."""
         self._extend(tuple(token_ids[:num_tokens]))
@@ -363,8 +402,9 @@ class PrefixSession:
             self.pool.acquire(existing, self.owner)
             return existing, False
         begin, end = index * self.cache.block_size, (index + 1) * self.cache.block_size
-        kv = tuple((self._keep(k[:, :, begin:end, :], end), self._keep(v[:, :, begin:end, :], end))
-                   for k, v in layer_states)
+        kv = tuple(
+            (self._keep(k[:, :, begin:end, :], end), self._keep(v[:, :, begin:end, :], end)) for k, v in layer_states
+        )
         block = self.pool.insert(self._new_block(index, kv))
         if block is not None:
             self.cache.counters.num_blocks_stored += 1
@@ -386,8 +426,14 @@ class PrefixSession:
 
 
 def _spill_request(block: Block, block_size: int) -> SpillRequest:
-    return SpillRequest(block.block_hash, block.parent_hash or b"", block_size, block.scope, to_tensors(block.kv),
-                        tuple(sorted(block.owners)))
+    return SpillRequest(
+        block.block_hash,
+        block.parent_hash or b"",
+        block_size,
+        block.scope,
+        to_tensors(block.kv),
+        tuple(sorted(block.owners)),
+    )
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -92,5 +92,10 @@ def _load_one(tensors: dict[str, np.ndarray], name: str, config: QuantConfig | N
     if full is not None:
         return full
     assert config is not None, f"{name} is quantised but this cache is not"
-    return Quantized(_mlx(tensors, name + ".q"), _mlx(tensors, name + ".s"), _mlx(tensors, name + ".b"),
-                     config.bits, config.group_size)
+    return Quantized(
+        _mlx(tensors, name + ".q"),
+        _mlx(tensors, name + ".s"),
+        _mlx(tensors, name + ".b"),
+        config.bits,
+        config.group_size,
+    )

@@ -44,16 +44,24 @@ def encode(namespace: str, requests: list[SpillRequest]) -> bytes:
     described, tensors = [], {}
     for request in requests:
         hex_hash = request.block_hash.hex()
-        described.append({"hash": hex_hash, "parent": request.parent_hash.hex(), "num_tokens": request.num_tokens,
-                          "scope": request.tenant_scope, "owners": list(request.owners),
-                          "checksum": tensor_checksum(request.tensors)})
+        described.append(
+            {
+                "hash": hex_hash,
+                "parent": request.parent_hash.hex(),
+                "num_tokens": request.num_tokens,
+                "scope": request.tenant_scope,
+                "owners": list(request.owners),
+                "checksum": tensor_checksum(request.tensors),
+            }
+        )
         tensors.update({f"{hex_hash}/{key}": value for key, value in request.tensors.items()})
     metadata = {"format_version": FORMAT_VERSION, "namespace": namespace, "blocks": json.dumps(described)}
     return save_tensors(tensors, metadata=metadata)
 
 
-def verified_blocks(raw: bytes, namespace: str,
-                    wanted: list[str] | None = None) -> tuple[dict[str, dict[str, np.ndarray]], str | None]:
+def verified_blocks(
+    raw: bytes, namespace: str, wanted: list[str] | None = None
+) -> tuple[dict[str, dict[str, np.ndarray]], str | None]:
     """The blocks of a segment (the `wanted` ones in order, or all), each checksum-verified, up to the
     first that fails; and what failed (None: nothing). Unreadable files and other formats or
     namespaces fail before any block."""
@@ -81,9 +89,17 @@ def decode(raw: bytes, namespace: str, wanted: list[str]) -> tuple[list[SpillReq
     """The wanted blocks as spill requests again (to rewrite a segment without some of its blocks)."""
     blocks, problem = verified_blocks(raw, namespace, wanted)
     described = {block["hash"]: block for block in json.loads(parse(raw)[1]["blocks"])} if blocks else {}
-    return [SpillRequest(bytes.fromhex(h), bytes.fromhex(described[h]["parent"]), described[h]["num_tokens"],
-                         described[h]["scope"], tensors, tuple(described[h].get("owners", ())))
-            for h, tensors in blocks.items()], problem
+    return [
+        SpillRequest(
+            bytes.fromhex(h),
+            bytes.fromhex(described[h]["parent"]),
+            described[h]["num_tokens"],
+            described[h]["scope"],
+            tensors,
+            tuple(described[h].get("owners", ())),
+        )
+        for h, tensors in blocks.items()
+    ], problem
 
 
 def described_owners(raw: bytes) -> dict[str, tuple[str, ...]]:
@@ -106,8 +122,10 @@ def describe(path: Path, namespace: str) -> tuple[dict[str, int], dict[str, tupl
             begin, end = info["data_offsets"]
             sizes[name.partition("/")[0]] = sizes.get(name.partition("/")[0], 0) + end - begin
         described = json.loads(metadata["blocks"])
-        return ({block["hash"]: sizes.get(block["hash"], 0) for block in described},
-                {block["hash"]: tuple(block.get("owners", ())) for block in described})
+        return (
+            {block["hash"]: sizes.get(block["hash"], 0) for block in described},
+            {block["hash"]: tuple(block.get("owners", ())) for block in described},
+        )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -138,8 +156,7 @@ def tensor_checksum(tensors: dict[str, np.ndarray]) -> str:
     return digest.hexdigest()
 
 
-_DTYPES = {"F32": np.float32, "F16": np.float16, "U32": np.uint32, "I32": np.int32, "U16": np.uint16,
-           "U8": np.uint8}
+_DTYPES = {"F32": np.float32, "F16": np.float16, "U32": np.uint32, "I32": np.int32, "U16": np.uint16, "U8": np.uint8}
 
 
 def parse(raw: bytes) -> tuple[dict[str, np.ndarray], dict]:
@@ -147,7 +164,7 @@ def parse(raw: bytes) -> tuple[dict[str, np.ndarray], dict]:
     header_len = int.from_bytes(raw[:8], "little")
     if header_len <= 0 or 8 + header_len > len(raw):
         raise ValueError("bad safetensors header length")
-    header = json.loads(raw[8:8 + header_len])
+    header = json.loads(raw[8 : 8 + header_len])
     metadata = header.pop("__metadata__", {})
     base, tensors = 8 + header_len, {}
     for name, info in header.items():
@@ -155,6 +172,7 @@ def parse(raw: bytes) -> tuple[dict[str, np.ndarray], dict]:
         begin, end = info["data_offsets"]
         if dtype is None or base + end > len(raw):
             raise ValueError(f"tensor {name} is truncated or of an unknown dtype")
-        tensors[name] = np.frombuffer(raw, dtype=dtype, count=(end - begin) // np.dtype(dtype).itemsize,
-                                      offset=base + begin).reshape(info["shape"])
+        tensors[name] = np.frombuffer(
+            raw, dtype=dtype, count=(end - begin) // np.dtype(dtype).itemsize, offset=base + begin
+        ).reshape(info["shape"])
     return tensors, metadata

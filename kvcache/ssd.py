@@ -69,8 +69,19 @@ from pathlib import Path
 import numpy as np
 
 from .pool import Ghost, Purged
-from .segment import (PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, SEGMENT_BLOCKS, TEMP_PREFIX, SpillRequest, decode, describe,
-                      described_owners, encode, verified_blocks, write_atomically)
+from .segment import (
+    PRIVATE_DIR_MODE,
+    PRIVATE_FILE_MODE,
+    SEGMENT_BLOCKS,
+    TEMP_PREFIX,
+    SpillRequest,
+    decode,
+    describe,
+    described_owners,
+    encode,
+    verified_blocks,
+    write_atomically,
+)
 from .ssd_index import Segment, SegmentIndex
 
 log = logging.getLogger("strata.kvcache.ssd")
@@ -166,8 +177,9 @@ class SsdTier:
         with self.lock:
             counters = replace(self.counters)
             written = self.written_today[1]
-        return SsdSnapshot(counters, num_files, num_blocks, num_bytes, self.config.capacity_bytes, written,
-                           self.pending.qsize())
+        return SsdSnapshot(
+            counters, num_files, num_blocks, num_bytes, self.config.capacity_bytes, written, self.pending.qsize()
+        )
 
     def purge(self) -> Purged:
         """Every segment file and its index rows, after the spills already queued are written."""
@@ -177,7 +189,11 @@ class SsdTier:
         with self.files_lock:
             for name, _ in self.index.least_recently_used():
                 if (segment := self._delete_segment(name, "purged")) is not None:
-                    num_files, num_blocks, num_bytes = num_files + 1, num_blocks + len(segment.blocks), num_bytes + segment.nbytes
+                    num_files, num_blocks, num_bytes = (
+                        num_files + 1,
+                        num_blocks + len(segment.blocks),
+                        num_bytes + segment.nbytes,
+                    )
         return Purged(num_blocks, num_bytes, num_files)
 
     def purge_owned(self, selects: Callable[[str], bool]) -> Purged:
@@ -198,8 +214,10 @@ class SsdTier:
         """Segment `name` without the `dropped` blocks. The old segment is doomed before anything is
         written: a crash at any point loses survivors (a cache may), never brings a dropped block back."""
         keep = [h for h in self.index.live_blocks(name) if h not in dropped]
-        survivors = [replace(r, owners=tuple(sorted(self.index.owners_of(r.block_hash.hex()))))
-                     for r in (self._read_blocks(name, keep) if keep else [])]
+        survivors = [
+            replace(r, owners=tuple(sorted(self.index.owners_of(r.block_hash.hex()))))
+            for r in (self._read_blocks(name, keep) if keep else [])
+        ]
         old = self.index.doom(name)
         if survivors:
             try:
@@ -474,7 +492,7 @@ class SsdTier:
         with open(path, "rb") as journal:
             journal.seek(offset)
             data = journal.read(status.st_size - offset)
-        complete = data[:data.rfind(b"\n") + 1]  # a line being appended is read next time
+        complete = data[: data.rfind(b"\n") + 1]  # a line being appended is read next time
         self.journals[path.name] = (status.st_ino, offset + len(complete))
         return complete.decode(errors="replace").split()
 

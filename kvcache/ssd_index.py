@@ -96,8 +96,14 @@ class SegmentIndex:
 
     # -- changes ------------------------------------------------------------------------------
 
-    def add(self, name: str, nbytes: int, last_used: float, sizes: dict[str, int],
-            owners: dict[str, Iterable[str]] | None = None) -> None:
+    def add(
+        self,
+        name: str,
+        nbytes: int,
+        last_used: float,
+        sizes: dict[str, int],
+        owners: dict[str, Iterable[str]] | None = None,
+    ) -> None:
         self.add_all([(name, nbytes, last_used, sizes, owners or {})])
 
     def add_all(self, segments: list[tuple[str, int, float, dict[str, int], dict[str, Iterable[str]]]]) -> None:
@@ -128,8 +134,9 @@ class SegmentIndex:
                 if not selected:
                     continue
                 owners -= selected
-                self.db.executemany("DELETE FROM owners WHERE hash = ? AND owner = ?",
-                                    [(hex_hash, owner) for owner in selected])
+                self.db.executemany(
+                    "DELETE FROM owners WHERE hash = ? AND owner = ?", [(hex_hash, owner) for owner in selected]
+                )
                 if not owners:
                     orphans.setdefault(self.blocks[hex_hash].segment, []).append(hex_hash)
         return orphans
@@ -154,18 +161,21 @@ class SegmentIndex:
         with self.lock:
             return self._forget(name)
 
-    def _add(self, name: str, nbytes: int, last_used: float, sizes: dict[str, int],
-             owners: dict[str, Iterable[str]]) -> None:  # caller holds the lock, in a transaction
+    def _add(
+        self, name: str, nbytes: int, last_used: float, sizes: dict[str, int], owners: dict[str, Iterable[str]]
+    ) -> None:  # caller holds the lock, in a transaction
         self.segments[name] = Segment(nbytes, last_used, list(sizes), last_used)
         self.num_bytes += nbytes
         self.blocks.update({h: BlockEntry(name, size) for h, size in sizes.items()})
         for hex_hash in sizes:
             self.owners.setdefault(hex_hash, set()).update(owners.get(hex_hash, ()))
         self.db.execute("INSERT OR REPLACE INTO segments VALUES (?, ?, ?)", (name, nbytes, last_used))
-        self.db.executemany("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?)",
-                            [(h, name, size) for h, size in sizes.items()])
-        self.db.executemany("INSERT OR IGNORE INTO owners VALUES (?, ?)",
-                            [(h, o) for h in sizes for o in owners.get(h, ())])
+        self.db.executemany(
+            "INSERT OR REPLACE INTO blocks VALUES (?, ?, ?)", [(h, name, size) for h, size in sizes.items()]
+        )
+        self.db.executemany(
+            "INSERT OR IGNORE INTO owners VALUES (?, ?)", [(h, o) for h in sizes for o in owners.get(h, ())]
+        )
 
     def _forget(self, name: str) -> Segment | None:  # caller holds the lock
         segment = self.segments.pop(name, None)
@@ -199,8 +209,9 @@ class SegmentIndex:
         """Take in the rows whose file exists with the recorded size (`on_disk`: name -> size);
         drop rows without a file. Returns the files the index does not describe."""
         with self.lock:
-            indexed = {n: (size, used) for n, size, used in
-                       self.db.execute("SELECT name, nbytes, last_used FROM segments")}
+            indexed = {
+                n: (size, used) for n, size, used in self.db.execute("SELECT name, nbytes, last_used FROM segments")
+            }
             rows: dict[str, dict[str, int]] = {}
             for hex_hash, name, size in self.db.execute("SELECT hash, segment, kv_nbytes FROM blocks"):
                 rows.setdefault(name, {})[hex_hash] = size

@@ -81,8 +81,9 @@ class SemanticCache:
 
     name = "semantic"
 
-    def __init__(self, embedder: Embedder, store: EntryStore, settings: SemanticSettings,
-                 verifier: Verifier | None = None):
+    def __init__(
+        self, embedder: Embedder, store: EntryStore, settings: SemanticSettings, verifier: Verifier | None = None
+    ):
         self.embedder = embedder
         self.store = store
         self.settings = settings
@@ -99,8 +100,9 @@ class SemanticCache:
         if self.store_lost:
             log.warning("semantic entry store unreachable at start: the layer bypasses until it is back")
         if hasattr(store, "changes"):  # shared by replicas: follow their inserts and deletes
-            self.follower = threading.Thread(target=self._follow, args=(position,), name="strata-semantic-follower",
-                                             daemon=True)
+            self.follower = threading.Thread(
+                target=self._follow, args=(position,), name="strata-semantic-follower", daemon=True
+            )
             self.follower.start()
 
     # -- lookup and insert -------------------------------------------------------------------
@@ -151,8 +153,17 @@ class SemanticCache:
             index.remove(gone)
         return sorted(((entry, float(stored @ vector)) for entry, stored in found), key=lambda pair: -pair[1])
 
-    def insert(self, query: str, answer: Answer, scope: Scope, context: str, now: float,
-               ttl_s: float | None = None, vector: np.ndarray | None = None, owner: Owner = Owner()) -> int:
+    def insert(
+        self,
+        query: str,
+        answer: Answer,
+        scope: Scope,
+        context: str,
+        now: float,
+        ttl_s: float | None = None,
+        vector: np.ndarray | None = None,
+        owner: Owner = Owner(),
+    ) -> int:
         """Store an answer; a newer answer to the same question in the same partition replaces the
         older one (fresh review status and hit count), keeping its id, vector and owners (the new
         request's owner joins them)."""
@@ -167,8 +178,9 @@ class SemanticCache:
         self.store.own(entry_id, owner)
         return entry_id
 
-    def insert_many(self, prompts: list[str], answers: list[str], vectors: np.ndarray, scope: Scope, context: str,
-                    now: float) -> list[int]:
+    def insert_many(
+        self, prompts: list[str], answers: list[str], vectors: np.ndarray, scope: Scope, context: str, now: float
+    ) -> list[int]:
         """Bulk load (e.g. an FAQ import) with precomputed, normalised vectors; no de-duplication."""
         partition = scope.partition(context)
         ids = self.store.put_many(partition, scope, prompts, answers, vectors, now, self._expiry(now, None))
@@ -206,7 +218,9 @@ class SemanticCache:
     def get(self, entry_id: int) -> SemanticEntry | None:
         return self.store.get(entry_id) if valid_id(entry_id) else None
 
-    def list_entries(self, tenant: str | None = None, status: str | None = None, limit: int = 100) -> list[SemanticEntry]:
+    def list_entries(
+        self, tenant: str | None = None, status: str | None = None, limit: int = 100
+    ) -> list[SemanticEntry]:
         return self.store.list_entries(tenant, status, limit)
 
     def set_status(self, entry_id: int, status: str) -> bool:

@@ -52,7 +52,7 @@ class MiniLMEmbedder:
         with self.lock, torch.inference_mode():
             self.num_texts += len(texts)
             for start in range(0, len(texts), EMBED_BATCH):
-                features = self.model.preprocess(texts[start:start + EMBED_BATCH])
+                features = self.model.preprocess(texts[start : start + EMBED_BATCH])
                 vectors = self.model.forward(features)["sentence_embedding"]
                 batches.append(torch.nn.functional.normalize(vectors, dim=1).numpy())
         return np.ascontiguousarray(np.concatenate(batches), dtype=np.float32)

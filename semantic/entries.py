@@ -57,8 +57,16 @@ def valid_id(entry_id: int) -> bool:
 
 
 class EntryStore(Protocol):
-    def put(self, partition: str, scope: Scope, prompt: str, answer: Answer, now: float, expires_at: float | None,
-            vector: np.ndarray) -> tuple[int, bool]: ...
+    def put(
+        self,
+        partition: str,
+        scope: Scope,
+        prompt: str,
+        answer: Answer,
+        now: float,
+        expires_at: float | None,
+        vector: np.ndarray,
+    ) -> tuple[int, bool]: ...
     def fetch(self, ids: list[int]) -> list[tuple[SemanticEntry, np.ndarray]]: ...
     def find(self, partition: str, prompt: str) -> int | None: ...
     def get(self, entry_id: int) -> SemanticEntry | None: ...
@@ -84,35 +92,84 @@ class SqliteEntries:
         with self.lock:
             self._create_tables()
 
-    def put(self, partition: str, scope: Scope, prompt: str, answer: Answer, now: float, expires_at: float | None,
-            vector: np.ndarray) -> tuple[int, bool]:
+    def put(
+        self,
+        partition: str,
+        scope: Scope,
+        prompt: str,
+        answer: Answer,
+        now: float,
+        expires_at: float | None,
+        vector: np.ndarray,
+    ) -> tuple[int, bool]:
         with self.lock:
-            row = self.db.execute("SELECT id FROM semantic_entries WHERE partition = ? AND prompt = ?",
-                                  (partition, prompt)).fetchone()
+            row = self.db.execute(
+                "SELECT id FROM semantic_entries WHERE partition = ? AND prompt = ?", (partition, prompt)
+            ).fetchone()
             if row is not None:
-                self.db.execute("UPDATE semantic_entries SET answer = ?, finish_reason = ?, completion_tokens = ?, "
-                                "prompt_tokens = ?, created_at = ?, expires_at = ?, hit_count = 0, status = 'unreviewed' "
-                                "WHERE id = ?", (answer.text, answer.finish_reason, answer.completion_tokens,
-                                                 answer.prompt_tokens, now, expires_at, row[0]))
+                self.db.execute(
+                    "UPDATE semantic_entries SET answer = ?, finish_reason = ?, completion_tokens = ?, "
+                    "prompt_tokens = ?, created_at = ?, expires_at = ?, hit_count = 0, status = 'unreviewed' "
+                    "WHERE id = ?",
+                    (
+                        answer.text,
+                        answer.finish_reason,
+                        answer.completion_tokens,
+                        answer.prompt_tokens,
+                        now,
+                        expires_at,
+                        row[0],
+                    ),
+                )
                 return int(row[0]), False
             cursor = self.db.execute(
                 "INSERT INTO semantic_entries (partition, tenant, scope, prompt, answer, finish_reason, "
                 "completion_tokens, prompt_tokens, created_at, expires_at, hit_count, status, vector) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, 'unreviewed', ?)",
-                (partition, scope.tenant, json.dumps(scope.as_dict()), prompt, answer.text, answer.finish_reason,
-                 answer.completion_tokens, answer.prompt_tokens, now, expires_at, _vector_bytes(vector)))
+                (
+                    partition,
+                    scope.tenant,
+                    json.dumps(scope.as_dict()),
+                    prompt,
+                    answer.text,
+                    answer.finish_reason,
+                    answer.completion_tokens,
+                    answer.prompt_tokens,
+                    now,
+                    expires_at,
+                    _vector_bytes(vector),
+                ),
+            )
             return int(cursor.lastrowid), True
 
-    def put_many(self, partition: str, scope: Scope, prompts: list[str], answers: list[str], vectors: np.ndarray,
-                 now: float, expires_at: float | None) -> list[int]:
+    def put_many(
+        self,
+        partition: str,
+        scope: Scope,
+        prompts: list[str],
+        answers: list[str],
+        vectors: np.ndarray,
+        now: float,
+        expires_at: float | None,
+    ) -> list[int]:
         """Bulk load (an FAQ import, a benchmark) without de-duplication, in one transaction."""
-        rows = [(partition, scope.tenant, json.dumps(scope.as_dict()), p, a, now, expires_at, _vector_bytes(v))
-                for p, a, v in zip(prompts, answers, vectors)]
+        rows = [
+            (partition, scope.tenant, json.dumps(scope.as_dict()), p, a, now, expires_at, _vector_bytes(v))
+            for p, a, v in zip(prompts, answers, vectors)
+        ]
         with self.lock:
             self.db.execute("BEGIN")
-            ids = [int(self.db.execute("INSERT INTO semantic_entries (partition, tenant, scope, prompt, answer, "
-                                       "created_at, expires_at, hit_count, status, vector) VALUES (?, ?, ?, ?, ?, ?, "
-                                       "?, 0, 'unreviewed', ?)", row).lastrowid) for row in rows]
+            ids = [
+                int(
+                    self.db.execute(
+                        "INSERT INTO semantic_entries (partition, tenant, scope, prompt, answer, "
+                        "created_at, expires_at, hit_count, status, vector) VALUES (?, ?, ?, ?, ?, ?, "
+                        "?, 0, 'unreviewed', ?)",
+                        row,
+                    ).lastrowid
+                )
+                for row in rows
+            ]
             self.db.execute("COMMIT")
         return ids
 
@@ -121,21 +178,25 @@ class SqliteEntries:
         if not ids:
             return []
         with self.lock:
-            rows = self.db.execute(f"SELECT {_COLUMNS}, vector FROM semantic_entries WHERE id IN "
-                                   f"({','.join('?' * len(ids))})", ids).fetchall()
+            rows = self.db.execute(
+                f"SELECT {_COLUMNS}, vector FROM semantic_entries WHERE id IN ({','.join('?' * len(ids))})", ids
+            ).fetchall()
         return [(_entry(row[:-1]), np.frombuffer(row[-1], dtype=np.float32)) for row in rows]
 
     def find(self, partition: str, prompt: str) -> int | None:
         with self.lock:
-            row = self.db.execute("SELECT id FROM semantic_entries WHERE partition = ? AND prompt = ?",
-                                  (partition, prompt)).fetchone()
+            row = self.db.execute(
+                "SELECT id FROM semantic_entries WHERE partition = ? AND prompt = ?", (partition, prompt)
+            ).fetchone()
         return int(row[0]) if row else None
 
     def get(self, entry_id: int) -> SemanticEntry | None:
         found = self.fetch([entry_id])
         return found[0][0] if found else None
 
-    def list_entries(self, tenant: str | None = None, status: str | None = None, limit: int = 100) -> list[SemanticEntry]:
+    def list_entries(
+        self, tenant: str | None = None, status: str | None = None, limit: int = 100
+    ) -> list[SemanticEntry]:
         query, args = f"SELECT {_COLUMNS} FROM semantic_entries WHERE 1=1", []
         if tenant is not None:
             query, args = query + " AND tenant = ?", args + [tenant]
@@ -150,7 +211,9 @@ class SqliteEntries:
         if not valid_id(entry_id):
             return False
         with self.lock:
-            return self.db.execute("UPDATE semantic_entries SET status = ? WHERE id = ?", (status, entry_id)).rowcount > 0
+            return (
+                self.db.execute("UPDATE semantic_entries SET status = ? WHERE id = ?", (status, entry_id)).rowcount > 0
+            )
 
     def delete(self, entry_id: int) -> bool:
         if not valid_id(entry_id):
@@ -171,14 +234,23 @@ class SqliteEntries:
     def release(self, selector: Selector) -> tuple[list[int], int]:
         with self.lock:
             ids = self.owners.release(selector, "semantic_entries", "id")
-            size = sum(self.db.execute("SELECT LENGTH(prompt) + LENGTH(answer) + LENGTH(vector) FROM semantic_entries "
-                                       "WHERE id = ?", (entry_id,)).fetchone()[0] for entry_id in ids)
+            size = sum(
+                self.db.execute(
+                    "SELECT LENGTH(prompt) + LENGTH(answer) + LENGTH(vector) FROM semantic_entries WHERE id = ?",
+                    (entry_id,),
+                ).fetchone()[0]
+                for entry_id in ids
+            )
         return ids, size
 
     def expired_ids(self, now: float) -> list[int]:
         with self.lock:
-            return [r[0] for r in self.db.execute(
-                "SELECT id FROM semantic_entries WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,))]
+            return [
+                r[0]
+                for r in self.db.execute(
+                    "SELECT id FROM semantic_entries WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,)
+                )
+            ]
 
     def all_ids(self) -> list[int]:
         with self.lock:
@@ -192,7 +264,9 @@ class SqliteEntries:
     def stats(self) -> tuple[dict[str, int], int]:
         """(entries by status, number of partitions)."""
         with self.lock:
-            by_status = dict(self.db.execute("SELECT status, COUNT(*) FROM semantic_entries GROUP BY status").fetchall())
+            by_status = dict(
+                self.db.execute("SELECT status, COUNT(*) FROM semantic_entries GROUP BY status").fetchall()
+            )
             num_partitions = self.db.execute("SELECT COUNT(DISTINCT partition) FROM semantic_entries").fetchone()[0]
         return {s: by_status.get(s, 0) for s in STATUSES}, num_partitions
 
@@ -202,23 +276,29 @@ class SqliteEntries:
 
     def _create_tables(self) -> None:  # caller holds the lock
         self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("CREATE TABLE IF NOT EXISTS semantic_entries (id INTEGER PRIMARY KEY AUTOINCREMENT, "
-                        "partition TEXT NOT NULL, tenant TEXT NOT NULL, scope TEXT NOT NULL, prompt TEXT NOT NULL, "
-                        "answer TEXT NOT NULL, created_at REAL NOT NULL, expires_at REAL, hit_count INTEGER NOT NULL, "
-                        "status TEXT NOT NULL, vector BLOB NOT NULL, finish_reason TEXT NOT NULL DEFAULT 'stop', "
-                        "completion_tokens INTEGER NOT NULL DEFAULT 0, prompt_tokens INTEGER NOT NULL DEFAULT 0)")
+        self.db.execute(
+            "CREATE TABLE IF NOT EXISTS semantic_entries (id INTEGER PRIMARY KEY AUTOINCREMENT, "
+            "partition TEXT NOT NULL, tenant TEXT NOT NULL, scope TEXT NOT NULL, prompt TEXT NOT NULL, "
+            "answer TEXT NOT NULL, created_at REAL NOT NULL, expires_at REAL, hit_count INTEGER NOT NULL, "
+            "status TEXT NOT NULL, vector BLOB NOT NULL, finish_reason TEXT NOT NULL DEFAULT 'stop', "
+            "completion_tokens INTEGER NOT NULL DEFAULT 0, prompt_tokens INTEGER NOT NULL DEFAULT 0)"
+        )
         self.db.execute("CREATE INDEX IF NOT EXISTS semantic_by_partition ON semantic_entries(partition, prompt)")
         self.owners = OwnerTable(self.db, "semantic_owners", "INTEGER")
         columns = {row[1] for row in self.db.execute("PRAGMA table_info(semantic_entries)")}
-        for column, ddl in (("finish_reason", "TEXT NOT NULL DEFAULT 'stop'"),
-                            ("completion_tokens", "INTEGER NOT NULL DEFAULT 0"),
-                            ("prompt_tokens", "INTEGER NOT NULL DEFAULT 0")):
+        for column, ddl in (
+            ("finish_reason", "TEXT NOT NULL DEFAULT 'stop'"),
+            ("completion_tokens", "INTEGER NOT NULL DEFAULT 0"),
+            ("prompt_tokens", "INTEGER NOT NULL DEFAULT 0"),
+        ):
             if column not in columns:  # a database written by an earlier version
                 self.db.execute(f"ALTER TABLE semantic_entries ADD COLUMN {column} {ddl}")
 
 
-_COLUMNS = ("id, tenant, scope, prompt, answer, created_at, expires_at, hit_count, status, finish_reason, "
-            "completion_tokens, prompt_tokens, partition")
+_COLUMNS = (
+    "id, tenant, scope, prompt, answer, created_at, expires_at, hit_count, status, finish_reason, "
+    "completion_tokens, prompt_tokens, partition"
+)
 
 
 def _entry(row) -> SemanticEntry:

@@ -73,8 +73,15 @@ class ExactCache:
             return ExactLookup("miss", key, "too_old", age_s=age)
         return ExactLookup("hit", key, response=found, age_s=age)
 
-    def store_response(self, key: str, tenant: str, response: StoredResponse, control: CacheControl,
-                       deterministic: bool, owner: Owner = Owner()) -> bool:
+    def store_response(
+        self,
+        key: str,
+        tenant: str,
+        response: StoredResponse,
+        control: CacheControl,
+        deterministic: bool,
+        owner: Owner = Owner(),
+    ) -> bool:
         if control.no_store or not self.eligible(deterministic):
             return False
         self.store.put(key, tenant, response, owner)

@@ -20,15 +20,19 @@ from typing import Literal
 WordSimilarity = Callable[[str, str], float]
 WORD = re.compile(r"[A-Za-z][A-Za-z'’-]*|\d+(?:[.,:/-]\d+)*%?|[$€£¥%]")
 
-STOPWORDS = frozenset("""a an the and or but if then so of in on at by for with to from into onto about as is are was were
+STOPWORDS = frozenset(
+    """a an the and or but if then so of in on at by for with to from into onto about as is are was were
 be been being am do does did doing have has had having i me my mine we us our you your yours he him his she her it its
 they them their this that these those there here what which who whom whose when where why how can could would should
 will shall may might must please tell give show explain list describe help me let know want need like get got just
-really actually exactly any some hey hi hello thanks thank way also too very much many quite""".split())
+really actually exactly any some hey hi hello thanks thank way also too very much many quite""".split()
+)
 
-NEGATIONS = frozenset("""not no never none nobody nothing nowhere neither nor without cannot cant can't won't wont
+NEGATIONS = frozenset(
+    """not no never none nobody nothing nowhere neither nor without cannot cant can't won't wont
 don't dont doesn't doesnt didn't didnt isn't isnt aren't arent wasn't wasnt weren't werent shouldn't shouldnt
-wouldn't wouldnt couldn't couldnt mustn't haven't havent hasn't hasnt hadn't hadnt ain't""".split())
+wouldn't wouldnt couldn't couldnt mustn't haven't havent hasn't hasnt hadn't hadnt ain't""".split()
+)
 NEGATING_PREFIXES = ("un", "in", "im", "il", "ir", "dis", "non")
 
 ANTONYM_PAIRS = """increase/decrease raise/lower rise/fall up/down buy/sell purchase/sell open/close start/stop begin/end
@@ -49,49 +53,161 @@ summer/winter spring/autumn spring/fall day/night morning/evening sunrise/sunset
 charge/refund pay/refund earn/spend income/expense import/export odd/even vertical/horizontal allow/forbid
 permit/forbid allow/prohibit soft/hard easy/hard wet/dry raw/cooked sweet/sour loud/quiet rare/common""".split()
 
-MONTHS = ["january", "february", "march", "april", "may", "june", "july", "august", "september", "october",
-          "november", "december"]
+MONTHS = [
+    "january",
+    "february",
+    "march",
+    "april",
+    "may",
+    "june",
+    "july",
+    "august",
+    "september",
+    "october",
+    "november",
+    "december",
+]
 MONTH_ABBREVIATIONS = {m[:3]: m for m in MONTHS} | {"sept": "september"}
 WEEKDAYS = ["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"]
-RELATIVE_DAYS = {"today": "day+0", "tonight": "day+0", "tomorrow": "day+1", "yesterday": "day-1",
-                 "weekend": "weekend", "weekday": "weekday", "weekdays": "weekday", "weekends": "weekend",
-                 "morning": "morning", "afternoon": "afternoon", "evening": "evening", "night": "night",
-                 "overnight": "night", "noon": "noon", "midnight": "midnight"}
-RELATIVE_MARKERS = {"next": "+1", "last": "-1", "previous": "-1", "past": "-1", "this": "0", "current": "0",
-                    "coming": "+1", "following": "+1", "upcoming": "+1"}
-PERIOD_NOUNS = {"week": "week", "weeks": "week", "month": "month", "months": "month", "year": "year",
-                "years": "year", "quarter": "quarter", "quarters": "quarter", "decade": "decade"}
+RELATIVE_DAYS = {
+    "today": "day+0",
+    "tonight": "day+0",
+    "tomorrow": "day+1",
+    "yesterday": "day-1",
+    "weekend": "weekend",
+    "weekday": "weekday",
+    "weekdays": "weekday",
+    "weekends": "weekend",
+    "morning": "morning",
+    "afternoon": "afternoon",
+    "evening": "evening",
+    "night": "night",
+    "overnight": "night",
+    "noon": "noon",
+    "midnight": "midnight",
+}
+RELATIVE_MARKERS = {
+    "next": "+1",
+    "last": "-1",
+    "previous": "-1",
+    "past": "-1",
+    "this": "0",
+    "current": "0",
+    "coming": "+1",
+    "following": "+1",
+    "upcoming": "+1",
+}
+PERIOD_NOUNS = {
+    "week": "week",
+    "weeks": "week",
+    "month": "month",
+    "months": "month",
+    "year": "year",
+    "years": "year",
+    "quarter": "quarter",
+    "quarters": "quarter",
+    "decade": "decade",
+}
 
 UNIT_GROUPS = {
-    "km": "kilometre kilometer kilometres kilometers km kms", "mile": "mile miles mi", "metre": "metre meter metres meters m",
-    "cm": "cm centimetre centimeter centimetres centimeters", "mm": "mm millimetre millimeter millimeters",
-    "inch": "inch inches in.", "foot": "foot feet ft", "yard": "yard yards yd",
-    "kg": "kg kilogram kilograms kilo kilos kgs", "lb": "lb lbs pound pounds", "gram": "g gram grams gramme",
-    "ounce": "oz ounce ounces", "ton": "ton tons tonne tonnes", "celsius": "celsius centigrade °c",
-    "fahrenheit": "fahrenheit °f", "kelvin": "kelvin", "usd": "usd dollar dollars $ us$ bucks",
-    "eur": "eur euro euros €", "gbp": "gbp sterling £", "jpy": "jpy yen ¥", "cny": "cny yuan rmb renminbi",
-    "inr": "inr rupee rupees", "btc": "btc bitcoin bitcoins", "chf": "chf franc francs", "cad": "cad",
-    "aud": "aud", "kb": "kb kilobyte kilobytes", "mb": "mb megabyte megabytes", "gb": "gb gigabyte gigabytes",
-    "tb": "tb terabyte terabytes", "mbps": "mbps", "gbps": "gbps", "litre": "litre liter litres liters l",
-    "ml": "ml millilitre milliliter millilitres milliliters", "gallon": "gallon gallons gal", "cup": "cup cups",
-    "mph": "mph", "kmh": "kmh km/h kph", "knot": "knot knots", "kwh": "kwh", "watt": "watt watts w", "calorie":
-    "calorie calories kcal cal", "joule": "joule joules", "second": "second seconds sec secs",
-    "minute": "minute minutes min mins", "hour": "hour hours hr hrs", "day": "day days", "week": "week weeks", "percent": "percent percentage %",
-    "degree": "degree degrees", "acre": "acre acres", "hectare": "hectare hectares",
+    "km": "kilometre kilometer kilometres kilometers km kms",
+    "mile": "mile miles mi",
+    "metre": "metre meter metres meters m",
+    "cm": "cm centimetre centimeter centimetres centimeters",
+    "mm": "mm millimetre millimeter millimeters",
+    "inch": "inch inches in.",
+    "foot": "foot feet ft",
+    "yard": "yard yards yd",
+    "kg": "kg kilogram kilograms kilo kilos kgs",
+    "lb": "lb lbs pound pounds",
+    "gram": "g gram grams gramme",
+    "ounce": "oz ounce ounces",
+    "ton": "ton tons tonne tonnes",
+    "celsius": "celsius centigrade °c",
+    "fahrenheit": "fahrenheit °f",
+    "kelvin": "kelvin",
+    "usd": "usd dollar dollars $ us$ bucks",
+    "eur": "eur euro euros €",
+    "gbp": "gbp sterling £",
+    "jpy": "jpy yen ¥",
+    "cny": "cny yuan rmb renminbi",
+    "inr": "inr rupee rupees",
+    "btc": "btc bitcoin bitcoins",
+    "chf": "chf franc francs",
+    "cad": "cad",
+    "aud": "aud",
+    "kb": "kb kilobyte kilobytes",
+    "mb": "mb megabyte megabytes",
+    "gb": "gb gigabyte gigabytes",
+    "tb": "tb terabyte terabytes",
+    "mbps": "mbps",
+    "gbps": "gbps",
+    "litre": "litre liter litres liters l",
+    "ml": "ml millilitre milliliter millilitres milliliters",
+    "gallon": "gallon gallons gal",
+    "cup": "cup cups",
+    "mph": "mph",
+    "kmh": "kmh km/h kph",
+    "knot": "knot knots",
+    "kwh": "kwh",
+    "watt": "watt watts w",
+    "calorie": "calorie calories kcal cal",
+    "joule": "joule joules",
+    "second": "second seconds sec secs",
+    "minute": "minute minutes min mins",
+    "hour": "hour hours hr hrs",
+    "day": "day days",
+    "week": "week weeks",
+    "percent": "percent percentage %",
+    "degree": "degree degrees",
+    "acre": "acre acres",
+    "hectare": "hectare hectares",
 }
 UNITS = {alias: unit for unit, aliases in UNIT_GROUPS.items() for alias in aliases.split()}
 AMBIGUOUS_UNITS = frozenset({"m", "l", "g", "w", "in.", "min", "cal", "mi"})  # count only right after a number
 
-PERIODS = {"monthly": "month", "month": "month", "months": "month", "mo": "month", "annual": "year", "annually":
-           "year", "yearly": "year", "year": "year", "years": "year", "yr": "year", "weekly": "week", "week": "week",
-           "daily": "day", "quarterly": "quarter", "quarter": "quarter", "lifetime": "lifetime", "one-time": "once",
-           "biannual": "half-year", "semiannual": "half-year", "hourly": "hour"}
-TIERS = frozenset("free basic starter standard plus pro professional premium business team teams enterprise ultimate "
-                  "gold silver platinum bronze trial family student individual personal lite essentials".split())
+PERIODS = {
+    "monthly": "month",
+    "month": "month",
+    "months": "month",
+    "mo": "month",
+    "annual": "year",
+    "annually": "year",
+    "yearly": "year",
+    "year": "year",
+    "years": "year",
+    "yr": "year",
+    "weekly": "week",
+    "week": "week",
+    "daily": "day",
+    "quarterly": "quarter",
+    "quarter": "quarter",
+    "lifetime": "lifetime",
+    "one-time": "once",
+    "biannual": "half-year",
+    "semiannual": "half-year",
+    "hourly": "hour",
+}
+TIERS = frozenset(
+    "free basic starter standard plus pro professional premium business team teams enterprise ultimate "
+    "gold silver platinum bronze trial family student individual personal lite essentials".split()
+)
 
-COMPARATIVES = {"more": "more", "less": "less", "fewer": "less", "most": "most", "least": "least", "better": "better",
-                "worse": "worse", "best": "best", "worst": "worst", "top": "best", "greatest": "best"}
-NOT_COMPARATIVE = frozenset("""after over under never ever other another either neither whether together rather
+COMPARATIVES = {
+    "more": "more",
+    "less": "less",
+    "fewer": "less",
+    "most": "most",
+    "least": "least",
+    "better": "better",
+    "worse": "worse",
+    "best": "best",
+    "worst": "worst",
+    "top": "best",
+    "greatest": "best",
+}
+NOT_COMPARATIVE = frozenset(
+    """after over under never ever other another either neither whether together rather
 number numbers order orders user users water paper later remember member members computer computers customer
 customers server servers router printer printers player players power folder folders filter filters password
 passwords offer offers error errors answer answers register transfer transfers cancer center centre letter letters
@@ -99,30 +215,96 @@ matter master enter winter summer river rivers border borders driver drivers par
 owner owners teacher teachers provider providers charger chargers container containers reader trainer cluster
 register consider cover discover deliver gather hover render suffer whatever however wherever whenever
 forest interest interests request requests latest guest guests test tests rest best west nest est honest modest
-suggest suggests invest priest contest""".split())
+suggest suggests invest priest contest""".split()
+)
 
-QUANTIFIERS = {"all": "all", "every": "all", "each": "all", "everyone": "all", "everything": "all", "entire": "all",
-               "whole": "all", "any": "some", "some": "some", "anyone": "some", "someone": "some", "anything": "some",
-               "something": "some", "few": "few", "several": "several", "many": "many", "most": "most", "both": "both",
-               "either": "either", "only": "only", "just": "", "half": "half", "majority": "most", "minority": "few",
-               "single": "one", "multiple": "several", "none": "none", "no": "none"}
+QUANTIFIERS = {
+    "all": "all",
+    "every": "all",
+    "each": "all",
+    "everyone": "all",
+    "everything": "all",
+    "entire": "all",
+    "whole": "all",
+    "any": "some",
+    "some": "some",
+    "anyone": "some",
+    "someone": "some",
+    "anything": "some",
+    "something": "some",
+    "few": "few",
+    "several": "several",
+    "many": "many",
+    "most": "most",
+    "both": "both",
+    "either": "either",
+    "only": "only",
+    "just": "",
+    "half": "half",
+    "majority": "most",
+    "minority": "few",
+    "single": "one",
+    "multiple": "several",
+    "none": "none",
+    "no": "none",
+}
 
 DIRECTION_MARKERS = frozenset("from to into onto toward towards than before after over under versus vs against".split())
 RELATION_WORDS = DIRECTION_MARKERS | frozenset("of for with by on in at".split())
 
-NUMBER_WORDS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve "
-                                            "thirteen fourteen fifteen sixteen seventeen eighteen nineteen twenty".split())}
-NUMBER_WORDS |= {"thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70, "eighty": 80, "ninety": 90,
-                 "hundred": 100, "thousand": 1000, "million": 10**6, "billion": 10**9, "dozen": 12, "twice": 2,
-                 "double": 2, "triple": 3, "single": 1, "half": 0.5, "quarter": 0.25, "couple": 2}
-ORDINALS = {w: i + 1 for i, w in enumerate("first second third fourth fifth sixth seventh eighth ninth tenth "
-                                            "eleventh twelfth".split())}
+NUMBER_WORDS = {
+    w: i
+    for i, w in enumerate(
+        "zero one two three four five six seven eight nine ten eleven twelve "
+        "thirteen fourteen fifteen sixteen seventeen eighteen nineteen twenty".split()
+    )
+}
+NUMBER_WORDS |= {
+    "thirty": 30,
+    "forty": 40,
+    "fifty": 50,
+    "sixty": 60,
+    "seventy": 70,
+    "eighty": 80,
+    "ninety": 90,
+    "hundred": 100,
+    "thousand": 1000,
+    "million": 10**6,
+    "billion": 10**9,
+    "dozen": 12,
+    "twice": 2,
+    "double": 2,
+    "triple": 3,
+    "single": 1,
+    "half": 0.5,
+    "quarter": 0.25,
+    "couple": 2,
+}
+ORDINALS = {
+    w: i + 1
+    for i, w in enumerate("first second third fourth fifth sixth seventh eighth ninth tenth eleventh twelfth".split())
+}
 ORDINAL_SUFFIX = re.compile(r"^(\d+)(st|nd|rd|th)$")
 
 
-GuardReason = Literal["below_threshold", "numbers", "arithmetic", "negation", "antonym", "date", "unit", "billing_period",
-                      "plan_tier", "entity", "direction", "order", "comparative", "quantifier", "substitution",
-                      "verifier"]
+GuardReason = Literal[
+    "below_threshold",
+    "numbers",
+    "arithmetic",
+    "negation",
+    "antonym",
+    "date",
+    "unit",
+    "billing_period",
+    "plan_tier",
+    "entity",
+    "direction",
+    "order",
+    "comparative",
+    "quantifier",
+    "substitution",
+    "verifier",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +340,11 @@ def lemma(word: str) -> str:
     """A light, rule-based normaliser: plural/-ed/-ing forms to a shared stem."""
     word = word.strip("'-")
     for suffix, keep in (("ies", "y"), ("ied", "y"), ("sses", "ss"), ("ing", ""), ("ed", ""), ("es", ""), ("s", "")):
-        if word.endswith(suffix) and len(word) - len(suffix) >= 3 and not word.endswith("ss" if suffix == "s" else "\0"):
+        if (
+            word.endswith(suffix)
+            and len(word) - len(suffix) >= 3
+            and not word.endswith("ss" if suffix == "s" else "\0")
+        ):
             stem = word[: -len(suffix)] + keep
             return stem[:-1] if len(stem) > 3 and stem[-1] == stem[-2] and stem[-1] not in "lsz" else stem
     return word
@@ -211,7 +397,7 @@ def _prefix_negated(a: Text, b: Text) -> bool:
     lemmas_b = b.lemma_set
     for word in a.lemma_set - lemmas_b:
         for prefix in NEGATING_PREFIXES:
-            if word.startswith(prefix) and len(word) - len(prefix) >= 4 and word[len(prefix):] in lemmas_b:
+            if word.startswith(prefix) and len(word) - len(prefix) >= 4 and word[len(prefix) :] in lemmas_b:
                 return True
     return False
 
@@ -276,7 +462,8 @@ def _dates(text: Text) -> frozenset[str]:
     if "may" in words:  # the month, not the verb: "in May", "May 5"
         index = words.index("may")
         if (index > 0 and words[index - 1] in ("in", "of", "since", "until", "by")) or (
-                index + 1 < len(words) and words[index + 1][0].isdigit()):
+            index + 1 < len(words) and words[index + 1][0].isdigit()
+        ):
             found.add("may")
     return frozenset(found)
 
@@ -307,8 +494,20 @@ def billing(a: Text, b: Text) -> str | None:
 def _periods(text: Text) -> frozenset[str]:
     found = set()
     for i, word in enumerate(text.words):
-        if word in ("monthly", "annual", "annually", "yearly", "weekly", "daily", "quarterly", "lifetime", "hourly",
-                    "biannual", "semiannual", "one-time"):
+        if word in (
+            "monthly",
+            "annual",
+            "annually",
+            "yearly",
+            "weekly",
+            "daily",
+            "quarterly",
+            "lifetime",
+            "hourly",
+            "biannual",
+            "semiannual",
+            "one-time",
+        ):
             found.add(PERIODS[word])
         elif word in PERIODS and i > 0 and text.words[i - 1] in ("per", "a", "each", "every", "/"):
             found.add(PERIODS[word])
@@ -349,15 +548,17 @@ def _mixed_token(word: str) -> bool:
     """A digit followed later by a letter ('4K', '5G', '3rdParty') or lower case then upper ('iOS').
     Written as scans, not one regex: `\\w*\\d\\w*[A-Za-z]\\w*` backtracks quadratically on long digit runs."""
     first_digit = next((i for i, c in enumerate(word) if c.isdigit()), None)
-    if first_digit is not None and any(c.isascii() and c.isalpha() for c in word[first_digit + 1:]):
+    if first_digit is not None and any(c.isascii() and c.isalpha() for c in word[first_digit + 1 :]):
         return True
     return MIXED_CASE.match(word) is not None
 
 
-QUESTION_STARTS = frozenset("""is are was were do does did can could will would should shall may might must has have
+QUESTION_STARTS = frozenset(
+    """is are was were do does did can could will would should shall may might must has have
 had what which who whom whose when where why how please tell give show explain list describe help hey hi hello i
 find compare convert calculate translate check set change update reset cancel delete create make book order buy get
-send add remove open close turn enable disable""".split())
+send add remove open close turn enable disable""".split()
+)
 OPENERS = STOPWORDS | QUESTION_STARTS
 
 
@@ -379,7 +580,7 @@ def direction(a: Text, b: Text) -> str | None:
     terms_a, terms_b = _content_positions(a), _content_positions(b)
     shared = [t for t in terms_a if t in terms_b]
     for i, first in enumerate(shared):
-        for second in shared[i + 1:]:
+        for second in shared[i + 1 :]:
             if (terms_a[first] < terms_a[second]) == (terms_b[first] < terms_b[second]):
                 continue
             between_a = _between(a, terms_a[first], terms_a[second])
@@ -391,7 +592,7 @@ def direction(a: Text, b: Text) -> str | None:
 
 def _between(text: Text, i: int, j: int) -> set[str]:
     low, high = sorted((i, j))
-    return set(text.words[low + 1: high]) if high - low <= 4 else set()
+    return set(text.words[low + 1 : high]) if high - low <= 4 else set()
 
 
 def _content_positions(text: Text) -> dict[str, int]:
@@ -404,7 +605,7 @@ def _content_positions(text: Text) -> dict[str, int]:
 
 def _marker_between(text: Text, i: int, j: int, markers: set[str]) -> bool:
     low, high = sorted((i, j))
-    return any(w in markers for w in text.words[low + 1: high])
+    return any(w in markers for w in text.words[low + 1 : high])
 
 
 def entity_order(a: Text, b: Text) -> str | None:
@@ -413,7 +614,7 @@ def entity_order(a: Text, b: Text) -> str | None:
     order_a, order_b = _entity_sequence(a.raw), _entity_sequence(b.raw)
     shared = [e for e in order_a if e in order_b]
     for i, first in enumerate(shared):
-        for second in shared[i + 1:]:
+        for second in shared[i + 1 :]:
             if order_b.index(first) > order_b.index(second):
                 return "order"
     return None
@@ -428,9 +629,11 @@ def _entity_sequence(raw: str) -> list[str]:
     return sequence
 
 
-NOUN_SLOT = frozenset("""a an the this that these those my your our their his her its some any each every no for of
+NOUN_SLOT = frozenset(
+    """a an the this that these those my your our their his her its some any each every no for of
 in on at with from by about into without per many much few several is are was were be been do does did can could
-should would will""".split())
+should would will""".split()
+)
 PRONOUNS = frozenset("i you we they he she it".split())
 
 
@@ -474,8 +677,18 @@ def comparatives(a: Text, b: Text) -> str | None:
     return "comparative" if found_a and found_b and found_a != found_b else None
 
 
-COMPARISON_SYNONYMS = {"tall": "high", "big": "large", "great": "large", "huge": "large", "little": "small",
-                       "tiny": "small", "quick": "fast", "rapid": "fast", "cheap": "cheap", "low": "low"}
+COMPARISON_SYNONYMS = {
+    "tall": "high",
+    "big": "large",
+    "great": "large",
+    "huge": "large",
+    "little": "small",
+    "tiny": "small",
+    "quick": "fast",
+    "rapid": "fast",
+    "cheap": "cheap",
+    "low": "low",
+}
 
 
 def _canonical_comparison(word: str) -> str:
@@ -517,16 +730,62 @@ def _quantifiers(text: Text) -> frozenset[str]:
 # Arithmetic: the operation, not only its numbers. An operator or function word counts when a number
 # stands within ARITHMETIC_REACH tokens of it ('add a user' is not arithmetic; 'add 5 to 7' is).
 ARITHMETIC_TOKEN = re.compile(r"\d+(?:\.\d+)?|[+*×÷^=]|(?<=\s)[-/](?=\s)|[A-Za-z]+")
-OPERATOR_WORDS = {"+": "+", "plus": "+", "add": "+", "added": "+", "sum": "+", "-": "-", "minus": "-",
-                  "subtract": "-", "subtracted": "-", "difference": "-", "*": "*", "×": "*", "x": "*", "times": "*",
-                  "multiplied": "*", "multiply": "*", "product": "*", "/": "/", "÷": "/", "divided": "/",
-                  "divide": "/", "quotient": "/", "^": "^", "power": "^", "exponent": "^", "mod": "mod",
-                  "modulo": "mod", "remainder": "mod"}
-MATH_FUNCTIONS = {"root": "root", "sqrt": "root", "square": "square", "squared": "square", "cube": "cube",
-                  "cubed": "cube", "log": "log", "logarithm": "log", "ln": "ln", "sin": "sin", "sine": "sin",
-                  "cos": "cos", "cosine": "cos", "tan": "tan", "tangent": "tan", "factorial": "factorial",
-                  "derivative": "derivative", "integral": "integral", "average": "mean", "mean": "mean",
-                  "median": "median", "inverse": "inverse", "reciprocal": "inverse", "absolute": "abs"}
+OPERATOR_WORDS = {
+    "+": "+",
+    "plus": "+",
+    "add": "+",
+    "added": "+",
+    "sum": "+",
+    "-": "-",
+    "minus": "-",
+    "subtract": "-",
+    "subtracted": "-",
+    "difference": "-",
+    "*": "*",
+    "×": "*",
+    "x": "*",
+    "times": "*",
+    "multiplied": "*",
+    "multiply": "*",
+    "product": "*",
+    "/": "/",
+    "÷": "/",
+    "divided": "/",
+    "divide": "/",
+    "quotient": "/",
+    "^": "^",
+    "power": "^",
+    "exponent": "^",
+    "mod": "mod",
+    "modulo": "mod",
+    "remainder": "mod",
+}
+MATH_FUNCTIONS = {
+    "root": "root",
+    "sqrt": "root",
+    "square": "square",
+    "squared": "square",
+    "cube": "cube",
+    "cubed": "cube",
+    "log": "log",
+    "logarithm": "log",
+    "ln": "ln",
+    "sin": "sin",
+    "sine": "sin",
+    "cos": "cos",
+    "cosine": "cos",
+    "tan": "tan",
+    "tangent": "tan",
+    "factorial": "factorial",
+    "derivative": "derivative",
+    "integral": "integral",
+    "average": "mean",
+    "mean": "mean",
+    "median": "median",
+    "inverse": "inverse",
+    "reciprocal": "inverse",
+    "absolute": "abs",
+}
 ARITHMETIC_REACH = 3
 
 
@@ -551,14 +810,26 @@ def _arithmetic(raw: str) -> tuple[Counter, list[float]]:
     found: Counter = Counter()
     for i, token in enumerate(tokens):
         kind = OPERATOR_WORDS.get(token) or MATH_FUNCTIONS.get(token)
-        if kind and any(numeric[max(0, i - ARITHMETIC_REACH): i + ARITHMETIC_REACH + 1]):
+        if kind and any(numeric[max(0, i - ARITHMETIC_REACH) : i + ARITHMETIC_REACH + 1]):
             found[kind] += 1
     order = [float(t) if t[0].isdigit() else float(NUMBER_WORDS[t]) for t, n in zip(tokens, numeric) if n]
     return found, order
 
 
-GUARDS = (numbers, arithmetic, negation, antonym, dates, units, billing, entities, direction, entity_order, comparatives,
-          quantifiers)
+GUARDS = (
+    numbers,
+    arithmetic,
+    negation,
+    antonym,
+    dates,
+    units,
+    billing,
+    entities,
+    direction,
+    entity_order,
+    comparatives,
+    quantifiers,
+)
 
 
 def check(query: str, cached: str, score: float, threshold: float, similar: WordSimilarity | None = None) -> Verdict:

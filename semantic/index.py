@@ -95,7 +95,7 @@ class PartitionedIndex:
             thread.join(timeout_s)
 
     def kind(self, partition: str) -> str:
-        """"exhaustive" or "ivf" (for tests and benchmarks)."""
+        """ "exhaustive" or "ivf" (for tests and benchmarks)."""
         with self.lock:
             return "ivf" if self.partitions[partition].trained_size else "exhaustive"
 
@@ -107,8 +107,12 @@ class PartitionedIndex:
     def _start_rebuild(self, partition: str, part: _Partition) -> None:  # caller holds the lock
         ids, vectors = _contents(part.index)
         part.pending = []
-        thread = threading.Thread(target=self._rebuild, args=(partition, part, ids, vectors),
-                                  name="strata-semantic-index-rebuild", daemon=True)
+        thread = threading.Thread(
+            target=self._rebuild,
+            args=(partition, part, ids, vectors),
+            name="strata-semantic-index-rebuild",
+            daemon=True,
+        )
         self.rebuilds = [t for t in self.rebuilds if t.is_alive()] + [thread]
         thread.start()
 
@@ -146,8 +150,9 @@ def _inverted(dim: int, size: int, sample: np.ndarray) -> faiss.Index:
     hash-table direct map (any id removed at once)."""
     num_lists = max(64, int(2 * math.sqrt(size)))
     quantizer = faiss.IndexFlatIP(dim)
-    index = faiss.IndexIVFScalarQuantizer(quantizer, dim, num_lists, faiss.ScalarQuantizer.QT_fp16,
-                                          faiss.METRIC_INNER_PRODUCT, False)
+    index = faiss.IndexIVFScalarQuantizer(
+        quantizer, dim, num_lists, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT, False
+    )
     index.cp.max_points_per_centroid = POINTS_PER_LIST
     index.cp.niter = 10
     index.train(sample)

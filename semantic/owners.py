@@ -39,13 +39,17 @@ class Selector:
 
     def where(self, prefix: str = "") -> tuple[str, list[str]]:
         """SQL conditions on the named session and end user ("" when neither is named), and their values."""
-        named = [(column, value) for column, value in (("session", self.session), ("end_user", self.end_user))
-                 if value is not None]
+        named = [
+            (column, value)
+            for column, value in (("session", self.session), ("end_user", self.end_user))
+            if value is not None
+        ]
         return " AND ".join(f"{prefix}{column} = ?" for column, _ in named), [value for _, value in named]
 
     def matches(self, owner: Owner) -> bool:
-        return (self.session is None or owner.session == self.session) and \
-            (self.end_user is None or owner.end_user == self.end_user)
+        return (self.session is None or owner.session == self.session) and (
+            self.end_user is None or owner.end_user == self.end_user
+        )
 
     def selects(self, label: str) -> bool:
         """Whether an owner_label() names an owner this selector purges."""
@@ -70,8 +74,10 @@ class OwnerTable:
     def __init__(self, db: sqlite3.Connection, name: str, key_type: str):
         self.db = db
         self.name = name
-        db.execute(f"CREATE TABLE IF NOT EXISTS {name} (key {key_type} NOT NULL, session TEXT NOT NULL, "
-                   f"end_user TEXT NOT NULL, PRIMARY KEY (key, session, end_user))")
+        db.execute(
+            f"CREATE TABLE IF NOT EXISTS {name} (key {key_type} NOT NULL, session TEXT NOT NULL, "
+            f"end_user TEXT NOT NULL, PRIMARY KEY (key, session, end_user))"
+        )
 
     def add(self, key, owner: Owner) -> None:
         self.db.execute(f"INSERT OR IGNORE INTO {self.name} VALUES (?, ?, ?)", (key, owner.session, owner.end_user))
@@ -80,14 +86,21 @@ class OwnerTable:
         """Remove the selector's ownership of the tenant's entries (`entries`, keyed by `key_column`,
         with a `tenant` column); return the keys left with no owner, which the caller deletes."""
         if selector.whole_tenant:
-            keys = [row[0] for row in self.db.execute(f"SELECT {key_column} FROM {entries} WHERE tenant = ?",
-                                                      (selector.tenant,))]
+            keys = [
+                row[0]
+                for row in self.db.execute(f"SELECT {key_column} FROM {entries} WHERE tenant = ?", (selector.tenant,))
+            ]
             self.forget(keys)
             return keys
         joined, values = selector.where("o.")
-        keys = [row[0] for row in self.db.execute(
-            f"SELECT DISTINCT o.key FROM {self.name} o JOIN {entries} e ON e.{key_column} = o.key "
-            f"WHERE e.tenant = ? AND {joined}", (selector.tenant, *values))]
+        keys = [
+            row[0]
+            for row in self.db.execute(
+                f"SELECT DISTINCT o.key FROM {self.name} o JOIN {entries} e ON e.{key_column} = o.key "
+                f"WHERE e.tenant = ? AND {joined}",
+                (selector.tenant, *values),
+            )
+        ]
         owned = selector.where()[0]
         for key in keys:
             self.db.execute(f"DELETE FROM {self.name} WHERE key = ? AND {owned}", (key, *values))
@@ -100,8 +113,9 @@ class OwnerTable:
         self.db.executemany(f"DELETE FROM {self.name} WHERE key = ?", [(key,) for key in keys])
 
     def owners(self, key) -> list[Owner]:
-        return [Owner(*row) for row in self.db.execute(f"SELECT session, end_user FROM {self.name} WHERE key = ?",
-                                                        (key,))]
+        return [
+            Owner(*row) for row in self.db.execute(f"SELECT session, end_user FROM {self.name} WHERE key = ?", (key,))
+        ]
 
     def sweep(self, entries: str, key_column: str) -> None:
         """Drop the owners of entries that are gone (expired, deleted)."""

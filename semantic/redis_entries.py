@@ -110,24 +110,61 @@ class RedisEntries:
         self.url = url
         client = self.link.client
         self.put_script, self.delete_script = client.register_script(_PUT), client.register_script(_DELETE)
-        self.status_script, self.present_script = client.register_script(_SET_STATUS), client.register_script(_IF_PRESENT)
+        self.status_script, self.present_script = (
+            client.register_script(_SET_STATUS),
+            client.register_script(_IF_PRESENT),
+        )
 
     # -- the contract --------------------------------------------------------------------------
 
-    def put(self, partition: str, scope: Scope, prompt: str, answer: Answer, now: float, expires_at: float | None,
-            vector: np.ndarray) -> tuple[int, bool]:
-        fields = {"partition": partition, "tenant": scope.tenant, "scope": json.dumps(scope.as_dict()),
-                  "prompt": prompt, "answer": answer.text, "finish_reason": answer.finish_reason,
-                  "completion_tokens": answer.completion_tokens, "prompt_tokens": answer.prompt_tokens,
-                  "created_at": repr(float(now)), "expires_at": "" if expires_at is None else repr(float(expires_at))}
-        entry_id, created = self.link.call(self.put_script, args=[
-            self.prefix, _digest(partition, prompt), json.dumps(fields),
-            np.asarray(vector, dtype=np.float32).tobytes(), MAX_CHANGES])
+    def put(
+        self,
+        partition: str,
+        scope: Scope,
+        prompt: str,
+        answer: Answer,
+        now: float,
+        expires_at: float | None,
+        vector: np.ndarray,
+    ) -> tuple[int, bool]:
+        fields = {
+            "partition": partition,
+            "tenant": scope.tenant,
+            "scope": json.dumps(scope.as_dict()),
+            "prompt": prompt,
+            "answer": answer.text,
+            "finish_reason": answer.finish_reason,
+            "completion_tokens": answer.completion_tokens,
+            "prompt_tokens": answer.prompt_tokens,
+            "created_at": repr(float(now)),
+            "expires_at": "" if expires_at is None else repr(float(expires_at)),
+        }
+        entry_id, created = self.link.call(
+            self.put_script,
+            args=[
+                self.prefix,
+                _digest(partition, prompt),
+                json.dumps(fields),
+                np.asarray(vector, dtype=np.float32).tobytes(),
+                MAX_CHANGES,
+            ],
+        )
         return int(entry_id), bool(created)
 
-    def put_many(self, partition: str, scope: Scope, prompts: list[str], answers: list[str], vectors: np.ndarray,
-                 now: float, expires_at: float | None) -> list[int]:
-        return [self.put(partition, scope, p, Answer(a), now, expires_at, v)[0] for p, a, v in zip(prompts, answers, vectors)]
+    def put_many(
+        self,
+        partition: str,
+        scope: Scope,
+        prompts: list[str],
+        answers: list[str],
+        vectors: np.ndarray,
+        now: float,
+        expires_at: float | None,
+    ) -> list[int]:
+        return [
+            self.put(partition, scope, p, Answer(a), now, expires_at, v)[0]
+            for p, a, v in zip(prompts, answers, vectors)
+        ]
 
     def fetch(self, ids: list[int]) -> list[tuple[SemanticEntry, np.ndarray]]:
         ids = [i for i in ids if valid_id(i)]
@@ -144,13 +181,19 @@ class RedisEntries:
 
     def find(self, partition: str, prompt: str) -> int | None:
         found = self.link.call(self.link.client.get, f"{self.prefix}q:{_digest(partition, prompt)}")
-        return int(found) if found is not None and self.link.call(self.link.client.exists, self._entry(int(found))) else None
+        return (
+            int(found)
+            if found is not None and self.link.call(self.link.client.exists, self._entry(int(found)))
+            else None
+        )
 
     def get(self, entry_id: int) -> SemanticEntry | None:
         found = self.fetch([entry_id])
         return found[0][0] if found else None
 
-    def list_entries(self, tenant: str | None = None, status: str | None = None, limit: int = 100) -> list[SemanticEntry]:
+    def list_entries(
+        self, tenant: str | None = None, status: str | None = None, limit: int = 100
+    ) -> list[SemanticEntry]:
         sets = [self.prefix + (f"t:{tenant}" if tenant is not None else "all")]
         if status is not None:
             sets.append(f"{self.prefix}s:{status}")
@@ -162,7 +205,9 @@ class RedisEntries:
         return valid_id(entry_id) and bool(self.link.call(self.status_script, args=[self.prefix, entry_id, status]))
 
     def delete(self, entry_id: int) -> bool:
-        return valid_id(entry_id) and bool(self.link.call(self.delete_script, args=[self.prefix, entry_id, MAX_CHANGES]))
+        return valid_id(entry_id) and bool(
+            self.link.call(self.delete_script, args=[self.prefix, entry_id, MAX_CHANGES])
+        )
 
     def count_hit(self, entry_id: int) -> None:
         self.link.call(self.present_script, args=[self.prefix, entry_id, "hit", ""])
@@ -195,7 +240,7 @@ class RedisEntries:
         ids = self.all_ids()
         out = []
         for start in range(0, len(ids), SCAN_BATCH):
-            batch = ids[start:start + SCAN_BATCH]
+            batch = ids[start : start + SCAN_BATCH]
             for entry_id, (partition, vector) in zip(batch, self._vectors_of(batch)):
                 if partition is not None:
                     out.append((entry_id, partition, vector))
@@ -228,8 +273,12 @@ class RedisEntries:
         vector) for entries still present, ("remove", id); and the new position."""
         if self.follow_link is None:
             self.follow_link = RedisLink(self.url, socket_timeout_s=wait_s + SOCKET_TIMEOUT_S)
-        reply = self.follow_link.call(self.follow_link.client.xread, {self.prefix + "changes": position},
-                                      count=SCAN_BATCH, block=max(1, int(wait_s * 1000)))
+        reply = self.follow_link.call(
+            self.follow_link.client.xread,
+            {self.prefix + "changes": position},
+            count=SCAN_BATCH,
+            block=max(1, int(wait_s * 1000)),
+        )
         records = reply[0][1] if reply else []
         if not records:
             return [], position
@@ -253,8 +302,10 @@ class RedisEntries:
                     pipe.hmget(self._entry(entry_id), "partition", "vector")
                 return pipe.execute()
 
-        return [(p.decode(), np.frombuffer(v, dtype=np.float32)) if p is not None else (None, None)
-                for p, v in (self.link.call(read) if ids else [])]
+        return [
+            (p.decode(), np.frombuffer(v, dtype=np.float32)) if p is not None else (None, None)
+            for p, v in (self.link.call(read) if ids else [])
+        ]
 
     def _release(self, entry_id: int, selector: Selector) -> bool:
         return release_owners(self.link, f"{self.prefix}o:{entry_id}", selector)
@@ -271,8 +322,19 @@ def _parsed(entry_id: int, raw: dict) -> tuple[SemanticEntry, np.ndarray]:
     text = {k.decode(): v for k, v in raw.items()}
     value = {k: v.decode() for k, v in text.items() if k != "vector"}
     expires = value["expires_at"]
-    entry = SemanticEntry(entry_id, value["tenant"], json.loads(value["scope"]), value["prompt"], value["answer"],
-                          float(value["created_at"]), float(expires) if expires else None, int(value["hit_count"]),
-                          value["status"], value["finish_reason"], int(value["completion_tokens"]),
-                          int(value["prompt_tokens"]), value["partition"])
+    entry = SemanticEntry(
+        entry_id,
+        value["tenant"],
+        json.loads(value["scope"]),
+        value["prompt"],
+        value["answer"],
+        float(value["created_at"]),
+        float(expires) if expires else None,
+        int(value["hit_count"]),
+        value["status"],
+        value["finish_reason"],
+        int(value["completion_tokens"]),
+        int(value["prompt_tokens"]),
+        value["partition"],
+    )
     return entry, np.frombuffer(text["vector"], dtype=np.float32)

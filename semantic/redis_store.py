@@ -83,7 +83,9 @@ class RedisStore:
         return True
 
     def purge_expired(self, now: float) -> int:
-        due = [tuple(json.loads(m)) for m in self.link.call(self.client.zrangebyscore, self.prefix + "exp", "-inf", now)]
+        due = [
+            tuple(json.loads(m)) for m in self.link.call(self.client.zrangebyscore, self.prefix + "exp", "-inf", now)
+        ]
         return self._remove([(key, tenant) for tenant, key in due]).num_entries
 
     def purge_tenant(self, tenant: str) -> int:
@@ -102,7 +104,7 @@ class RedisStore:
         keys = self.link.call(lambda: list(self.client.scan_iter(match=self.prefix + "*", count=1000)))
         removed = self.count()
         for start in range(0, len(keys), 1000):
-            self.link.call(self.client.delete, *keys[start:start + 1000])
+            self.link.call(self.client.delete, *keys[start : start + 1000])
         return removed
 
     def close(self) -> None:
@@ -118,7 +120,9 @@ class RedisStore:
         present (Redis may have dropped some by TTL already) and their bytes."""
         if not keys:
             return Purged()
-        raws = [raw for raw in self.link.call(self.client.mget, [self._entry(key) for key, _ in keys]) if raw is not None]
+        raws = [
+            raw for raw in self.link.call(self.client.mget, [self._entry(key) for key, _ in keys]) if raw is not None
+        ]
 
         def write(pipe) -> None:
             for key, tenant in keys:
@@ -144,8 +148,9 @@ class RedisLink:
     """One Redis client whose failures become StoreUnavailable, with the down window above."""
 
     def __init__(self, url: str, socket_timeout_s: float = SOCKET_TIMEOUT_S):
-        self.client = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S,
-                                           socket_timeout=socket_timeout_s, health_check_interval=30)
+        self.client = redis.Redis.from_url(
+            url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=socket_timeout_s, health_check_interval=30
+        )
         self.down_until = 0.0  # time.monotonic() before which calls fail at once
         self.lock = threading.Lock()  # guards down_until
 
@@ -162,6 +167,7 @@ class RedisLink:
 
     def transaction(self, write) -> None:
         """`write(pipe)` queues commands that run in one MULTI/EXEC."""
+
         def run():
             with self.client.pipeline(transaction=True) as pipe:
                 write(pipe)
@@ -202,5 +208,11 @@ def _parse_owner(raw: bytes) -> Owner:
 
 
 def _response(entry: dict) -> StoredResponse:
-    return StoredResponse(entry["text"], entry["finish_reason"], entry["prompt_tokens"], entry["completion_tokens"],
-                          entry["created_at"], entry["expires_at"])
+    return StoredResponse(
+        entry["text"],
+        entry["finish_reason"],
+        entry["prompt_tokens"],
+        entry["completion_tokens"],
+        entry["created_at"],
+        entry["expires_at"],
+    )

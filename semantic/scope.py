@@ -40,4 +40,3 @@ def digest(kind: str, payload: dict) -> str:
     """SHA-256 of canonical JSON (sorted keys, no spaces), domain-separated by `kind`."""
     canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(f"strata-{kind}-v1|".encode() + canonical.encode()).hexdigest()
-

@@ -148,21 +148,26 @@ class SqliteStore:
         with self.lock:
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=NORMAL")
-            self.db.execute("CREATE TABLE IF NOT EXISTS exact_entries (key TEXT PRIMARY KEY, tenant TEXT NOT NULL, "
-                            "expires_at REAL, body TEXT NOT NULL)")
+            self.db.execute(
+                "CREATE TABLE IF NOT EXISTS exact_entries (key TEXT PRIMARY KEY, tenant TEXT NOT NULL, "
+                "expires_at REAL, body TEXT NOT NULL)"
+            )
             self.db.execute("CREATE INDEX IF NOT EXISTS exact_by_tenant ON exact_entries(tenant)")
             self.owners = OwnerTable(self.db, "exact_owners", "TEXT")
 
     def get(self, key: str, now: float) -> StoredResponse | None:
         with self.lock:
-            row = self.db.execute("SELECT body FROM exact_entries WHERE key = ? AND (expires_at IS NULL OR expires_at > ?)",
-                                  (key, now)).fetchone()
+            row = self.db.execute(
+                "SELECT body FROM exact_entries WHERE key = ? AND (expires_at IS NULL OR expires_at > ?)", (key, now)
+            ).fetchone()
         return StoredResponse(**json.loads(row[0])) if row else None
 
     def put(self, key: str, tenant: str, response: StoredResponse, owner: Owner = Owner()) -> None:
         with self.lock:
-            self.db.execute("INSERT OR REPLACE INTO exact_entries (key, tenant, expires_at, body) VALUES (?, ?, ?, ?)",
-                            (key, tenant, response.expires_at, json.dumps(asdict(response))))
+            self.db.execute(
+                "INSERT OR REPLACE INTO exact_entries (key, tenant, expires_at, body) VALUES (?, ?, ?, ?)",
+                (key, tenant, response.expires_at, json.dumps(asdict(response))),
+            )
             self.owners.add(key, owner)
 
     def own(self, key: str, owner: Owner) -> None:
@@ -177,8 +182,9 @@ class SqliteStore:
 
     def purge_expired(self, now: float) -> int:
         with self.lock:
-            removed = self.db.execute("DELETE FROM exact_entries WHERE expires_at IS NOT NULL AND expires_at <= ?",
-                                      (now,)).rowcount
+            removed = self.db.execute(
+                "DELETE FROM exact_entries WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,)
+            ).rowcount
             self.owners.sweep("exact_entries", "key")
             return removed
 
@@ -188,8 +194,10 @@ class SqliteStore:
     def purge(self, selector: Selector) -> Purged:
         with self.lock:
             keys = self.owners.release(selector, "exact_entries", "key")
-            size = sum(self.db.execute("SELECT LENGTH(body) FROM exact_entries WHERE key = ?", (key,)).fetchone()[0]
-                       for key in keys)
+            size = sum(
+                self.db.execute("SELECT LENGTH(body) FROM exact_entries WHERE key = ?", (key,)).fetchone()[0]
+                for key in keys
+            )
             self.db.executemany("DELETE FROM exact_entries WHERE key = ?", [(key,) for key in keys])
             return Purged(len(keys), size)
 

@@ -131,8 +131,9 @@ def pair_features(pieces_a: list[int], pieces_b: list[int], cosine: float) -> np
     bag_a, bag_b = Counter(pieces_a), Counter(pieces_b)
     bigrams_a, bigrams_b = Counter(zip(pieces_a, pieces_a[1:])), Counter(zip(pieces_b, pieces_b[1:]))
     kept_bigrams = sum((bigrams_a & bigrams_b).values()) / max(1, min(len(pieces_a), len(pieces_b)) - 1)
-    unmatched = sorted([sum((bag_a - bag_b).values()) / max(1, len(pieces_a)),
-                        sum((bag_b - bag_a).values()) / max(1, len(pieces_b))])
+    unmatched = sorted(
+        [sum((bag_a - bag_b).values()) / max(1, len(pieces_a)), sum((bag_b - bag_a).values()) / max(1, len(pieces_b))]
+    )
     return np.array([cosine, *unmatched, kept_bigrams, float(bag_a == bag_b)], dtype=np.float32)
 
 
@@ -185,17 +186,19 @@ class Featurizer:
         embedded = torch.zeros(len(pieces), length, dim)
         mask = torch.zeros(len(pieces), length)
         for row, (ids, other) in enumerate(zip(pieces, others)):
-            embedded[row, :len(ids), :-NUM_PIECE_BITS] = self.table[ids]
-            embedded[row, :len(ids), -NUM_PIECE_BITS:] = torch.from_numpy(piece_bits(ids, other))
-            mask[row, :len(ids)] = 1.0
+            embedded[row, : len(ids), :-NUM_PIECE_BITS] = self.table[ids]
+            embedded[row, : len(ids), -NUM_PIECE_BITS:] = torch.from_numpy(piece_bits(ids, other))
+            mask[row, : len(ids)] = 1.0
         return embedded, mask
 
 
 # -- serving -------------------------------------------------------------------------------------
 
 
-WARM_UP_PAIRS = [("How do I reset my password?", "What is the way to reset my password?"),
-                 ("Is tea healthier than coffee for people who sleep badly at night?", "Is coffee healthier than tea?")]
+WARM_UP_PAIRS = [
+    ("How do I reset my password?", "What is the way to reset my password?"),
+    ("Is tea healthier than coffee for people who sleep badly at night?", "Is coffee healthier than tea?"),
+]
 
 
 def compiled(scorer: Ensemble, featurizer: Featurizer) -> torch.jit.ScriptModule:

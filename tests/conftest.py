@@ -34,8 +34,15 @@ def built_model(spec: BuildSpec) -> Path:
 
 @pytest.fixture(scope="session")
 def engine(tiny_model_path):
-    live = Engine(tiny_model_path, TINY, EngineConfig(max_queue=8, prefill_chunk_tokens=64, caches=CacheConfig(
-        prefix_budget_bytes=256 << 20, vision_budget_bytes=64 << 20, block_size=16)))
+    live = Engine(
+        tiny_model_path,
+        TINY,
+        EngineConfig(
+            max_queue=8,
+            prefill_chunk_tokens=64,
+            caches=CacheConfig(prefix_budget_bytes=256 << 20, vision_budget_bytes=64 << 20, block_size=16),
+        ),
+    )
     live.start()
     yield live
     live.stop()
@@ -43,11 +50,23 @@ def engine(tiny_model_path):
 
 @pytest.fixture
 def settings(tmp_path, tiny_model_path) -> Settings:
-    limits = Limits(max_body_bytes=2_000_000, max_image_bytes=1_000_000, max_image_pixels=2000 * 2000,
-                    max_images=4, max_context_tokens=1024, max_output_tokens=512)
+    limits = Limits(
+        max_body_bytes=2_000_000,
+        max_image_bytes=1_000_000,
+        max_image_pixels=2000 * 2000,
+        max_images=4,
+        max_context_tokens=1024,
+        max_output_tokens=512,
+    )
     # engine-only by default; tests of the response layers turn them on
-    return Settings(model=str(tiny_model_path), data_dir=tmp_path / "data", model_name=TINY, limits=limits,
-                    exact_store="off", semantic_enabled=False)
+    return Settings(
+        model=str(tiny_model_path),
+        data_dir=tmp_path / "data",
+        model_name=TINY,
+        limits=limits,
+        exact_store="off",
+        semantic_enabled=False,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -84,9 +103,23 @@ class RedisServer:
         self.port = port
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.folder = folder
-        self.process = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                         "--appendonly", "no", "--dir", str(folder)],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(folder),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 10
         while True:
             try:

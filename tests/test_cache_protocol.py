@@ -14,7 +14,17 @@ import pytest
 from gateway.caches import CacheLayer
 from kvcache import PrefixCache, TenantSalt
 from kvcache.ssd import AdmissionPolicy, SpillRequest, SsdConfig, SsdTier
-from semantic import Answer, ExactCache, MemoryStore, Scope, SemanticCache, SemanticSettings, SqliteEntries, SqliteStore, StoredResponse
+from semantic import (
+    Answer,
+    ExactCache,
+    MemoryStore,
+    Scope,
+    SemanticCache,
+    SemanticSettings,
+    SqliteEntries,
+    SqliteStore,
+    StoredResponse,
+)
 from vision import VisionCache
 
 SALT = TenantSalt(b"s" * 32)

@@ -9,8 +9,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARIES = ("kvcache", "vision", "semantic")
 # besides the standard library and itself: the caches it runs and the model libraries beneath them
-ENGINE_MAY_IMPORT = {"kvcache", "vision", "mlx", "mlx_vlm", "mlx_lm", "numpy", "transformers", "tokenizers",
-                     "safetensors", "PIL", "threadpoolctl", "llguidance", "__future__"}
+ENGINE_MAY_IMPORT = {
+    "kvcache",
+    "vision",
+    "mlx",
+    "mlx_vlm",
+    "mlx_lm",
+    "numpy",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "PIL",
+    "threadpoolctl",
+    "llguidance",
+    "__future__",
+}
 
 
 def _imported_modules(path: Path) -> list[str]:
@@ -46,8 +59,11 @@ def test_the_engine_never_imports_the_http_side():
         f"{path.relative_to(ROOT)} imports {name}"
         for path in (ROOT / "gateway" / "engine").rglob("*.py")
         for name in _imported_modules(path)
-        if not (name == "gateway.engine" or name.startswith("gateway.engine.")
-                or name.split(".")[0] in ENGINE_MAY_IMPORT | sys.stdlib_module_names)
+        if not (
+            name == "gateway.engine"
+            or name.startswith("gateway.engine.")
+            or name.split(".")[0] in ENGINE_MAY_IMPORT | sys.stdlib_module_names
+        )
     ]
     assert violations == []
 

@@ -14,7 +14,18 @@ def test_every_mutant_still_applies(mutant):
 
 def test_the_mutants_cover_the_critical_breakages():
     names = " | ".join(m.name for m in MUTANTS)
-    for needed in ("tenant out of the exact key", "tenant out of the semantic partition", "tenant out of the KV",
-                   "tenant out of the vision", "checksum skipped (read and reindex)", "kept on read", "indexed on reindex",
-                   "writes in place", "folder containment", "no-store", "sampled", "guard removed"):
+    for needed in (
+        "tenant out of the exact key",
+        "tenant out of the semantic partition",
+        "tenant out of the KV",
+        "tenant out of the vision",
+        "checksum skipped (read and reindex)",
+        "kept on read",
+        "indexed on reindex",
+        "writes in place",
+        "folder containment",
+        "no-store",
+        "sampled",
+        "guard removed",
+    ):
         assert needed in names, needed

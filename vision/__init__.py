@@ -7,7 +7,18 @@ from .cache import ImageKey, Purged, VisionCache, VisionCacheStats, VisionSnapsh
 from .images import DecodedImage, ImageError, ImageLimits, PixelHash, decode_data_url, decode_image_bytes, pixel_hash
 
 __all__ = [
-    "DecodedImage", "ImageError", "ImageKey", "ImageLimits", "PixelHash", "Purged", "VisionCache", "VisionCacheStats",
+    "DecodedImage",
+    "ImageError",
+    "ImageKey",
+    "ImageLimits",
+    "PixelHash",
+    "Purged",
+    "VisionCache",
+    "VisionCacheStats",
     "VisionSnapshot",
-    "decode_data_url", "decode_image_bytes", "image_key", "pixel_hash", "processor_fingerprint",
+    "decode_data_url",
+    "decode_image_bytes",
+    "image_key",
+    "pixel_hash",
+    "processor_fingerprint",
 ]

@@ -38,7 +38,8 @@ def image_key(pixel_hash: PixelHash, processor: str, model: str, scope: bytes) -
 
 def _is_plain(value: Any) -> bool:
     return isinstance(value, (int, float, str, bool, type(None))) or (
-        isinstance(value, (list, tuple)) and all(isinstance(v, (int, float, str)) for v in value))
+        isinstance(value, (list, tuple)) and all(isinstance(v, (int, float, str)) for v in value)
+    )
 
 
 @dataclass(slots=True)

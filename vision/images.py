@@ -49,7 +49,7 @@ def decode_data_url(url: str, limits: ImageLimits) -> DecodedImage:
     match = _DATA_URL.match(url)
     if not match or not match.group("b64"):
         raise ImageError("invalid_image_url", "image_url must be a data: URL with base64 content")
-    payload = url[match.end():]
+    payload = url[match.end() :]
     if len(payload) * 3 // 4 > limits.max_bytes:
         raise ImageError("image_too_large", f"image payload exceeds {limits.max_bytes} bytes")
     try:

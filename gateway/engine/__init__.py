@@ -29,19 +29,61 @@ from .constraint import GrammarError, json_schema_grammar
 from .runner import ModelRunner, Sampler, TokenLogprob
 from .tools import ParsedCall, ToolFormat
 from .types import ImagePart, Message, Sampling, TextPart, Tool, ToolCall
-from .worker import (Delta, EmbedJob, Embedded, EngineStopped, EngineWorker, Failed, Finished, Health, Job, OverBudget,
-                     QueueFull, Started, WorkerSnapshot)
+from .worker import (
+    Delta,
+    EmbedJob,
+    Embedded,
+    EngineStopped,
+    EngineWorker,
+    Failed,
+    Finished,
+    Health,
+    Job,
+    OverBudget,
+    QueueFull,
+    Started,
+    WorkerSnapshot,
+)
 
 log = logging.getLogger("strata.engine")
 
 BUILDABLE_FAMILIES = tuple(sorted(RECIPES))  # what `strata build-model --family` builds
 
 __all__ = [
-    "BUILDABLE_FAMILIES", "CacheConfig", "UnsupportedModel", "VISION_FAMILIES", "Delta", "EmbedJob", "Embedded", "Engine",
-    "EngineConfig", "EngineStopped", "Failed", "Health",
-    "Finished", "GrammarError", "ImagePart", "Job", "Message", "ModelRunner", "OverBudget", "ParsedCall", "PreparedPrompt",
-    "PromptError", "QueueFull", "Sampler", "Sampling", "Started", "TextPart", "TokenLogprob", "Tool", "ToolCall", "ToolFormat",
-    "json_schema_grammar", "model_fingerprint", "resolve_model_path",
+    "BUILDABLE_FAMILIES",
+    "CacheConfig",
+    "UnsupportedModel",
+    "VISION_FAMILIES",
+    "Delta",
+    "EmbedJob",
+    "Embedded",
+    "Engine",
+    "EngineConfig",
+    "EngineStopped",
+    "Failed",
+    "Health",
+    "Finished",
+    "GrammarError",
+    "ImagePart",
+    "Job",
+    "Message",
+    "ModelRunner",
+    "OverBudget",
+    "ParsedCall",
+    "PreparedPrompt",
+    "PromptError",
+    "QueueFull",
+    "Sampler",
+    "Sampling",
+    "Started",
+    "TextPart",
+    "TokenLogprob",
+    "Tool",
+    "ToolCall",
+    "ToolFormat",
+    "json_schema_grammar",
+    "model_fingerprint",
+    "resolve_model_path",
 ]
 
 
@@ -147,8 +189,15 @@ def resolve_model_path(model: str, data_dir: Path) -> Path:
 def model_fingerprint(model_path: Path) -> str:
     digest = hashlib.sha256(b"strata-model-v2")
     # every file that can change the outputs: weights, architecture, tokenizer, chat template, processor
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                 "preprocessor_config.json", "processor_config.json"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "preprocessor_config.json",
+        "processor_config.json",
+    ):
         path = model_path / name
         if path.exists():
             digest.update(name.encode() + b"\0" + path.read_bytes())

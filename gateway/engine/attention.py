@@ -26,8 +26,9 @@ import numpy as np
 LOG2E = 1.4426950408889634
 
 
-def causal_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                     mask: np.ndarray | None = None) -> mx.array:
+def causal_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: np.ndarray | None = None
+) -> mx.array:
     """Attention of L queries that are the last L positions of T keys (grouped-query heads). `mask`
     (L, T), True where a query may attend, replaces the plain causal mask (e.g. a sliding window)."""
     q, k, v = (np.asarray(x.astype(mx.float32)) for x in (queries, keys, values))  # numpy has no bfloat16
@@ -37,7 +38,7 @@ def causal_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
     grouped = q.reshape(batch, num_kv_heads, group * num_queries, head_dim) * np.float32(scale * LOG2E)
     scores = np.matmul(grouped, k.transpose(0, 1, 3, 2)).reshape(batch, num_kv_heads, group, num_queries, num_keys)
     if mask is None:
-        scores[..., num_keys - num_queries:] += _causal_bias(num_queries)
+        scores[..., num_keys - num_queries :] += _causal_bias(num_queries)
     else:
         scores += np.where(mask, np.float32(0), np.float32(-np.inf))
     scores -= scores.max(axis=-1, keepdims=True)
@@ -93,8 +94,9 @@ def with_globals(base: type, name: str, replacements: dict) -> type | None:
     used = {key: value for key, value in replacements.items() if key in code.co_names}
     if not used:
         return None
-    patched = types.FunctionType(code, dict(sys.modules[base.__module__].__dict__, **used), call.__name__,
-                                 call.__defaults__, call.__closure__)
+    patched = types.FunctionType(
+        code, dict(sys.modules[base.__module__].__dict__, **used), call.__name__, call.__defaults__, call.__closure__
+    )
     patched.__kwdefaults__ = call.__kwdefaults__
     return type(name, (base,), {"__call__": patched})
 
@@ -113,7 +115,12 @@ def _cpu_prefill(original):
             allowed = np.asarray(mask)
             first = _first_visible_key(allowed)
             if first:
-                keys, values, mask, allowed = keys[..., first:, :], values[..., first:, :], mask[:, first:], allowed[:, first:]
+                keys, values, mask, allowed = (
+                    keys[..., first:, :],
+                    values[..., first:, :],
+                    mask[:, first:],
+                    allowed[:, first:],
+                )
         if queries.shape[2] > 1 and not args and kwargs.get("sinks") is None and isinstance(keys, mx.array):
             if isinstance(mask, str) and mask == "causal":
                 return causal_attention(queries, keys, values, scale)

@@ -95,16 +95,21 @@ def _qwen2_5_vl_config(size: ModelSize, ids: dict[str, int]) -> dict:
 
 def _qwen_vl_processor(processor_class: str, patch_size: int, normalisation) -> Callable[[ModelSize], dict]:
     """The Qwen VL line's preprocessor: patches merged 2x2, two frames per temporal patch, up to 448² px."""
+
     def files(size: ModelSize) -> dict[str, dict]:
-        return {"preprocessor_config.json": {
-            "image_processor_type": "Qwen2VLImageProcessor",
-            "processor_class": processor_class,
-            "patch_size": patch_size,
-            "merge_size": 2,
-            "temporal_patch_size": 2,
-            "min_pixels": 56 * 56,
-            "max_pixels": 448 * 448,
-        } | _normalised(normalisation)}
+        return {
+            "preprocessor_config.json": {
+                "image_processor_type": "Qwen2VLImageProcessor",
+                "processor_class": processor_class,
+                "patch_size": patch_size,
+                "merge_size": 2,
+                "temporal_patch_size": 2,
+                "min_pixels": 56 * 56,
+                "max_pixels": 448 * 448,
+            }
+            | _normalised(normalisation)
+        }
+
     return files
 
 
@@ -124,10 +129,17 @@ def _qwen3_vl_config(size: ModelSize, ids: dict[str, int]) -> dict:
         "vision_token_id": ids["<|vision_pad|>"],
         "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
         "tie_word_embeddings": True,
-        "text_config": _text_fields(size) | {
-            "model_type": "qwen3_vl", "head_dim": head_dim, "rope_theta": 5000000.0, "tie_word_embeddings": True,
-            "rope_scaling": {"rope_type": "default", "mrope_section": [half - 2 * (half * 5 // 16), half * 5 // 16,
-                                                                       half * 5 // 16], "mrope_interleaved": True},
+        "text_config": _text_fields(size)
+        | {
+            "model_type": "qwen3_vl",
+            "head_dim": head_dim,
+            "rope_theta": 5000000.0,
+            "tie_word_embeddings": True,
+            "rope_scaling": {
+                "rope_type": "default",
+                "mrope_section": [half - 2 * (half * 5 // 16), half * 5 // 16, half * 5 // 16],
+                "mrope_interleaved": True,
+            },
         },
         "vision_config": {
             "model_type": "qwen3_vl",
@@ -190,7 +202,8 @@ def _gemma3_processor(size: ModelSize) -> dict[str, dict]:
             "size": {"height": GEMMA3_IMAGE_SIZE, "width": GEMMA3_IMAGE_SIZE},
             "resample": 2,
             "do_pan_and_scan": False,
-        } | _normalised(HALF),
+        }
+        | _normalised(HALF),
         "processor_config.json": {"processor_class": "Gemma3Processor", "image_seq_length": GEMMA3_IMAGE_TOKENS},
     }
 
@@ -207,7 +220,8 @@ def _smolvlm_config(size: ModelSize, ids: dict[str, int]) -> dict:
         "scale_factor": 2,
         "eos_token_id": [ids["<end_of_utterance>"]],
         "pad_token_id": ids["<|endoftext|>"],
-        "text_config": _text_fields(size) | {"model_type": "llama", "rope_theta": 100000.0, "tie_word_embeddings": False},
+        "text_config": _text_fields(size)
+        | {"model_type": "llama", "rope_theta": 100000.0, "tie_word_embeddings": False},
         "vision_config": _siglip_vision(size, "smolvlm_vision", SMOLVLM_TILE),
     }
 
@@ -223,7 +237,8 @@ def _smolvlm_processor(size: ModelSize) -> dict[str, dict]:
             "size": {"longest_edge": 2 * SMOLVLM_TILE},
             "resample": 1,
             "do_pad": True,
-        } | _normalised(HALF),
+        }
+        | _normalised(HALF),
         "processor_config.json": {"processor_class": "SmolVLMProcessor", "image_seq_len": SMOLVLM_IMAGE_TOKENS},
     }
 
@@ -242,9 +257,14 @@ def _mistral3_config(size: ModelSize, ids: dict[str, int]) -> dict:
         "projector_hidden_act": "gelu",
         "vision_feature_layer": -1,
         "eos_token_id": [ids["</s>"]],
-        "text_config": _text_fields(size) | {"model_type": "mistral", "head_dim": size.hidden_size // size.num_heads,
-                                              "rope_theta": 1000000000.0, "tie_word_embeddings": False,
-                                              "rms_norm_eps": 1e-5},
+        "text_config": _text_fields(size)
+        | {
+            "model_type": "mistral",
+            "head_dim": size.hidden_size // size.num_heads,
+            "rope_theta": 1000000000.0,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5,
+        },
         "vision_config": {
             "model_type": "pixtral",
             "hidden_size": size.vision_hidden_size,
@@ -267,10 +287,16 @@ def _mistral3_processor(size: ModelSize) -> dict[str, dict]:
             "patch_size": {"height": 14, "width": 14},
             "size": {"longest_edge": PIXTRAL_LONGEST_EDGE},
             "resample": 3,
-        } | _normalised(CLIP),
-        "processor_config.json": {"processor_class": "PixtralProcessor", "image_token": "[IMG]",
-                                  "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]",
-                                  "patch_size": 14, "spatial_merge_size": 2},
+        }
+        | _normalised(CLIP),
+        "processor_config.json": {
+            "processor_class": "PixtralProcessor",
+            "image_token": "[IMG]",
+            "image_break_token": "[IMG_BREAK]",
+            "image_end_token": "[IMG_END]",
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+        },
     }
 
 
@@ -292,7 +318,8 @@ def _llava_onevision_config(size: ModelSize, ids: dict[str, int]) -> dict:
         "projector_hidden_act": "gelu",
         "use_image_newline_parameter": True,
         "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
-        "text_config": _text_fields(size) | {"model_type": "qwen2", "rope_theta": 1000000.0, "tie_word_embeddings": True},
+        "text_config": _text_fields(size)
+        | {"model_type": "qwen2", "rope_theta": 1000000.0, "tie_word_embeddings": True},
         "vision_config": _siglip_vision(size, "siglip_vision_model", ONEVISION_TILE) | {"vision_use_head": False},
     }
 
@@ -306,9 +333,15 @@ def _llava_onevision_processor(size: ModelSize) -> dict[str, dict]:
             "image_grid_pinpoints": ONEVISION_PINPOINTS,
             "resample": 3,
             "do_pad": True,
-        } | _normalised(HALF),
-        "processor_config.json": {"processor_class": "LlavaOnevisionProcessor", "num_image_tokens": (ONEVISION_TILE // 14) ** 2,
-                                  "vision_feature_select_strategy": "full", "image_token": "<image>", "video_token": "<video>"},
+        }
+        | _normalised(HALF),
+        "processor_config.json": {
+            "processor_class": "LlavaOnevisionProcessor",
+            "num_image_tokens": (ONEVISION_TILE // 14) ** 2,
+            "vision_feature_select_strategy": "full",
+            "image_token": "<image>",
+            "video_token": "<video>",
+        },
     }
 
 
@@ -378,8 +411,15 @@ HALF = ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
 def _normalised(mean_std: tuple[list[float], list[float]]) -> dict:
     """Preprocessor fields every family here shares: RGB, resized, scaled to [0, 1], normalised."""
     mean, std = mean_std
-    return {"do_convert_rgb": True, "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
-            "do_normalize": True, "image_mean": mean, "image_std": std}
+    return {
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": mean,
+        "image_std": std,
+    }
 
 
 def _text_fields(size: ModelSize) -> dict:
@@ -397,35 +437,91 @@ def _text_fields(size: ModelSize) -> dict:
 
 
 QWEN_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-QWEN_VL_TOKENS = QWEN_TOKENS + ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+QWEN_VL_TOKENS = QWEN_TOKENS + (
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
 QWEN_ENDS = ("<|im_end|>", None, "<|endoftext|>")  # eos, bos, pad
 RECIPES = {
-    "qwen2_5_vl": Recipe("mlx_vlm", QWEN_VL_TOKENS, *QWEN_ENDS, _qwen2_5_vl_config,
-                         _qwen_vl_processor("Qwen2_5_VLProcessor", 14, CLIP)),
-    "qwen3_vl": Recipe("mlx_vlm", QWEN_VL_TOKENS, *QWEN_ENDS, _qwen3_vl_config,
-                       _qwen_vl_processor("Qwen3VLProcessor", 16, HALF)),
-    "gemma3": Recipe("mlx_vlm", ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
-                                 "<end_of_image>", "<image_soft_token>"),
-                     "<end_of_turn>", "<bos>", "<pad>", _gemma3_config, _gemma3_processor),
-    "smolvlm": Recipe("mlx_vlm", ("<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<fake_token_around_image>",
-                                  "<image>", "<global-img>")
-                      + tuple(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)),
-                      "<end_of_utterance>", "<|im_start|>", "<|endoftext|>", _smolvlm_config, _smolvlm_processor),
-    "mistral3": Recipe("mlx_vlm", ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]",
-                                   "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"),
-                       "</s>", "<s>", "<unk>", _mistral3_config, _mistral3_processor),
-    "llava_onevision": Recipe("mlx_vlm", QWEN_TOKENS + ("<image>", "<video>"), *QWEN_ENDS, _llava_onevision_config,
-                              _llava_onevision_processor),
-    "llama": Recipe("mlx_lm", ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                               "<|eot_id|>"), "<|eot_id|>", "<|begin_of_text|>", "<|end_of_text|>", _llama_config),
+    "qwen2_5_vl": Recipe(
+        "mlx_vlm", QWEN_VL_TOKENS, *QWEN_ENDS, _qwen2_5_vl_config, _qwen_vl_processor("Qwen2_5_VLProcessor", 14, CLIP)
+    ),
+    "qwen3_vl": Recipe(
+        "mlx_vlm", QWEN_VL_TOKENS, *QWEN_ENDS, _qwen3_vl_config, _qwen_vl_processor("Qwen3VLProcessor", 16, HALF)
+    ),
+    "gemma3": Recipe(
+        "mlx_vlm",
+        (
+            "<pad>",
+            "<eos>",
+            "<bos>",
+            "<start_of_turn>",
+            "<end_of_turn>",
+            "<start_of_image>",
+            "<end_of_image>",
+            "<image_soft_token>",
+        ),
+        "<end_of_turn>",
+        "<bos>",
+        "<pad>",
+        _gemma3_config,
+        _gemma3_processor,
+    ),
+    "smolvlm": Recipe(
+        "mlx_vlm",
+        ("<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>", "<global-img>")
+        + tuple(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)),
+        "<end_of_utterance>",
+        "<|im_start|>",
+        "<|endoftext|>",
+        _smolvlm_config,
+        _smolvlm_processor,
+    ),
+    "mistral3": Recipe(
+        "mlx_vlm",
+        (
+            "<unk>",
+            "<s>",
+            "</s>",
+            "[INST]",
+            "[/INST]",
+            "[IMG]",
+            "[IMG_BREAK]",
+            "[IMG_END]",
+            "[SYSTEM_PROMPT]",
+            "[/SYSTEM_PROMPT]",
+        ),
+        "</s>",
+        "<s>",
+        "<unk>",
+        _mistral3_config,
+        _mistral3_processor,
+    ),
+    "llava_onevision": Recipe(
+        "mlx_vlm", QWEN_TOKENS + ("<image>", "<video>"), *QWEN_ENDS, _llava_onevision_config, _llava_onevision_processor
+    ),
+    "llama": Recipe(
+        "mlx_lm",
+        ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+        "<|eot_id|>",
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        _llama_config,
+    ),
     "qwen3": Recipe("mlx_lm", QWEN_TOKENS, *QWEN_ENDS, _qwen3_config),
     "qwen3_next": Recipe("mlx_lm", QWEN_TOKENS, *QWEN_ENDS, _qwen3_next_config),
 }
 # Tokens the family's processor reads as tokenizer attributes (Gemma 3: tokenizer.boi_token ...).
 NAMED_TOKENS = {
     "gemma3": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
-    "smolvlm": {"fake_image_token": "<fake_token_around_image>", "image_token": "<image>",
-                "global_image_token": "<global-img>"},
+    "smolvlm": {
+        "fake_image_token": "<fake_token_around_image>",
+        "image_token": "<image>",
+        "global_image_token": "<global-img>",
+    },
 }
 DEFAULT_FAMILY = "qwen2_5_vl"
 
@@ -530,7 +626,9 @@ def _write_tokenizer(out_dir: Path, family: str, recipe: Recipe) -> dict[str, in
         eos_token=recipe.eos_token,
         bos_token=recipe.bos_token,
         pad_token=recipe.pad_token,
-        additional_special_tokens=[t for t in recipe.special_tokens if t not in (recipe.eos_token, recipe.bos_token, recipe.pad_token)],
+        additional_special_tokens=[
+            t for t in recipe.special_tokens if t not in (recipe.eos_token, recipe.bos_token, recipe.pad_token)
+        ],
         extra_special_tokens=named,
     )
     fast.chat_template = (ASSETS / "templates" / f"{family}.jinja").read_text()
@@ -556,8 +654,12 @@ def _write_weights(config: dict, out_dir: Path, spec: BuildSpec, recipe: Recipe)
     config["torch_dtype"] = spec.dtype
     if spec.quantize:
         quantized = model.language_model if recipe.library == "mlx_vlm" else model
-        nn.quantize(quantized, group_size=QUANT_GROUP_SIZE, bits=spec.quantize,
-                    class_predicate=lambda path, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % QUANT_GROUP_SIZE == 0)
+        nn.quantize(
+            quantized,
+            group_size=QUANT_GROUP_SIZE,
+            bits=spec.quantize,
+            class_predicate=lambda path, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % QUANT_GROUP_SIZE == 0,
+        )
         config["quantization"] = {"group_size": QUANT_GROUP_SIZE, "bits": spec.quantize}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     weights = dict(tree_flatten(model.parameters()))

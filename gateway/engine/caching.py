@@ -74,23 +74,36 @@ class EngineCaches:
 
     # -- prefix ------------------------------------------------------------------------------
 
-    def open_prefix(self, prompt: PreparedPrompt, salt: TenantSalt, kv_cache: list,
-                    owner: str | None = None) -> tuple[PrefixPlan | None, PrefixReport]:
+    def open_prefix(
+        self, prompt: PreparedPrompt, salt: TenantSalt, kv_cache: list, owner: str | None = None
+    ) -> tuple[PrefixPlan | None, PrefixReport]:
         if self.prefix is None:
             return None, PrefixReport("bypass", num_prompt_tokens=prompt.num_tokens, reason="disabled")
         verdict = cacheability(kv_cache)
         if not verdict.ok:
             return None, PrefixReport("bypass", num_prompt_tokens=prompt.num_tokens, reason=verdict.reason)
-        spans = tuple(ExtraSpan(i.token_start, i.token_start + i.num_tokens, self._image_key(i, salt).encode())
-                      for i in prompt.images)
+        spans = tuple(
+            ExtraSpan(i.token_start, i.token_start + i.num_tokens, self._image_key(i, salt).encode())
+            for i in prompt.images
+        )
         session = self.prefix.open(salt, self.model_fingerprint, prompt.token_ids, spans, owner)
         match = session.match(prompt.num_tokens)
         plan = PrefixPlan(session, match.num_cached_tokens)
         status = "hit" if match.num_cached_tokens else "miss"
         ssd_tokens = min(match.num_ssd_tokens, match.num_cached_tokens)
-        return plan, PrefixReport(status, match.num_cached_tokens, prompt.num_tokens, match.tier, "", ssd_tokens,
-                                  match.miss_reason, match.miss_at_token, match.miss_tier, match.miss_lived_s,
-                                  match.miss_in_image)
+        return plan, PrefixReport(
+            status,
+            match.num_cached_tokens,
+            prompt.num_tokens,
+            match.tier,
+            "",
+            ssd_tokens,
+            match.miss_reason,
+            match.miss_at_token,
+            match.miss_tier,
+            match.miss_lived_s,
+            match.miss_in_image,
+        )
 
     def reserve_running(self, nbytes: int) -> bool:
         """Hold nbytes of the prefix cache's budget for a running sequence's KV (see
@@ -117,7 +130,8 @@ class EngineCaches:
             snapshot = asdict(layer.stats())
             nested = [value for value in snapshot.values() if isinstance(value, dict)]
             out[layer.name] = {k: v for part in nested for k, v in part.items()} | {
-                k: v for k, v in snapshot.items() if not isinstance(v, dict)}
+                k: v for k, v in snapshot.items() if not isinstance(v, dict)
+            }
         return out
 
     def expire(self) -> dict:
@@ -144,13 +158,20 @@ class EngineCaches:
 
     def store(self, plan: PrefixPlan, token_ids: tuple[int, ...], kv_cache: list, num_tokens: int) -> None:
         """Cache the full blocks of token_ids[:num_tokens] (a prompt, or prompt + generated tokens)."""
-        plan.session.store(token_ids, [(c.keys, c.values) for c in kv_cache], num_tokens)  # buffers: tokens [0, offset) valid
+        plan.session.store(
+            token_ids, [(c.keys, c.values) for c in kv_cache], num_tokens
+        )  # buffers: tokens [0, offset) valid
 
     # -- vision ------------------------------------------------------------------------------
 
-    def image_features(self, prompt: PreparedPrompt, salt: TenantSalt, first_needed_token: int,
-                       encode: Callable[[PromptImage], mx.array],
-                       owner: str | None = None) -> tuple[dict[int, mx.array], VisionReport]:
+    def image_features(
+        self,
+        prompt: PreparedPrompt,
+        salt: TenantSalt,
+        first_needed_token: int,
+        encode: Callable[[PromptImage], mx.array],
+        owner: str | None = None,
+    ) -> tuple[dict[int, mx.array], VisionReport]:
         """Features of each image with tokens at or after `first_needed_token`, by image index."""
         features: dict[int, mx.array] = {}
         hits = misses = 0
@@ -179,5 +200,10 @@ def _prefix_cache(config: CacheConfig, model_fingerprint: str) -> PrefixCache:
     if config.ssd is not None:
         quant = f"{config.quant.bits}bit/g{config.quant.group_size}" if config.quant else "none"
         ssd = SsdTier(config.ssd, f"{model_fingerprint}|block={config.block_size}|quant={quant}")
-    return PrefixCache(config.prefix_budget_bytes, config.block_size, ssd, config.quant,
-                       write_through=config.ssd is not None and bool(config.ssd.writer))
+    return PrefixCache(
+        config.prefix_budget_bytes,
+        config.block_size,
+        ssd,
+        config.quant,
+        write_through=config.ssd is not None and bool(config.ssd.writer),
+    )

@@ -80,8 +80,9 @@ class Grammars:
     def closing_tiers(self) -> tuple[np.ndarray, ...]:
         """Per token, for each of QUOTES, CLOSERS, SEPARATORS: whether it is made only of those
         characters (a special token never is). A quote first: inside a string only a quote ends it."""
-        return tuple(np.array([bool(p) and chars.issuperset(p) for p in self._pieces])
-                     for chars in (QUOTES, CLOSERS, SEPARATORS))
+        return tuple(
+            np.array([bool(p) and chars.issuperset(p) for p in self._pieces]) for chars in (QUOTES, CLOSERS, SEPARATORS)
+        )
 
     def check(self, grammar: str) -> None:
         error = _llguidance().LLMatcher.validate_grammar(grammar, self.tokenizer)

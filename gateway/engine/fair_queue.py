@@ -50,8 +50,13 @@ class FairQueue:
             self.size += 1
             self.changed.notify()
 
-    def get(self, block: bool, passed_over: Callable[[bytes], bool] = lambda tenant: False,
-            allowed: Callable[[bytes], bool] = lambda tenant: True, timeout_s: float | None = None):
+    def get(
+        self,
+        block: bool,
+        passed_over: Callable[[bytes], bool] = lambda tenant: False,
+        allowed: Callable[[bytes], bool] = lambda tenant: True,
+        timeout_s: float | None = None,
+    ):
         """The next job in tenant turn order (None when closed, when not blocking and none waits, or
         when none came within timeout_s).
         A tenant for which `passed_over` is true is skipped while another tenant has a job waiting;

@@ -32,16 +32,19 @@ class Family:
     window_as_mask: bool = False
 
 
-VISION_FAMILIES = {f.model_type: f for f in (
-    Family("qwen2_5_vl", "mlx_vlm", "<|image_pad|>", positions="mrope"),
-    Family("qwen2_vl", "mlx_vlm", "<|image_pad|>", positions="mrope"),
-    Family("qwen3_vl", "mlx_vlm", "<|image_pad|>", positions="mrope"),
-    Family("gemma3", "mlx_vlm", "<start_of_image>", window_as_mask=True),
-    Family("smolvlm", "mlx_vlm", "<image>"),
-    Family("idefics3", "mlx_vlm", "<image>"),
-    Family("mistral3", "mlx_vlm", "[IMG]"),
-    Family("llava_onevision", "mlx_vlm", "<image>"),
-)}
+VISION_FAMILIES = {
+    f.model_type: f
+    for f in (
+        Family("qwen2_5_vl", "mlx_vlm", "<|image_pad|>", positions="mrope"),
+        Family("qwen2_vl", "mlx_vlm", "<|image_pad|>", positions="mrope"),
+        Family("qwen3_vl", "mlx_vlm", "<|image_pad|>", positions="mrope"),
+        Family("gemma3", "mlx_vlm", "<start_of_image>", window_as_mask=True),
+        Family("smolvlm", "mlx_vlm", "<image>"),
+        Family("idefics3", "mlx_vlm", "<image>"),
+        Family("mistral3", "mlx_vlm", "[IMG]"),
+        Family("llava_onevision", "mlx_vlm", "<image>"),
+    )
+}
 
 
 class UnsupportedModel(ValueError):
@@ -58,10 +61,13 @@ def family_of(model_path: Path) -> Family:
         raise UnsupportedModel(
             f"model type {model_type!r} is a vision model Strata has no family data for (the image "
             f"placeholder its chat template writes and its position scheme); supported vision families: "
-            f"{', '.join(sorted(VISION_FAMILIES))}")
+            f"{', '.join(sorted(VISION_FAMILIES))}"
+        )
     if not _mlx_lm_loads(model_type):
-        raise UnsupportedModel(f"model type {model_type!r} is loaded by neither mlx-vlm's supported families "
-                               f"({', '.join(sorted(VISION_FAMILIES))}) nor mlx-lm")
+        raise UnsupportedModel(
+            f"model type {model_type!r} is loaded by neither mlx-vlm's supported families "
+            f"({', '.join(sorted(VISION_FAMILIES))}) nor mlx-lm"
+        )
     return Family(model_type, "mlx_lm")
 
 

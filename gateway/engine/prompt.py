@@ -83,17 +83,24 @@ class PromptBuilder:
         self.added_after = len(alone) - self.added_before - 1 if self.placeholder else 0
         # Every added token is matched by the tokenizer wherever its text appears, special or not.
         added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
-        self.control_tokens = tuple(sorted({t.content for t in added.values() if len(t.content) > 1}
-                                           | {t for t in self.tokenizer.all_special_tokens if len(t) > 1}))
+        self.control_tokens = tuple(
+            sorted(
+                {t.content for t in added.values() if len(t.content) > 1}
+                | {t for t in self.tokenizer.all_special_tokens if len(t) > 1}
+            )
+        )
         # A token decodes to at most this many bytes, so a text of n bytes is at least n / this tokens
         # (vocabulary strings are at least as long in UTF-8 as the bytes they stand for).
         self.max_token_bytes = max(len(t.encode("utf-8")) for t in self.tokenizer.get_vocab())
 
-    def build(self, messages: tuple[Message, ...], images: list[DecodedImage], tools: tuple[Tool, ...] = ()) -> PreparedPrompt:
+    def build(
+        self, messages: tuple[Message, ...], images: list[DecodedImage], tools: tuple[Tool, ...] = ()
+    ) -> PreparedPrompt:
         if images and self.placeholder is None:
             raise PromptError("images_unsupported", "this model is a text model: it does not take images")
-        rendered, specs = self.tool_format.template_messages([self._template_message(m) for m in messages],
-                                                             tuple(_marked_tool(tool) for tool in tools))
+        rendered, specs = self.tool_format.template_messages(
+            [self._template_message(m) for m in messages], tuple(_marked_tool(tool) for tool in tools)
+        )
         extra = {"tools": specs} if specs else {}
         marked = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **extra)
         ids = self.tokenizer.encode(self._neutralise(marked), add_special_tokens=False)
@@ -121,8 +128,9 @@ class PromptBuilder:
     def _num_tokens_through(self, prompt: PreparedPrompt, count: int) -> int:
         """Tokens of the first `count` messages rendered alone, images expanded as in the prompt."""
         messages = prompt.messages[:count]
-        rendered, specs = self.tool_format.template_messages([self._template_message(m) for m in messages],
-                                                             tuple(_marked_tool(tool) for tool in prompt.tools))
+        rendered, specs = self.tool_format.template_messages(
+            [self._template_message(m) for m in messages], tuple(_marked_tool(tool) for tool in prompt.tools)
+        )
         extra = {"tools": specs} if specs else {}
         marked = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=False, **extra)
         num_images = sum(isinstance(part, ImagePart) for m in messages for part in m.parts)
@@ -139,9 +147,17 @@ class PromptBuilder:
         if len(parts) == 1 and parts[0]["type"] == "text":
             rendered["content"] = parts[0]["text"]
         if message.tool_calls:
-            rendered["tool_calls"] = [call_spec(replace(call, id=_mark_client_text(call.id), name=_mark_client_text(call.name),
-                                                        arguments=_marked_json(call.arguments)))
-                                      for call in message.tool_calls]
+            rendered["tool_calls"] = [
+                call_spec(
+                    replace(
+                        call,
+                        id=_mark_client_text(call.id),
+                        name=_mark_client_text(call.name),
+                        arguments=_marked_json(call.arguments),
+                    )
+                )
+                for call in message.tool_calls
+            ]
         if message.tool_call_id is not None:
             rendered["tool_call_id"] = _mark_client_text(message.tool_call_id)
         return rendered
@@ -174,10 +190,12 @@ class PromptBuilder:
             out = self.processor(text=[self.placeholder], images=[image.image], return_tensors="np")
         except Exception as exc:  # noqa: BLE001 - library code refusing a client's image, whatever it raises:
             # e.g. Qwen's "absolute aspect ratio must be smaller than 200", Pixtral's "height and width must be > 0"
-            raise PromptError("invalid_image", f"the model cannot take a {image.width}x{image.height} image: {exc}") from None
+            raise PromptError(
+                "invalid_image", f"the model cannot take a {image.width}x{image.height} image: {exc}"
+            ) from None
         ids = [int(t) for t in out["input_ids"][0]]
         inputs = {k: np.asarray(v) for k, v in out.items() if k not in _TEXT_OUTPUTS}
-        return PromptImage(image.pixel_hash, inputs, tuple(ids[self.added_before:len(ids) - self.added_after]), 0)
+        return PromptImage(image.pixel_hash, inputs, tuple(ids[self.added_before : len(ids) - self.added_after]), 0)
 
     def _expand_image_tokens(self, ids: list[int], processed: list[PromptImage]) -> PreparedPrompt:
         slots = [i for i, tok in enumerate(ids) if tok == self.placeholder_id]
@@ -212,13 +230,37 @@ def _mark_client_text(text: str) -> str:
     if not core:
         return text
     start = text.index(core[0])
-    return text[:start] + CLIENT_START + core + CLIENT_END + text[start + len(core):]
+    return text[:start] + CLIENT_START + core + CLIENT_END + text[start + len(core) :]
 
 
 # JSON-schema keywords stay unmarked (templates may look them up); every other key and string is client text.
-SCHEMA_KEYWORDS = frozenset({"type", "properties", "required", "items", "enum", "description", "additionalProperties",
-                             "anyOf", "oneOf", "allOf", "default", "const", "format", "title", "$defs", "$ref",
-                             "minimum", "maximum", "minItems", "maxItems", "minLength", "maxLength", "pattern"})
+SCHEMA_KEYWORDS = frozenset(
+    {
+        "type",
+        "properties",
+        "required",
+        "items",
+        "enum",
+        "description",
+        "additionalProperties",
+        "anyOf",
+        "oneOf",
+        "allOf",
+        "default",
+        "const",
+        "format",
+        "title",
+        "$defs",
+        "$ref",
+        "minimum",
+        "maximum",
+        "minItems",
+        "maxItems",
+        "minLength",
+        "maxLength",
+        "pattern",
+    }
+)
 
 
 def _marked(value):

@@ -81,7 +81,9 @@ class ModelRunner:
         self.prompts = PromptBuilder(self.processor, self.family)
         # The token the model's own code treats as an image row (deepstack rows go there).
         model_config = getattr(self.model, "config", None)
-        self.image_token_id = getattr(model_config, "image_token_index", None) or getattr(model_config, "image_token_id", None)
+        self.image_token_id = getattr(model_config, "image_token_index", None) or getattr(
+            model_config, "image_token_id", None
+        )
         self.tokenizer = self.prompts.tokenizer
         self.eos_ids = eos_ids(Path(model_path), config, self.tokenizer)
         self.max_positions = int(_text_setting(config, "max_position_embeddings") or 32768)
@@ -131,8 +133,14 @@ class ModelRunner:
 
     # -- prefill -----------------------------------------------------------------------------
 
-    def prefill(self, prompt: PreparedPrompt, salt: TenantSalt, chunk_tokens: int, cancelled: Callable[[], bool],
-                owner: str | None = None) -> PrefillResult:
+    def prefill(
+        self,
+        prompt: PreparedPrompt,
+        salt: TenantSalt,
+        chunk_tokens: int,
+        cancelled: Callable[[], bool],
+        owner: str | None = None,
+    ) -> PrefillResult:
         """Reuse the longest cached prefix, run the rest in chunks, cache new blocks as they fill.
         `owner` labels what this request stores or reuses (purges select by it)."""
         steps = self.prefill_steps(prompt, salt, chunk_tokens, cancelled, owner)
@@ -142,8 +150,14 @@ class ModelRunner:
             except StopIteration as done:
                 return done.value
 
-    def prefill_steps(self, prompt: PreparedPrompt, salt: TenantSalt, chunk_tokens: int,
-                      cancelled: Callable[[], bool], owner: str | None = None) -> Generator[int, None, PrefillResult]:
+    def prefill_steps(
+        self,
+        prompt: PreparedPrompt,
+        salt: TenantSalt,
+        chunk_tokens: int,
+        cancelled: Callable[[], bool],
+        owner: str | None = None,
+    ) -> Generator[int, None, PrefillResult]:
         """prefill() one chunk at a time: yields each chunk's token count but the last's (the worker
         runs a decode step of the batch in between) and returns the PrefillResult. Closing it early releases the prefix blocks.
         prefill_ms counts the time spent in here, not the decode steps between chunks."""
@@ -170,10 +184,13 @@ class ModelRunner:
                 plan.session.close()
             raise
         prefill_ms = (setup_s + chunks_s) * 1000 - vision_ms
-        return PrefillResult(logits, cache, rope_delta, prompt, plan, prefix_report, vision_report, prefill_ms, vision_ms)
+        return PrefillResult(
+            logits, cache, rope_delta, prompt, plan, prefix_report, vision_report, prefill_ms, vision_ms
+        )
 
-    def _run_chunks(self, prompt, inputs: ModelInputs, cache, plan, chunk_tokens,
-                    cancelled) -> Generator[int, None, tuple[mx.array, float]]:
+    def _run_chunks(
+        self, prompt, inputs: ModelInputs, cache, plan, chunk_tokens, cancelled
+    ) -> Generator[int, None, tuple[mx.array, float]]:
         """Prefill tokens [cached, L) in chunks of chunk_tokens, yielding after each but the last; after
         each chunk the blocks it completed are cached, so a long prompt cut short still leaves its
         prefix. The reused prefix ends on a block boundary and chunk_tokens is a multiple of the block
@@ -189,9 +206,13 @@ class ModelRunner:
                 raise Cancelled()
             chunk_start = time.perf_counter()
             end = min(begin + chunk_tokens, total)
-            logits = self.forward(ids[:, begin:end], None if embeds is None else embeds[:, begin - first:end - first],
-                                  cache, None if positions is None else positions[..., begin:end],
-                                  _deepstack_kwargs(inputs, begin - first, end - first))[0]
+            logits = self.forward(
+                ids[:, begin:end],
+                None if embeds is None else embeds[:, begin - first : end - first],
+                cache,
+                None if positions is None else positions[..., begin:end],
+                _deepstack_kwargs(inputs, begin - first, end - first),
+            )[0]
             mx.eval([logits] + _state_arrays(cache))
             if plan:
                 self.caches.store(plan, prompt.token_ids, cache, end)
@@ -201,8 +222,9 @@ class ModelRunner:
             begin = end
         return logits, spent
 
-    def forward(self, ids: mx.array, embeds: mx.array | None, cache: list, positions: mx.array | None,
-                extra: dict | None = None) -> mx.array:
+    def forward(
+        self, ids: mx.array, embeds: mx.array | None, cache: list, positions: mx.array | None, extra: dict | None = None
+    ) -> mx.array:
         """One language-model call through the library's own entry point: each row's logits at its
         last position, (rows, vocab)."""
         kwargs = {"cache": cache} | (extra or {})
@@ -254,13 +276,17 @@ class ModelRunner:
             if end <= start:
                 continue
             first = max(image.token_start, start)
-            pieces += [text[cursor - start:first - start], features[index][0, first - image.token_start:].astype(text.dtype)]
+            pieces += [
+                text[cursor - start : first - start],
+                features[index][0, first - image.token_start :].astype(text.dtype),
+            ]
             cursor = end
-        pieces.append(text[cursor - start:])
+        pieces.append(text[cursor - start :])
         return mx.concatenate(pieces, axis=0)[None]
 
-    def _deepstack(self, prompt: PreparedPrompt, features: dict[int, mx.array],
-                   start: int) -> tuple[mx.array | None, np.ndarray | None]:
+    def _deepstack(
+        self, prompt: PreparedPrompt, features: dict[int, mx.array], start: int
+    ) -> tuple[mx.array | None, np.ndarray | None]:
         """Deepstack rows for tokens [start, L), and which of them are image tokens; (None, None) when
         no image there carries deepstack features."""
         needed = [i for i in features if features[i].shape[0] > 1]
@@ -273,8 +299,10 @@ class ModelRunner:
             image = prompt.images[index]
             first = max(image.token_start, start)
             end = image.token_start + image.num_tokens
-            deep[:, first - start:end - start] = features[index][1:, first - image.token_start:]
-            visual[first - start:end - start] = np.asarray(image.token_ids[first - image.token_start:]) == self.image_token_id
+            deep[:, first - start : end - start] = features[index][1:, first - image.token_start :]
+            visual[first - start : end - start] = (
+                np.asarray(image.token_ids[first - image.token_start :]) == self.image_token_id
+            )
         return deep, visual
 
     def _positions(self, ids: mx.array, prompt: PreparedPrompt) -> tuple[mx.array | None, int | None]:
@@ -448,7 +476,11 @@ def eos_ids(model_path: Path, config: dict, tokenizer) -> frozenset[int]:
     (real checkpoints often list the chat turn's end only there, e.g. Gemma 3's <end_of_turn>), and
     the tokenizer's own EOS."""
     generation = model_path / "generation_config.json"
-    sources = [config, config.get("text_config") or {}, json.loads(generation.read_text()) if generation.exists() else {}]
+    sources = [
+        config,
+        config.get("text_config") or {},
+        json.loads(generation.read_text()) if generation.exists() else {},
+    ]
     found = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     for source in sources:
         ids = source.get("eos_token_id") or []
@@ -501,8 +533,10 @@ def _deepstack_kwargs(inputs: ModelInputs, begin: int, end: int) -> dict:
     if inputs.deepstack is None or not inputs.visual[begin:end].any():
         return {}
     rows = mx.array(np.flatnonzero(inputs.visual[begin:end]), dtype=mx.uint32)
-    return {"visual_pos_masks": mx.array(inputs.visual[begin:end])[None],
-            "deepstack_visual_embeds": [layer[begin:end][rows] for layer in inputs.deepstack]}
+    return {
+        "visual_pos_masks": mx.array(inputs.visual[begin:end])[None],
+        "deepstack_visual_embeds": [layer[begin:end][rows] for layer in inputs.deepstack],
+    }
 
 
 def token_embedding(language_model) -> nn.Module:

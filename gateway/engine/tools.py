@@ -73,8 +73,10 @@ class ToolFormat:
             body = {"type": "array", "items": call, "minItems": 1, "maxItems": 1}
             lark = f"start: {json.dumps(self.start)} call\ncall: %json {json.dumps(_with_options(body))}\n"
         else:
-            lark = (f"start: {json.dumps(self.start + chr(10))} call {json.dumps(chr(10) + self.end)}\n"
-                    f"call: %json {json.dumps(_with_options(call))}\n")
+            lark = (
+                f"start: {json.dumps(self.start + chr(10))} call {json.dumps(chr(10) + self.end)}\n"
+                f"call: %json {json.dumps(_with_options(call))}\n"
+            )
         return lark_grammar(lark)
 
     def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
@@ -101,8 +103,10 @@ class ToolFormat:
 
 def tool_spec(tool: Tool) -> dict:
     """A tool as chat templates take it (OpenAI's shape)."""
-    return {"type": "function", "function": {"name": tool.name, "description": tool.description,
-                                             "parameters": json.loads(tool.parameters)}}
+    return {
+        "type": "function",
+        "function": {"name": tool.name, "description": tool.description, "parameters": json.loads(tool.parameters)},
+    }
 
 
 def call_spec(call) -> dict:
@@ -115,8 +119,12 @@ def call_spec(call) -> dict:
 
 
 def _call_schema(tool: Tool) -> dict:
-    return {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": json.loads(tool.parameters)},
-            "required": ["name", "arguments"], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.name}, "arguments": json.loads(tool.parameters)},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
 
 
 def _with_options(schema: dict) -> dict:
@@ -130,7 +138,10 @@ def _as_text(messages: list[dict], specs: list[dict]) -> list[dict]:
         if message["role"] == "tool":
             out.append({"role": "user", "content": f"<tool_response>\n{_text(message)}\n</tool_response>"})
         elif message.get("tool_calls"):
-            calls = "\n".join(f"<tool_call>\n{json.dumps(_hermes_call(c), ensure_ascii=False)}\n</tool_call>" for c in message["tool_calls"])
+            calls = "\n".join(
+                f"<tool_call>\n{json.dumps(_hermes_call(c), ensure_ascii=False)}\n</tool_call>"
+                for c in message["tool_calls"]
+            )
             text = _text(message)
             out.append({"role": "assistant", "content": f"{text}\n{calls}" if text else calls})
         else:

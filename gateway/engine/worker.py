@@ -296,13 +296,18 @@ class EngineWorker:
         """Alive unless the loop has ended or, with work pending, no pass of it ended for stuck_after_s."""
         if self.ended.is_set():
             error = self.warm_up_error or self.loop_error
-            why = f"warm-up failed: {error!r}" if self.warm_up_error else (
-                f"the engine worker has stopped: {error!r}" if error else "the engine worker has stopped")
+            why = (
+                f"warm-up failed: {error!r}"
+                if self.warm_up_error
+                else (f"the engine worker has stopped: {error!r}" if error else "the engine worker has stopped")
+            )
             return Health(False, False, why)
         pending = self.jobs.qsize() + len(self.running) + bool(self.prefilling) + len(self.embeddings) + len(self.calls)
         idle_s = time.monotonic() - self.last_progress
         if pending and idle_s > stuck_after_s and self.warmed_up.is_set():
-            return Health(False, False, f"stuck: no engine step ended for {idle_s:.0f} s with {pending} requests pending")
+            return Health(
+                False, False, f"stuck: no engine step ended for {idle_s:.0f} s with {pending} requests pending"
+            )
         if not self.warmed_up.is_set():
             return Health(True, False, "warming up")
         return Health(True, True)
@@ -346,8 +351,14 @@ class EngineWorker:
         return (prompt.num_tokens + sampling.max_tokens) * self.runner.kv_bytes_per_token
 
     def snapshot(self) -> WorkerSnapshot:
-        return WorkerSnapshot(replace(self.stats), self.jobs.qsize() + (self.memory_wait is not None), self.busy,
-                              len(self.running), self.last_step, self.memory_wait is not None)
+        return WorkerSnapshot(
+            replace(self.stats),
+            self.jobs.qsize() + (self.memory_wait is not None),
+            self.busy,
+            len(self.running),
+            self.last_step,
+            self.memory_wait is not None,
+        )
 
     async def events(self, job: Job) -> AsyncIterator[Event]:
         """The job's events until Finished or Failed. Leaving early (client gone) cancels the job."""
@@ -419,9 +430,12 @@ class EngineWorker:
         its sentinel."""
         while self.prefilling is None and len(self.running) < self.max_num_seqs:
             waited, self.memory_wait = self.memory_wait, None
-            job = waited or self.jobs.get(block=not (self.running or self.embeddings),
-                                          passed_over=self._holds_its_batch_share, allowed=self._may_take_a_place,
-                                          timeout_s=EXPIRY_INTERVAL_S)
+            job = waited or self.jobs.get(
+                block=not (self.running or self.embeddings),
+                passed_over=self._holds_its_batch_share,
+                allowed=self._may_take_a_place,
+                timeout_s=EXPIRY_INTERVAL_S,
+            )
             if job is None:
                 return not self.jobs.closed
             if job.cancelled.is_set():
@@ -516,12 +530,26 @@ class EngineWorker:
 
     def _join(self, admitted: Prefilling, prefill: PrefillResult) -> None:
         job = admitted.job
-        job.send(Started(job.prompt.num_tokens, prefill.prefix.num_cached_tokens, prefill.prefix, prefill.vision,
-                         admitted.queue_ms, prefill.vision_ms, prefill.prefill_ms))
+        job.send(
+            Started(
+                job.prompt.num_tokens,
+                prefill.prefix.num_cached_tokens,
+                prefill.prefix,
+                prefill.vision,
+                admitted.queue_ms,
+                prefill.vision_ms,
+                prefill.prefill_ms,
+            )
+        )
         try:
             grammars = self.runner.grammars if job.sampling.grammar else None
-            row = Running(job, Sampler(job.sampling, grammars), TextStream(self.runner.tokenizer, job.sampling.stop),
-                          prefill.logits, admitted.reserved)
+            row = Running(
+                job,
+                Sampler(job.sampling, grammars),
+                TextStream(self.runner.tokenizer, job.sampling.stop),
+                prefill.logits,
+                admitted.reserved,
+            )
             self.batch.join(prefill)
         except Exception as exc:
             self.runner.caches.release_running(admitted.reserved)

@@ -5,8 +5,22 @@ import importlib
 import pytest
 
 
-@pytest.mark.parametrize("name", ["bench_engine", "bench_ttft", "bench_layers", "bench_ssd", "bench_load", "bench_api", "bench_cluster",
-                                  "bench_observability", "bench_verifier", "false_hits", "train_verifier"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "bench_engine",
+        "bench_ttft",
+        "bench_layers",
+        "bench_ssd",
+        "bench_load",
+        "bench_api",
+        "bench_cluster",
+        "bench_observability",
+        "bench_verifier",
+        "false_hits",
+        "train_verifier",
+    ],
+)
 def test_benchmark_module_loads(name):
     module = importlib.import_module(f"evals.{name}")
     assert callable(module.main)
@@ -40,10 +54,31 @@ def test_the_api_benchmark_runs_every_mode_on_the_tiny_model(tiny_model_path):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "evals.bench_api", "--model", str(tiny_model_path), "--rows", "1", "2",
-                           "--tokens", "6", "--repeats", "1"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ}, check=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "evals.bench_api",
+            "--model",
+            str(tiny_model_path),
+            "--rows",
+            "1",
+            "2",
+            "--tokens",
+            "6",
+            "--repeats",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ},
+        check=True,
+    )
     rates = json.loads(done.stdout.strip().splitlines()[-1])
-    assert sorted(rates) == sorted(f"{rows}:{mode}" for rows in (1, 2) for mode in
-                                   ("free text", "json_schema", "forced tool call", "logprobs (top 5)"))
+    assert sorted(rates) == sorted(
+        f"{rows}:{mode}"
+        for rows in (1, 2)
+        for mode in ("free text", "json_schema", "forced tool call", "logprobs (top 5)")
+    )
     assert all(rate > 0 for rate in rates.values())

@@ -13,9 +13,25 @@ DATA = Path(__file__).resolve().parents[2] / "evals" / "data"
 
 def test_dev_set_passes_the_release_gate(tmp_path):
     out = tmp_path / "report.json"
-    done = subprocess.run([sys.executable, "-m", "evals", "false-hits", "--dataset", str(DATA / "dev.jsonl"),
-                           "--max-false-hit-rate", "0.01", "--min-hit-rate", "0.85", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "evals",
+            "false-hits",
+            "--dataset",
+            str(DATA / "dev.jsonl"),
+            "--max-false-hit-rate",
+            "0.01",
+            "--min-hit-rate",
+            "0.85",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text())
     assert report["overall"]["pairs"] >= 400

@@ -9,9 +9,23 @@ DATA = Path(__file__).parent.parent.parent / "evals" / "data"
 
 
 def _gate(dataset: str, min_recall: float, max_general: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "evals", "risk", "--dataset", str(DATA / dataset),
-                           "--min-recall", str(min_recall), "--max-general-flagged", str(max_general)],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "evals",
+            "risk",
+            "--dataset",
+            str(DATA / dataset),
+            "--min-recall",
+            str(min_recall),
+            "--max-general-flagged",
+            str(max_general),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_personal_questions_are_flagged_and_general_ones_are_not():

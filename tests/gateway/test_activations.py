@@ -30,7 +30,12 @@ def test_swiglu_equals_the_library_one_and_keeps_the_dtype(chunk):
 
 def test_huge_negative_inputs_give_zero_not_nan():
     x = mx.array([[[-1e4, -100.0, 0.0, 100.0]] * 2])
-    assert np.array(activations.silu(x)).tolist()[0][0] == [0.0, pytest.approx(-100 * np.exp(-100.0), abs=1e-30), 0.0, 100.0]
+    assert np.array(activations.silu(x)).tolist()[0][0] == [
+        0.0,
+        pytest.approx(-100 * np.exp(-100.0), abs=1e-30),
+        0.0,
+        100.0,
+    ]
 
 
 def test_decode_steps_keep_mlx_s_own(monkeypatch):

@@ -41,8 +41,10 @@ def test_chat_completion_shape_usage_and_trace_headers(client):
     for layer in ("exact", "semantic"):
         assert response.headers[f"x-cache-{layer}"] == "bypass; reason=disabled"
     assert response.headers["x-cache-vision"] == "bypass; reason=no_images"
-    assert response.headers["x-cache-prefix"] in (f"miss; cached=0; prompt={usage['prompt_tokens']}",  # under a block
-                                                  f"miss; cached=0; prompt={usage['prompt_tokens']}; why=cold; at=0")
+    assert response.headers["x-cache-prefix"] in (
+        f"miss; cached=0; prompt={usage['prompt_tokens']}",  # under a block
+        f"miss; cached=0; prompt={usage['prompt_tokens']}; why=cold; at=0",
+    )
     timing = response.headers["server-timing"]
     assert "prefill;dur=" in timing and "decode;dur=" in timing
 
@@ -72,10 +74,18 @@ def test_stop_sequence_truncates_output(client):
 
 
 def test_stream_sends_role_deltas_usage_and_done(client):
-    with client.stream("POST", "/v1/chat/completions", json={
-        "model": TINY, "messages": [{"role": "user", "content": "Tell me a story"}],
-        "max_tokens": 10, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-    }) as response:
+    with client.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={
+            "model": TINY,
+            "messages": [{"role": "user", "content": "Tell me a story"}],
+            "max_tokens": 10,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         assert response.headers["x-cache-layer"] == "engine"
@@ -94,10 +104,24 @@ def test_stream_sends_role_deltas_usage_and_done(client):
 
 def test_image_parts_are_accepted_and_counted(client):
     url = png_data_url(96, 64)
-    response = chat(client, max_tokens=4, temperature=0, messages=[{"role": "user", "content": [
-        {"type": "text", "text": "What is in this picture?"}, {"type": "image_url", "image_url": {"url": url}}]}])
+    response = chat(
+        client,
+        max_tokens=4,
+        temperature=0,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is in this picture?"},
+                    {"type": "image_url", "image_url": {"url": url}},
+                ],
+            }
+        ],
+    )
     assert response.status_code == 200
-    text_only = chat(client, max_tokens=4, temperature=0, messages=[{"role": "user", "content": "What is in this picture?"}])
+    text_only = chat(
+        client, max_tokens=4, temperature=0, messages=[{"role": "user", "content": "What is in this picture?"}]
+    )
     image_tokens = response.json()["usage"]["prompt_tokens"] - text_only.json()["usage"]["prompt_tokens"]
     # 96x64 is resized to 84x56 (multiples of 28): a 6x4 patch grid, merged 2x2 -> 6 tokens,
     # plus <|vision_start|> and <|vision_end|>
@@ -120,8 +144,10 @@ def test_models_and_healthz_and_openapi(settings, engine):
 
 
 def test_repeat_request_hits_the_prefix_cache_with_equal_output(client):
-    messages = [{"role": "system", "content": "You answer about rivers and bridges in great detail. " * 6},
-                {"role": "user", "content": "Which bridge is the oldest one on this river?"}]
+    messages = [
+        {"role": "system", "content": "You answer about rivers and bridges in great detail. " * 6},
+        {"role": "user", "content": "Which bridge is the oldest one on this river?"},
+    ]
     cold = chat(client, max_tokens=8, temperature=0, messages=messages)
     warm = chat(client, max_tokens=8, temperature=0, messages=messages)
     assert cold.headers["x-cache-prefix"].startswith("miss; cached=0")
@@ -134,8 +160,12 @@ def test_repeat_request_hits_the_prefix_cache_with_equal_output(client):
 
 def test_vision_header_reports_encoder_use_and_reuse(client):
     url = png_data_url(112, 112, seed=42)
-    first_turn = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                               {"type": "text", "text": "What is this?"}]}]
+    first_turn = [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is this?"}],
+        }
+    ]
     first = chat(client, max_tokens=4, temperature=0, messages=first_turn)
     assert first.headers["x-cache-vision"] == "miss; images=1; hits=0; misses=1; skipped=0"
     other_system = [{"role": "system", "content": "Be brief."}] + first_turn  # new prefix, same image
@@ -157,12 +187,26 @@ def test_file_image_urls_work_only_below_the_allowed_folder(settings, engine, tm
     (allowed / "link.png").symlink_to(tmp_path / "secret.png")  # inside by name, outside in fact
     open_settings = dataclasses.replace(settings, allow_file_images_under=allowed)
     with TestClient(create_app(open_settings, engine=engine)) as client:
+
         def with_image(url):
-            return chat(client, max_tokens=2, temperature=0, messages=[{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}]}])
+            return chat(
+                client,
+                max_tokens=2,
+                temperature=0,
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}],
+                    }
+                ],
+            )
 
         assert with_image(f"file://{allowed}/cat.png").status_code == 200
-        for url in (f"file://{allowed}/../secret.png", f"file://{tmp_path}/secret.png", f"file://{allowed}/link.png",
-                    f"file://{allowed}/missing.png"):
+        for url in (
+            f"file://{allowed}/../secret.png",
+            f"file://{tmp_path}/secret.png",
+            f"file://{allowed}/link.png",
+            f"file://{allowed}/missing.png",
+        ):
             refused = with_image(url)
             assert refused.status_code == 400 and refused.json()["error"]["code"] == "image_url_not_allowed", url

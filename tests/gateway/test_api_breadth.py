@@ -24,28 +24,53 @@ WEATHER = {
     "function": {
         "name": "get_weather",
         "description": "The weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
-                                                        "unit": {"enum": ["celsius", "fahrenheit"]},
-                                                        "days": {"type": "integer", "minimum": 1, "maximum": 14}},
-                       "required": ["city", "unit", "days"], "additionalProperties": False},
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 24},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 14},
+            },
+            "required": ["city", "unit", "days"],
+            "additionalProperties": False,
+        },
     },
 }
-CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone",
-                                          "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-                                                         "required": ["zone"], "additionalProperties": False}}}
-ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 40},
-                                                  "score": {"type": "integer", "minimum": 0, "maximum": 100},
-                                                  "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
-                                                  "ok": {"type": "boolean"}},
-                 "required": ["answer", "score", "tags", "ok"], "additionalProperties": False}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time in a time zone",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "maxLength": 40},
+        "score": {"type": "integer", "minimum": 0, "maximum": 100},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["answer", "score", "tags", "ok"],
+    "additionalProperties": False,
+}
 QUESTION = [{"role": "user", "content": "What will the weather be in Lyon this week?"}]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("breadth") / "data"
-    live = LiveServer(tiny_model_path, data_dir, {"STRATA_API_KEYS": KEYS, "STRATA_ADMIN_KEY": ADMIN,
-                                                  "STRATA_MODEL_NAME": TINY, "STRATA_EXACT_STORE": "sqlite"})
+    live = LiveServer(
+        tiny_model_path,
+        data_dir,
+        {"STRATA_API_KEYS": KEYS, "STRATA_ADMIN_KEY": ADMIN, "STRATA_MODEL_NAME": TINY, "STRATA_EXACT_STORE": "sqlite"},
+    )
     yield live
     assert live.stop()
 
@@ -62,8 +87,13 @@ def _check_call(call, tools: dict) -> None:
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_forced_tool_call_validates_against_its_schema(server, temperature):
     reply = _client(server).chat.completions.create(
-        model=TINY, messages=QUESTION, tools=[WEATHER, CLOCK], temperature=temperature, max_tokens=120,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        model=TINY,
+        messages=QUESTION,
+        tools=[WEATHER, CLOCK],
+        temperature=temperature,
+        max_tokens=120,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert [call.function.name for call in choice.message.tool_calls] == ["get_weather"]
@@ -72,8 +102,15 @@ def test_a_forced_tool_call_validates_against_its_schema(server, temperature):
 
 def test_required_picks_one_of_the_tools_and_streams_it(server):
     stream = _client(server).chat.completions.create(
-        model=TINY, messages=QUESTION, tools=[WEATHER, CLOCK], tool_choice="required", max_tokens=120, stream=True,
-        temperature=0.7, seed=3)
+        model=TINY,
+        messages=QUESTION,
+        tools=[WEATHER, CLOCK],
+        tool_choice="required",
+        max_tokens=120,
+        stream=True,
+        temperature=0.7,
+        seed=3,
+    )
     calls: dict[int, dict] = {}
     finish = None
     for chunk in stream:
@@ -91,13 +128,17 @@ def test_required_picks_one_of_the_tools_and_streams_it(server):
 
 def test_a_tool_conversation_continues_with_the_result(server):
     client = _client(server)
-    first = client.chat.completions.create(model=TINY, messages=QUESTION, tools=[WEATHER], tool_choice="required",
-                                           max_tokens=120)
+    first = client.chat.completions.create(
+        model=TINY, messages=QUESTION, tools=[WEATHER], tool_choice="required", max_tokens=120
+    )
     call = first.choices[0].message.tool_calls[0]
-    history = QUESTION + [first.choices[0].message.model_dump(exclude_none=True),
-                          {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny", "high": 24}'}]
-    second = client.chat.completions.create(model=TINY, messages=history, tools=[WEATHER], tool_choice="none",
-                                            max_tokens=8, temperature=0)
+    history = QUESTION + [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny", "high": 24}'},
+    ]
+    second = client.chat.completions.create(
+        model=TINY, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=8, temperature=0
+    )
     assert second.choices[0].message.tool_calls is None
     assert second.usage.prompt_tokens > first.usage.prompt_tokens
     # the earlier turn (the tools block and the call) comes from the prefix cache
@@ -110,7 +151,10 @@ def test_tools_are_in_the_exact_key_and_a_replay_parses_the_call_again(server):
     first = client.chat.completions.with_raw_response.create(**ask)
     again = client.chat.completions.with_raw_response.create(**ask)
     assert again.headers["x-cache-exact"].startswith("hit")
-    assert again.parse().choices[0].message.tool_calls[0].function == first.parse().choices[0].message.tool_calls[0].function
+    assert (
+        again.parse().choices[0].message.tool_calls[0].function
+        == first.parse().choices[0].message.tool_calls[0].function
+    )
     other = client.chat.completions.with_raw_response.create(**{**ask, "tools": [WEATHER, CLOCK]})
     assert other.headers["x-cache-exact"].startswith("miss")
 
@@ -118,9 +162,16 @@ def test_tools_are_in_the_exact_key_and_a_replay_parses_the_call_again(server):
 def test_a_json_schema_answer_validates_in_a_batch_of_concurrent_requests(server):
     async def ask(client, index):
         reply = await client.chat.completions.create(
-            model=TINY, messages=[{"role": "user", "content": f"Rate idea number {index}"}], max_tokens=150,
-            temperature=1.0, seed=index,
-            response_format={"type": "json_schema", "json_schema": {"name": "rating", "schema": ANSWER_SCHEMA, "strict": True}})
+            model=TINY,
+            messages=[{"role": "user", "content": f"Rate idea number {index}"}],
+            max_tokens=150,
+            temperature=1.0,
+            seed=index,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "rating", "schema": ANSWER_SCHEMA, "strict": True},
+            },
+        )
         return reply.choices[0]
 
     async def main():
@@ -134,8 +185,12 @@ def test_a_json_schema_answer_validates_in_a_batch_of_concurrent_requests(server
 
 def test_json_object_answers_are_objects(server):
     reply = _client(server).chat.completions.create(
-        model=TINY, messages=[{"role": "user", "content": "Describe a cat as JSON"}], max_tokens=200, temperature=0,
-        response_format={"type": "json_object"})
+        model=TINY,
+        messages=[{"role": "user", "content": "Describe a cat as JSON"}],
+        max_tokens=200,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
     if reply.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(reply.choices[0].message.content), dict)
     else:  # cut by max_tokens: still a prefix of an object
@@ -144,8 +199,9 @@ def test_json_object_answers_are_objects(server):
 
 def test_logprobs_tokens_join_to_the_text_also_when_streamed(server):
     client = _client(server)
-    reply = client.chat.completions.create(model=TINY, messages=QUESTION, max_tokens=24, temperature=0, logprobs=True,
-                                           top_logprobs=3)
+    reply = client.chat.completions.create(
+        model=TINY, messages=QUESTION, max_tokens=24, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = reply.choices[0].logprobs.content
     assert len(content) == reply.usage.completion_tokens
     # the bytes join to the text; a random model writes stray UTF-8 bytes, which the text shows as U+FFFD
@@ -155,9 +211,15 @@ def test_logprobs_tokens_join_to_the_text_also_when_streamed(server):
     for entry in content:
         assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)  # greedy took the top one
-    streamed = client.chat.completions.create(model=TINY, messages=QUESTION, max_tokens=24, temperature=0, logprobs=True,
-                                              top_logprobs=3, stream=True)
-    entries = [e for chunk in streamed if chunk.choices and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
+    streamed = client.chat.completions.create(
+        model=TINY, messages=QUESTION, max_tokens=24, temperature=0, logprobs=True, top_logprobs=3, stream=True
+    )
+    entries = [
+        e
+        for chunk in streamed
+        if chunk.choices and chunk.choices[0].logprobs
+        for e in chunk.choices[0].logprobs.content
+    ]
     assert [e.token for e in entries] == [e.token for e in content]
     assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in content], abs=1e-5)
 
@@ -174,40 +236,62 @@ BAD = [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0]"),
     ({"tools": [WEATHER, WEATHER]}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
-      "tool_choice": "required"}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "a string"}}]}, "tools[0].function.parameters"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}},
-     "response_format"),
+    (
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+            "tool_choice": "required",
+        },
+        "tools",
+    ),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": "a string"}}]},
+        "tools[0].function.parameters",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}},
+        "response_format",
+    ),
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"top_logprobs": 5}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"n": 1000}, "n"),
     ({"tools": [{"type": "function", "function": {"name": "f", "description": "x" * (4 << 20)}}]}, "messages"),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "call_x", "content": "42"}]},
-     "messages[1]"),
+    (
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "call_x", "content": "42"}]},
+        "messages[1]",
+    ),
     ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0]"),
-    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": {}}}]}]},
-     "messages[0]"),
+    (
+        {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": {}}}]}]},
+        "messages[0]",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("extra", "param"), BAD)
 def test_hostile_tool_and_format_requests_are_400s_naming_the_field(server, extra, param):
     body = {"model": TINY, "messages": QUESTION, "max_tokens": 4, **extra}
-    reply = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer key-a"}, timeout=30)
+    reply = httpx.post(
+        server.url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer key-a"}, timeout=30
+    )
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
     assert httpx.get(server.url + "/healthz", timeout=5).status_code == 200
 
 
-LONG_PROMPT = [{"role": "user", "content": "Tell me three different stories about a lighthouse keeper and a gull "
-                                           "who trade riddles through a long winter on a rocky island. " * 3}]
+LONG_PROMPT = [
+    {
+        "role": "user",
+        "content": "Tell me three different stories about a lighthouse keeper and a gull "
+        "who trade riddles through a long winter on a rocky island. " * 3,
+    }
+]
 
 
 def test_n_choices_come_from_one_prefill(server):
     raw = _client(server).chat.completions.with_raw_response.create(
-        model=TINY, messages=LONG_PROMPT, n=3, temperature=1.0, seed=11, max_tokens=12)
+        model=TINY, messages=LONG_PROMPT, n=3, temperature=1.0, seed=11, max_tokens=12
+    )
     reply = raw.parse()
     assert [choice.index for choice in reply.choices] == [0, 1, 2]
     assert len({choice.message.content for choice in reply.choices}) > 1  # each choice draws its own
@@ -219,8 +303,9 @@ def test_n_choices_come_from_one_prefill(server):
 
 
 def test_n_choices_stream_each_with_its_index(server):
-    stream = _client(server).chat.completions.create(model=TINY, messages=QUESTION, n=2, max_tokens=6, stream=True,
-                                                     temperature=0)
+    stream = _client(server).chat.completions.create(
+        model=TINY, messages=QUESTION, n=2, max_tokens=6, stream=True, temperature=0
+    )
     texts, finished, ids = {0: "", 1: ""}, set(), set()
     for chunk in stream:
         ids.add(chunk.id)
@@ -248,13 +333,16 @@ def test_embeddings_equal_minilm_own(server):
     assert np.abs(np.array(single.data[0].embedding) - expected[0]).max() < 1e-5
 
 
-@pytest.mark.parametrize(("body", "status", "param"), [
-    ({"model": "all-MiniLM-L6-v2", "input": []}, 400, "input"),
-    ({"model": "all-MiniLM-L6-v2", "input": [1, 2, 3]}, 400, "input"),
-    ({"model": "all-MiniLM-L6-v2", "input": ["x"] * 3000}, 400, "input"),
-    ({"model": "all-MiniLM-L6-v2", "input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
-    ({"model": "text-embedding-3-large", "input": "x"}, 404, "model"),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": "all-MiniLM-L6-v2", "input": []}, 400, "input"),
+        ({"model": "all-MiniLM-L6-v2", "input": [1, 2, 3]}, 400, "input"),
+        ({"model": "all-MiniLM-L6-v2", "input": ["x"] * 3000}, 400, "input"),
+        ({"model": "all-MiniLM-L6-v2", "input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
+        ({"model": "text-embedding-3-large", "input": "x"}, 404, "model"),
+    ],
+)
 def test_bad_embedding_requests(server, body, status, param):
     reply = httpx.post(server.url + "/v1/embeddings", json=body, headers={"Authorization": "Bearer key-a"}, timeout=30)
     assert reply.status_code == status and reply.json()["error"]["param"] == param
@@ -283,9 +371,20 @@ def test_responses_stream_their_events_and_take_images(server):
     from tests.conftest import png_data_url
 
     stream = _client(server).responses.create(
-        model=TINY, max_output_tokens=10, temperature=0, stream=True,
-        input=[{"role": "user", "content": [{"type": "input_text", "text": "What is in this picture?"},
-                                            {"type": "input_image", "image_url": png_data_url()}]}])
+        model=TINY,
+        max_output_tokens=10,
+        temperature=0,
+        stream=True,
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "What is in this picture?"},
+                    {"type": "input_image", "image_url": png_data_url()},
+                ],
+            }
+        ],
+    )
     kinds, deltas, final = [], [], None
     for event in stream:
         kinds.append(event.type)
@@ -299,32 +398,52 @@ def test_responses_stream_their_events_and_take_images(server):
 
 def test_responses_call_a_forced_tool_and_continue_with_its_output(server):
     client = _client(server)
-    tool = {"type": "function", "name": "get_weather", "description": "The weather in a city",
-            "parameters": WEATHER["function"]["parameters"]}
-    first = client.responses.create(model=TINY, input="Weather in Lyon?", tools=[tool], max_output_tokens=120,
-                                    tool_choice={"type": "function", "name": "get_weather"})
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": WEATHER["function"]["parameters"],
+    }
+    first = client.responses.create(
+        model=TINY,
+        input="Weather in Lyon?",
+        tools=[tool],
+        max_output_tokens=120,
+        tool_choice={"type": "function", "name": "get_weather"},
+    )
     calls = [item for item in first.output if item.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather"
     jsonschema.validate(json.loads(calls[0].arguments), tool["parameters"])
-    second = client.responses.create(model=TINY, previous_response_id=first.id, tools=[tool], max_output_tokens=6,
-                                     input=[{"type": "function_call_output", "call_id": calls[0].call_id,
-                                             "output": '{"sky": "clear"}'}])
+    second = client.responses.create(
+        model=TINY,
+        previous_response_id=first.id,
+        tools=[tool],
+        max_output_tokens=6,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"sky": "clear"}'}],
+    )
     assert second.output[0].type == "message" and second.usage.input_tokens > first.usage.input_tokens
 
 
-@pytest.mark.parametrize(("body", "status", "param"), [
-    ({"input": "hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
-    ({"input": []}, 400, "input"),
-    ({"input": [{"type": "computer_call"}]}, 400, "input[0]"),
-    ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools[0]"),
-    ({"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
-    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "1"}]}, 400, "input"),
-    ({"input": "hi", "include": ["message.output_text.logprobs"]}, 400, "include"),
-    ({"input": "hi", "background": True}, 400, "background"),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"input": "hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
+        ({"input": []}, 400, "input"),
+        ({"input": [{"type": "computer_call"}]}, 400, "input[0]"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools[0]"),
+        ({"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
+        ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "1"}]}, 400, "input"),
+        ({"input": "hi", "include": ["message.output_text.logprobs"]}, 400, "include"),
+        ({"input": "hi", "background": True}, 400, "background"),
+    ],
+)
 def test_bad_responses_requests(server, body, status, param):
-    reply = httpx.post(server.url + "/v1/responses", json={"model": TINY, **body},
-                       headers={"Authorization": "Bearer key-a"}, timeout=30)
+    reply = httpx.post(
+        server.url + "/v1/responses",
+        json={"model": TINY, **body},
+        headers={"Authorization": "Bearer key-a"},
+        timeout=30,
+    )
     assert reply.status_code == status, reply.text
     assert reply.json()["error"]["param"] == param
 
@@ -348,17 +467,28 @@ def test_a_stored_response_can_be_read_back_and_deleted_by_its_tenant_only(serve
         client.responses.retrieve(unstored.id)
 
 
-OPEN_ENDED = {"type": "object", "properties": {"name": {"type": "string"}, "aliases": {"type": "array", "items": {"type": "string"}},
-                                               "born": {"type": "integer"}},
-              "required": ["name", "aliases", "born"], "additionalProperties": False}
+OPEN_ENDED = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "aliases": {"type": "array", "items": {"type": "string"}},
+        "born": {"type": "integer"},
+    },
+    "required": ["name", "aliases", "born"],
+    "additionalProperties": False,
+}
 
 
 @pytest.mark.parametrize("max_tokens", [48, 120])
 def test_open_ended_schemas_still_close_within_max_tokens(server, max_tokens):
     """Free strings the random model never ends by itself: the reply closes in time, valid, cut by length."""
     reply = _client(server).chat.completions.create(
-        model=TINY, messages=[{"role": "user", "content": "Describe a person"}], max_tokens=max_tokens, temperature=1.0,
-        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": OPEN_ENDED}})
+        model=TINY,
+        messages=[{"role": "user", "content": "Describe a person"}],
+        max_tokens=max_tokens,
+        temperature=1.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": OPEN_ENDED}},
+    )
     choice = reply.choices[0]
     jsonschema.validate(json.loads(choice.message.content), OPEN_ENDED)
     assert choice.finish_reason == "length" and reply.usage.completion_tokens <= max_tokens
@@ -374,8 +504,13 @@ def test_pydantic_parse_helpers_of_the_openai_client(server):
         unit: Literal["c", "f"]
 
     client = _client(server)
-    parsed = client.chat.completions.parse(model=TINY, messages=QUESTION, tools=[openai.pydantic_function_tool(Weather)],
-                                           tool_choice="required", max_tokens=80)
+    parsed = client.chat.completions.parse(
+        model=TINY,
+        messages=QUESTION,
+        tools=[openai.pydantic_function_tool(Weather)],
+        tool_choice="required",
+        max_tokens=80,
+    )
     assert isinstance(parsed.choices[0].message.tool_calls[0].function.parsed_arguments, Weather)
     answer = client.responses.parse(model=TINY, input="Weather?", text_format=Weather, max_output_tokens=80)
     assert isinstance(answer.output_parsed, Weather) or answer.status == "incomplete"
@@ -384,8 +519,10 @@ def test_pydantic_parse_helpers_of_the_openai_client(server):
 def test_earlier_tool_calls_and_results_are_in_the_exact_key(server):
     def history(arguments: str, result: str) -> list[dict]:
         call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
-        return QUESTION + [{"role": "assistant", "content": None, "tool_calls": [call]},
-                           {"role": "tool", "tool_call_id": "call_1", "content": result}]
+        return QUESTION + [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": result},
+        ]
 
     client = _client(server)
     ask = dict(model=TINY, tools=[WEATHER], tool_choice="none", max_tokens=4, temperature=0)
@@ -394,4 +531,6 @@ def test_earlier_tool_calls_and_results_are_in_the_exact_key(server):
     other_call = client.chat.completions.with_raw_response.create(messages=history('{"city": "Oslo"}', "sunny"), **ask)
     other_result = client.chat.completions.with_raw_response.create(messages=history('{"city": "Lyon"}', "snow"), **ask)
     assert same.headers["x-cache-exact"].startswith("hit")
-    assert other_call.headers["x-cache-exact"].startswith("miss") and other_result.headers["x-cache-exact"].startswith("miss")
+    assert other_call.headers["x-cache-exact"].startswith("miss") and other_result.headers["x-cache-exact"].startswith(
+        "miss"
+    )

@@ -25,7 +25,9 @@ STEPS = 16
 
 def _prompts(runner, count=8):
     """Prompts of different lengths (so rows carry different left padding), past Gemma's window."""
-    texts = [f"Request {i}: " + "tell me about the harbour, the boats and the tide. " * (1 + 3 * i) for i in range(count)]
+    texts = [
+        f"Request {i}: " + "tell me about the harbour, the boats and the tide. " * (1 + 3 * i) for i in range(count)
+    ]
     return [runner.prompts.build((Message("user", (TextPart(t),)),), []) for t in texts]
 
 
@@ -91,9 +93,17 @@ def test_a_recurrent_model_decodes_one_sequence_at_a_time():
 def test_the_server_runs_requests_together_and_each_gets_its_lone_answer(tiny_model_path, tmp_path):
     """Four long greedy streams at once: /healthz shows them running together, and each answer is
     the one the same request gets alone."""
-    live = LiveServer(tiny_model_path, tmp_path / "data", {"STRATA_MODEL_NAME": TINY, "STRATA_SEMANTIC": "0",
-                                                           "STRATA_ADMIN_KEY": ADMIN, "STRATA_MAX_NUM_SEQS": "4",
-                                                           "STRATA_EXACT_STORE": "off"})
+    live = LiveServer(
+        tiny_model_path,
+        tmp_path / "data",
+        {
+            "STRATA_MODEL_NAME": TINY,
+            "STRATA_SEMANTIC": "0",
+            "STRATA_ADMIN_KEY": ADMIN,
+            "STRATA_MAX_NUM_SEQS": "4",
+            "STRATA_EXACT_STORE": "off",
+        },
+    )
     questions = [f"Tell a very long story about boat number {i}." for i in range(4)]
 
     def body(question):
@@ -101,8 +111,9 @@ def test_the_server_runs_requests_together_and_each_gets_its_lone_answer(tiny_mo
 
     async def together():
         async with httpx.AsyncClient(timeout=120) as client:
-            requests = [asyncio.ensure_future(client.post(live.url + "/v1/chat/completions", json=body(q)))
-                        for q in questions]
+            requests = [
+                asyncio.ensure_future(client.post(live.url + "/v1/chat/completions", json=body(q))) for q in questions
+            ]
             most = 0
             while not all(r.done() for r in requests):
                 most = max(most, _health(live)["engine_running"])
@@ -121,7 +132,9 @@ def test_the_server_runs_requests_together_and_each_gets_its_lone_answer(tiny_mo
     assert most >= 2, "the requests never decoded together"
     assert engine["num_decoded_tokens"] > 1.5 * engine["num_decode_steps"], engine  # the mean batch size
     usage = [r.json()["usage"] for r in responses]
-    prompt_tokens = sum(u["prompt_tokens"] - (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usage)
+    prompt_tokens = sum(
+        u["prompt_tokens"] - (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usage
+    )
     assert engine["num_prefilled_tokens"] == prompt_tokens and engine["num_prefill_chunks"] >= len(questions), engine
     assert engine["last_step"] == {"rows": 0, "prefill_tokens": 0} and engine["waiting_for_memory"] is False
     for pair in zip(responses, alone):
@@ -154,7 +167,7 @@ def test_running_streams_keep_flowing_while_a_long_prompt_is_prefilled(engine):
     order = asyncio.run(scenario())
     b_started = order.index(("b", "Started"))
     a_deltas_before_b_started = sum(1 for name, kind in order[:b_started] if name == "a" and kind == "Delta")
-    assert a_deltas_before_b_started >= 10, order[:b_started + 1]
+    assert a_deltas_before_b_started >= 10, order[: b_started + 1]
     assert ("a", "Finished") in order and ("b", "Finished") in order
 
 
@@ -164,16 +177,31 @@ def test_a_flooding_tenant_cannot_starve_another(tiny_model_path, tmp_path):
     still gets a place and is served before A's waiting requests (A had the last turn)."""
     from tests.gateway.test_live_server import KEYS
 
-    live = LiveServer(tiny_model_path, tmp_path / "data", {
-        "STRATA_MODEL_NAME": TINY, "STRATA_SEMANTIC": "0", "STRATA_EXACT_STORE": "off", "STRATA_API_KEYS": KEYS,
-        "STRATA_ADMIN_KEY": ADMIN, "STRATA_MAX_QUEUE": "4", "STRATA_MAX_NUM_SEQS": "1"})
-    body = {"model": TINY, "messages": [{"role": "user", "content": "Tell a very long story."}], "max_tokens": 150,
-            "temperature": 0}
+    live = LiveServer(
+        tiny_model_path,
+        tmp_path / "data",
+        {
+            "STRATA_MODEL_NAME": TINY,
+            "STRATA_SEMANTIC": "0",
+            "STRATA_EXACT_STORE": "off",
+            "STRATA_API_KEYS": KEYS,
+            "STRATA_ADMIN_KEY": ADMIN,
+            "STRATA_MAX_QUEUE": "4",
+            "STRATA_MAX_NUM_SEQS": "1",
+        },
+    )
+    body = {
+        "model": TINY,
+        "messages": [{"role": "user", "content": "Tell a very long story."}],
+        "max_tokens": 150,
+        "temperature": 0,
+    }
     done_order = []
 
     async def send(client, key, name):
-        response = await client.post(live.url + "/v1/chat/completions", json=body,
-                                     headers={"Authorization": f"Bearer {key}"})
+        response = await client.post(
+            live.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+        )
         done_order.append((name, response.status_code))
         return response
 

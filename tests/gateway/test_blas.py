@@ -28,8 +28,14 @@ print(blas_in_use())
 
 
 def _logits(model_path, out_path, env) -> tuple[str, np.ndarray]:
-    done = subprocess.run([sys.executable, "-c", PROBE, str(model_path), str(out_path)], env=env,
-                          capture_output=True, text=True, timeout=300, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, str(model_path), str(out_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     return done.stdout.strip().splitlines()[-1], np.load(out_path)
 
 

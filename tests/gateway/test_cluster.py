@@ -25,16 +25,24 @@ KEYS = {"acme": "key-acme", "cold": "key-cold"}  # "cold" shares nothing with ac
 ADMIN = {"Authorization": "Bearer admin-key"}
 
 
-def _chat(url: str, messages: list[dict], session: str | None = None, tenant: str = "acme",
-          max_tokens: int = 4) -> httpx.Response:
+def _chat(
+    url: str, messages: list[dict], session: str | None = None, tenant: str = "acme", max_tokens: int = 4
+) -> httpx.Response:
     headers = {"Authorization": f"Bearer {KEYS[tenant]}"} | ({"X-Strata-Session": session} if session else {})
-    return httpx.post(url + "/v1/chat/completions", headers=headers, timeout=60,
-                      json={"model": TINY, "messages": messages, "max_tokens": max_tokens, "temperature": 0})
+    return httpx.post(
+        url + "/v1/chat/completions",
+        headers=headers,
+        timeout=60,
+        json={"model": TINY, "messages": messages, "max_tokens": max_tokens, "temperature": 0},
+    )
 
 
 def _ask(url: str, text: str, session: str | None = None, first: str = "Hello archive.") -> httpx.Response:
-    messages = [{"role": "user", "content": first}, {"role": "assistant", "content": "Hello."},
-                {"role": "user", "content": text}]
+    messages = [
+        {"role": "user", "content": first},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": text},
+    ]
     return _chat(url, messages, session)
 
 
@@ -44,8 +52,11 @@ def _cached(response: httpx.Response) -> int:
 
 @pytest.fixture
 def cluster(tiny_model_path, tmp_path):
-    env = {"STRATA_MODEL_NAME": TINY, "STRATA_API_KEYS": ",".join(f"{k}:{t}" for t, k in KEYS.items()),
-           "STRATA_ADMIN_KEY": "admin-key"}
+    env = {
+        "STRATA_MODEL_NAME": TINY,
+        "STRATA_API_KEYS": ",".join(f"{k}:{t}" for t, k in KEYS.items()),
+        "STRATA_ADMIN_KEY": "admin-key",
+    }
     running = Cluster(str(tiny_model_path), tmp_path / "cluster", free_ports(3), env)
     running.start()
     yield running
@@ -64,8 +75,9 @@ def test_sessions_stick_share_answers_and_survive_a_dead_replica(cluster):
             homes[session] = response.headers["x-strata-replica"]
     for session, home in homes.items():  # every later turn lands where the session began
         assert {_ask(cluster.url, f"Turn {turn}.", session).headers["x-strata-replica"] for turn in range(3)} == {home}
-    no_session = {_ask(cluster.url, f"Turn {turn}.", first="Same first message.").headers["x-strata-replica"]
-                  for turn in range(3)}
+    no_session = {
+        _ask(cluster.url, f"Turn {turn}.", first="Same first message.").headers["x-strata-replica"] for turn in range(3)
+    }
     assert len(no_session) == 1  # no session: the API key and first message keep it on one replica
 
     on_a = next(s for s, home in homes.items() if home == "a")
@@ -90,8 +102,12 @@ def _semantic_and_purges_reach_both(cluster, on_a: str, on_b: str) -> None:
     assert served.headers["x-strata-replica"] == "b"
     assert served.json()["choices"][0]["message"] == stored.json()["choices"][0]["message"]
     _ask(cluster.url, "Purge me from every replica?", on_a)
-    purge = httpx.post(cluster.replica_url("b") + "/admin/purge", headers=ADMIN, timeout=60,
-                       json={"tenant": "acme", "session": on_a, "layers": ["exact", "semantic"]})
+    purge = httpx.post(
+        cluster.replica_url("b") + "/admin/purge",
+        headers=ADMIN,
+        timeout=60,
+        json={"tenant": "acme", "session": on_a, "layers": ["exact", "semantic"]},
+    )
     assert purge.status_code == 200 and purge.json()["removed"]["exact"]["entries"] >= 1
     assert purge.json()["announced"] is True  # replica a purges its own layers (RAM KV, images) as well
     again = _ask(cluster.url, "Purge me from every replica?", on_a)
@@ -139,8 +155,19 @@ def _ready(url: str) -> bool:
 @pytest.mark.slow
 def test_cluster_up_restarts_a_dead_replica_and_stops_everything_on_sigint(tiny_model_path, tmp_path):
     port = free_ports(3)
-    command = [sys.executable, "-m", "gateway.cli", "cluster", "up", "--model", str(tiny_model_path), "--port", str(port),
-               "--data-dir", str(tmp_path / "cluster")]
+    command = [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "cluster",
+        "up",
+        "--model",
+        str(tiny_model_path),
+        "--port",
+        str(port),
+        "--data-dir",
+        str(tmp_path / "cluster"),
+    ]
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | {"STRATA_MODEL_NAME": TINY}
     env.pop("STRATA_API_KEYS", None)
     up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -32,7 +32,9 @@ class DevTools:
         deadline = time.monotonic() + 30
         while True:
             try:
-                pages = [t for t in httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=2).json() if t["type"] == "page"]
+                pages = [
+                    t for t in httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=2).json() if t["type"] == "page"
+                ]
                 if pages:
                     break
             except httpx.HTTPError:
@@ -77,8 +79,11 @@ def _metrics(url: str) -> dict[str, float]:
 def test_the_dashboard_shows_what_metrics_says_in_a_real_browser(tiny_model_path, tmp_path):
     chromium_path = shutil.which("chromium")
     assert chromium_path, "chromium is missing: `make test` installs it (Debian's chromium package)"
-    strata = LiveServer(tiny_model_path, tmp_path / "data", {
-        "STRATA_ADMIN_KEY": ADMIN, "STRATA_MODEL_NAME": TINY, "STRATA_DASHBOARD_SAMPLE_S": "0.5"})
+    strata = LiveServer(
+        tiny_model_path,
+        tmp_path / "data",
+        {"STRATA_ADMIN_KEY": ADMIN, "STRATA_MODEL_NAME": TINY, "STRATA_DASHBOARD_SAMPLE_S": "0.5"},
+    )
     browser = None
     try:
         prompts = ["Name a harbour.", "Name a lighthouse.", "Name a harbour.", "Name a ship.", "Name a harbour."]
@@ -90,10 +95,22 @@ def test_the_dashboard_shows_what_metrics_says_in_a_real_browser(tiny_model_path
         port = _free_port()
         # The suite runs under LD_PRELOAD=OpenBLAS (for MLX): Chromium must not inherit it (it then never starts)
         env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-        browser = subprocess.Popen([chromium_path, "--headless=new", "--no-sandbox", "--disable-gpu",
-                                    "--disable-dev-shm-usage", f"--remote-debugging-port={port}",
-                                    f"--user-data-dir={tmp_path / 'chromium'}", "--window-size=1400,1250", "about:blank"],
-                                   env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        browser = subprocess.Popen(
+            [
+                chromium_path,
+                "--headless=new",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                f"--remote-debugging-port={port}",
+                f"--user-data-dir={tmp_path / 'chromium'}",
+                "--window-size=1400,1250",
+                "about:blank",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         with DevTools(port) as page:
             page.call("Network.enable")
             page.call("Network.setExtraHTTPHeaders", headers={"Authorization": f"Bearer {ADMIN}"})
@@ -104,12 +121,16 @@ def test_the_dashboard_shows_what_metrics_says_in_a_real_browser(tiny_model_path
                 assert time.monotonic() < deadline, "the dashboard never loaded its data"
                 time.sleep(0.2)
             time.sleep(0.5)  # the charts are drawn in the same pass; let the frame settle for the screenshot
-            shown = page.evaluate("JSON.stringify([...document.querySelectorAll('[data-metric]')]"
-                                  ".map(e => [e.dataset.metric, Number(e.dataset.value), e.textContent]))")
-            texts = page.evaluate("JSON.stringify({requests: document.getElementById('requests').textContent,"
-                                  " exact: document.getElementById('rate-exact').textContent,"
-                                  " points: document.querySelectorAll('#chart-hits circle').length,"
-                                  " engine: document.getElementById('engine').textContent})")
+            shown = page.evaluate(
+                "JSON.stringify([...document.querySelectorAll('[data-metric]')]"
+                ".map(e => [e.dataset.metric, Number(e.dataset.value), e.textContent]))"
+            )
+            texts = page.evaluate(
+                "JSON.stringify({requests: document.getElementById('requests').textContent,"
+                " exact: document.getElementById('rate-exact').textContent,"
+                " points: document.querySelectorAll('#chart-hits circle').length,"
+                " engine: document.getElementById('engine').textContent})"
+            )
             SCREENSHOT.parent.mkdir(exist_ok=True)
             SCREENSHOT.write_bytes(base64.b64decode(page.call("Page.captureScreenshot", format="png")["data"]))
         metrics = _metrics(strata.url)

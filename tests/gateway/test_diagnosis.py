@@ -20,8 +20,10 @@ QUESTION = "Which records mention the storm of 1911, and on which shelves are th
 
 
 def _system(i: int) -> str:
-    return (f"Archive desk {i}. You answer questions about the museum's catalogue, shelf by shelf, and you cite "
-            f"every record you use. Desk {i} covers the maritime collection. ") * 3
+    return (
+        f"Archive desk {i}. You answer questions about the museum's catalogue, shelf by shelf, and you cite "
+        f"every record you use. Desk {i} covers the maritime collection. "
+    ) * 3
 
 
 def _ask(client, messages, **extra):
@@ -46,8 +48,15 @@ def admin_settings(settings):
 def test_a_tiny_ram_budget_is_named_the_bottleneck(tiny_model_path, admin_settings):
     """Five conversations, interleaved: by each one's second turn, its first turn's blocks were pushed
     out of a RAM budget that holds about two prompts."""
-    small = Engine(tiny_model_path, TINY, EngineConfig(max_queue=8, prefill_chunk_tokens=64, caches=CacheConfig(
-        prefix_budget_bytes=1536 << 10, vision_budget_bytes=0, block_size=16, prefix_idle_s=0)))
+    small = Engine(
+        tiny_model_path,
+        TINY,
+        EngineConfig(
+            max_queue=8,
+            prefill_chunk_tokens=64,
+            caches=CacheConfig(prefix_budget_bytes=1536 << 10, vision_budget_bytes=0, block_size=16, prefix_idle_s=0),
+        ),
+    )
     small.start()
     try:
         with TestClient(create_app(admin_settings, engine=small)) as client:
@@ -85,12 +94,19 @@ def test_a_system_prompt_that_changes_every_request_is_named(engine, admin_setti
 def test_a_divergence_names_the_part_of_the_conversation(engine, admin_settings):
     system = {"role": "system", "content": _system(7)}
     first = [system, _user(QUESTION), {"role": "assistant", "content": "Shelves 4 and 9."}, _user("Thanks. And 1912?")]
-    edited = [system, _user(QUESTION), {"role": "assistant", "content": "Shelves 5 and 9, mostly."},
-              _user("Thanks. And 1912?")]
+    edited = [
+        system,
+        _user(QUESTION),
+        {"role": "assistant", "content": "Shelves 5 and 9, mostly."},
+        _user("Thanks. And 1912?"),
+    ]
     with TestClient(create_app(admin_settings, engine=engine)) as client:
         _ask(client, first)
         assert "in=earlier_turn" in _ask(client, edited).headers["x-cache-prefix"]
-        assert "in=latest" in _ask(client, first[:3] + [_user("Thanks. Anything on lighthouses?")]).headers["x-cache-prefix"]
+        assert (
+            "in=latest"
+            in _ask(client, first[:3] + [_user("Thanks. Anything on lighthouses?")]).headers["x-cache-prefix"]
+        )
         with_image = [system, _user(QUESTION + " See the photo.", png_data_url(seed=1))]
         _ask(client, with_image)
         other_image = [system, _user(QUESTION + " See the photo.", png_data_url(seed=2))]
@@ -99,10 +115,16 @@ def test_a_divergence_names_the_part_of_the_conversation(engine, admin_settings)
 
 def test_findings_need_a_fifth_of_the_missed_tokens_and_quiet_windows_say_so():
     def record(at, why, tokens, where="", tier=""):
-        return RequestRecord(at, ("bypass", "bypass", "bypass", "miss"), PrefixFacts(tokens, 0, 0, why, tier, 30.0, where))
+        return RequestRecord(
+            at, ("bypass", "bypass", "bypass", "miss"), PrefixFacts(tokens, 0, 0, why, tier, 30.0, where)
+        )
 
-    records = [record(100, "expired", 700, tier="ssd"), record(100, "cold", 250), record(100, "diverged", 50, "image"),
-               record(10, "evicted", 9999, tier="ram")]  # outside the window
+    records = [
+        record(100, "expired", 700, tier="ssd"),
+        record(100, "cold", 250),
+        record(100, "diverged", 50, "image"),
+        record(10, "evicted", 9999, tier="ram"),
+    ]  # outside the window
     report = diagnose(records, window_s=60, now=120, ssd_enabled=True)
     assert report["requests"] == 3 and report["missed_prefix_tokens"] == 1000
     assert report["bottleneck"] == "ssd_retention" and report["causes"]["ssd_retention"]["share"] == 0.7

@@ -101,10 +101,16 @@ def test_image_prompt_warm_equals_cold_and_skips_the_encoder(cold, warm):
 
 def test_vision_cache_skips_the_encoder_when_the_prefix_differs(warm):
     image = _image(2)
-    _run(warm, _prompt(warm, [Message("system", (TextPart("You are terse."),)), _user("Describe.", image=True)], [image]))
+    _run(
+        warm, _prompt(warm, [Message("system", (TextPart("You are terse."),)), _user("Describe.", image=True)], [image])
+    )
     calls = warm.num_encoder_calls
-    result = _run(warm, _prompt(warm, [Message("system", (TextPart("You are verbose and kind."),)),
-                                       _user("Describe.", image=True)], [image]))
+    result = _run(
+        warm,
+        _prompt(
+            warm, [Message("system", (TextPart("You are verbose and kind."),)), _user("Describe.", image=True)], [image]
+        ),
+    )
     assert warm.num_encoder_calls == calls
     assert (result[2].vision.num_hits, result[2].vision.num_misses) == (1, 0)
 

@@ -107,8 +107,12 @@ while True:  # heavy spilling: every prompt evicts earlier blocks to the SSD tie
 
 def test_kill_9_during_heavy_spilling_then_restart(tiny_model_path, tmp_path, cold_result):
     folder = tmp_path / "kv"
-    child = subprocess.Popen([sys.executable, "-c", SPILLER, str(tiny_model_path), str(folder)],
-                             stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    child = subprocess.Popen(
+        [sys.executable, "-c", SPILLER, str(tiny_model_path), str(folder)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ.copy(),
+    )
     assert child.stdout.readline().strip() == "ready"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(list(folder.glob("*/*/*.safetensors"))) < 10:

@@ -72,7 +72,9 @@ ICCP_BOMB = _png_chunk(b"iCCP", b"icc\0\0" + zlib.compress(b"\0" * 50_000_000, 9
 
 
 def _image_message(url: str) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}]}]
+    return [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}]}
+    ]
 
 
 CASES = [
@@ -84,16 +86,59 @@ CASES = [
     ("missing model", {"messages": USER}, 400, "invalid_type"),
     ("unknown role", {"model": TINY, "messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_role"),
     ("content wrong type", {"model": TINY, "messages": [{"role": "user", "content": 5}]}, 400, "invalid_type"),
-    ("unknown part type", {"model": TINY, "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, 400, "unsupported_content_type"),
-    ("text part not string", {"model": TINY, "messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, 400, "invalid_type"),
-    ("bad base64", {"model": TINY, "messages": _image_message("data:image/png;base64,@@@not-base64@@@")}, 400, "invalid_base64"),
-    ("not an image", {"model": TINY, "messages": _image_message("data:image/png;base64," + base64.b64encode(b"hello world").decode())}, 400, "invalid_image"),
+    (
+        "unknown part type",
+        {"model": TINY, "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+        400,
+        "unsupported_content_type",
+    ),
+    (
+        "text part not string",
+        {"model": TINY, "messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+        400,
+        "invalid_type",
+    ),
+    (
+        "bad base64",
+        {"model": TINY, "messages": _image_message("data:image/png;base64,@@@not-base64@@@")},
+        400,
+        "invalid_base64",
+    ),
+    (
+        "not an image",
+        {
+            "model": TINY,
+            "messages": _image_message("data:image/png;base64," + base64.b64encode(b"hello world").decode()),
+        },
+        400,
+        "invalid_image",
+    ),
     ("truncated image", {"model": TINY, "messages": _image_message(_truncated_png_url())}, 400, "invalid_image"),
     ("decompression bomb", {"model": TINY, "messages": _image_message(_bomb_data_url(3000))}, 400, "image_too_large"),
-    ("http url refused", {"model": TINY, "messages": _image_message("http://127.0.0.1:9/cat.png")}, 400, "image_url_not_allowed"),
-    ("file url refused", {"model": TINY, "messages": _image_message("file:///etc/passwd")}, 400, "image_url_not_allowed"),
+    (
+        "http url refused",
+        {"model": TINY, "messages": _image_message("http://127.0.0.1:9/cat.png")},
+        400,
+        "image_url_not_allowed",
+    ),
+    (
+        "file url refused",
+        {"model": TINY, "messages": _image_message("file:///etc/passwd")},
+        400,
+        "image_url_not_allowed",
+    ),
     ("too many images", {"model": TINY, "messages": _image_message(png_data_url()) * 5}, 400, "too_many_images"),
-    ("image in assistant turn", {"model": TINY, "messages": [{"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": png_data_url()}}]}]}, 400, "invalid_content"),
+    (
+        "image in assistant turn",
+        {
+            "model": TINY,
+            "messages": [
+                {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": png_data_url()}}]}
+            ],
+        },
+        400,
+        "invalid_content",
+    ),
     ("max_tokens zero", {"model": TINY, "messages": USER, "max_tokens": 0}, 400, "invalid_value"),
     ("max_tokens too big", {"model": TINY, "messages": USER, "max_tokens": 100000}, 400, "invalid_value"),
     ("max_tokens string", {"model": TINY, "messages": USER, "max_tokens": "10"}, 400, "invalid_value"),
@@ -107,34 +152,89 @@ CASES = [
     ("tool_choice without tools", {"model": TINY, "messages": USER, "tool_choice": "required"}, 400, "invalid_value"),
     ("logprobs not bool", {"model": TINY, "messages": USER, "logprobs": "yes"}, 400, "invalid_type"),
     ("metadata not strings", {"model": TINY, "messages": USER, "metadata": {"a": 1}}, 400, "invalid_type"),
-    ("prompt longer than context", {"model": TINY, "messages": [{"role": "user", "content": "word " * 3000}]}, 400, "context_length_exceeded"),
+    (
+        "prompt longer than context",
+        {"model": TINY, "messages": [{"role": "user", "content": "word " * 3000}]},
+        400,
+        "context_length_exceeded",
+    ),
     ("unknown model", {"model": "gpt-9", "messages": USER}, 404, "model_not_found"),
     # -- each of these once answered 500 -------------------------------------------------------
     ("nesting 10^4 deep", b'{"model": "x", "a": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", 400, "invalid_json"),
     ("nesting past the bound", {"model": TINY, "messages": USER, "x": _nested(40)}, 400, "invalid_json"),
     ("5000-digit integer", b'{"model": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400, "invalid_json"),
-    ("lone surrogate in content", b'{"model": "strata-tiny", "messages": [{"role": "user", "content": "hi \\ud800"}]}', 400, "invalid_unicode"),
-    ("lone surrogate in metadata", b'{"model": "strata-tiny", "messages": [{"role": "user", "content": "hi"}], "metadata": {"k": "\\udfff"}}', 400, "invalid_unicode"),
-    ("lone surrogate in stop", b'{"model": "strata-tiny", "messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud83d"]}', 400, "invalid_unicode"),
-    ("lone surrogate in a key", b'{"model": "strata-tiny", "messages": [{"role": "user", "content": "hi"}], "\\ud800": 1}', 400, "invalid_unicode"),
-    ("PNG header 20000x20000", {"model": TINY, "messages": _image_message(_url(_png(20000, 20000)))}, 400, "image_too_large"),
-    ("GIF header 20000x20000", {"model": TINY, "messages": _image_message(_url(_gif(20000, 20000), "gif"))}, 400, "image_too_large"),
-    ("BMP header 20000x20000", {"model": TINY, "messages": _image_message(_url(_bmp(20000, 20000), "bmp"))}, 400, "image_too_large"),
+    (
+        "lone surrogate in content",
+        b'{"model": "strata-tiny", "messages": [{"role": "user", "content": "hi \\ud800"}]}',
+        400,
+        "invalid_unicode",
+    ),
+    (
+        "lone surrogate in metadata",
+        b'{"model": "strata-tiny", "messages": [{"role": "user", "content": "hi"}], "metadata": {"k": "\\udfff"}}',
+        400,
+        "invalid_unicode",
+    ),
+    (
+        "lone surrogate in stop",
+        b'{"model": "strata-tiny", "messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud83d"]}',
+        400,
+        "invalid_unicode",
+    ),
+    (
+        "lone surrogate in a key",
+        b'{"model": "strata-tiny", "messages": [{"role": "user", "content": "hi"}], "\\ud800": 1}',
+        400,
+        "invalid_unicode",
+    ),
+    (
+        "PNG header 20000x20000",
+        {"model": TINY, "messages": _image_message(_url(_png(20000, 20000)))},
+        400,
+        "image_too_large",
+    ),
+    (
+        "GIF header 20000x20000",
+        {"model": TINY, "messages": _image_message(_url(_gif(20000, 20000), "gif"))},
+        400,
+        "image_too_large",
+    ),
+    (
+        "BMP header 20000x20000",
+        {"model": TINY, "messages": _image_message(_url(_bmp(20000, 20000), "bmp"))},
+        400,
+        "image_too_large",
+    ),
     ("PNG zTXt bomb", {"model": TINY, "messages": _image_message(_url(_png(8, 8, ZTXT_BOMB)))}, 400, "invalid_image"),
     ("PNG iCCP bomb", {"model": TINY, "messages": _image_message(_url(_png(8, 8, ICCP_BOMB)))}, 400, "invalid_image"),
     ("1x300 image", {"model": TINY, "messages": _image_message(png_data_url(1, 300))}, 400, "invalid_image"),
     ("300x1 image", {"model": TINY, "messages": _image_message(png_data_url(300, 1))}, 400, "invalid_image"),
     ("seed beyond 64 bits", {"model": TINY, "messages": USER, "seed": 2**70}, 400, "invalid_type"),
     ("too many messages", {"model": TINY, "messages": USER * 1025}, 400, "too_many_messages"),
-    ("too many parts", {"model": TINY, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 65}]}, 400, "too_many_parts"),
+    (
+        "too many parts",
+        {"model": TINY, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 65}]},
+        400,
+        "too_many_parts",
+    ),
     ("user not a string", {"model": TINY, "messages": USER, "user": 5}, 400, "invalid_type"),
     ("presence_penalty beyond 2", {"model": TINY, "messages": USER, "presence_penalty": 2.5}, 400, "invalid_value"),
     ("frequency_penalty a string", {"model": TINY, "messages": USER, "frequency_penalty": "1"}, 400, "invalid_type"),
     ("logit_bias a list", {"model": TINY, "messages": USER, "logit_bias": [1]}, 400, "invalid_type"),
     ("logit_bias key not an id", {"model": TINY, "messages": USER, "logit_bias": {"hello": 1}}, 400, "invalid_value"),
     ("logit_bias value beyond 100", {"model": TINY, "messages": USER, "logit_bias": {"5": 101}}, 400, "invalid_value"),
-    ("logit_bias beyond the vocabulary", {"model": TINY, "messages": USER, "logit_bias": {"999999": 1}}, 400, "invalid_value"),
-    ("logit_bias too many", {"model": TINY, "messages": USER, "logit_bias": {str(i): 1 for i in range(301)}}, 400, "invalid_type"),
+    (
+        "logit_bias beyond the vocabulary",
+        {"model": TINY, "messages": USER, "logit_bias": {"999999": 1}},
+        400,
+        "invalid_value",
+    ),
+    (
+        "logit_bias too many",
+        {"model": TINY, "messages": USER, "logit_bias": {str(i): 1 for i in range(301)}},
+        400,
+        "invalid_type",
+    ),
     ("top_k below -1", {"model": TINY, "messages": USER, "top_k": -2}, 400, "invalid_value"),
     ("top_k a float", {"model": TINY, "messages": USER, "top_k": 2.5}, 400, "invalid_value"),
     ("min_p beyond 1", {"model": TINY, "messages": USER, "min_p": 1.5}, 400, "invalid_value"),
@@ -184,7 +284,9 @@ SHAPING = [("repetition_penalty", 1.2)]  # not an OpenAI field; accepted only at
 
 @pytest.mark.parametrize("field,value", SHAPING, ids=[f"{f}={v!r}"[:40] for f, v in SHAPING])
 def test_a_parameter_that_would_shape_the_answer_is_never_silently_dropped(client, field, value):
-    response = client.post("/v1/chat/completions", json={"model": TINY, "messages": USER, "max_tokens": 2, field: value})
+    response = client.post(
+        "/v1/chat/completions", json={"model": TINY, "messages": USER, "max_tokens": 2, field: value}
+    )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert (error["code"], error["param"]) == ("unsupported_parameter", field)
@@ -192,7 +294,15 @@ def test_a_parameter_that_would_shape_the_answer_is_never_silently_dropped(clien
 
 
 def test_the_neutral_values_of_those_parameters_are_accepted(client):
-    neutral = {"n": 1, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logprobs": False,
-               "top_logprobs": 0, "repetition_penalty": 1.0, "functions": None}
+    neutral = {
+        "n": 1,
+        "tools": [],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "logprobs": False,
+        "top_logprobs": 0,
+        "repetition_penalty": 1.0,
+        "functions": None,
+    }
     response = client.post("/v1/chat/completions", json={"model": TINY, "messages": USER, "max_tokens": 2, **neutral})
     assert response.status_code == 200, response.text

@@ -34,8 +34,10 @@ CHUNK, BLOCK = 64, 16
 HYBRID = ("qwen3_next",)  # recurrent layers: served without prefix reuse
 FAMILIES = sorted(set(RECIPES) - set(HYBRID))
 VISION = sorted(set(FAMILIES) & set(VISION_FAMILIES))
-LONG = ("The committee met in the old library to discuss the river crossing, the budget and the bridge, "
-        "and then the ferry timetable for the winter months. ") * 8
+LONG = (
+    "The committee met in the old library to discuss the river crossing, the budget and the bridge, "
+    "and then the ferry timetable for the winter months. "
+) * 8
 
 
 def _runner(path, prefix_bytes=64 << 20, vision_bytes=16 << 20, ssd=None) -> ModelRunner:
@@ -142,8 +144,9 @@ def test_the_vision_cache_serves_an_image_behind_another_prefix(family, warm):
     image = _image(2)
     _run(warm, [Message("system", (TextPart("You are terse."),)), _user("Describe.", image=True)], [image])
     calls = warm.num_encoder_calls
-    result = _run(warm, [Message("system", (TextPart("You are verbose and kind."),)), _user("Describe.", image=True)],
-                  [image])
+    result = _run(
+        warm, [Message("system", (TextPart("You are verbose and kind."),)), _user("Describe.", image=True)], [image]
+    )
     assert warm.num_encoder_calls == calls
     assert (result[2].vision.num_hits, result[2].vision.num_misses) == (1, 0)
 
@@ -263,8 +266,9 @@ def _library_logits(library, content: list[dict], images=()) -> np.ndarray:
     its processor expands the whole rendered prompt (text and images at once), get_input_embeddings
     embeds it (and for the Qwen VL line computes positions), one language-model call runs it, and the
     library's own cache classes hold the KV (Gemma 3's sliding layers in a RotatingKVCache)."""
-    text = library.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                                add_generation_prompt=True)
+    text = library.tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
     if not images:
         ids = mx.array([library.tokenizer.encode(text, add_special_tokens=False)])
         out = library.lm(ids, cache=library.cache_classes.make_prompt_cache(library.lm))
@@ -305,8 +309,9 @@ def _library_greedy(library, ids: mx.array, num_tokens: int) -> list[int]:
 def test_image_prompt_equals_the_library_one_shot_forward(family, cold, library):
     _vision_only(family)
     image = _image(6)
-    ids, expected = _library_logits(library, [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}],
-                                    [image])
+    ids, expected = _library_logits(
+        library, [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}], [image]
+    )
     result = _run(cold, [_user("What is in this picture?", image=True)], [image])
     assert result[2].prompt.token_ids == tuple(ids[0].tolist())
     np.testing.assert_allclose(result[0], expected, atol=1e-4, rtol=0)

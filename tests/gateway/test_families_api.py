@@ -22,12 +22,19 @@ def _client(settings, family: str) -> TestClient:
 
 
 def _chat(client, family, content, **body):
-    body = {"model": family, "messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0} | body
+    body = {
+        "model": family,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 4,
+        "temperature": 0,
+    } | body
     return client.post("/v1/chat/completions", json=body)
 
 
-IMAGE_CHAT = [{"type": "image_url", "image_url": {"url": png_data_url(96, 80, seed=11)}},
-              {"type": "text", "text": "Describe this picture in a few words, please."}]
+IMAGE_CHAT = [
+    {"type": "image_url", "image_url": {"url": png_data_url(96, 80, seed=11)}},
+    {"type": "text", "text": "Describe this picture in a few words, please."},
+]
 
 
 @pytest.mark.parametrize("family", ["gemma3", "smolvlm", "mistral3", "llava_onevision", "qwen3_vl"])
@@ -77,8 +84,23 @@ def test_strata_serve_refuses_an_unsupported_vision_family_with_one_line(tmp_pat
     folder = tmp_path / "made-up"
     folder.mkdir()
     (folder / "config.json").write_text('{"model_type": "made_up_vl", "vision_config": {}}')
-    done = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--model", str(folder), "--data-dir",
-                           str(tmp_path / "data"), "--port", "1"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "serve",
+            "--model",
+            str(folder),
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--port",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert done.stderr.startswith("strata: cannot serve") and "made_up_vl" in done.stderr
     assert "supported vision families" in done.stderr and "Traceback" not in done.stderr

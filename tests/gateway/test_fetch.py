@@ -22,11 +22,31 @@ PNG = base64.b64decode(png_data_url(32, 32).split(",", 1)[1])
 LOOPBACK = (ipaddress.ip_network("127.0.0.1/32"),)
 
 
-@pytest.mark.parametrize("address", [
-    "127.0.0.1", "127.1.2.3", "0.0.0.0", "::1", "::", "::ffff:127.0.0.1", "::ffff:10.0.0.1", "10.0.0.1",
-    "172.16.5.4", "192.168.1.1", "169.254.169.254", "fe80::1", "fc00::1", "100.64.0.1", "224.0.0.1",
-    "240.0.0.1", "255.255.255.255", "2002:7f00:1::1", "64:ff9b::7f00:1", "ff02::1",
-])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "127.0.0.1",
+        "127.1.2.3",
+        "0.0.0.0",
+        "::1",
+        "::",
+        "::ffff:127.0.0.1",
+        "::ffff:10.0.0.1",
+        "10.0.0.1",
+        "172.16.5.4",
+        "192.168.1.1",
+        "169.254.169.254",
+        "fe80::1",
+        "fc00::1",
+        "100.64.0.1",
+        "224.0.0.1",
+        "240.0.0.1",
+        "255.255.255.255",
+        "2002:7f00:1::1",
+        "64:ff9b::7f00:1",
+        "ff02::1",
+    ],
+)
 def test_non_public_addresses_are_refused(address):
     assert not address_allowed(address, ())
 
@@ -93,9 +113,17 @@ def test_loopback_is_refused_before_any_connection(image_server):
     with pytest.raises(FetchFailed):
         fetch_image(image_server + "/cat.png", _policy(allow=()))
     port = image_server.rsplit(":", 1)[1]
-    for spelling in (f"http://localhost:{port}/", f"http://127.1:{port}/", f"http://2130706433:{port}/",
-                     f"http://0x7f000001:{port}/", f"http://0177.0.0.1:{port}/", f"http://[::1]:{port}/",
-                     f"http://[::ffff:127.0.0.1]:{port}/", f"http://0.0.0.0:{port}/", f"http://127.0.0.1.:{port}/"):
+    for spelling in (
+        f"http://localhost:{port}/",
+        f"http://127.1:{port}/",
+        f"http://2130706433:{port}/",
+        f"http://0x7f000001:{port}/",
+        f"http://0177.0.0.1:{port}/",
+        f"http://[::1]:{port}/",
+        f"http://[::ffff:127.0.0.1]:{port}/",
+        f"http://0.0.0.0:{port}/",
+        f"http://127.0.0.1.:{port}/",
+    ):
         with pytest.raises(Exception):  # FetchFailed, or httpx refusing the spelling itself
             fetch_image(spelling + "cat.png", _policy(allow=()))
     assert _Handler.hits == []  # not one request arrived
@@ -126,13 +154,21 @@ def test_the_body_is_capped_while_it_streams(image_server):
 
 
 def test_clients_see_one_generic_error_whatever_failed(settings, engine, image_server):
-    open_settings = dataclasses.replace(settings, allow_remote_images=True, remote_image_allow=("127.0.0.1/32",),
-                                        remote_image_timeout_s=1.0)
+    open_settings = dataclasses.replace(
+        settings, allow_remote_images=True, remote_image_allow=("127.0.0.1/32",), remote_image_timeout_s=1.0
+    )
     closed_port = f"http://127.0.0.1:{_free_port()}/cat.png"
     with TestClient(create_app(open_settings, engine=engine)) as client:
-        errors = [_ask_with_image(client, url) for url in (
-            closed_port, image_server + "/missing.png", image_server + "/to-metadata", "http://10.1.2.3/x.png",
-            image_server + "/drip")]
+        errors = [
+            _ask_with_image(client, url)
+            for url in (
+                closed_port,
+                image_server + "/missing.png",
+                image_server + "/to-metadata",
+                "http://10.1.2.3/x.png",
+                image_server + "/drip",
+            )
+        ]
         good = _ask_with_image(client, image_server + "/cat.png")
     assert good["status"] == 200
     assert {e["status"] for e in errors} == {400} and {e["code"] for e in errors} == {"image_fetch_failed"}
@@ -140,9 +176,16 @@ def test_clients_see_one_generic_error_whatever_failed(settings, engine, image_s
 
 
 def _ask_with_image(client, url: str) -> dict:
-    body = {"model": TINY, "max_tokens": 2, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}]}]}
+    body = {
+        "model": TINY,
+        "max_tokens": 2,
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}],
+            }
+        ],
+    }
     response = client.post("/v1/chat/completions", json=body)
     error = response.json().get("error", {})
     return {"status": response.status_code, "code": error.get("code"), "message": error.get("message")}
-

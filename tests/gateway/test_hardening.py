@@ -53,7 +53,9 @@ def test_a_sampled_answer_never_serves_greedy_requests(client):
 def test_an_answer_cut_by_stop_serves_only_requests_with_the_same_stop(client):
     ask(client, "How do I merge two branches in git?", stop=["e"])
     plain = ask(client, "What is the way to merge two git branches?")
-    assert plain.headers["x-cache-layer"] == "engine" and plain.headers["x-cache-semantic"] == "miss; reason=no_candidate"
+    assert (
+        plain.headers["x-cache-layer"] == "engine" and plain.headers["x-cache-semantic"] == "miss; reason=no_candidate"
+    )
     same_stop = ask(client, "What is the way to merge two git branches?", stop=["e"])
     assert same_stop.headers["x-cache-layer"] == "semantic"
 
@@ -94,13 +96,21 @@ def test_a_failing_store_still_answers_plain_and_streaming(client):
     """Both stores' connections refuse every write (a real SQLite error, as a full disk gives): 5 of 5
     plain requests once failed with 500, and streams were cut without [DONE]."""
     responses = client.app.state.services.responses
-    for db, lock in ((responses.exact.store.db, responses.exact.store.lock), (responses.semantic.store.db, responses.semantic.store.lock)):
+    for db, lock in (
+        (responses.exact.store.db, responses.exact.store.lock),
+        (responses.semantic.store.db, responses.semantic.store.lock),
+    ):
         with lock:
             db.execute("PRAGMA query_only = 1")
     plain = ask(client, "Write a story about a lighthouse keeper.", max_tokens=8)
     assert plain.status_code == 200 and plain.json()["choices"][0]["message"]["content"] is not None
-    body = {"model": TINY, "messages": [{"role": "user", "content": "Tell another tale of the sea."}], "max_tokens": 8,
-            "temperature": 0, "stream": True}
+    body = {
+        "model": TINY,
+        "messages": [{"role": "user", "content": "Tell another tale of the sea."}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+    }
     with client.stream("POST", "/v1/chat/completions", json=body) as response:
         lines = [line for line in response.iter_lines() if line]
     assert response.status_code == 200 and lines[-1] == "data: [DONE]"
@@ -149,11 +159,18 @@ def test_special_tokens_split_across_parts_are_not_control_tokens(engine):
 
 def test_benign_parts_tokenise_as_the_template_renders_them(engine):
     tokenizer = engine.runner.tokenizer
-    messages = (Message("system", (TextPart("  You are kind. "),)), Message("user", (TextPart("Hi"), TextPart(" there"))))
+    messages = (
+        Message("system", (TextPart("  You are kind. "),)),
+        Message("user", (TextPart("Hi"), TextPart(" there"))),
+    )
     rendered = tokenizer.apply_chat_template(
-        [{"role": "system", "content": "  You are kind. "},
-         {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]}],
-        tokenize=False, add_generation_prompt=True)
+        [
+            {"role": "system", "content": "  You are kind. "},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]},
+        ],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert list(engine.prepare(messages, []).token_ids) == tokenizer.encode(rendered, add_special_tokens=False)
 
 
@@ -176,9 +193,14 @@ def test_a_request_past_the_deadline_gets_504_and_frees_the_engine(settings, eng
 
 
 def test_nul_in_a_file_url_is_a_400(settings, engine, tmp_path):
-    with TestClient(create_app(dataclasses.replace(settings, allow_file_images_under=tmp_path), engine=engine)) as client:
+    with TestClient(
+        create_app(dataclasses.replace(settings, allow_file_images_under=tmp_path), engine=engine)
+    ) as client:
         url = f"file://{tmp_path}/a%00.png"
-        body = {"model": TINY, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+        body = {
+            "model": TINY,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
+        }
         response = client.post("/v1/chat/completions", json=body)
     assert response.status_code == 400 and response.json()["error"]["code"] == "image_url_not_allowed"
 
@@ -188,7 +210,10 @@ def test_admin_routes_check_the_key_before_the_parameters(client):
     assert client.delete("/admin/exact").status_code == 401  # missing required tenant: still 401
     assert client.get("/admin/semantic/entries?limit=abc", headers=ADMIN).status_code == 400
     huge = 10**22
-    for method, path in (("post", f"/admin/semantic/entries/{huge}/approve"), ("delete", f"/admin/semantic/entries/{huge}")):
+    for method, path in (
+        ("post", f"/admin/semantic/entries/{huge}/approve"),
+        ("delete", f"/admin/semantic/entries/{huge}"),
+    ):
         response = getattr(client, method)(path, headers=ADMIN)
         assert response.status_code == 404 and response.json()["error"]["code"] == "entry_not_found"
 
@@ -200,7 +225,9 @@ def test_a_semantic_hit_replays_how_the_answer_ended(client):
     assert hit.headers["x-cache-layer"] == "semantic"
     assert hit.json()["choices"][0]["finish_reason"] == "length"
     assert hit.json()["usage"]["completion_tokens"] == original.json()["usage"]["completion_tokens"] == 3
-    assert hit.json()["usage"]["prompt_tokens"] == original.json()["usage"]["prompt_tokens"] > 0  # stored, not re-counted
+    assert (
+        hit.json()["usage"]["prompt_tokens"] == original.json()["usage"]["prompt_tokens"] > 0
+    )  # stored, not re-counted
     assert "tokenize" not in hit.headers["server-timing"] and "tokenize" in original.headers["server-timing"]
 
 
@@ -252,8 +279,18 @@ def test_max_tokens_is_part_of_the_semantic_key(client):
 
 def test_images_with_extreme_aspect_ratios_are_refused_not_crashed(client):
     for width, height in ((1, 300), (600, 2)):
-        body = {"model": TINY, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": png_data_url(width, height)}}, {"type": "text", "text": "?"}]}]}
+        body = {
+            "model": TINY,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": png_data_url(width, height)}},
+                        {"type": "text", "text": "?"},
+                    ],
+                }
+            ],
+        }
         response = client.post("/v1/chat/completions", json=body)
         assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_image"
     assert ask(client, "still serving?").status_code == 200

@@ -18,8 +18,15 @@ BODY = {"model": TINY, "messages": [{"role": "user", "content": "Say something."
 
 
 def _engine(tiny_model_path) -> Engine:
-    return Engine(tiny_model_path, TINY, EngineConfig(max_queue=8, prefill_chunk_tokens=64, caches=CacheConfig(
-        prefix_budget_bytes=64 << 20, vision_budget_bytes=0, block_size=16)))
+    return Engine(
+        tiny_model_path,
+        TINY,
+        EngineConfig(
+            max_queue=8,
+            prefill_chunk_tokens=64,
+            caches=CacheConfig(prefix_budget_bytes=64 << 20, vision_budget_bytes=0, block_size=16),
+        ),
+    )
 
 
 @pytest.fixture
@@ -70,7 +77,9 @@ def test_a_dead_worker_loop_is_503_for_health_and_for_requests(tiny_model_path, 
         engine.worker._admit = broken_admit
         engine.worker.jobs.nudge()  # wake the idle loop: it admits, and dies
         dead = _wait_for(lambda: (r := client.get("/health")).status_code == 503 and r, "death never reported")
-        assert "the engine worker has stopped" in dead.json()["reason"] and "the admission broke" in dead.json()["reason"]
+        assert (
+            "the engine worker has stopped" in dead.json()["reason"] and "the admission broke" in dead.json()["reason"]
+        )
         start = time.monotonic()
         refused = client.post("/v1/chat/completions", json=BODY)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unavailable"
@@ -99,8 +108,10 @@ def test_readiness_waits_for_the_warm_up_and_reports_its_failure(tiny_model_path
     failing.runner.warm_up = lambda: (_ for _ in ()).throw(RuntimeError("the vision tower cannot run"))
     failing.launch()
     with TestClient(create_app(settings, engine=failing)) as client:
-        ready = _wait_for(lambda: (r := client.get("/health/ready")).status_code == 503 and "failed" in r.text and r,
-                          "the failed warm-up was never reported")
+        ready = _wait_for(
+            lambda: (r := client.get("/health/ready")).status_code == 503 and "failed" in r.text and r,
+            "the failed warm-up was never reported",
+        )
         assert "the vision tower cannot run" in ready.json()["reason"]
         assert client.get("/health").status_code == 503
         assert client.post("/v1/chat/completions", json=BODY).status_code == 503

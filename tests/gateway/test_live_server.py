@@ -36,9 +36,23 @@ class LiveServer:
         env.update(extra_env)
         self.log = (data_dir.parent / f"server-{self.port}.log").open("w")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_path), "--port", str(self.port),
-             "--data-dir", str(data_dir), "--log-level", "info"],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "gateway.cli",
+                "serve",
+                "--model",
+                str(model_path),
+                "--port",
+                str(self.port),
+                "--data-dir",
+                str(data_dir),
+                "--log-level",
+                "info",
+            ],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
         )
         self._wait_ready()
 
@@ -64,10 +78,17 @@ class LiveServer:
 def server(tiny_model_path, tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("live") / "data"
     # one sequence on the model at a time and a queue of one: the queue-full test can fill both
-    live = LiveServer(tiny_model_path, data_dir, {
-        "STRATA_API_KEYS": KEYS, "STRATA_ADMIN_KEY": ADMIN, "STRATA_MAX_QUEUE": "1", "STRATA_MAX_NUM_SEQS": "1",
-        "STRATA_MODEL_NAME": TINY,
-    })
+    live = LiveServer(
+        tiny_model_path,
+        data_dir,
+        {
+            "STRATA_API_KEYS": KEYS,
+            "STRATA_ADMIN_KEY": ADMIN,
+            "STRATA_MAX_QUEUE": "1",
+            "STRATA_MAX_NUM_SEQS": "1",
+            "STRATA_MODEL_NAME": TINY,
+        },
+    )
     yield live
     assert live.stop()
 
@@ -78,13 +99,21 @@ def _client(server, key="key-a") -> openai.OpenAI:
 
 def test_openai_sync_client_plain_and_stream(server):
     client = _client(server)
-    reply = client.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "Say something"}],
-                                           max_tokens=8, temperature=0)
+    reply = client.chat.completions.create(
+        model=TINY, messages=[{"role": "user", "content": "Say something"}], max_tokens=8, temperature=0
+    )
     assert reply.choices[0].message.role == "assistant"
     assert reply.usage.prompt_tokens_details.cached_tokens == 0
-    chunks = list(client.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "Say something"}],
-                                                 max_tokens=8, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=TINY,
+            messages=[{"role": "user", "content": "Say something"}],
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == reply.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
@@ -93,10 +122,19 @@ def test_openai_sync_client_plain_and_stream(server):
 def test_openai_async_client_with_image(server):
     async def run():
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="key-b", max_retries=0)
-        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(80, 80)}},
-                                                 {"type": "text", "text": "Describe it"}]}]
+        messages = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": png_data_url(80, 80)}},
+                    {"type": "text", "text": "Describe it"},
+                ],
+            }
+        ]
         plain = await client.chat.completions.create(model=TINY, messages=messages, max_tokens=5, temperature=0)
-        stream = await client.chat.completions.create(model=TINY, messages=messages, max_tokens=5, temperature=0, stream=True)
+        stream = await client.chat.completions.create(
+            model=TINY, messages=messages, max_tokens=5, temperature=0, stream=True
+        )
         text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
         await client.close()
         return plain.choices[0].message.content, text
@@ -107,8 +145,12 @@ def test_openai_async_client_with_image(server):
 
 def test_api_keys_are_required_and_map_to_tenants(server, tiny_model_path):
     with pytest.raises(openai.AuthenticationError):
-        _client(server, key="wrong").chat.completions.create(model=TINY, messages=[{"role": "user", "content": "x"}], max_tokens=1)
-    missing = httpx.post(server.url + "/v1/chat/completions", json={"model": TINY, "messages": [{"role": "user", "content": "x"}]})
+        _client(server, key="wrong").chat.completions.create(
+            model=TINY, messages=[{"role": "user", "content": "x"}], max_tokens=1
+        )
+    missing = httpx.post(
+        server.url + "/v1/chat/completions", json={"model": TINY, "messages": [{"role": "user", "content": "x"}]}
+    )
     assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(server.url + "/v1/models").status_code == 401
     assert httpx.get(server.url + "/admin/stats", headers={"Authorization": "Bearer key-a"}).status_code == 401
@@ -136,12 +178,15 @@ def test_tenants_never_share_prefix_blocks(server):
     messages = [{"role": "user", "content": "An identical prompt from two tenants, long enough to fill blocks. " * 4}]
     skip_response_caches = {"Cache-Control": "no-cache"}  # exercise the engine's prefix cache itself
     for key in ("key-a", "key-a"):
-        _client(server, key).chat.completions.create(model=TINY, messages=messages, max_tokens=2, temperature=0,
-                                                     extra_headers=skip_response_caches)
+        _client(server, key).chat.completions.create(
+            model=TINY, messages=messages, max_tokens=2, temperature=0, extra_headers=skip_response_caches
+        )
     warm_a = _client(server, "key-a").chat.completions.with_raw_response.create(
-        model=TINY, messages=messages, max_tokens=2, temperature=0, extra_headers=skip_response_caches)
+        model=TINY, messages=messages, max_tokens=2, temperature=0, extra_headers=skip_response_caches
+    )
     first_b = _client(server, "key-b").chat.completions.with_raw_response.create(
-        model=TINY, messages=messages, max_tokens=2, temperature=0, extra_headers=skip_response_caches)
+        model=TINY, messages=messages, max_tokens=2, temperature=0, extra_headers=skip_response_caches
+    )
     assert warm_a.headers["x-cache-prefix"].startswith("hit; cached=")
     assert first_b.headers["x-cache-prefix"].startswith("miss; cached=0")
     assert first_b.parse().usage.prompt_tokens_details.cached_tokens == 0
@@ -167,15 +212,23 @@ def _health(server) -> dict:
 
 def test_client_disconnect_mid_stream_frees_the_engine(server):
     cancelled_before = _admin_stats(server)["engine"]["num_cancelled"]
-    body = {"model": TINY, "messages": [{"role": "user", "content": "go on forever"}], "max_tokens": 512,
-            "temperature": 1.0, "seed": 1, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
-                      headers={"Authorization": "Bearer key-a"}, timeout=30) as response:
+    body = {
+        "model": TINY,
+        "messages": [{"role": "user", "content": "go on forever"}],
+        "max_tokens": 512,
+        "temperature": 1.0,
+        "seed": 1,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", server.url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer key-a"}, timeout=30
+    ) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (_health(server)["engine_busy"] or
-                                           _admin_stats(server)["engine"]["num_cancelled"] == cancelled_before):
+    while time.monotonic() < deadline and (
+        _health(server)["engine_busy"] or _admin_stats(server)["engine"]["num_cancelled"] == cancelled_before
+    ):
         time.sleep(0.05)
     assert _admin_stats(server)["engine"]["num_cancelled"] == cancelled_before + 1
     assert not _health(server)["engine_busy"]
@@ -186,18 +239,25 @@ def test_client_disconnect_mid_stream_frees_the_engine(server):
 def test_full_queue_answers_429_with_retry_after(server):
     """With the engine busy and a queue of one, of five more requests one waits and four get 429."""
     # greedy: this prompt runs all 500 tokens on the tiny model (~1.8 s); a sampled one may stop early
-    body = {"model": TINY, "messages": [{"role": "user", "content": "Tell a very long story."}], "max_tokens": 500,
-            "temperature": 0}
+    body = {
+        "model": TINY,
+        "messages": [{"role": "user", "content": "Tell a very long story."}],
+        "max_tokens": 500,
+        "temperature": 0,
+    }
     headers = {"Authorization": "Bearer key-a"}
 
     async def burst():
         async with httpx.AsyncClient(timeout=120) as client:
-            running = asyncio.ensure_future(client.post(server.url + "/v1/chat/completions", json=body, headers=headers))
+            running = asyncio.ensure_future(
+                client.post(server.url + "/v1/chat/completions", json=body, headers=headers)
+            )
             deadline = time.monotonic() + 30
             while not _health(server)["engine_busy"] and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-            others = await asyncio.gather(*[client.post(server.url + "/v1/chat/completions", json=body, headers=headers)
-                                            for _ in range(5)])
+            others = await asyncio.gather(
+                *[client.post(server.url + "/v1/chat/completions", json=body, headers=headers) for _ in range(5)]
+            )
             return [await running, *others]
 
     responses = asyncio.run(burst())
@@ -209,13 +269,17 @@ def test_full_queue_answers_429_with_retry_after(server):
 
 
 def test_single_tenant_mode_is_announced(tiny_model_path, tmp_path):
-    live = LiveServer(tiny_model_path, tmp_path / "data", {"STRATA_MODEL_NAME": TINY, "STRATA_SEMANTIC": "0",
-                                                           "STRATA_ADMIN_KEY": ADMIN})
+    live = LiveServer(
+        tiny_model_path,
+        tmp_path / "data",
+        {"STRATA_MODEL_NAME": TINY, "STRATA_SEMANTIC": "0", "STRATA_ADMIN_KEY": ADMIN},
+    )
     try:
         health = httpx.get(live.url + "/healthz", headers={"Authorization": f"Bearer {ADMIN}"}).json()
         assert health["multi_tenant"] is False
         reply = _client(live, key="anything").chat.completions.create(
-            model=TINY, messages=[{"role": "user", "content": "x"}], max_tokens=1)
+            model=TINY, messages=[{"role": "user", "content": "x"}], max_tokens=1
+        )
         assert reply.choices
     finally:
         assert live.stop()
@@ -225,16 +289,24 @@ def test_single_tenant_mode_is_announced(tiny_model_path, tmp_path):
 def test_conversation_resumes_from_ssd_after_a_restart(tiny_model_path, tmp_path):
     env = {"STRATA_MODEL_NAME": TINY, "STRATA_SEMANTIC": "0"}
     no_response_cache = {"Cache-Control": "no-cache"}
-    turn1 = [{"role": "system", "content": "You are the archive's guide to old maps and charts. " * 6},
-             {"role": "user", "content": "Which charts show the northern coast?"}]
+    turn1 = [
+        {"role": "system", "content": "You are the archive's guide to old maps and charts. " * 6},
+        {"role": "user", "content": "Which charts show the northern coast?"},
+    ]
     live = LiveServer(tiny_model_path, tmp_path / "data", env)
     try:
         client = _client(live)
-        reply = client.chat.completions.create(model=TINY, messages=turn1, max_tokens=8, temperature=0,
-                                               extra_headers=no_response_cache).choices[0].message.content
+        reply = (
+            client.chat.completions.create(
+                model=TINY, messages=turn1, max_tokens=8, temperature=0, extra_headers=no_response_cache
+            )
+            .choices[0]
+            .message.content
+        )
         turn2 = turn1 + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And the southern one?"}]
-        second = client.chat.completions.with_raw_response.create(model=TINY, messages=turn2, max_tokens=8,
-                                                                   temperature=0, extra_headers=no_response_cache)
+        second = client.chat.completions.with_raw_response.create(
+            model=TINY, messages=turn2, max_tokens=8, temperature=0, extra_headers=no_response_cache
+        )
         assert second.headers["x-cache-prefix"].startswith("hit;") and "tier=ram" in second.headers["x-cache-prefix"]
     finally:
         assert live.stop()  # SIGTERM: blocks that were reused are persisted, the writer drains
@@ -243,7 +315,8 @@ def test_conversation_resumes_from_ssd_after_a_restart(tiny_model_path, tmp_path
     try:
         turn3 = turn2 + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "Thanks."}]
         third = _client(restarted).chat.completions.with_raw_response.create(
-            model=TINY, messages=turn3, max_tokens=4, temperature=0, extra_headers=no_response_cache)
+            model=TINY, messages=turn3, max_tokens=4, temperature=0, extra_headers=no_response_cache
+        )
         header = third.headers["x-cache-prefix"]
         assert header.startswith("hit;") and "tier=ssd" in header and "; ssd=" in header, header
     finally:

@@ -19,8 +19,11 @@ GREEDY = 24
 
 
 def _engine(model_path, budget_bytes: int) -> Engine:
-    engine = Engine(model_path, TINY, EngineConfig(max_queue=8, prefill_chunk_tokens=64,
-                                                   caches=CacheConfig(budget_bytes, 0, 16), max_num_seqs=8))
+    engine = Engine(
+        model_path,
+        TINY,
+        EngineConfig(max_queue=8, prefill_chunk_tokens=64, caches=CacheConfig(budget_bytes, 0, 16), max_num_seqs=8),
+    )
     return engine
 
 
@@ -117,14 +120,22 @@ def test_a_request_larger_than_the_whole_budget_is_a_400(tiny_model_path, settin
     engine.start()
     try:
         with TestClient(create_app(settings, engine=engine)) as client:
-            response = client.post("/v1/chat/completions", json={
-                "model": TINY, "messages": [{"role": "user", "content": "Tell me about the sea " * 30}], "max_tokens": 64})
+            response = client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": TINY,
+                    "messages": [{"role": "user", "content": "Tell me about the sea " * 30}],
+                    "max_tokens": 64,
+                },
+            )
             assert response.status_code == 400, response.text
             error = response.json()["error"]
             assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
             assert "memory budget" in error["message"]
-            small = client.post("/v1/chat/completions", json={
-                "model": TINY, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+            small = client.post(
+                "/v1/chat/completions",
+                json={"model": TINY, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+            )
             assert small.status_code == 200, small.text
     finally:
         engine.stop()

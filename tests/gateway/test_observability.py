@@ -26,8 +26,11 @@ def scrape(client) -> dict[tuple, float]:
     """{(sample name, sorted labels): value} from /metrics."""
     response = client.get("/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain; version=0.0.4")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(response.text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(response.text)
+        for s in family.samples
+    }
 
 
 def value(samples: dict, name: str, **labels) -> float:
@@ -73,8 +76,11 @@ def test_labels_never_carry_client_values(engine, live_settings):
     tenants = dataclasses.replace(live_settings, api_keys={"key-a": "tenant-a"})
     headers = {"Authorization": "Bearer key-a", "X-Strata-Session": "session-SECRET-1"}
     with TestClient(create_app(tenants, engine=engine)) as client:
-        client.post("/v1/chat/completions", json=_body("a prompt with PROMPT-SECRET inside", user="user-SECRET"),
-                    headers=headers)
+        client.post(
+            "/v1/chat/completions",
+            json=_body("a prompt with PROMPT-SECRET inside", user="user-SECRET"),
+            headers=headers,
+        )
         client.get("/v1/does-not-exist-SECRET")
         text = client.get("/metrics").text
     assert "SECRET" not in text and "tenant-a" not in text  # no tenant label unless asked for
@@ -92,8 +98,12 @@ def test_every_response_carries_a_request_id(engine, live_settings):
         for hostile in ("has spaces", "x" * 129, "semi;colon"):
             replaced = client.get("/health", headers={"X-Request-Id": hostile}).headers["x-request-id"]
             assert replaced != hostile and len(replaced) == 32
-        answers = [client.post("/v1/chat/completions", content=b"{"), client.get("/admin/stats"), client.get("/nope"),
-                   client.post("/v1/chat/completions", json=_body("stream it", stream=True))]
+        answers = [
+            client.post("/v1/chat/completions", content=b"{"),
+            client.get("/admin/stats"),
+            client.get("/nope"),
+            client.post("/v1/chat/completions", json=_body("stream it", stream=True)),
+        ]
         assert [a.status_code for a in answers] == [400, 401, 404, 200]
         ids = [a.headers["x-request-id"] for a in answers]
         assert len(set(ids)) == 4 and all(len(i) == 32 for i in ids)
@@ -113,8 +123,9 @@ def test_cache_status_follows_rfc_9211(engine, live_settings):
 def test_json_logs_write_one_line_per_request_without_prompt_text(engine, live_settings, caplog):
     with caplog.at_level(logging.INFO, logger="strata.access"):
         with TestClient(create_app(dataclasses.replace(live_settings, log_format="json"), engine=engine)) as client:
-            client.post("/v1/chat/completions", json=_body("PRIVATE words of the prompt"),
-                        headers={"X-Request-Id": "log-me"})
+            client.post(
+                "/v1/chat/completions", json=_body("PRIVATE words of the prompt"), headers={"X-Request-Id": "log-me"}
+            )
             client.get("/nope")
     records = [r for r in caplog.records if r.name == "strata.access"]
     assert len(records) == 2

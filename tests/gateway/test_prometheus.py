@@ -23,8 +23,10 @@ def _tool(name: str) -> str:
     return path
 
 
-@pytest.mark.parametrize("args", [["check", "rules", "alerts.yml"], ["test", "rules", "alerts_test.yml"],
-                                  ["check", "config", "prometheus.yml"]])
+@pytest.mark.parametrize(
+    "args",
+    [["check", "rules", "alerts.yml"], ["test", "rules", "alerts_test.yml"], ["check", "config", "prometheus.yml"]],
+)
 def test_promtool_accepts_the_shipped_files(args):
     done = subprocess.run([_tool("promtool"), *args], cwd=DEPLOY, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -36,7 +38,12 @@ def test_a_real_prometheus_scrapes_strata_and_answers_a_query(tiny_model_path, t
     strata = LiveServer(tiny_model_path, tmp_path / "data", {"STRATA_MODEL_NAME": TINY})
     prometheus = None
     try:
-        body = {"model": TINY, "messages": [{"role": "user", "content": "scrape me"}], "max_tokens": 3, "temperature": 0}
+        body = {
+            "model": TINY,
+            "messages": [{"role": "user", "content": "scrape me"}],
+            "max_tokens": 3,
+            "temperature": 0,
+        }
         for _ in range(2):
             assert httpx.post(strata.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
         port = _free_port()
@@ -45,13 +52,23 @@ def test_a_real_prometheus_scrapes_strata_and_answers_a_query(tiny_model_path, t
         (tmp_path / "prometheus.yml").write_text(config)
         shutil.copy(DEPLOY / "alerts.yml", tmp_path / "alerts.yml")
         log = (tmp_path / "prometheus.log").open("w")
-        prometheus = subprocess.Popen([_tool("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
-                                       f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-                                      stdout=log, stderr=subprocess.STDOUT)
+        prometheus = subprocess.Popen(
+            [
+                _tool("prometheus"),
+                f"--config.file={tmp_path / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         found = _query_until(f"http://127.0.0.1:{port}", 'strata:requests_total{served_by="exact"}', prometheus, log)
         assert float(found["value"][1]) == 1.0 and found["metric"]["job"] == "strata"
         rules = httpx.get(f"http://127.0.0.1:{port}/api/v1/rules", timeout=5).json()["data"]["groups"]
-        assert {r["name"] for group in rules for r in group["rules"]} >= {"StrataCacheHitRateLow", "StrataEngineNotReady"}
+        assert {r["name"] for group in rules for r in group["rules"]} >= {
+            "StrataCacheHitRateLow",
+            "StrataEngineNotReady",
+        }
     finally:
         if prometheus is not None:
             prometheus.terminate()

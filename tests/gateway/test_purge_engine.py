@@ -17,14 +17,23 @@ from kvcache.ssd import AdmissionPolicy, SsdConfig
 from tests.conftest import TINY, png_data_url
 
 ADMIN = {"Authorization": "Bearer admin-key"}
-SYSTEM = ("You are the archive assistant of the harbour museum. Answer from the catalogue only, cite the "
-          "shelf numbers, and say so when a record is missing. ") * 4
+SYSTEM = (
+    "You are the archive assistant of the harbour museum. Answer from the catalogue only, cite the "
+    "shelf numbers, and say so when a record is missing. "
+) * 4
 
 
 def _engine(tiny_model_path, kv_dir) -> Engine:
     ssd = SsdConfig(kv_dir, admission=AdmissionPolicy(min_hits=0))
-    engine = Engine(tiny_model_path, TINY, EngineConfig(max_queue=8, prefill_chunk_tokens=64, caches=CacheConfig(
-        prefix_budget_bytes=256 << 20, vision_budget_bytes=64 << 20, block_size=16, ssd=ssd)))
+    engine = Engine(
+        tiny_model_path,
+        TINY,
+        EngineConfig(
+            max_queue=8,
+            prefill_chunk_tokens=64,
+            caches=CacheConfig(prefix_budget_bytes=256 << 20, vision_budget_bytes=64 << 20, block_size=16, ssd=ssd),
+        ),
+    )
     engine.start()
     return engine
 
@@ -33,8 +42,14 @@ def _ask(client, session, user, question, image=None, **extra):
     content = [{"type": "text", "text": question}]
     if image:
         content.append({"type": "image_url", "image_url": {"url": image}})
-    body = {"model": TINY, "user": user, "max_tokens": 4, "temperature": 0,
-            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}], **extra}
+    body = {
+        "model": TINY,
+        "user": user,
+        "max_tokens": 4,
+        "temperature": 0,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}],
+        **extra,
+    }
     response = client.post("/v1/chat/completions", json=body, headers={"X-Strata-Session": session})
     assert response.status_code == 200, response.text
     return response
@@ -55,8 +70,9 @@ def app_settings(settings):
     return dataclasses.replace(settings, exact_store="sqlite", semantic_enabled=True, admin_key="admin-key")
 
 
-def test_a_purged_session_misses_everywhere_while_the_shared_system_prompt_stays(tiny_model_path, tmp_path,
-                                                                                  app_settings, embedder):
+def test_a_purged_session_misses_everywhere_while_the_shared_system_prompt_stays(
+    tiny_model_path, tmp_path, app_settings, embedder
+):
     kv_dir, image = tmp_path / "kv", png_data_url(seed=11)
     engine = _engine(tiny_model_path, kv_dir)
     with TestClient(create_app(app_settings, engine=engine, embedder=embedder)) as client:
@@ -80,7 +96,9 @@ def test_a_purged_session_misses_everywhere_while_the_shared_system_prompt_stays
         assert "why=purged" in again["x-cache-prefix"]
         shared = _ask(client, "B", "bob", "Are the 1850 ship logs kept on site?").headers["x-cache-prefix"]
         assert shared.startswith("hit") and _cached(shared) >= 96  # B still reuses the system prompt
-        assert client.post("/admin/sessions/A/end?tenant=default", headers=ADMIN).status_code == 200  # what A stored since
+        assert (
+            client.post("/admin/sessions/A/end?tenant=default", headers=ADMIN).status_code == 200
+        )  # what A stored since
         _to_ssd(engine)
     engine.stop()
 
@@ -88,10 +106,13 @@ def test_a_purged_session_misses_everywhere_while_the_shared_system_prompt_stays
     try:
         assert not gone & _segment_files(kv_dir)  # reconcile did not bring them back
         with TestClient(create_app(app_settings, engine=restarted, embedder=embedder)) as client:
-            prefix = _ask(client, "C", "cy", "Which shelf holds the 1911 harbour ledger?", image,
-                          max_tokens=5).headers["x-cache-prefix"]  # another exact key
+            prefix = _ask(client, "C", "cy", "Which shelf holds the 1911 harbour ledger?", image, max_tokens=5).headers[
+                "x-cache-prefix"
+            ]  # another exact key
             system_blocks = _cached(_ask(client, "D", "di", "Anything on sail makers?").headers["x-cache-prefix"])
-            assert "tier=ssd" in prefix and _cached(prefix) <= system_blocks + 16  # nothing of A's past the system prompt
+            assert (
+                "tier=ssd" in prefix and _cached(prefix) <= system_blocks + 16
+            )  # nothing of A's past the system prompt
     finally:
         restarted.stop()
 
@@ -128,8 +149,9 @@ def test_purge_while_the_sessions_request_is_running_is_safe(tiny_model_path, tm
 
             def long_request():
                 started.set()
-                answers.append(_ask(client, "A", "ann", "Describe the harbour in detail.", max_tokens=300,
-                                    seed=1).json())
+                answers.append(
+                    _ask(client, "A", "ann", "Describe the harbour in detail.", max_tokens=300, seed=1).json()
+                )
 
             runner = threading.Thread(target=long_request)
             runner.start()
@@ -155,8 +177,9 @@ def _cached(header: str) -> int:
 
 
 def test_a_session_idle_past_its_ttl_ends_by_itself(engine, settings):
-    live = dataclasses.replace(settings, exact_store="sqlite", admin_key="admin-key", session_ttl_s=0.5,
-                               sweep_interval_s=0.2)
+    live = dataclasses.replace(
+        settings, exact_store="sqlite", admin_key="admin-key", session_ttl_s=0.5, sweep_interval_s=0.2
+    )
     with TestClient(create_app(live, engine=engine)) as client:
         question = "Is the reading room open on Sundays, and may visitors bring their own charts and notebooks? " * 3
         first = _ask(client, "idle-1", "ida", question).headers  # long enough for blocks of its own

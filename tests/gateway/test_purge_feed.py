@@ -59,17 +59,26 @@ def test_the_feed_survives_a_redis_restart(tmp_path):
         server.stop()
 
 
-def test_a_purge_through_one_replica_removes_what_another_keeps_for_itself(engine, embedder, settings, redis_server,
-                                                                           tmp_path):
+def test_a_purge_through_one_replica_removes_what_another_keeps_for_itself(
+    engine, embedder, settings, redis_server, tmp_path
+):
     shared = dataclasses.replace(settings, redis_url=redis_server.url, exact_store="sqlite", admin_key="admin-key")
     replica_b = dataclasses.replace(shared, data_dir=tmp_path / "replica-b")
-    with TestClient(create_app(shared, engine=engine, embedder=embedder)) as a, \
-            TestClient(create_app(replica_b, engine=engine, embedder=embedder)) as b:
-        stored = b.post("/v1/responses", json={"model": TINY, "input": "Remember me.", "max_output_tokens": 2},
-                        headers={"X-Strata-Session": "s-9"})
+    with (
+        TestClient(create_app(shared, engine=engine, embedder=embedder)) as a,
+        TestClient(create_app(replica_b, engine=engine, embedder=embedder)) as b,
+    ):
+        stored = b.post(
+            "/v1/responses",
+            json={"model": TINY, "input": "Remember me.", "max_output_tokens": 2},
+            headers={"X-Strata-Session": "s-9"},
+        )
         assert stored.status_code == 200
-        kept = b.post("/v1/responses", json={"model": TINY, "input": "Keep me.", "max_output_tokens": 2},
-                      headers={"X-Strata-Session": "s-10"})
+        kept = b.post(
+            "/v1/responses",
+            json={"model": TINY, "input": "Keep me.", "max_output_tokens": 2},
+            headers={"X-Strata-Session": "s-10"},
+        )
         purged = a.post("/admin/purge", json={"tenant": "default", "session": "s-9"}, headers=ADMIN)
         assert purged.status_code == 200 and purged.json()["announced"] is True
         assert purged.json()["removed"]["conversations"]["entries"] == 0  # A itself kept nothing of s-9

@@ -25,7 +25,9 @@ def _ask(client, text, session="s-1", headers=None):
 
 
 def _shared(settings, url):
-    return dataclasses.replace(settings, redis_url=url, exact_store="sqlite", semantic_enabled=True, admin_key="admin-key")
+    return dataclasses.replace(
+        settings, redis_url=url, exact_store="sqlite", semantic_enabled=True, admin_key="admin-key"
+    )
 
 
 @pytest.fixture
@@ -34,8 +36,10 @@ def replicas(engine, embedder, settings, redis_server, tmp_path):
     redis_server.flush()
     shared = _shared(settings, redis_server.url)
     replica_b = dataclasses.replace(shared, data_dir=tmp_path / "replica-b")
-    with TestClient(create_app(shared, engine=engine, embedder=embedder)) as a, \
-            TestClient(create_app(replica_b, engine=engine, embedder=embedder)) as b:
+    with (
+        TestClient(create_app(shared, engine=engine, embedder=embedder)) as a,
+        TestClient(create_app(replica_b, engine=engine, embedder=embedder)) as b,
+    ):
         yield a, b
 
 
@@ -45,8 +49,9 @@ def test_two_replicas_share_exact_answers_and_purges(replicas, tmp_path):
     served = _ask(b, "Stored through replica A, served through B?")
     assert served.headers["x-cache-exact"].startswith("hit")
     assert served.json()["choices"][0]["message"] == stored.json()["choices"][0]["message"]
-    removed = b.post("/admin/purge", json={"tenant": "default", "session": "s-1", "layers": ["exact"]},
-                     headers=ADMIN).json()["removed"]
+    removed = b.post(
+        "/admin/purge", json={"tenant": "default", "session": "s-1", "layers": ["exact"]}, headers=ADMIN
+    ).json()["removed"]
     assert removed["exact"]["entries"] == 1
     assert _ask(a, "Stored through replica A, served through B?").headers["x-cache-exact"].startswith("miss")
     assert not (tmp_path / "replica-b" / "responses.db").exists()  # nothing went to SQLite
@@ -58,8 +63,11 @@ def test_a_paraphrase_stored_on_one_replica_hits_on_the_other(replicas):
     stored = _ask(a, "How do I reset my password?")
     deadline = time.monotonic() + 2.0
     polls = {"Cache-Control": "no-store"}  # a missed poll stores nothing that a later poll could hit instead
-    while not (served := _ask(b, "What is the way to reset my password?", headers=polls)) \
-            .headers["x-cache-semantic"].startswith("hit"):
+    while (
+        not (served := _ask(b, "What is the way to reset my password?", headers=polls))
+        .headers["x-cache-semantic"]
+        .startswith("hit")
+    ):
         assert time.monotonic() < deadline, served.headers["x-cache-semantic"]
     assert served.json()["choices"][0]["message"]["content"] == stored.json()["choices"][0]["message"]["content"]
     entry = b.get("/admin/semantic/entries", headers=ADMIN).json()["data"][0]
@@ -104,8 +112,9 @@ def _outage_and_recovery(engine, embedder, settings, tmp_path, servers: list[Red
         assert _ask(client, "Will Redis keep this?").headers["x-cache-exact"].startswith("hit")
         deadline = time.monotonic() + 5  # the semantic follower rebuilds its index from Redis first
         polls = {"Cache-Control": "no-store"}  # a poll stores nothing: its answer must not become an exact hit
-        while (semantic := _ask(client, "Would Redis keep this?", headers=polls).headers["x-cache-semantic"]) \
-                .startswith("bypass"):
+        while (
+            semantic := _ask(client, "Would Redis keep this?", headers=polls).headers["x-cache-semantic"]
+        ).startswith("bypass"):
             assert semantic == "bypass; reason=store_unavailable" and time.monotonic() < deadline
             time.sleep(0.1)
         assert semantic.startswith("hit"), semantic

@@ -49,8 +49,13 @@ def test_exact_hit_replays_the_answer_without_the_engine(client):
 
 def test_streamed_request_is_served_from_cache_as_a_stream(client):
     plain = ask(client, "Name a river in Europe, please.")
-    body = {"model": TINY, "messages": [{"role": "user", "content": "Name a river in Europe, please."}],
-            "max_tokens": 6, "temperature": 0, "stream": True}
+    body = {
+        "model": TINY,
+        "messages": [{"role": "user", "content": "Name a river in Europe, please."}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+    }
     with client.stream("POST", "/v1/chat/completions", json=body) as response:
         assert response.headers["x-cache-layer"] == "exact"
         lines = [line for line in response.iter_lines() if line]
@@ -67,13 +72,26 @@ def test_sampling_parameters_and_images_are_part_of_the_key(client):
         assert ask(client, "Describe the sea.", **shaping).headers["x-cache-exact"] == "miss", shaping
         assert ask(client, "Describe the sea.", **shaping).headers["x-cache-layer"] == "exact", shaping
     assert ask(client, "Describe the sea.", top_k=5, min_p=0.2).headers["x-cache-layer"] == "exact"  # greedy: no-ops
-    with_image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(seed=1)}},
-                                               {"type": "text", "text": "Describe the sea."}]}]
-    first = client.post("/v1/chat/completions", json={"model": TINY, "messages": with_image, "max_tokens": 4, "temperature": 0})
+    with_image = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": png_data_url(seed=1)}},
+                {"type": "text", "text": "Describe the sea."},
+            ],
+        }
+    ]
+    first = client.post(
+        "/v1/chat/completions", json={"model": TINY, "messages": with_image, "max_tokens": 4, "temperature": 0}
+    )
     other_image = json.loads(json.dumps(with_image).replace(png_data_url(seed=1), png_data_url(seed=2)))
-    second = client.post("/v1/chat/completions", json={"model": TINY, "messages": other_image, "max_tokens": 4, "temperature": 0})
+    second = client.post(
+        "/v1/chat/completions", json={"model": TINY, "messages": other_image, "max_tokens": 4, "temperature": 0}
+    )
     assert first.headers["x-cache-exact"] == "miss" and second.headers["x-cache-exact"] == "miss"
-    same = client.post("/v1/chat/completions", json={"model": TINY, "messages": with_image, "max_tokens": 4, "temperature": 0})
+    same = client.post(
+        "/v1/chat/completions", json={"model": TINY, "messages": with_image, "max_tokens": 4, "temperature": 0}
+    )
     assert same.headers["x-cache-layer"] == "exact"
 
 
@@ -132,7 +150,10 @@ def test_the_verifier_refuses_a_role_swap_the_guards_let_through(client):
 
 def test_scope_versions_from_metadata_or_headers_separate_entries(client):
     ask(client, "What is the return window?", metadata={"policy_version": "2026-01"})
-    assert ask(client, "What is the return window?", metadata={"policy_version": "2026-02"}).headers["x-cache-layer"] == "engine"
+    assert (
+        ask(client, "What is the return window?", metadata={"policy_version": "2026-02"}).headers["x-cache-layer"]
+        == "engine"
+    )
     via_header = ask(client, "What is the return window?", headers={"X-Strata-Policy-Version": "2026-01"})
     assert via_header.headers["x-cache-layer"] == "exact"
     other_locale = ask(client, "What is the return window?", metadata={"policy_version": "2026-01", "locale": "fr-FR"})
@@ -143,19 +164,28 @@ def test_different_system_prompt_never_matches_semantically(client):
     base = [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "How do I tie a knot?"}]
     client.post("/v1/chat/completions", json={"model": TINY, "messages": base, "max_tokens": 4, "temperature": 0})
     other = [{"role": "system", "content": "You are a lawyer."}, {"role": "user", "content": "How can I tie a knot?"}]
-    response = client.post("/v1/chat/completions", json={"model": TINY, "messages": other, "max_tokens": 4, "temperature": 0})
+    response = client.post(
+        "/v1/chat/completions", json={"model": TINY, "messages": other, "max_tokens": 4, "temperature": 0}
+    )
     assert response.headers["x-cache-semantic"] == "miss; reason=no_candidate"
 
 
 def test_risky_topics_and_tool_conversations_bypass_the_semantic_layer(client):
     response = ask(client, "What dosage of aspirin should I take?")
     assert response.headers["x-cache-semantic"] == "bypass; reason=risk:medical"
-    messages = [{"role": "user", "content": "What's the weather?"},
-                {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
-                                                                        "function": {"name": "weather", "arguments": "{}"}}]},
-                {"role": "tool", "content": "sunny", "tool_call_id": "1"},
-                {"role": "user", "content": "So should I take an umbrella?"}]
-    with_tools = client.post("/v1/chat/completions", json={"model": TINY, "messages": messages, "max_tokens": 4, "temperature": 0})
+    messages = [
+        {"role": "user", "content": "What's the weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}],
+        },
+        {"role": "tool", "content": "sunny", "tool_call_id": "1"},
+        {"role": "user", "content": "So should I take an umbrella?"},
+    ]
+    with_tools = client.post(
+        "/v1/chat/completions", json={"model": TINY, "messages": messages, "max_tokens": 4, "temperature": 0}
+    )
     assert with_tools.headers["x-cache-semantic"] == "bypass; reason=tools"
 
 
@@ -178,7 +208,10 @@ def test_admin_purges_one_tenants_exact_entries(client):
     ask(client, "What is the speed of sound?")
     purged = client.delete("/admin/exact?tenant=default", headers=ADMIN).json()
     assert purged["purged"] >= 1
-    assert ask(client, "What is the speed of sound?", headers={"Cache-Control": "no-store"}).headers["x-cache-exact"] == "miss"
+    assert (
+        ask(client, "What is the speed of sound?", headers={"Cache-Control": "no-store"}).headers["x-cache-exact"]
+        == "miss"
+    )
 
 
 def test_response_caches_survive_a_restart(cached_settings, engine, embedder):

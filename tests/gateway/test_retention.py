@@ -23,7 +23,9 @@ def test_writing_far_past_the_ttl_keeps_every_store_bounded(settings, embedder):
     """3,000 exact entries, 300 semantic entries and 600 conversations, each living 10 s of a fake
     clock, written over 300 s with a sweep every 10 s: what stays is one TTL's worth plus one sweep
     interval's, not everything written."""
-    caches = ResponseCaches(dataclasses.replace(settings, exact_store="sqlite", semantic_enabled=True), "model", embedder)
+    caches = ResponseCaches(
+        dataclasses.replace(settings, exact_store="sqlite", semantic_enabled=True), "model", embedder
+    )
     conversations = ConversationStore(settings.data_dir / "conversations.db", retention_s=10)
     sweeper = Sweeper({**caches.expiring(), "conversations": conversations.purge_expired}, interval_s=10)
     scope = Scope("tenant-a", "model")
@@ -31,12 +33,14 @@ def test_writing_far_past_the_ttl_keeps_every_store_bounded(settings, embedder):
         for second in range(300):
             for index in range(10):
                 key = f"{second}-{index}"
-                caches.exact.store_response(key, "tenant-a", StoredResponse("x", "stop", 1, 1, second, second + 10),
-                                            CacheControl(), True)
+                caches.exact.store_response(
+                    key, "tenant-a", StoredResponse("x", "stop", 1, 1, second, second + 10), CacheControl(), True
+                )
             conversations.save(f"resp_{second}_a", "tenant-a", None, None, [], {}, now=second)
             conversations.save(f"resp_{second}_b", "tenant-a", None, None, [], {}, now=second)
-            caches.semantic.insert(f"question number {second} about topic {second % 7}", Answer("y"), scope, "ctx",
-                                   second, ttl_s=10)
+            caches.semantic.insert(
+                f"question number {second} about topic {second % 7}", Answer("y"), scope, "ctx", second, ttl_s=10
+            )
             if second % 10 == 9:
                 sweeper.sweep(second + 1)
         assert caches.exact.store.count() <= 20 * 10
@@ -52,8 +56,16 @@ def test_writing_far_past_the_ttl_keeps_every_store_bounded(settings, embedder):
 def test_the_server_sweeps_in_the_background(settings, engine, embedder):
     fast = dataclasses.replace(settings, exact_store="sqlite", admin_key="admin-key", sweep_interval_s=0.2)
     with TestClient(create_app(fast, engine=engine)) as client:
-        reply = client.post("/v1/chat/completions", headers={"X-Strata-Cache-TTL": "1"}, json={
-            "model": TINY, "messages": [{"role": "user", "content": "sweep me"}], "max_tokens": 2, "temperature": 0})
+        reply = client.post(
+            "/v1/chat/completions",
+            headers={"X-Strata-Cache-TTL": "1"},
+            json={
+                "model": TINY,
+                "messages": [{"role": "user", "content": "sweep me"}],
+                "max_tokens": 2,
+                "temperature": 0,
+            },
+        )
         assert reply.status_code == 200
         deadline = time.monotonic() + 10
         while client.get("/admin/stats", headers=ADMIN).json()["sweeps"]["removed"].get("exact", 0) < 1:
@@ -63,10 +75,15 @@ def test_the_server_sweeps_in_the_background(settings, engine, embedder):
 
 
 def test_one_bad_answer_is_deleted_by_its_key(settings, engine):
-    with TestClient(create_app(dataclasses.replace(settings, exact_store="sqlite", admin_key="admin-key"),
-                               engine=engine)) as client:
-        body = {"model": TINY, "messages": [{"role": "user", "content": "a bad answer"}], "max_tokens": 3,
-                "temperature": 0}
+    with TestClient(
+        create_app(dataclasses.replace(settings, exact_store="sqlite", admin_key="admin-key"), engine=engine)
+    ) as client:
+        body = {
+            "model": TINY,
+            "messages": [{"role": "user", "content": "a bad answer"}],
+            "max_tokens": 3,
+            "temperature": 0,
+        }
         first = client.post("/v1/chat/completions", json=body)
         key = first.headers[EXACT_KEY_HEADER]
         assert client.post("/v1/chat/completions", json=body).headers["x-cache-exact"].startswith("hit")
@@ -92,8 +109,11 @@ def test_purging_a_session_misses_its_answers_and_keeps_what_another_session_sha
         hit = _chat(client, "What are the opening hours of the library?", session="B")  # a hit: now A's and B's
         assert hit.headers["x-cache-exact"].startswith("hit")
         _chat(client, "Summarise my last order please", session="A")
-        response = client.post("/v1/responses", json={"model": TINY, "input": "hi", "max_output_tokens": 2},
-                               headers={"X-Strata-Session": "A"})
+        response = client.post(
+            "/v1/responses",
+            json={"model": TINY, "input": "hi", "max_output_tokens": 2},
+            headers={"X-Strata-Session": "A"},
+        )
         assert response.status_code == 200
         purged = client.post("/admin/purge", json={"tenant": "default", "session": "A"}, headers=ADMIN)
         assert purged.status_code == 200, purged.text
@@ -102,11 +122,22 @@ def test_purging_a_session_misses_its_answers_and_keeps_what_another_session_sha
         assert removed["exact"]["entries"] == 1 and removed["conversations"]["entries"] == 1
         assert removed["exact"]["bytes"] > 0
         assert _chat(client, "Summarise my last order please", session="A").headers["x-cache-exact"].startswith("miss")
-        assert _chat(client, "What are the opening hours of the library?", session="B").headers["x-cache-exact"].startswith("hit")
+        assert (
+            _chat(client, "What are the opening hours of the library?", session="B")
+            .headers["x-cache-exact"]
+            .startswith("hit")
+        )
         response_id = response.json()["id"]
         assert client.get(f"/v1/responses/{response_id}").status_code == 404
-        assert client.post("/admin/sessions/B/end?tenant=default", headers=ADMIN).json()["removed"]["exact"]["entries"] >= 1
-        assert _chat(client, "What are the opening hours of the library?", session="B").headers["x-cache-exact"].startswith("miss")
+        assert (
+            client.post("/admin/sessions/B/end?tenant=default", headers=ADMIN).json()["removed"]["exact"]["entries"]
+            >= 1
+        )
+        assert (
+            _chat(client, "What are the opening hours of the library?", session="B")
+            .headers["x-cache-exact"]
+            .startswith("miss")
+        )
 
 
 def test_purge_requests_are_checked(settings, engine):

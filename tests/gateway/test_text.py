@@ -20,7 +20,7 @@ def test_stop_sequence_cuts_before_it_and_never_leaks(engine):
     emitted = ""
     for token in _ids(engine, "alpha beta STOP gamma"):
         emitted += stream.push(token)
-        assert "STOP"[:2] not in emitted[len("alpha beta "):] or stream.stopped
+        assert "STOP"[:2] not in emitted[len("alpha beta ") :] or stream.stopped
         if stream.stopped:
             break
     emitted += stream.finish()

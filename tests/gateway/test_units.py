@@ -55,32 +55,56 @@ def test_admin_routes_need_the_admin_key(tmp_path):
 
 
 def test_request_defaults_and_content_parts():
-    request = parse_chat_request({"model": "m", "messages": [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": "data:x"}]},
-        {"role": "assistant", "content": None}]}, Limits(default_max_tokens=77))
+    request = parse_chat_request(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": "data:x"}],
+                },
+                {"role": "assistant", "content": None},
+            ],
+        },
+        Limits(default_max_tokens=77),
+    )
     assert request.sampling.max_tokens == 77 and request.sampling.temperature == 1.0
     assert request.num_images == 1 and request.stream is False
     assert request.messages[2].parts[0].text == ""
 
 
-@pytest.mark.parametrize("text,value", [(t, True) for t in ("1", "true", "TRUE", "yes", "on", " On ")]
-                         + [(f, False) for f in ("0", "false", "False", "no", "off")])
+@pytest.mark.parametrize(
+    "text,value",
+    [(t, True) for t in ("1", "true", "TRUE", "yes", "on", " On ")]
+    + [(f, False) for f in ("0", "false", "False", "no", "off")],
+)
 def test_boolean_settings_accept_every_usual_spelling(text, value, tmp_path):
-    settings = settings_from_env("demo", tmp_path, "h", 1, {"STRATA_ALLOW_REMOTE_IMAGES": text, "STRATA_SEMANTIC": text})
+    settings = settings_from_env(
+        "demo", tmp_path, "h", 1, {"STRATA_ALLOW_REMOTE_IMAGES": text, "STRATA_SEMANTIC": text}
+    )
     assert settings.allow_remote_images is value and settings.semantic_enabled is value
 
 
-@pytest.mark.parametrize("variable,value", [("STRATA_SEMANTIC", "maybe"), ("STRATA_MAX_QUEUE", "ten"),
-                                            ("STRATA_EXACT_STORE", "redis"), ("STRATA_REMOTE_IMAGE_ALLOW", "10.0.0.0/33"),
-                                            ("STRATA_REQUEST_TIMEOUT_S", "soon")])
+@pytest.mark.parametrize(
+    "variable,value",
+    [
+        ("STRATA_SEMANTIC", "maybe"),
+        ("STRATA_MAX_QUEUE", "ten"),
+        ("STRATA_EXACT_STORE", "redis"),
+        ("STRATA_REMOTE_IMAGE_ALLOW", "10.0.0.0/33"),
+        ("STRATA_REQUEST_TIMEOUT_S", "soon"),
+    ],
+)
 def test_a_bad_setting_names_its_variable(variable, value, tmp_path):
     with pytest.raises(ValueError, match=variable):
         settings_from_env("demo", tmp_path, "h", 1, {variable: value})
 
 
 def test_unset_variables_keep_the_defaults_declared_once(tmp_path):
-    assert settings_from_env("demo", tmp_path, "h", 1, {}) == Settings(model="demo", data_dir=tmp_path, host="h", port=1)
+    assert settings_from_env("demo", tmp_path, "h", 1, {}) == Settings(
+        model="demo", data_dir=tmp_path, host="h", port=1
+    )
 
 
 def test_the_readme_lists_every_environment_variable():

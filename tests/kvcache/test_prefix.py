@@ -216,8 +216,9 @@ def test_write_through_leaves_a_conversation_on_a_shared_tier_for_another_replic
         assert match.num_ssd_tokens == 64 and match.num_cached_tokens == 64
         restored = session.gather(64)
     expected = _kv_for(tokens[:64])
-    assert all(mx.array_equal(k, ek).item() and mx.array_equal(v, ev).item()
-               for (k, v), (ek, ev) in zip(restored, expected))
+    assert all(
+        mx.array_equal(k, ek).item() and mx.array_equal(v, ev).item() for (k, v), (ek, ev) in zip(restored, expected)
+    )
     ssd_c = tier("c")
     assert PrefixCache(1 << 30, BS, ssd_c).write_through is False  # only when asked
     for ssd in (ssd_a, ssd_b, ssd_c):

@@ -89,7 +89,9 @@ def test_reconcile_repairs_index_and_files(tmp_path):
     tier.close()
     first.unlink()  # index row without a file
     (second.parent / ".tmp-crashed").write_bytes(b"half a block")  # a torn write
-    foreign = SsdTier(SsdConfig(tmp_path / "other", admission=AdmissionPolicy(min_hits=0)), "model-2|block=4|quant=none")
+    foreign = SsdTier(
+        SsdConfig(tmp_path / "other", admission=AdmissionPolicy(min_hits=0)), "model-2|block=4|quant=none"
+    )
     _spill(foreign, 9)
     foreign_file = _file(foreign, 9)
     foreign.close()
@@ -215,7 +217,9 @@ def test_purge_cuts_blocks_out_of_their_file_and_a_restart_does_not_bring_them_b
     _spill_together(tier, _owned(1, "A"), _owned(2, "A", "B"), _owned(3, "B"))
     old_file = _file(tier, 1)
     removed = tier.purge_owned(lambda owner: owner == "A")
-    assert (removed.num_entries, removed.num_files) == (1, 1) and removed.num_bytes == 2 * (2 * 4 * 8 * 4)  # keys and values, (1, 2, 4, 8) float32
+    assert (removed.num_entries, removed.num_files) == (1, 1) and removed.num_bytes == 2 * (
+        2 * 4 * 8 * 4
+    )  # keys and values, (1, 2, 4, 8) float32
     assert not old_file.exists() and not tier.contains(_hex(1))
     assert _read(tier, 2) is not None and _read(tier, 3) is not None  # rewritten into a new file
     assert tier.owners_of(_hex(2)) == {"B"} and tier.ghost(_hex(1)).how == "purged"

@@ -33,12 +33,24 @@ def store(request, tmp_path):
 
 
 def test_put_then_fetch_returns_the_entry_and_its_vector(store):
-    entry_id, created = store.put(PARTITION, SCOPE, "How do I reset it?", Answer("Hold the button.", "length", completion_tokens=5, prompt_tokens=7),
-                                  100.0, 200.0, _vector(1))
+    entry_id, created = store.put(
+        PARTITION,
+        SCOPE,
+        "How do I reset it?",
+        Answer("Hold the button.", "length", completion_tokens=5, prompt_tokens=7),
+        100.0,
+        200.0,
+        _vector(1),
+    )
     assert created and entry_id > 0
-    (entry, vector), = store.fetch([entry_id, 10**6])
-    assert (entry.prompt, entry.answer, entry.finish_reason, entry.completion_tokens, entry.prompt_tokens) == \
-        ("How do I reset it?", "Hold the button.", "length", 5, 7)
+    ((entry, vector),) = store.fetch([entry_id, 10**6])
+    assert (entry.prompt, entry.answer, entry.finish_reason, entry.completion_tokens, entry.prompt_tokens) == (
+        "How do I reset it?",
+        "Hold the button.",
+        "length",
+        5,
+        7,
+    )
     assert (entry.tenant, entry.partition, entry.status, entry.hit_count) == ("tenant-a", PARTITION, "unreviewed", 0)
     assert entry.created_at == 100.0 and entry.expires_at == 200.0 and entry.scope == SCOPE.as_dict()
     assert np.array_equal(vector, _vector(1))
@@ -99,12 +111,15 @@ def cache(request, tmp_path, embedder):
 
 
 def test_the_guarded_cache_behaves_the_same_over_each_store(cache):
-    entry_id = cache.insert("How do I reset my password?", Answer("Use the reset link."), SCOPE, "ctx", now=0,
-                            owner=Owner("s1"))
+    entry_id = cache.insert(
+        "How do I reset my password?", Answer("Use the reset link."), SCOPE, "ctx", now=0, owner=Owner("s1")
+    )
     hit = cache.lookup("What is the way to reset my password?", SCOPE, "ctx", now=1)
     assert hit.status == "hit" and hit.entry.id == entry_id and cache.get(entry_id).hit_count == 1
-    assert cache.lookup("What is the way to reset my password?", Scope("tenant-b", "model-1"), "ctx", 1).reason == \
-        "no_candidate"
+    assert (
+        cache.lookup("What is the way to reset my password?", Scope("tenant-b", "model-1"), "ctx", 1).reason
+        == "no_candidate"
+    )
     cache.insert("How do I enable dark mode?", Answer("Settings."), SCOPE, "ctx", now=0, ttl_s=10)
     assert cache.lookup("Why can't I enable dark mode?", SCOPE, "ctx", now=1).reason == "negation"
     assert cache.lookup("How do I enable dark mode?", SCOPE, "ctx", now=11).status == "miss"  # expired, deleted

@@ -27,7 +27,11 @@ LOOKALIKES = [
     ("How long should I boil an egg for a soft yolk?", "How long should I boil an egg for a hard yolk?", "antonym"),
     ("Is the museum free for children?", "Is the museum free for adults?", "substitution"),
     ("Can I carry liquids in my hand luggage?", "Can I carry liquids in my checked luggage?", "substitution"),
-    ("Which is heavier, a kilo of feathers or of steel?", "Which is lighter, a kilo of feathers or of steel?", "comparative"),
+    (
+        "Which is heavier, a kilo of feathers or of steel?",
+        "Which is lighter, a kilo of feathers or of steel?",
+        "comparative",
+    ),
     ("What is 6+3?", "What is 6*3?", "arithmetic"),
     ("What is the square root of 49?", "What is the square of 49?", "arithmetic"),
     ("What is 8 divided by 2?", "What is 8 times 2?", "arithmetic"),
@@ -51,7 +55,10 @@ PARAPHRASES = [
     ("Can you explain how solar panels work?", "How do solar panels work?"),
     ("Is there a limit on file uploads?", "Are file uploads limited?"),
     ("How do I rename a file in Linux?", "What command renames a file on Linux?"),
-    ("What is the meaning of life according to philosophers?", "According to philosophers, what is the meaning of life?"),
+    (
+        "What is the meaning of life according to philosophers?",
+        "According to philosophers, what is the meaning of life?",
+    ),
     ("What is 8 plus 5?", "What is 5 plus 8?"),
     ("What is 3 times 4?", "What do you get for 3 multiplied by 4?"),
 ]
@@ -73,8 +80,9 @@ def test_substitution_guard_lets_synonyms_through_when_it_can_compare_words(embe
 
     cache = SemanticCache(embedder, SqliteEntries(tmp_path / "s.db"), SemanticSettings())
     synonyms = check("How do I upload a photo?", "How do I upload a picture?", 0.95, 0.8, cache.word_similarity)
-    cohyponyms = check("Can I bring my cat on the train?", "Can I bring my dog on the train?", 0.95, 0.8,
-                       cache.word_similarity)
+    cohyponyms = check(
+        "Can I bring my cat on the train?", "Can I bring my dog on the train?", 0.95, 0.8, cache.word_similarity
+    )
     assert synonyms.accept and cohyponyms.reasons == ("substitution",)
     assert not check("How do I upload a photo?", "How do I upload a picture?", 0.95, 0.8).accept  # no similarity
     cache.close()

@@ -31,8 +31,12 @@ def test_lookalike_misses_with_the_guard_reason(cache):
 
 def test_other_scope_or_context_never_sees_the_entry(cache):
     cache.insert("What is the refund policy?", Answer("30 days."), SCOPE, CONTEXT, now=0)
-    for scope, context in [(Scope("tenant-b", "model-1"), CONTEXT), (Scope("tenant-a", "model-2"), CONTEXT),
-                           (Scope("tenant-a", "model-1", locale="de-DE"), CONTEXT), (SCOPE, "other-system-prompt")]:
+    for scope, context in [
+        (Scope("tenant-b", "model-1"), CONTEXT),
+        (Scope("tenant-a", "model-2"), CONTEXT),
+        (Scope("tenant-a", "model-1", locale="de-DE"), CONTEXT),
+        (SCOPE, "other-system-prompt"),
+    ]:
         result = cache.lookup("What is the refund policy?", scope, context, now=1)
         assert result.status == "miss" and result.reason == "no_candidate"
 
@@ -63,7 +67,9 @@ def test_entries_and_index_survive_a_restart(tmp_path, embedder):
     second = SemanticCache(embedder, SqliteEntries(tmp_path / "s.db"), SemanticSettings())
     result = second.lookup("How can I export my data?", SCOPE, CONTEXT, now=1)
     assert result.status == "hit" and result.entry.id == entry_id
-    assert second.delete(entry_id) and second.lookup("How can I export my data?", SCOPE, CONTEXT, now=1).status == "miss"
+    assert (
+        second.delete(entry_id) and second.lookup("How can I export my data?", SCOPE, CONTEXT, now=1).status == "miss"
+    )
     second.close()
 
 
@@ -85,9 +91,12 @@ def test_risky_topics_are_named_for_bypass(cache):
 def test_personal_questions_need_a_named_end_user(cache):
     risk = RiskPolicy(load_risk_patterns())
     question = "What is my account number?"
-    assert cache.screen(question, False, risk.category(question), has_end_user=False).bypass_reason == "risk:personal_data"
+    assert (
+        cache.screen(question, False, risk.category(question), has_end_user=False).bypass_reason == "risk:personal_data"
+    )
     scoped = cache.screen(question, False, risk.category(question), has_end_user=True)
     assert scoped.bypass_reason is None and scoped.personal
+
 
 def test_owned_entries_are_purged_by_session_keeping_shared_ones(tmp_path, embedder):
     from semantic import Answer, Owner, Scope, Selector, SemanticCache, SemanticSettings, SqliteEntries
@@ -95,7 +104,9 @@ def test_owned_entries_are_purged_by_session_keeping_shared_ones(tmp_path, embed
     cache = SemanticCache(embedder, SqliteEntries(tmp_path / "s.db"), SemanticSettings())
     scope = Scope("tenant-a", "model")
     shared = cache.insert("What are your opening hours?", Answer("9 to 5"), scope, "ctx", 0.0, owner=Owner("s1"))
-    assert cache.insert("What are your opening hours?", Answer("9 to 5"), scope, "ctx", 1.0, owner=Owner("s2")) == shared
+    assert (
+        cache.insert("What are your opening hours?", Answer("9 to 5"), scope, "ctx", 1.0, owner=Owner("s2")) == shared
+    )
     private = cache.insert("How do I reset my password?", Answer("Use the link"), scope, "ctx", 0.0, owner=Owner("s1"))
     purged = cache.purge_owned(Selector("tenant-a", session="s1"))
     assert purged.num_entries == 1 and purged.num_bytes > 0

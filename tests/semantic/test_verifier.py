@@ -87,13 +87,22 @@ def test_shipped_weights_carry_their_bars_and_refuse_another_format(tmp_path, sh
 # Written for this test, unlike any training pair: each swap changes who does what to whom.
 UNSEEN_SWAPS = [
     ("Can the nurse override the surgeon's orders?", "Can the surgeon override the nurse's orders?"),
-    ("Does the hospital pay the insurer when a claim is denied?", "Does the insurer pay the hospital when a claim is denied?"),
+    (
+        "Does the hospital pay the insurer when a claim is denied?",
+        "Does the insurer pay the hospital when a claim is denied?",
+    ),
     ("Is ethernet faster than wifi for gaming?", "Is wifi faster than ethernet for gaming?"),
     ("How do I forward emails from Gmail to Outlook?", "How do I forward emails from Outlook to Gmail?"),
-    ("Who inherits the house if the husband outlives the wife?", "Who inherits the house if the wife outlives the husband?"),
+    (
+        "Who inherits the house if the husband outlives the wife?",
+        "Who inherits the house if the wife outlives the husband?",
+    ),
     ("Does the cat chase the mouse in the cartoon?", "Does the mouse chase the cat in the cartoon?"),
     ("Can a subsidiary own shares of its parent company?", "Can a parent company own shares of its subsidiary?"),
-    ("How many miles is it from Denver to the coast if you drive?", "How many miles is it from the coast to Denver if you drive?"),
+    (
+        "How many miles is it from Denver to the coast if you drive?",
+        "How many miles is it from the coast to Denver if you drive?",
+    ),
 ]
 UNSEEN_REWORDINGS = [
     ("How do I cook quinoa on the stove?", "What's the way to make quinoa on a stovetop?"),
@@ -109,8 +118,10 @@ UNSEEN_REWORDINGS = [
 
 def _probabilities(verifier, pairs, embedder) -> list[float]:
     vectors = embedder.embed([text for pair in pairs for text in pair])
-    return [verifier.probability(query, cached, float(vectors[2 * i] @ vectors[2 * i + 1]))
-            for i, (cached, query) in enumerate(pairs)]
+    return [
+        verifier.probability(query, cached, float(vectors[2 * i] @ vectors[2 * i + 1]))
+        for i, (cached, query) in enumerate(pairs)
+    ]
 
 
 def test_shipped_verifier_tells_role_swaps_from_rewordings(shipped, embedder):
@@ -171,9 +182,16 @@ def test_written_pairs_stay_away_from_the_reported_questions(embedder):
 
     from evals.train_verifier import written_pairs
 
-    reported = sorted({text for pair in load_pairs([DATA / "dev.jsonl", DATA / "paws_sample.jsonl"])
-                       for text in (pair.cached_prompt, pair.query_prompt)})
-    written = sorted({text for seed in range(3) for e in written_pairs(random.Random(seed)) for text in (e.cached, e.query)})
+    reported = sorted(
+        {
+            text
+            for pair in load_pairs([DATA / "dev.jsonl", DATA / "paws_sample.jsonl"])
+            for text in (pair.cached_prompt, pair.query_prompt)
+        }
+    )
+    written = sorted(
+        {text for seed in range(3) for e in written_pairs(random.Random(seed)) for text in (e.cached, e.query)}
+    )
     closest = (embedder.embed(written) @ embedder.embed(reported).T).max()
     assert closest < 0.88
 

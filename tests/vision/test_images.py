@@ -27,7 +27,9 @@ def test_same_pixels_in_other_encodings_hash_alike():
     png, bmp = _encode(pixels, "PNG"), _encode(pixels, "BMP")
     webp = _encode(pixels, "WEBP", lossless=True)
     hashes = {decode_image_bytes(raw, LIMITS).pixel_hash for raw in (png, bmp, webp)}
-    wrapped = "data:image/png;base64," + "\n".join(base64.b64encode(png).decode()[i:i + 76] for i in range(0, 200000, 76))
+    wrapped = "data:image/png;base64," + "\n".join(
+        base64.b64encode(png).decode()[i : i + 76] for i in range(0, 200000, 76)
+    )
     hashes.add(decode_data_url(wrapped, LIMITS).pixel_hash)
     assert len(hashes) == 1
 
@@ -36,7 +38,10 @@ def test_one_changed_pixel_changes_the_hash():
     pixels = _pixels()
     changed = pixels.copy()
     changed[10, 10, 0] ^= 1
-    assert decode_image_bytes(_encode(pixels, "PNG"), LIMITS).pixel_hash != decode_image_bytes(_encode(changed, "PNG"), LIMITS).pixel_hash
+    assert (
+        decode_image_bytes(_encode(pixels, "PNG"), LIMITS).pixel_hash
+        != decode_image_bytes(_encode(changed, "PNG"), LIMITS).pixel_hash
+    )
 
 
 def test_exif_orientation_is_applied_before_hashing():
