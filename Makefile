@@ -9,7 +9,7 @@ OPENBLAS = $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/openblas-pthread/lib
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: setup test-tools cluster-tools serve cluster test mutants bench clean
+.PHONY: setup test-tools cluster-tools serve cluster lint format test mutants bench clean
 
 setup: $(STAMP)
 
@@ -50,7 +50,18 @@ test-tools:
 			--no-install-recommends prometheus chromium fonts-dejavu-core redis-server haproxy; \
 	fi
 
-test: setup test-tools
+# Style and types (pinned ruff and mypy, configured in pyproject.toml): the first step of `make test`.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+# Rewrites the tree: ruff's safe fixes, then the formatter.
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+test: lint test-tools
 	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # Each critical one-line breakage applied to a copy of the checkout must fail its tests (tests/mutants.py).

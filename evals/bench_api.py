@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import time
 from dataclasses import replace
 from pathlib import Path
 

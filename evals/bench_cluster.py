@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{'met' if redis['p50'] < 3 else 'NOT met'})"
     )
     print(
-        f"    SQLite p50 {sqlite['p50']:.2f} ms  p99 {sqlite['p99']:.2f} ms  (Redis/SQLite {redis['p50'] / sqlite['p50']:.2f}x)"
+        f"    SQLite p50 {sqlite['p50']:.2f} ms  p99 {sqlite['p99']:.2f} ms  (Redis/SQLite "
+        f"{redis['p50'] / sqlite['p50']:.2f}x)"
     )
     moved, delay = result["failover"], result["semantic_propagation"]
     print(
@@ -263,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"(d) semantic entry stored through a, served through b: {delay['trials']} trials")
     print(
-        f"    delay p50 {delay['p50_ms']:.0f} ms  p99 {delay['p99_ms']:.0f} ms  max {delay['max_ms']:.0f} ms "
+        f"    delay p50 {delay['p50_ms']:.0f} ms  p99 {delay['p99_ms']:.0f} ms  max "
+        f"{delay['max_ms']:.0f} ms "
         f"(median {delay['median_polls']:.0f} polls; target p99 < 1 s: {'met' if delay['p99_ms'] < 1000 else 'NOT met'})"
     )
     print(json.dumps(result))

@@ -26,25 +26,31 @@ DECODE_TOKENS = 64
 
 def _child(model: str, data_dir: Path, lengths: list[int], repeats: int) -> dict:
     from gateway.blas import blas_in_use
-    from gateway.engine import CacheConfig, ModelRunner, PreparedPrompt, Sampling, resolve_model_path
+    from gateway.engine import CacheConfig, ModelRunner, PreparedPrompt, Sampling, decode_alone, resolve_model_path
+    from kvcache import TenantSalt
 
     runner = ModelRunner(resolve_model_path(model, data_dir), CacheConfig(0, 0, 64), "bench")
     corpus = CORPUS.read_text()
     ids = runner.tokenizer.encode(corpus, add_special_tokens=False)
-    never = lambda: False  # noqa: E731
-    runner.prefill(PreparedPrompt(tuple(ids[:64]), ()), b"salt", 512, never)  # warm-up
-    results = {"blas": blas_in_use(), "lengths": {}}
+
+    def never() -> bool:
+        return False
+
+    salt = TenantSalt(b"salt")
+    runner.prefill(PreparedPrompt(tuple(ids[:64]), ()), salt, 512, never)  # warm-up
+    lengths_out: dict[str, dict] = {}
+    results = {"blas": blas_in_use(), "lengths": lengths_out}
     for length in lengths:
         prompt = PreparedPrompt(tuple(ids[:length]), ())
         prefill_s, decode_tps = [], []
         for _ in range(repeats):
             start = time.perf_counter()
-            prefill = runner.prefill(prompt, b"salt", 512, never)
+            prefill = runner.prefill(prompt, salt, 512, never)
             prefill_s.append(time.perf_counter() - start)
             start = time.perf_counter()
-            count = sum(1 for _ in runner.decode(prefill, Sampling(DECODE_TOKENS, 0.0, 1.0, None, ()), never))
+            count = sum(1 for _ in decode_alone(runner, prefill, Sampling(DECODE_TOKENS, 0.0, 1.0, None, ()), never))
             decode_tps.append(count / (time.perf_counter() - start))
-        results["lengths"][str(length)] = {
+        lengths_out[str(length)] = {
             "prefill_s": statistics.median(prefill_s),
             "prefill_tok_s": length / statistics.median(prefill_s),
             "decode_tok_s": statistics.median(decode_tps),
@@ -85,8 +91,9 @@ def main() -> None:
         return
     base = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     runs = {}
-    if openblas_library():
-        runs["openblas"] = _run_child(env_with_openblas(base), args, args.repeats)
+    with_openblas = env_with_openblas(base) if openblas_library() else None
+    if with_openblas is not None:
+        runs["openblas"] = _run_child(with_openblas, args, args.repeats)
     runs["reference"] = _run_child({**base, "STRATA_BLAS": "reference"}, args, args.reference_repeats)
     _print_table(runs, args)
     print(json.dumps({"model": args.model, "runs": runs}))
@@ -99,10 +106,11 @@ def _print_table(runs: dict, args: argparse.Namespace) -> None:
     )
     print(f"{'prompt':>7} | {'BLAS':>9} | {'prefill s':>9} | {'prefill tok/s':>13} | {'decode tok/s':>12}")
     for length in map(str, args.lengths):
-        for name, run in runs.items():
+        for run in runs.values():
             row = run["lengths"][length]
             print(
-                f"{length:>7} | {run['blas']:>9} | {row['prefill_s']:9.3f} | {row['prefill_tok_s']:13.1f} | {row['decode_tok_s']:12.1f}"
+                f"{length:>7} | {run['blas']:>9} | {row['prefill_s']:9.3f} | "
+                f"{row['prefill_tok_s']:13.1f} | {row['decode_tok_s']:12.1f}"
             )
         if "openblas" in runs:
             fast, slow = runs["openblas"]["lengths"][length], runs["reference"]["lengths"][length]

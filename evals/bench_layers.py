@@ -197,7 +197,8 @@ def main() -> None:
     for size, limit in ((100000, 1.2), (1000000, 1.5)):
         ratio = semantic[size]["p50"] / base
         print(
-            f"semantic p50 at {size:,} / at 1,000: {ratio:.2f}x (target <= {limit}x: {'met' if ratio <= limit else 'NOT met'})"
+            f"semantic p50 at {size:,} / at 1,000: {ratio:.2f}x (target <= {limit}x: "
+            f"{'met' if ratio <= limit else 'NOT met'})"
         )
     print(json.dumps({"model": args.model, "http": http, "semantic": semantic}))
 

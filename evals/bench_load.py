@@ -30,7 +30,6 @@ import io
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -239,12 +239,12 @@ def mix_conversations(tag: str, client: int, system_prompt: str):
     Each turn yields the session's history list itself: the caller appends the reply to it."""
     session = 0
     while True:
-        history = [{"role": "system", "content": system_prompt}]
+        history: list[dict] = [{"role": "system", "content": system_prompt}]
         with_image = (client + session) % 4 == 0
         for turn in range(3):
             start = _seed(tag, client, session, turn) % (len(SENTENCES) - 6)
             text = f"Session {tag}-{client}-{session}, turn {turn}: " + " ".join(SENTENCES[start : start + 4])
-            content = text
+            content: str | list[dict] = text
             if with_image and turn == 0:
                 content = [
                     {"type": "image_url", "image_url": {"url": _image_url(_seed(tag, client, session))}},
@@ -295,7 +295,7 @@ async def closed_loop(server: Server, num_clients: int, requests_per_client: int
 
 def summarise(samples: list[Sample], wall_s: float) -> dict:
     good = [s for s in samples if not s.error and s.ttft_s is not None]
-    ttfts = sorted(s.ttft_s for s in good)
+    ttfts = sorted(s.ttft_s for s in good if s.ttft_s is not None)
     gaps = sorted(g for s in good for g in s.gaps_s)
     return {
         "requests": len(samples),
@@ -370,7 +370,8 @@ def print_table(workload: str, results: dict, client_counts: list[int]) -> None:
             if row:
                 print(
                     f"| {count} | {name} | {row['tok_s']:.1f} | {row['ttft_p50']:.2f} s | {row['ttft_p99']:.2f} s | "
-                    f"{row['itl_p50'] * 1000:.0f} ms | {row['itl_p99'] * 1000:.0f} ms | {row['errors']}/{row['requests']} |"
+                    f"{row['itl_p50'] * 1000:.0f} ms | {row['itl_p99'] * 1000:.0f} ms | "
+                    f"{row['errors']}/{row['requests']} |"
                 )
         ours = results.get(f"strata@{count}")
         for name in (n for n in names if n.startswith("mlx-vlm")):
@@ -378,6 +379,7 @@ def print_table(workload: str, results: dict, client_counts: list[int]) -> None:
             if ours and theirs:
                 print(
                     f"| {count} | **strata / {name}** | **{ours['tok_s'] / theirs['tok_s']:.2f}x** | "
+                    ""
                     f"**{ours['ttft_p50'] / theirs['ttft_p50']:.2f}x** | {ours['ttft_p99'] / theirs['ttft_p99']:.2f}x | "
                     f"{ours['itl_p50'] / theirs['itl_p50']:.2f}x | {ours['itl_p99'] / theirs['itl_p99']:.2f}x | |"
                 )
@@ -423,7 +425,7 @@ def fairness(model_dir: Path, work: Path, max_num_seqs: int | None, requests: in
         loaded = asyncio.run(under_load())
     finally:
         server.stop()
-    out = {}
+    out: dict[str, dict] = {}
     for name, samples in (("idle", idle), ("with A at 32 streams", loaded)):
         ttfts = sorted(s.ttft_s for s in samples if s.ttft_s is not None)
         out[name] = {
@@ -447,8 +449,7 @@ def fairness(model_dir: Path, work: Path, max_num_seqs: int | None, requests: in
     flood = out["tenant A"]
     print(f"  A meanwhile: {flood['requests']} requests, TTFT p50 {flood['ttft_p50']:.2f} s, errors {flood['errors']}")
     print(f"  p99 ratio (loaded / idle): {ratio:.2f}x  (target <= 2x)")
-    out["p99_ratio"] = ratio
-    return out
+    return {**out, "p99_ratio": ratio}
 
 
 def main() -> None:
@@ -474,9 +475,9 @@ def main() -> None:
         return
     summary = {}
     for workload in args.workloads:
-        servers = [
+        servers: list[tuple[str, Callable[[], Server]]] = [
             ("strata", lambda: start_strata("strata", model_dir, work, args.max_num_seqs)),
-            ("mlx-vlm", lambda w=workload: start_mlx_vlm(model_dir, work, args.max_num_seqs, w == "mix")),
+            ("mlx-vlm", partial(start_mlx_vlm, model_dir, work, args.max_num_seqs, workload == "mix")),
         ]
         if workload == "distinct" and 1 in args.clients:
             servers.append(("strata seqs=1", lambda: start_strata("strata seqs=1", model_dir, work, 1)))

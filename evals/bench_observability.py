@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         result[f"p50_delta_ms_vs_{base}"], result[f"p50_ratio_vs_{base}"] = delta, ratio
         met = ratio < 1.05 or delta < 0.2
         print(
-            f"p50 on - {base}: {delta:+.3f} ms, ratio {ratio:.3f} (target < 5% or < 0.2 ms: {'met' if met else 'NOT met'})"
+            f"p50 on - {base}: {delta:+.3f} ms, ratio {ratio:.3f} (target < 5% or < 0.2 ms: "
+            f"{'met' if met else 'NOT met'})"
         )
     print(f"{result['access_log_lines']} JSON access lines written by `on`")
     print(json.dumps(result))

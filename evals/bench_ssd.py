@@ -2,13 +2,14 @@
 
     python -m evals.bench_ssd [--model demo] [--lengths 1024 4096 8192]
 
-Throughputs are medians of 3 reads. For each prefix length, a prompt = prefix + a 24-token follow-up (the next turn) is timed three
-ways on the same model in one run: recompute (no cache), prefix in RAM, and prefix on SSD only (a
-fresh engine over the files, each file dropped from the page cache with posix_fadvise first, so
-reads come from the disk). Read throughput of the block files is printed beside a plain sequential
-read of one file of the same size (also dropped from the page cache): the physical limit. Then
-bytes per token on disk with and without 8/4-bit quantisation, and quantisation's greedy agreement
-and max logit drift against full precision on the tiny and demo models. Ends with one JSON line.
+Throughputs are medians of 3 reads. For each prefix length, a prompt = prefix + a 24-token follow-up
+(the next turn) is timed three ways on the same model in one run: recompute (no cache), prefix in
+RAM, and prefix on SSD only (a fresh engine over the files, each file dropped from the page cache
+with posix_fadvise first, so reads come from the disk). Read throughput of the block files is
+printed beside a plain sequential read of one file of the same size (also dropped from the page
+cache): the physical limit. Then bytes per token on disk with and without 8/4-bit quantisation, and
+quantisation's greedy agreement and max logit drift against full precision on the tiny and demo
+models. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -24,10 +25,19 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway.engine import CacheConfig, ModelRunner, PreparedPrompt, Sampling, model_fingerprint, resolve_model_path
-from kvcache import TenantSalt
+from gateway.engine import (
+    CacheConfig,
+    ModelRunner,
+    PrefixReport,
+    PreparedPrompt,
+    Sampling,
+    decode_alone,
+    model_fingerprint,
+    resolve_model_path,
+)
+from kvcache import PrefixCache, TenantSalt
 from kvcache.quant import QuantConfig
-from kvcache.ssd import AdmissionPolicy, SsdConfig
+from kvcache.ssd import AdmissionPolicy, SsdConfig, SsdTier
 
 from . import CORPUS
 
@@ -50,7 +60,18 @@ def runner_for(model_path: Path, folder: Path | None, quant: QuantConfig | None 
     return ModelRunner(model_path, CacheConfig(budget, 0, BLOCK, ssd, quant), model_fingerprint(model_path))
 
 
-def ttft(runner: ModelRunner, ids: list[int]) -> tuple[float, object]:
+def prefix_of(runner: ModelRunner) -> PrefixCache:
+    assert runner.caches.prefix is not None, "runner_for() gives every runner measured here a prefix cache"
+    return runner.caches.prefix
+
+
+def ssd_of(runner: ModelRunner) -> SsdTier:
+    ssd = prefix_of(runner).ssd
+    assert ssd is not None, "runner_for() was given a folder"
+    return ssd
+
+
+def ttft(runner: ModelRunner, ids: list[int]) -> tuple[float, PrefixReport]:
     start = time.perf_counter()
     prefill = runner.prefill(PreparedPrompt(tuple(ids), ()), SALT, 512, lambda: False)
     int(np.argmax(np.array(prefill.logits)))
@@ -93,8 +114,8 @@ def measure_length(model_path: Path, length: int, work: Path) -> dict:
     ttft(warm, prefix + [ids[0]])  # caches the prefix's blocks in RAM
     ram_s, ram_report = ttft(warm, prompt)
     start = time.perf_counter()
-    warm.caches.prefix.persist()
-    warm.caches.prefix.ssd.drain(600)
+    prefix_of(warm).persist()
+    ssd_of(warm).drain(600)
     spill_s = time.perf_counter() - start
     files = sorted(folder.glob("*/*/*.safetensors"))
     disk_bytes = sum(f.stat().st_size for f in files)
@@ -121,14 +142,14 @@ def measure_length(model_path: Path, length: int, work: Path) -> dict:
 def _block_read_mb_s(runner: ModelRunner, files: list[Path], ids: list[int]) -> float:
     """Verified reads (open, read, parse, per-block checksum) of every block on disk: the chain of
     the prompt's full blocks (those persisted at shutdown), from the disk."""
-    caches = runner.caches
-    with caches.prefix.open(SALT, caches.model_fingerprint, ids) as session:
+    ssd = ssd_of(runner)
+    with prefix_of(runner).open(SALT, runner.caches.model_fingerprint, ids) as session:
         chain = [h.hex() for h in session.hashes]
-    chain = [h for h in chain if caches.prefix.ssd.contains(h)]
-    assert len(chain) == caches.prefix.ssd.stats().num_blocks, "blocks on disk that the prompt's chain does not name"
+    chain = [h for h in chain if ssd.contains(h)]
+    assert len(chain) == ssd.stats().num_blocks, "blocks on disk that the prompt's chain does not name"
     drop_from_page_cache(files)
     start = time.perf_counter()
-    blocks = caches.prefix.ssd.read_chain(chain)
+    blocks = ssd.read_chain(chain)
     elapsed = time.perf_counter() - start
     assert chain and len(blocks) == len(chain), "a block failed verification"
     return sum(path.stat().st_size for path in files) / elapsed / 1e6
@@ -150,7 +171,7 @@ def quant_quality(model_path: Path, work: Path, length: int = 2048) -> dict:
         persisted.caches.shutdown(60)
         disk = sum(f.stat().st_size for f in folder.glob("*/*/*.safetensors"))
         results[f"{bits or 32}-bit"] = {
-            "ram_bytes": runner.caches.prefix.stats().num_bytes,
+            "ram_bytes": prefix_of(runner).stats().num_bytes,
             "disk_bytes_per_token": disk / (length // BLOCK * BLOCK),
             "max_logit_drift": float(np.abs(logits - reference[0]).max()),
             "greedy_agreement": sum(a == b for a, b in zip(tokens, reference[1])) / len(reference[1]),
@@ -161,7 +182,7 @@ def quant_quality(model_path: Path, work: Path, length: int = 2048) -> dict:
 def _greedy(runner: ModelRunner, ids: list[int], num_tokens: int = 32):
     prefill = runner.prefill(PreparedPrompt(tuple(ids), ()), SALT, 512, lambda: False)
     logits = np.array(prefill.logits)
-    tokens = list(runner.decode(prefill, Sampling(num_tokens, 0.0, 1.0, None, ()), lambda: False))
+    tokens = list(decode_alone(runner, prefill, Sampling(num_tokens, 0.0, 1.0, None, ()), lambda: False))
     runner.finish(prefill, tokens)
     return logits, tokens
 
@@ -210,7 +231,8 @@ def report(rows: list[dict], quality: dict) -> None:
     for model, results in quality.items():
         for name, q in results.items():
             print(
-                f"  {model:<5} {name:>7}: RAM {q['ram_bytes'] / 1e6:7.2f} MB, disk {q['disk_bytes_per_token']:7.0f} B/token, "
+                f"  {model:<5} {name:>7}: RAM {q['ram_bytes'] / 1e6:7.2f} MB, disk "
+                f"{q['disk_bytes_per_token']:7.0f} B/token, "
                 f"max logit drift {q['max_logit_drift']:.4f}, greedy agreement {q['greedy_agreement']:.0%}"
             )
 

@@ -24,6 +24,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -39,6 +40,7 @@ from gateway.engine import (
     Sampler,
     Sampling,
     TextPart,
+    decode_alone,
     model_fingerprint,
     resolve_model_path,
 )
@@ -84,7 +86,7 @@ class StrataMode:
         prefill = self.runner.prefill(prompt, SALT, 512, lambda: False)
         first = Sampler(GREEDY)(prefill.logits)
         ttft = time.perf_counter() - start
-        generated = list(self.runner.decode(prefill, GREEDY, lambda: False))
+        generated = list(decode_alone(self.runner, prefill, GREEDY, lambda: False))
         self.runner.finish(prefill, generated)
         self.cached_tokens.append(prefill.prefix.num_cached_tokens)
         self.prompt_tokens.append(prompt.num_tokens)
@@ -102,7 +104,8 @@ class ApcMode:
         import mlx_vlm
         from mlx_vlm import apc
 
-        self.model, self.processor = mlx_vlm.load(str(model_path))
+        loaded: Any = mlx_vlm.load(str(model_path))  # its annotations name fewer processor kinds than it loads
+        self.model, self.processor = loaded
         self.manager = apc.from_env(overrides={"enabled": True, "disk_enabled": False})
 
     def turn(self, history: list[Message], image: Image.Image | None) -> tuple[float, str]:
@@ -125,13 +128,14 @@ class ApcMode:
             self.model,
             self.processor,
             text,
-            image=[image] if image else None,
+            image=[image] if image else None,  # type: ignore[list-item]  # PIL images are accepted as paths are
             max_tokens=REPLY_TOKENS,
             temperature=0.0,
             apc_manager=self.manager,
         ):
             ttft = ttft or time.perf_counter() - start
             pieces.append(response.text)
+        assert ttft is not None, "stream_generate yielded nothing"
         return ttft, "".join(pieces)
 
 

@@ -86,7 +86,7 @@ def _scope(raw: dict | None) -> Scope:
 class RememberingEmbedder:
     """The real embedder, each text embedded once: both runs of one report share their vectors."""
 
-    def __init__(self, embedder):
+    def __init__(self, embedder: MiniLMEmbedder) -> None:
         self.embedder = embedder
         self.dim, self.name = embedder.dim, embedder.name
         self.vectors: dict[str, np.ndarray] = {}
@@ -96,6 +96,9 @@ class RememberingEmbedder:
         if missing:
             self.vectors.update(zip(missing, self.embedder.embed(missing)))
         return np.stack([self.vectors[text] for text in texts])
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        return self.embedder.count_tokens(texts)
 
 
 def run(pairs: list[Pair], cache: SemanticCache, isolate: bool = False) -> dict:
@@ -213,7 +216,7 @@ def run_both(pairs: list[Pair], args) -> dict[str, dict]:
 
     minilm = MiniLMEmbedder()
     embedder = RememberingEmbedder(minilm)
-    verifiers = {"rules": None}
+    verifiers: dict[str, Verifier | None] = {"rules": None}
     if not args.without_verifier:
         verifiers["+verifier"] = Verifier.load(minilm, args.verifier or WEIGHTS_FILE)
     summaries = {}

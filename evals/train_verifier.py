@@ -176,16 +176,83 @@ MOVED = [
     ),
 ]
 FILLERS = {
-    "cities": "Paris Lyon Berlin Madrid Tokyo Osaka Chicago Denver Boston Seattle Rome Milan Dublin Oslo Lisbon Prague".split(),
-    "formats": "PDF Word Excel CSV JSON XML PNG JPEG Markdown HTML YAML MP4".split(),
-    "products": "Slack Teams Zoom Jira Trello Asana Notion Confluence Dropbox SQLite MariaDB Redis Kafka Docker".split(),
-    "roles": "doctor patient teacher student manager employee landlord tenant buyer seller admin guest".split(),
-    "languages": "English French German Spanish Italian Japanese Chinese Portuguese Dutch Korean".split(),
-    "teams": "Arsenal Chelsea Liverpool Barcelona Madrid Juventus Bayern Ajax Celtic Benfica".split(),
-    "currencies": "dollars euros pounds yen francs pesos rupees".split(),
-    "devices": "phone laptop tablet desktop watch Mac iPad Kindle".split(),
-    "accounts": "brokerage crypto wallet pension PayPal Venmo escrow".split(),
-    "years": "1998 2002 2006 2010 2014 2018 2022".split(),
+    "cities": [
+        "Paris",
+        "Lyon",
+        "Berlin",
+        "Madrid",
+        "Tokyo",
+        "Osaka",
+        "Chicago",
+        "Denver",
+        "Boston",
+        "Seattle",
+        "Rome",
+        "Milan",
+        "Dublin",
+        "Oslo",
+        "Lisbon",
+        "Prague",
+    ],
+    "formats": ["PDF", "Word", "Excel", "CSV", "JSON", "XML", "PNG", "JPEG", "Markdown", "HTML", "YAML", "MP4"],
+    "products": [
+        "Slack",
+        "Teams",
+        "Zoom",
+        "Jira",
+        "Trello",
+        "Asana",
+        "Notion",
+        "Confluence",
+        "Dropbox",
+        "SQLite",
+        "MariaDB",
+        "Redis",
+        "Kafka",
+        "Docker",
+    ],
+    "roles": [
+        "doctor",
+        "patient",
+        "teacher",
+        "student",
+        "manager",
+        "employee",
+        "landlord",
+        "tenant",
+        "buyer",
+        "seller",
+        "admin",
+        "guest",
+    ],
+    "languages": [
+        "English",
+        "French",
+        "German",
+        "Spanish",
+        "Italian",
+        "Japanese",
+        "Chinese",
+        "Portuguese",
+        "Dutch",
+        "Korean",
+    ],
+    "teams": [
+        "Arsenal",
+        "Chelsea",
+        "Liverpool",
+        "Barcelona",
+        "Madrid",
+        "Juventus",
+        "Bayern",
+        "Ajax",
+        "Celtic",
+        "Benfica",
+    ],
+    "currencies": ["dollars", "euros", "pounds", "yen", "francs", "pesos", "rupees"],
+    "devices": ["phone", "laptop", "tablet", "desktop", "watch", "Mac", "iPad", "Kindle"],
+    "accounts": ["brokerage", "crypto", "wallet", "pension", "PayPal", "Venmo", "escrow"],
+    "years": ["1998", "2002", "2006", "2010", "2014", "2018", "2022"],
 }
 FILLINGS_PER_TEMPLATE = 12
 
@@ -229,7 +296,7 @@ def _template_pairs(rng: random.Random) -> list[Example]:
 
 
 def _fillings(rng: random.Random, kind: str) -> list[tuple[str, str]]:
-    return [tuple(rng.sample(FILLERS[kind], 2)) for _ in range(FILLINGS_PER_TEMPLATE)]
+    return [(first, second) for first, second in (rng.sample(FILLERS[kind], 2) for _ in range(FILLINGS_PER_TEMPLATE))]
 
 
 # -- training ------------------------------------------------------------------------------------
@@ -274,6 +341,7 @@ def train(
         print(f"epoch {epoch + 1:>2}  held-out loss {held_loss:.4f}", flush=True)
         if held_loss < best:
             best, best_state = held_loss, {k: v.clone() for k, v in average.state_dict().items()}
+    assert best_state is not None, "the first epoch's loss is below inf"
     average.load_state_dict(best_state)
     return average.eval()
 

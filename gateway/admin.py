@@ -50,8 +50,12 @@ def _semantic(request: Request):
     return services.responses.semantic
 
 
-@get("/admin/semantic/entries", guards=[require_admin])
-async def list_entries(
+# Routes that call a store are plain functions Litestar runs on its worker threads (sync_to_thread):
+# a slow store (Redis, SQLite on a slow disk) never stalls the event loop.
+
+
+@get("/admin/semantic/entries", guards=[require_admin], sync_to_thread=True)
+def list_entries(
     request: Request,
     tenant: FromQuery[str | None] = None,
     status: FromQuery[str | None] = None,
@@ -71,33 +75,33 @@ def _set_status(request: Request, entry_id: int, status: str) -> dict:
     return asdict(cache.get(entry_id))
 
 
-@post("/admin/semantic/entries/{entry_id:int}/approve", status_code=200, guards=[require_admin])
-async def approve_entry(request: Request, entry_id: FromPath[int]) -> dict:
+@post("/admin/semantic/entries/{entry_id:int}/approve", status_code=200, guards=[require_admin], sync_to_thread=True)
+def approve_entry(request: Request, entry_id: FromPath[int]) -> dict:
     return _set_status(request, entry_id, "approved")
 
 
-@post("/admin/semantic/entries/{entry_id:int}/reject", status_code=200, guards=[require_admin])
-async def reject_entry(request: Request, entry_id: FromPath[int]) -> dict:
+@post("/admin/semantic/entries/{entry_id:int}/reject", status_code=200, guards=[require_admin], sync_to_thread=True)
+def reject_entry(request: Request, entry_id: FromPath[int]) -> dict:
     return _set_status(request, entry_id, "rejected")
 
 
-@delete("/admin/semantic/entries/{entry_id:int}", status_code=200, guards=[require_admin])
-async def delete_entry(request: Request, entry_id: FromPath[int]) -> dict:
+@delete("/admin/semantic/entries/{entry_id:int}", status_code=200, guards=[require_admin], sync_to_thread=True)
+def delete_entry(request: Request, entry_id: FromPath[int]) -> dict:
     if not _semantic(request).delete(entry_id):
         raise ApiError(404, f"no semantic entry {entry_id}", "entry_not_found")
     return {"id": entry_id, "deleted": True}
 
 
-@delete("/admin/exact", status_code=200, guards=[require_admin])
-async def purge_exact(request: Request, tenant: FromQuery[str]) -> dict:
+@delete("/admin/exact", status_code=200, guards=[require_admin], sync_to_thread=True)
+def purge_exact(request: Request, tenant: FromQuery[str]) -> dict:
     services = request.app.state.services
     if services.responses.exact is None:
         raise ApiError(404, "the exact cache is disabled on this server", "exact_disabled")
     return {"tenant": tenant, "purged": services.responses.exact.purge_tenant(tenant)}
 
 
-@delete("/admin/exact/{key:str}", status_code=200, guards=[require_admin])
-async def delete_exact_entry(request: Request, key: FromPath[str]) -> dict:
+@delete("/admin/exact/{key:str}", status_code=200, guards=[require_admin], sync_to_thread=True)
+def delete_exact_entry(request: Request, key: FromPath[str]) -> dict:
     """One stored answer, by the key its response carried in X-Strata-Exact-Key."""
     services = request.app.state.services
     if services.responses.exact is None:

@@ -1,4 +1,8 @@
-"""The Litestar app: routes and lifespan only; a request's way through the layers is pipeline.py.
+"""The Litestar app: its routes, the lifespan that builds and closes the services, and the glue
+that belongs to no layer: the Responses API's orchestration (the stored conversation in front of a
+chat completion; its shapes are responses_api.py's), settings mapped to the engine's config
+(engine_config), and the metrics collector's view of the services. A request's way through the
+cache layers is pipeline.py.
 
 POST /v1/chat/completions   OpenAI chat completions (JSON or SSE)
 POST /v1/responses          OpenAI Responses API (previous_response_id kept per tenant)
@@ -42,22 +46,23 @@ from .auth import Authenticator, load_server_secret
 from .blas import blas_in_use
 from .chat import ChatService
 from .conversations import ConversationStore
-from .embeddings import MODEL_NAMES as EMBEDDING_MODELS, Embeddings, parse_embeddings_request
+from .dashboard import DASHBOARD_ROUTES, History
+from .embeddings import MODEL_NAMES as EMBEDDING_MODELS
+from .embeddings import Embeddings, parse_embeddings_request
 from .engine import CacheConfig, Engine, EngineConfig, resolve_model_path
 from .errors import EXCEPTION_HANDLERS, ApiError, bad_request
 from .files import private_dir, private_file
-from .openai_format import ModelStamp
-from .pipeline import Pipeline, off_loop
-from .responses import ResponseCaches
-from .schemas import parse_chat_request, parse_json_body
-from .settings import Settings
-from .dashboard import DASHBOARD_ROUTES, History
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import RequestMetrics, StateCollector
-from .requestlog import RequestStart, ResponseLog
-from .sessions import SessionClock
-from .stats import LayerCounters
+from .openai_format import ModelStamp
+from .pipeline import Pipeline, off_loop
 from .purge_feed import PurgeFeed
+from .requestlog import RequestStart, ResponseLog
+from .responses import ResponseCaches
+from .schemas import parse_chat_request, parse_json_body
+from .sessions import SessionClock
+from .settings import Settings
+from .stats import LayerCounters
 from .sweeper import Sweeper
 
 log = logging.getLogger("strata")
@@ -346,8 +351,8 @@ def _state_collector(services: Services) -> StateCollector:
     return StateCollector(read, files, index_bytes, settings.ssd_daily_write_bytes, settings.max_queue)
 
 
-@get("/admin/stats", guards=[require_admin])
-async def admin_stats(request: Request) -> dict:
+@get("/admin/stats", guards=[require_admin], sync_to_thread=True)
+def admin_stats(request: Request) -> dict:
     """Built from snapshots only: the per-layer outcome counters, the engine's, and each cache's stats()."""
     services = _services(request)
     store_errors = {
@@ -391,7 +396,7 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
     async def lifespan(app: Litestar):
         owned = engine is None
         private_dir(settings.data_dir)
-        live = engine or await anyio.to_thread.run_sync(_load_engine, settings)
+        live: Engine = engine if engine is not None else await anyio.to_thread.run_sync(_load_engine, settings)
         if owned:
             live.launch()  # serving starts now: requests queue until warm-up ends; /health/ready says when
         counters = LayerCounters()

@@ -15,20 +15,29 @@ The engine's layers (vision, prefix) belong to its worker thread: purge and clos
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 class Removed(Protocol):
-    num_entries: int
-    num_bytes: int
-    num_files: int
+    """What a purge removed. Each library returns its own frozen `Purged` of these three fields (the
+    libraries never import each other, so they share this shape, not a class)."""
+
+    @property
+    def num_entries(self) -> int: ...
+    @property
+    def num_bytes(self) -> int: ...
+    @property
+    def num_files(self) -> int: ...
 
 
 @runtime_checkable
 class CacheLayer(Protocol):
     name: str
 
-    def stats(self) -> object: ...
+    def stats(self) -> DataclassInstance: ...
 
     def purge(self) -> Removed: ...
 

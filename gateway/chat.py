@@ -1,12 +1,14 @@
 """The engine's side of a chat completion: the model check, images, the prompt (with its cheap
 bounds), replays of stored answers, the engine job, and a deadline on every wait for it.
 
-    ChatService.start(prompt, request, caller, owner, trace, deadline) -> Run   (after prefill)
-    ChatService.replay(stored, trace) -> Run                              (a cached answer, same events)
-    ChatService.events(run) -> Started.. Delta.. Finished                 (applied to run.completion)
+    ChatService.prepare(request, images) -> (PreparedPrompt, Sampling)   (prompt, grammar, cheap bounds)
+    ChatService.start(prompt, sampling, caller, owner, trace, deadline) -> Run   (after prefill)
+    ChatService.replay(stored, trace) -> Run                               (a cached answer, same events)
+    ChatService.events(run) -> Started.. Delta.. Finished                  (applied to run.completion)
 
-Knows neither routing (app.py), nor the order of layers (pipeline.py), nor OpenAI shapes
-(openai_format.py).
+Knows neither routing (app.py) nor the order of layers (pipeline.py). Of OpenAI's shapes it builds
+only the logprob entries a Delta carries (token text, bytes, logprob, top_logprobs), where the
+engine's tokenizer is at hand; the response bodies and SSE chunks are openai_format.py's.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
 
 import anyio
@@ -27,24 +29,23 @@ from .auth import Caller
 from .engine import (
     Delta,
     Engine,
-    EngineStopped,
     Failed,
     Finished,
     GrammarError,
-    OverBudget,
+    ImagePart,
+    PrefixReport,
     PreparedPrompt,
     PromptError,
-    QueueFull,
     Sampling,
     Started,
     TokenLogprob,
+    VisionReport,
     json_schema_grammar,
 )
-from .engine.caching import PrefixReport, VisionReport
-from .errors import ApiError, bad_request
+from .errors import ENGINE_REFUSALS, ApiError, bad_request, engine_refusal
 from .images import load_image
 from .openai_format import Completion
-from .schemas import ChatRequest, ImagePart
+from .schemas import ChatRequest
 from .settings import Settings
 from .trace import BYPASS, HIT, MISS, LayerOutcome, PrefixFacts, Trace
 
@@ -55,7 +56,7 @@ class Run:
     fill in. `deadline` (anyio clock) bounds every wait for the next event; None for a replay, which
     never waits."""
 
-    events: AsyncIterator
+    events: AsyncGenerator
     completion: Completion
     deadline: float | None
 
@@ -124,7 +125,7 @@ class ChatService:
             if request.forced_tool is not None:
                 grammar = self.engine.tools.grammar(request.tools, request.forced_tool or None)
             else:
-                schema = request.response_format.get("schema")
+                schema = (request.response_format or {}).get("schema")
                 grammar = json_schema_grammar(json.loads(schema) if schema else {"type": "object"})
             self.engine.check_grammar(grammar)
         except (GrammarError, ValueError) as exc:
@@ -141,7 +142,7 @@ class ChatService:
         tokens = stored.prompt_tokens
         completion = Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), tokens, tokens)
 
-        async def events() -> AsyncIterator:
+        async def events() -> AsyncGenerator:
             for piece in re.findall(r"\S*\s*", stored.text)[:-1] or [""]:
                 yield Delta(piece)
             yield Finished(stored.finish_reason, stored.completion_tokens, 0.0)
@@ -155,23 +156,8 @@ class ChatService:
         The engine's caches record `owner` (with the tenant) on what the job stores or reuses."""
         try:
             job = self.engine.submit(prompt, sampling, caller.salt, owner_label(caller.tenant, owner))
-        except EngineStopped as stopped:
-            raise ApiError(503, f"the engine cannot take requests: {stopped}", "engine_unavailable") from None
-        except QueueFull as full:
-            message = (
-                "this tenant holds its share of the engine queue; retry shortly"
-                if full.reason == "tenant_share"
-                else "the engine queue is full; retry shortly"
-            )
-            raise ApiError(429, message, full.reason, headers={"Retry-After": "1"}) from None
-        except OverBudget as over:
-            raise bad_request(
-                f"the prompt and max_tokens need {over.need_bytes >> 10} KiB of KV cache, more than the "
-                f"engine's memory budget ({over.budget_bytes >> 10} KiB); send a shorter prompt or a "
-                "lower max_tokens",
-                "context_length_exceeded",
-                "max_tokens",
-            ) from None
+        except ENGINE_REFUSALS as refused:
+            raise engine_refusal(refused) from None
         events = self.engine.events(job)
         try:
             first = await self._next(events, deadline)
@@ -220,7 +206,7 @@ class ChatService:
             where,
         )
 
-    async def _next(self, events: AsyncIterator, deadline: float | None):
+    async def _next(self, events: AsyncGenerator, deadline: float | None):
         """The next event, or StopAsyncIteration; ApiError(504) once the deadline has passed."""
         if deadline is None:
             return await events.__anext__()
@@ -230,7 +216,7 @@ class ChatService:
         except TimeoutError:
             raise deadline_error(self.settings.request_timeout_s) from None
 
-    async def events(self, run: Run) -> AsyncIterator:
+    async def events(self, run: Run) -> AsyncGenerator:
         """The run's events, each applied to its completion as it passes."""
         while True:
             try:
@@ -289,7 +275,7 @@ def prefix_outcome(report: PrefixReport, where: str = "") -> LayerOutcome:
     """`where`: for a divergence, which part of the conversation differs (message_place)."""
     if report.status == BYPASS:
         return LayerOutcome.of(BYPASS, reason=report.reason)
-    details = {"cached": report.num_cached_tokens, "prompt": report.num_prompt_tokens}
+    details: dict[str, object] = {"cached": report.num_cached_tokens, "prompt": report.num_prompt_tokens}
     if report.tier:
         details["tier"] = report.tier
     if report.num_ssd_tokens:
@@ -320,7 +306,10 @@ def vision_outcome(report: VisionReport) -> LayerOutcome:
         return LayerOutcome.of(BYPASS, reason="no_images")
     if not report.enabled:
         return LayerOutcome.of(BYPASS, reason="disabled", images=report.num_images)
-    status = MISS if report.num_misses else HIT
     return LayerOutcome.of(
-        status, images=report.num_images, hits=report.num_hits, misses=report.num_misses, skipped=report.num_skipped
+        MISS if report.num_misses else HIT,
+        images=report.num_images,
+        hits=report.num_hits,
+        misses=report.num_misses,
+        skipped=report.num_skipped,
     )

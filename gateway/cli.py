@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from .engine.builder import DEFAULT_FAMILY, DTYPES, RECIPES, SIZES
+from .engine import BUILDABLE_FAMILIES, DEFAULT_FAMILY, DTYPES, SIZES
 from .settings import SETTINGS, add_setting_flags
 
 
@@ -30,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     build = commands.add_parser("build-model", help="build a seeded random-init model folder of one family")
     build.add_argument(
         "--family",
-        choices=sorted(RECIPES),
+        choices=BUILDABLE_FAMILIES,
         default=DEFAULT_FAMILY,
         help="the library's own model_type (default %(default)s)",
     )
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(args.model, args.data_dir, args.port)
     if args.command == "build-model":
-        from .engine.builder import BuildSpec, build_model
+        from .engine import BuildSpec, build_model
 
         print(build_model(BuildSpec(args.family, args.size, args.dtype, args.quantize), args.out))
         return 0
@@ -91,7 +91,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     _configure_logging(args.log_level, settings.log_format)
     if Path(settings.model).is_dir():  # a local folder: refuse an unsupported family before anything loads
-        from .engine.families import UnsupportedModel, family_of
+        from .engine import UnsupportedModel, family_of
 
         try:
             family_of(Path(settings.model))

@@ -23,8 +23,8 @@ import numpy as np
 from semantic import Embedder, MiniLMEmbedder
 
 from .chat import deadline_error
-from .engine import Embedded, Engine, EngineStopped, QueueFull
-from .errors import ApiError, bad_request
+from .engine import Embedded, Engine
+from .errors import ENGINE_REFUSALS, ApiError, bad_request, engine_refusal
 from .settings import Limits, Settings
 
 MODEL_NAMES = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
@@ -99,13 +99,13 @@ class Embeddings:
             "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
         }
 
-    def _embed(self, texts: list[str]) -> tuple[np.ndarray, int]:
+    def _embed(self, texts: list[str]) -> tuple[list[np.ndarray], int]:
         with self.lock:
             if self.embedder is None:
                 self.embedder = MiniLMEmbedder()
-        return self.embedder.embed(texts), sum(self.embedder.count_tokens(texts))
+        return list(self.embedder.embed(texts)), sum(self.embedder.count_tokens(texts))
 
-    async def _engine_embed(self, inputs: tuple[str, ...]) -> tuple[list, int]:
+    async def _engine_embed(self, inputs: tuple[str, ...]) -> tuple[list[np.ndarray], int]:
         texts = await anyio.to_thread.run_sync(lambda: tuple(self.engine.embedding_tokens(text) for text in inputs))
         limit = min(self.settings.limits.max_context_tokens, self.engine.info.max_context_tokens)
         if (longest := max(len(ids) for ids in texts)) > limit:
@@ -114,12 +114,8 @@ class Embeddings:
             )
         try:
             job = self.engine.submit_embedding(texts)
-        except QueueFull:
-            raise ApiError(
-                429, "the engine's embedding queue is full; retry shortly", "queue_full", headers={"Retry-After": "1"}
-            ) from None
-        except EngineStopped as stopped:
-            raise ApiError(503, f"the engine cannot take requests: {stopped}", "engine_unavailable") from None
+        except ENGINE_REFUSALS as refused:
+            raise engine_refusal(refused) from None
         events = self.engine.events(job)
         try:
             with anyio.fail_after(self.settings.request_timeout_s):

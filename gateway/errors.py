@@ -3,6 +3,8 @@
 ApiError                      raised by our code with the status it should answer
 litestar HTTPException        mapped (404 route, 405 method, 413 body too large, ...)
 semantic StoreUnavailable     503 store_unavailable (a shared store such as Redis is down; admin routes)
+the engine refusing a job     engine_refusal(): 503 engine_unavailable, 429 queue_full / tenant_share,
+                              400 context_length_exceeded (its KV exceeds the whole memory budget)
 anything else                 500 server_error, logged; the server keeps serving
 """
 
@@ -12,8 +14,11 @@ import logging
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
+from litestar.types import ExceptionHandler
 
 from semantic import StoreUnavailable
+
+from .engine import EngineStopped, OverBudget, QueueFull
 
 log = logging.getLogger("strata")
 
@@ -82,9 +87,32 @@ def _unexpected_handler(request: Request, exc: Exception) -> Response:
     return Response(error_body(500, "internal server error", "internal_error"), status_code=500)
 
 
-EXCEPTION_HANDLERS = {
+EXCEPTION_HANDLERS: dict[int | type[Exception], ExceptionHandler] = {
     ApiError: _api_error_handler,
     HTTPException: _http_exception_handler,
     StoreUnavailable: _store_unavailable_handler,
     Exception: _unexpected_handler,
 }
+
+
+ENGINE_REFUSALS = (EngineStopped, QueueFull, OverBudget)  # what Engine.submit and submit_embedding raise
+
+
+def engine_refusal(refused: Exception) -> ApiError:
+    """The client's error for a job the engine would not take (one of ENGINE_REFUSALS)."""
+    if isinstance(refused, QueueFull):
+        message = (
+            "this tenant holds its share of the engine queue; retry shortly"
+            if refused.reason == "tenant_share"
+            else "the engine queue is full; retry shortly"
+        )
+        return ApiError(429, message, refused.reason, headers={"Retry-After": "1"})
+    if isinstance(refused, OverBudget):
+        return bad_request(
+            f"the prompt and max_tokens need {refused.need_bytes >> 10} KiB of KV cache, more than the "
+            f"engine's memory budget ({refused.budget_bytes >> 10} KiB); send a shorter prompt or a "
+            "lower max_tokens",
+            "context_length_exceeded",
+            "max_tokens",
+        )
+    return ApiError(503, f"the engine cannot take requests: {refused}", "engine_unavailable")

@@ -20,6 +20,7 @@ the API-key table, never from a request.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .trace import LAYERS, Trace
+from .trace import LAYERS, PrefixFacts, Trace
 
 prometheus_client.disable_created_metrics()  # no `_created` twin of every counter: half the series, same facts
 CONTENT_TYPE = "text/plain; version=0.0.4"  # the classic text format every Prometheus reads (Litestar adds charset)
@@ -116,7 +117,7 @@ class RequestMetrics:
                 for reason in dict(outcome.details).get("reason", "").split(","):
                     self.semantic_refusals.labels(reason or "unknown").inc()
         if trace.prefix is not None:
-            self._observe_prefix(trace, who)
+            self._observe_prefix(trace.prefix, who)
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
         if trace.first_token_s is not None:
@@ -128,8 +129,7 @@ class RequestMetrics:
             if layer in trace.timings_ms:
                 self.lookup_seconds.labels(layer).observe(trace.timings_ms[layer] / 1000)
 
-    def _observe_prefix(self, trace: Trace, who: list[str]) -> None:
-        facts = trace.prefix
+    def _observe_prefix(self, facts: PrefixFacts, who: list[str]) -> None:
         (self.prefix_queries.labels(*who) if who else self.prefix_queries).inc(facts.num_prompt_tokens)
         self.prefix_hits.labels("ram", *who).inc(facts.num_cached_tokens - facts.num_ssd_tokens)
         self.prefix_hits.labels("ssd", *who).inc(facts.num_ssd_tokens)
@@ -259,8 +259,6 @@ def _file_bytes(path: Path) -> int:
     """A SQLite database's bytes on disk, its write-ahead log included."""
     total = 0
     for part in (path, Path(f"{path}-wal")):
-        try:
+        with contextlib.suppress(OSError):
             total += os.stat(part).st_size
-        except OSError:
-            pass
     return total

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from .engine import Delta, Finished, ParsedCall, ToolFormat
@@ -96,13 +96,13 @@ def tool_calls(calls: list[ParsedCall]) -> list[dict]:
 
 
 async def sse(
-    events: AsyncIterator,
+    events: AsyncGenerator,
     completions: list[Completion],
     trace: Trace,
     stamp: ModelStamp,
     include_usage: bool,
     tools: ToolFormat | None = None,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """SSE chunks of a request's (choice index, event) pairs (already applied to `completions`). An
     error mid-stream ends it with an error event; closing this generator early closes `events`
     (which cancels the jobs). With `tools`, text from where a call may start is held back; at the

@@ -15,7 +15,7 @@ Each response layer has one interface (`lookup(ctx, trace) -> StoredResponse | N
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import TypeVar
@@ -27,10 +27,10 @@ from semantic import Answer, StoredResponse
 from .auth import Caller
 from .chat import ChatService, Run
 from .engine import Delta, Finished, Sampling
+from .metrics import RequestMetrics
 from .openai_format import Completion
 from .responses import RequestContext, ResponseCaches
 from .schemas import ChatRequest
-from .metrics import RequestMetrics
 from .sessions import SessionClock
 from .stats import LayerCounters
 from .trace import BYPASS, LayerOutcome, Trace
@@ -64,7 +64,7 @@ class Turn:
     def completions(self) -> list[Completion]:
         return [run.completion for run in self.runs]
 
-    async def events(self) -> AsyncIterator[tuple[int, object]]:
+    async def events(self) -> AsyncGenerator[tuple[int, object], None]:
         """Choice after choice (the engine decodes them together; their events wait in their queues)."""
         try:
             for index, run in enumerate(self.runs):

@@ -18,6 +18,10 @@ What may be shared, and with whom:
 - Personal questions (the risk rules' personal_data) are keyed to the named end user (OpenAI `user`,
   else the session) in both layers; with no end user named, the semantic layer is bypassed.
 - A failing store (full disk, locked database) is logged and counted; the client gets its answer.
+- No store call runs on the event loop: every lookup, store and ownership update runs on the store
+  lane (StoreLane), a few worker threads of its own. A slow store (Redis behind a slow link, SQLite
+  on a slow or locked disk) delays the requests that wait on it, never the streams and health checks
+  the event loop serves, nor the threads other work runs on.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ import logging
 import re
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TypeVar
 
 import anyio
 
@@ -34,12 +40,14 @@ from semantic import (
     Answer,
     CacheControl,
     Embedder,
+    EntryStore,
     ExactCache,
     MemoryStore,
     MiniLMEmbedder,
     Owner,
     RedisEntries,
     RedisStore,
+    ResponseStore,
     RiskPolicy,
     Scope,
     SemanticCache,
@@ -47,8 +55,8 @@ from semantic import (
     SemanticSettings,
     SqliteEntries,
     SqliteStore,
-    StoreUnavailable,
     StoredResponse,
+    StoreUnavailable,
     context_fingerprint,
     exact_key,
     load_risk_patterns,
@@ -58,14 +66,30 @@ from semantic.scope import VERSION_FIELDS
 from vision import DecodedImage
 
 from .auth import Caller
+from .engine import Sampling, TextPart
 from .errors import bad_request
 from .files import private_file
-from .schemas import ChatRequest, Sampling, TextPart
+from .schemas import ChatRequest
 from .settings import Settings
 from .trace import BYPASS, HIT, MISS, LayerOutcome, Trace
 
+T = TypeVar("T")
 log = logging.getLogger("strata")
 SESSION_HEADER = "x-strata-session"
+STORE_THREADS = 16  # store calls in flight at once; more wait for a thread, never on the event loop
+
+
+class StoreLane:
+    """Runs blocking store calls on worker threads, at most `num_threads` at once."""
+
+    def __init__(self, num_threads: int = STORE_THREADS):
+        self.num_threads = num_threads
+        self.limiter: anyio.CapacityLimiter | None = None  # made on first use, in the event loop
+
+    async def run(self, call: Callable[..., T], *args: object) -> T:
+        if self.limiter is None:
+            self.limiter = anyio.CapacityLimiter(self.num_threads)
+        return await anyio.to_thread.run_sync(call, *args, limiter=self.limiter)
 
 
 @dataclass(slots=True)
@@ -93,14 +117,13 @@ class ResponseCaches:
         self.exact = _exact_cache(settings)
         self.semantic = _semantic_cache(settings, embedder)
         self.num_store_errors: Counter[str] = Counter()  # by layer
-        self.layers = tuple(
-            layer
-            for layer in (
-                ExactLayer(self.exact, self.num_store_errors) if self.exact else None,
-                SemanticLayer(self.semantic, self.num_store_errors) if self.semantic else None,
-            )
-            if layer is not None
-        )
+        lane = StoreLane()
+        layers: list[ExactLayer | SemanticLayer] = []
+        if self.exact is not None:
+            layers.append(ExactLayer(self.exact, self.num_store_errors, lane))
+        if self.semantic is not None:
+            layers.append(SemanticLayer(self.semantic, self.num_store_errors, lane))
+        self.layers = tuple(layers)  # the enabled ones, cheapest first
 
     def caches(self) -> list:
         """The response caches that are on (each speaks the cache protocol, gateway/caches.py)."""
@@ -176,16 +199,17 @@ class ResponseCaches:
 class ExactLayer:
     name = "exact"
 
-    def __init__(self, cache: ExactCache, store_errors: Counter):
+    def __init__(self, cache: ExactCache, store_errors: Counter, lane: StoreLane):
         self.cache = cache
         self.store_errors = store_errors
+        self.lane = lane
 
     async def lookup(self, ctx: RequestContext, trace: Trace) -> StoredResponse | None:
         if ctx.bypass:
             trace.record("exact", LayerOutcome.of(BYPASS, reason=ctx.bypass))
             return None
         try:
-            result = self.cache.lookup(ctx.exact_key, ctx.control, ctx.deterministic, time.time())
+            result = await self.lane.run(self.cache.lookup, ctx.exact_key, ctx.control, ctx.deterministic, time.time())
         except StoreUnavailable:
             self.store_errors["exact"] += 1
             trace.record("exact", LayerOutcome.of(BYPASS, reason="store_unavailable"))
@@ -197,7 +221,7 @@ class ExactLayer:
         )
         trace.record("exact", LayerOutcome.of(result.status, **details))
         if result.status == HIT:
-            _guarded(self.store_errors, "exact", self.cache.own, ctx.exact_key, ctx.owner)
+            await self.lane.run(_guarded, self.store_errors, "exact", self.cache.own, ctx.exact_key, ctx.owner)
         return result.response
 
     async def store(self, ctx: RequestContext, answer: Answer) -> None:
@@ -212,7 +236,8 @@ class ExactLayer:
             now,
             self.cache.expiry(ctx.control, now),
         )
-        _guarded(
+        await self.lane.run(
+            _guarded,
             self.store_errors,
             "exact",
             self.cache.store_response,
@@ -228,17 +253,18 @@ class ExactLayer:
 class SemanticLayer:
     name = "semantic"
 
-    def __init__(self, cache: SemanticCache, store_errors: Counter):
+    def __init__(self, cache: SemanticCache, store_errors: Counter, lane: StoreLane):
         self.cache = cache
         self.store_errors = store_errors
+        self.lane = lane
 
     async def lookup(self, ctx: RequestContext, trace: Trace) -> StoredResponse | None:
         reason = ctx.semantic_bypass or _ineligible(ctx)
-        if reason:
-            trace.record("semantic", LayerOutcome.of(BYPASS, reason=reason))
+        if reason or ctx.query is None:  # a request with no user query has semantic_bypass set
+            trace.record("semantic", LayerOutcome.of(BYPASS, reason=reason or "no_user_query"))
             return None
         try:
-            result: SemanticLookup = await anyio.to_thread.run_sync(
+            result: SemanticLookup = await self.lane.run(
                 self.cache.lookup, ctx.query, ctx.scope, ctx.context, time.time()
             )
         except StoreUnavailable:
@@ -247,10 +273,10 @@ class SemanticLayer:
             return None
         ctx.semantic_vector = result.vector
         trace.record("semantic", _semantic_outcome(result))
-        if result.status != HIT:
-            return None
         entry = result.entry
-        _guarded(self.store_errors, "semantic", self.cache.own, entry.id, ctx.owner)
+        if result.status != HIT or entry is None:
+            return None
+        await self.lane.run(_guarded, self.store_errors, "semantic", self.cache.own, entry.id, ctx.owner)
         return StoredResponse(
             entry.answer,
             entry.finish_reason,
@@ -274,10 +300,7 @@ class SemanticLayer:
             ctx.semantic_vector,
             ctx.owner,
         )
-        if ctx.semantic_vector is not None:  # the lookup embedded the query already: ~0.1 ms
-            _guarded(self.store_errors, "semantic", *insert)
-        else:  # no-cache skipped the lookup: embedding (~12 ms) must not block the event loop
-            await anyio.to_thread.run_sync(_guarded, self.store_errors, "semantic", *insert)
+        await self.lane.run(_guarded, self.store_errors, "semantic", *insert)  # embeds first if no lookup did
 
 
 def _ineligible(ctx: RequestContext) -> str | None:
@@ -367,7 +390,7 @@ def _semantic_outcome(result: SemanticLookup) -> LayerOutcome:
     p is the verifier's P(same answer), when it was asked."""
     verdict = result.verdict
     verifier = {"p": f"{verdict.probability:.2f}"} if verdict and verdict.probability is not None else {}
-    if result.status == HIT:
+    if result.status == HIT and result.entry is not None:
         overruled = {"overruled": ",".join(verdict.overruled)} if verdict and verdict.overruled else {}
         return LayerOutcome.of(HIT, score=f"{result.score:.2f}", entry=result.entry.id, **verifier, **overruled)
     if result.score is None:
@@ -409,6 +432,7 @@ def parse_cache_control(headers, max_ttl_s: float) -> CacheControl:
 def _exact_cache(settings: Settings) -> ExactCache | None:
     if settings.exact_store == "off":
         return None
+    store: ResponseStore
     if settings.redis_url:  # shared by every replica pointing at the same Redis
         store = RedisStore(settings.redis_url)
     elif settings.exact_store == "memory":
@@ -426,6 +450,7 @@ def _semantic_cache(settings: Settings, embedder: Embedder | None) -> SemanticCa
         require_approved=settings.semantic_require_approved,
         default_ttl_s=settings.semantic_ttl_s,
     )
+    store: EntryStore
     if settings.redis_url:  # shared by every replica; each follows the others' changes into its own index
         store = RedisEntries(settings.redis_url)
     else:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from .engine import Delta, ToolFormat
@@ -208,7 +208,7 @@ def response_object(
 ) -> dict:
     """The `response` object; `completion` None: still in progress (the stream's first events)."""
     done = completion is not None and completion.whole
-    incomplete = done and completion.finish_reason == "length"
+    incomplete = completion is not None and done and completion.finish_reason == "length"
     return {
         "id": response_id,
         "object": "response",
@@ -229,7 +229,7 @@ def response_object(
         "metadata": body.get("metadata") or {},
         "store": body.get("store", True),
         "text": body.get("text") or {"format": {"type": "text"}},
-        "usage": _usage(completion, trace) if done else None,
+        "usage": _usage(completion, trace) if completion is not None and trace is not None and done else None,
     }
 
 
@@ -245,7 +245,7 @@ def _usage(completion: Completion, trace: Trace) -> dict:
 
 
 async def stream_events(
-    events: AsyncIterator,
+    events: AsyncGenerator,
     completion: Completion,
     trace: Trace,
     response_id: str,
@@ -253,7 +253,7 @@ async def stream_events(
     previous_id: str | None,
     tools: ToolFormat | None,
     finished,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """Responses streaming events. Text goes out as `response.output_text.delta` while no tool call
     may have started; the final items (calls included) come with `response.completed`. `finished`
     is awaited with the assistant message and the response once the answer is whole (it stores them)."""

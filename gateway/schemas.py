@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .engine.types import ImagePart, Message, Sampling, TextPart, Tool, ToolCall
-from .errors import ApiError, bad_request
+from .engine import ImagePart, Message, Sampling, TextPart, Tool, ToolCall
+from .errors import bad_request
 from .settings import Limits
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -93,14 +93,16 @@ def _utf8_size(text: str) -> int:
         ) from None
 
 
-def _short(exc: Exception) -> str:
-    text = str(exc)
+def _short(value: object) -> str:
+    """A client's value (or an error about it) as an error message may echo it: at most 200 characters."""
+    text = str(value)
     return text if len(text) <= 200 else text[:200] + "..."
 
 
 # Fields that shape an answer and that Strata does not implement yet, with the values that change
 # nothing (what a client sends when it means the default). Any other value is a 400 naming the field:
-# a parameter is never silently dropped. "functions"/"function_call" are the pre-tools spelling.
+# a parameter is never silently dropped. (The pre-tools `functions`/`function_call` are supported:
+# parse_tools reads them as tools.)
 UNSUPPORTED_UNLESS = {
     "repetition_penalty": (None, 1),
 }
@@ -489,15 +491,3 @@ def _number(body: dict[str, Any], name: str, default: float, low: float, high: f
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-__all__ = [
-    "ApiError",
-    "ChatRequest",
-    "ImagePart",
-    "Message",
-    "Sampling",
-    "TextPart",
-    "parse_chat_request",
-    "parse_json_body",
-]

@@ -29,7 +29,7 @@ _REQUEST_RECEIVED = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR, h11.SWITCH
 class ReadDeadlineProtocol(H11Protocol):
     read_timeout_s: float = 30.0  # set per server by `protocol_with_read_timeout`
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # uvicorn types the base as BaseTransport
         super().connection_made(transport)
         self.read_deadline: asyncio.TimerHandle | None = None
         self._arm()  # a connection that never sends anything is closed too

@@ -19,7 +19,6 @@ from semantic import SemanticSettings
 
 from .engine import EngineConfig
 
-
 EXACT_STORES = ("sqlite", "memory", "off")
 LOG_FORMATS = ("text", "json")
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network

@@ -12,11 +12,13 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Final, Literal
 
 LAYERS = ("exact", "semantic", "vision", "prefix")
 Status = Literal["hit", "miss", "bypass"]
-HIT, MISS, BYPASS = "hit", "miss", "bypass"
+HIT: Final = "hit"
+MISS: Final = "miss"
+BYPASS: Final = "bypass"
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +27,7 @@ class LayerOutcome:
     details: tuple[tuple[str, str], ...] = ()
 
     @classmethod
-    def of(cls, status: str, **details: object) -> LayerOutcome:
+    def of(cls, status: Status, **details: object) -> LayerOutcome:
         return cls(status, tuple((k, str(v)) for k, v in details.items()))
 
     def header_value(self) -> str:

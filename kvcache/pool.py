@@ -20,15 +20,20 @@ sequences), and a reservation is never taken back by an insert (never the revers
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from .keys import BlockHash
+
+SENTINEL = BlockHash(b"")  # the free queue's head and tail, never in the pool
+K = TypeVar("K", bound=Hashable)
 
 
 @dataclass(slots=True, eq=False)
 class Block:
-    block_hash: BlockHash | None
+    block_hash: BlockHash
     kv: tuple = ()  # per layer: (keys, values), each (1, kv_heads, block_size, head_dim) or Quantized
     nbytes: int = 0
     ref_count: int = 0
@@ -55,19 +60,21 @@ class FreeBlockQueue:
     """
 
     def __init__(self) -> None:
-        self.head = Block(None)
-        self.tail = Block(None)
+        self.head = Block(SENTINEL)
+        self.tail = Block(SENTINEL)
         self.head.next, self.tail.prev = self.tail, self.head
         self.num_blocks = 0
         self.num_bytes = 0
 
     def append(self, block: Block) -> None:
         last = self.tail.prev
+        assert last is not None, "the sentinels are always linked"
         last.next, block.prev, block.next, self.tail.prev = block, last, self.tail, block
         self.num_blocks += 1
         self.num_bytes += block.nbytes
 
     def remove(self, block: Block) -> None:
+        assert block.prev is not None and block.next is not None, f"{block.block_hash!r} is not in the free queue"
         block.prev.next, block.next.prev = block.next, block.prev
         block.prev = block.next = None
         self.num_blocks -= 1
@@ -75,14 +82,14 @@ class FreeBlockQueue:
 
     def pop_oldest(self) -> Block | None:
         oldest = self.head.next
-        if oldest is self.tail:
+        if oldest is None or oldest is self.tail:
             return None
         self.remove(oldest)
         return oldest
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Block]:
         node = self.head.next
-        while node is not self.tail:
+        while node is not None and node is not self.tail:
             yield node
             node = node.next
 
@@ -94,6 +101,28 @@ class Ghost:
     how: str  # "evicted" | "expired" | "purged"
     lived_s: float
     at: float
+
+
+GHOST_CAPACITY = 65536  # removed block hashes a tier remembers for miss reasons (~5 MB)
+
+
+class Ghosts(Generic[K]):
+    """Recently removed blocks and how they went, oldest first, at most `capacity`: a miss on one of
+    them says evicted / expired / purged rather than cold. Keys are salted block hashes, so no lookup
+    can learn of another tenant's blocks. Not thread-safe: the tier that owns it guards it."""
+
+    def __init__(self, capacity: int = GHOST_CAPACITY) -> None:
+        self.capacity = capacity
+        self.by_key: OrderedDict[K, Ghost] = OrderedDict()
+
+    def remember(self, key: K, ghost: Ghost) -> None:
+        self.by_key[key] = ghost
+        self.by_key.move_to_end(key)
+        while len(self.by_key) > self.capacity:
+            self.by_key.popitem(last=False)
+
+    def get(self, key: K) -> Ghost | None:
+        return self.by_key.get(key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +155,9 @@ class BlockPool:
         self.on_evict = on_evict  # e.g. spill to the SSD tier; called before the block's data is dropped
         self.on_discard = on_discard  # (block, "evicted" | "expired" | "purged") once it has left the pool
         self.by_hash: dict[BlockHash, Block] = {}
-        self.children: dict[BlockHash, set[BlockHash]] = {}  # parent hash -> its blocks in the pool
+        self.children: dict[
+            BlockHash | None, set[BlockHash]
+        ] = {}  # parent hash (None: a chain's first block) -> its blocks in the pool
         self.free = FreeBlockQueue()
         self.num_bytes = 0
         self.reserved_bytes = 0  # held for KV outside the pool (running sequences)
@@ -176,6 +207,7 @@ class BlockPool:
             return False
         while self.num_bytes + self.reserved_bytes + nbytes > self.budget_bytes:
             victim = self.free.pop_oldest()
+            assert victim is not None, "the free queue held the bytes that make room"
             if self.on_evict is not None:
                 self.on_evict(victim)
             self._discard(victim, "evicted")
@@ -230,8 +262,11 @@ class BlockPool:
         first, without the eviction callback: what expired is not spilled."""
         cutoff = (time.monotonic() if now is None else now) - idle_s
         num_blocks, num_bytes = 0, 0
-        while self.free.num_blocks and self.free.head.next.last_used < cutoff:
+        while (
+            (oldest := self.free.head.next) is not self.free.tail and oldest is not None and oldest.last_used < cutoff
+        ):
             victim = self.free.pop_oldest()
+            assert victim is oldest
             num_blocks, num_bytes = num_blocks + 1, num_bytes + victim.nbytes
             self._discard(victim, "expired")
         self.counters.num_expired += num_blocks

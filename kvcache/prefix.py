@@ -20,19 +20,18 @@ than its head (tails are evicted before the prefixes that other chains share).
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import mlx.core as mx
 
 from .chain import ExtraSpan, hash_blocks
 from .keys import BlockHash, TenantSalt, chain_root
-from .pool import Block, BlockPool, Ghost, PoolStats, Purged
+from .pool import Block, BlockPool, Ghost, Ghosts, PoolStats, Purged
 from .quant import QuantConfig, from_tensors, quantize, restore, to_tensors
 from .ssd import SpillRequest, SsdTier
 
-GHOST_CAPACITY = 65536  # removed block hashes remembered for miss reasons (~5 MB)
 SLICEABLE_CACHE_TYPES = ("KVCache",)  # caches whose state is (keys, values) along a token axis
 # Recurrent layers (Mamba, gated delta) carry one state for the whole prefix: it cannot be cut at a
 # block boundary, so models with them run without prefix reuse.
@@ -56,6 +55,9 @@ def cacheability(cache_layers: Sequence[object]) -> Cacheability:
     return Cacheability(True)
 
 
+Tier = Literal["", "ram", "ssd", "ram+ssd"]
+
+
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
     num_prompt_tokens: int
@@ -75,11 +77,13 @@ class PrefixMatch:
     miss_in_image: bool = False
 
     @property
-    def tier(self) -> str:
-        """'ram', 'ssd', 'ram+ssd', or '' when nothing was reused."""
+    def tier(self) -> Tier:
+        """Where the reused tokens came from; "" when nothing was reused."""
         if not self.num_cached_tokens:
             return ""
-        return "+".join(t for t, n in (("ram", self.num_ram_tokens), ("ssd", self.num_ssd_tokens)) if n)
+        if self.num_ram_tokens and self.num_ssd_tokens:
+            return "ram+ssd"
+        return "ssd" if self.num_ssd_tokens else "ram"
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,10 +139,7 @@ class PrefixCache:
         self.quant = quant
         self.pool = BlockPool(budget_bytes, on_evict=self._spill if ssd else None, on_discard=self._remember)
         self.counters = PrefixCacheStats()
-        # Recently removed block hashes and how they went, oldest first, at most GHOST_CAPACITY: a
-        # miss on one of them says evicted / expired / purged rather than cold. Hashes are salted
-        # per tenant, so no lookup can learn of another tenant's blocks here.
-        self.ghosts: OrderedDict[BlockHash, Ghost] = OrderedDict()
+        self.ghosts: Ghosts[BlockHash] = Ghosts()  # blocks that left RAM: why a later lookup missed
 
     def stats(self) -> PrefixSnapshot:
         pool = self.pool
@@ -168,11 +169,7 @@ class PrefixCache:
         self.pool.unreserve(nbytes)
 
     def _remember(self, block: Block, how: str) -> None:
-        now = time.monotonic()
-        self.ghosts[block.block_hash] = Ghost(how, now - block.stored_at, time.time())
-        self.ghosts.move_to_end(block.block_hash)
-        if len(self.ghosts) > GHOST_CAPACITY:
-            self.ghosts.popitem(last=False)
+        self.ghosts.remember(block.block_hash, Ghost(how, time.monotonic() - block.stored_at, time.time()))
 
     def last_removal(self, block_hash: BlockHash) -> Miss | None:
         """How the block last left a tier (the later of RAM and SSD), if it was remembered."""
@@ -183,10 +180,12 @@ class PrefixCache:
         return Miss(ram.how, 0, "ram", ram.lived_s) if ram is not None else None
 
     def _spill(self, block: Block) -> None:
-        if self.ssd.admits(block.num_hits, block.end_token):
-            self.ssd.offer(_spill_request(block, self.block_size))
+        ssd = self.ssd
+        assert ssd is not None, "the pool spills only when the cache has an SSD tier"
+        if ssd.admits(block.num_hits, block.end_token):
+            ssd.offer(_spill_request(block, self.block_size))
         else:
-            self.ssd.refused()
+            ssd.refused()
 
     def persist(self) -> int:
         """Offer every admissible RAM block to the SSD tier (at shutdown). Returns how many."""
@@ -306,6 +305,7 @@ class PrefixSession:
         read; a run that cannot be reserved is recomputed (counted), and a block that cannot be read
         or verified ends the match there."""
         ssd, start = self.cache.ssd, len(self.held)
+        assert ssd is not None, "promotion is asked for only when the cache has an SSD tier"
         run, sizes = self._run_on_ssd(start)
         if len(run) < len(self.hashes) - start and ssd.refresh():  # other writers of a shared folder
             run, sizes = self._run_on_ssd(start)
@@ -317,19 +317,22 @@ class PrefixSession:
         for offset, tensors in enumerate(ssd.read_chain(run)):
             block = self._new_block(start + offset, from_tensors(tensors, self.cache.quant))
             block.owners |= ssd.owners_of(run[offset])
-            block = self.pool.insert(block)
-            if block is None:
+            stored = self.pool.insert(block)
+            if stored is None:
                 self.cache.counters.num_promotion_failures += 1
                 return
-            block.num_hits += 1
-            self.held.append(block)
+            stored.num_hits += 1
+            self.held.append(stored)
             self.cache.counters.num_ssd_promoted += 1
 
     def _run_on_ssd(self, start: int) -> tuple[list[str], list[int]]:
         """The chain's blocks from `start` that the SSD tier holds, up to the first it lacks, and their RAM sizes."""
-        run, sizes = [], []
+        ssd = self.cache.ssd
+        assert ssd is not None, "promotion is asked for only when the cache has an SSD tier"
+        run: list[str] = []
+        sizes: list[int] = []
         for block_hash in self.hashes[start:]:
-            size = self.cache.ssd.ram_size_of(block_hash.hex())
+            size = ssd.ram_size_of(block_hash.hex())
             if size is None:
                 break
             run.append(block_hash.hex())
@@ -380,9 +383,10 @@ class PrefixSession:
                 new_arrays += [getattr(a, "data", a) for pair in block.kv for a in pair]
                 new_blocks.append(block)
         mx.eval(new_arrays)  # copy the new blocks out now, so the request's cache buffers can be freed
-        if self.cache.write_through:
+        ssd = self.cache.ssd
+        if self.cache.write_through and ssd is not None:  # write_through implies an SSD tier
             for block in new_blocks:
-                self.cache.ssd.offer(_spill_request(block, size))
+                ssd.offer(_spill_request(block, size))
         return len(new_blocks)
 
     def _extend(self, token_ids: tuple[int, ...]) -> None:
@@ -449,9 +453,10 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 def default_budget_bytes(fraction: float = 0.25) -> int:
     """A fraction of the memory available now (Linux MemAvailable; else physical memory)."""
     try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(int(line.split()[1]) * 1024 * fraction)
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(int(line.split()[1]) * 1024 * fraction)
     except OSError:
         pass
     import os

@@ -87,15 +87,22 @@ def _mlx(tensors: dict[str, np.ndarray], name: str) -> mx.array | None:
     return None
 
 
+def _required(tensors: dict[str, np.ndarray], name: str) -> mx.array:
+    array = _mlx(tensors, name)
+    if array is None:
+        raise KeyError(f"{name} is missing from the block's tensors")
+    return array
+
+
 def _load_one(tensors: dict[str, np.ndarray], name: str, config: QuantConfig | None):
     full = _mlx(tensors, name)
     if full is not None:
         return full
     assert config is not None, f"{name} is quantised but this cache is not"
     return Quantized(
-        _mlx(tensors, name + ".q"),
-        _mlx(tensors, name + ".s"),
-        _mlx(tensors, name + ".b"),
+        _required(tensors, name + ".q"),
+        _required(tensors, name + ".s"),
+        _required(tensors, name + ".b"),
         config.bits,
         config.group_size,
     )

@@ -8,8 +8,8 @@
 
 A segment is a safetensors file: tensors named "<block hash hex>/<tensor name>", and metadata with the
 format version, the namespace (model fingerprint, block size, quantisation), and per block its hash,
-parent hash, token count, tenant scope, owners when written, and checksum. A reader sees a whole file or none: a torn file
-can only be a temp file (".tmp-*"), never a segment name.
+parent hash, token count, tenant scope, owners when written, and checksum. A reader sees a whole
+file or none: a torn file can only be a temp file (".tmp-*"), never a segment name.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def verified_blocks(
     for key, value in tensors.items():
         block, _, tensor = key.partition("/")
         by_block.setdefault(block, {})[tensor] = value
-    verified = {}
+    verified: dict[str, dict[str, np.ndarray]] = {}
     for hex_hash in described if wanted is None else wanted:
         mine = by_block.get(hex_hash, {})
         if hex_hash not in described or described[hex_hash]["checksum"] != tensor_checksum(mine):
@@ -114,6 +114,8 @@ def describe(path: Path, namespace: str) -> tuple[dict[str, int], dict[str, tupl
         with open(path, "rb") as file:
             header_len = int.from_bytes(file.read(8), "little")
             header = json.loads(file.read(header_len)) if 0 < header_len < 1 << 24 else None
+        if not isinstance(header, dict):
+            return None
         metadata = header.pop("__metadata__")
         if metadata.get("format_version") != FORMAT_VERSION or metadata.get("namespace") != namespace:
             return None
@@ -152,7 +154,7 @@ def tensor_checksum(tensors: dict[str, np.ndarray]) -> str:
     for name in sorted(tensors):
         array = np.ascontiguousarray(tensors[name])
         digest.update(f"{name}|{array.dtype.str}|{array.shape}|".encode())
-        digest.update(memoryview(array).cast("B"))
+        digest.update(array.data.cast("B"))
     return digest.hexdigest()
 
 

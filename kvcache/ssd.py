@@ -35,12 +35,12 @@ writers never touch one file at once. Each writer keeps its own index (`index-<w
 index is ever written by two processes) and appends one line per segment it writes ("+seg-...") or
 deletes ("-seg-...") to its own journal (`journal-<writer>.log`, O_APPEND, one write per line); the
 others read each journal from where they stopped (`refresh`: when a lookup's chain stops short on
-SSD, and before a purge) and index the new segments from their headers alone (blocks are verified when read, as always). A
-segment another writer deleted reads as missing, which forgets it (never a quarantine). reconcile()
-leaves temp files younger than TEMP_STALE_S alone (another writer may be mid-write), and starts this
-writer's journal afresh: the others' folder scans cover what it said before. Capacity and retention
-bound the folder as a whole; every writer enforces them on the segments it knows, deleting others'
-files as well as its own (and saying so in its journal).
+SSD, and before a purge) and index the new segments from their headers alone (blocks are verified
+when read, as always). A segment another writer deleted reads as missing, which forgets it (never a
+quarantine). reconcile() leaves temp files younger than TEMP_STALE_S alone (another writer may be
+mid-write), and starts this writer's journal afresh: the others' folder scans cover what it said
+before. Capacity and retention bound the folder as a whole; every writer enforces them on the
+segments it knows, deleting others' files as well as its own (and saying so in its journal).
 
 Parts: `segment.py` is the file format (pure functions), `ssd_index.py` the index (its own lock);
 this module is the tier: the writer thread, admission and the daily budget, capacity and retention,
@@ -52,6 +52,7 @@ writer's segment writes and capacity deletions with a purge's rewrites (never ta
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -60,7 +61,6 @@ import shutil
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -68,7 +68,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .pool import Ghost, Purged
+from .pool import Ghost, Ghosts, Purged
 from .segment import (
     PRIVATE_DIR_MODE,
     PRIVATE_FILE_MODE,
@@ -87,7 +87,6 @@ from .ssd_index import Segment, SegmentIndex
 log = logging.getLogger("strata.kvcache.ssd")
 READER_THREADS = 4  # segment reads in flight at once while a chain is promoted
 PURGE_DRAIN_S = 10.0  # a purge first lets queued spills land, so none reappears after it
-GHOST_CAPACITY = 65536  # removed block hashes remembered for miss reasons
 TEMP_STALE_S = 600.0  # in a shared folder, a younger temp file may be another writer's, mid-write
 JOURNAL_PREFIX = "journal-"
 
@@ -161,7 +160,7 @@ class SsdTier:
         self.lock = threading.Lock()  # guards stats and written_today
         self.counters = SsdStats()
         self.written_today = (time.strftime("%Y-%m-%d"), 0)
-        self.ghosts: OrderedDict[str, Ghost] = OrderedDict()  # recently removed blocks, by hex hash
+        self.ghosts: Ghosts[str] = Ghosts()  # blocks that left the tier, by hex hash
         self.files_lock = threading.Lock()
         self.index = SegmentIndex(self.folder / (f"index-{config.writer}.sqlite" if config.writer else "index.sqlite"))
         self.journal_lock = threading.Lock()
@@ -251,10 +250,7 @@ class SsdTier:
         ghost = Ghost(how, now - segment.written_at if segment is not None else 0.0, now)
         with self.lock:
             for hex_hash in hex_hashes:
-                self.ghosts[hex_hash] = ghost
-                self.ghosts.move_to_end(hex_hash)
-            while len(self.ghosts) > GHOST_CAPACITY:
-                self.ghosts.popitem(last=False)
+                self.ghosts.remember(hex_hash, ghost)
 
     def _count(self, name: str, amount: int = 1) -> None:
         with self.lock:
@@ -560,10 +556,8 @@ class SsdTier:
 
     def close(self, timeout_s: float = 10.0) -> None:
         self.drain(timeout_s)
-        try:
+        with contextlib.suppress(queue.Full):
             self.pending.put(None, timeout=1.0)
-        except queue.Full:
-            pass
         self.writer.join(timeout=1.0)
         self.readers.shutdown(wait=True)
         self.index.close()

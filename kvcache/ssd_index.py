@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,11 +102,11 @@ class SegmentIndex:
         nbytes: int,
         last_used: float,
         sizes: dict[str, int],
-        owners: dict[str, Iterable[str]] | None = None,
+        owners: Mapping[str, Iterable[str]] | None = None,
     ) -> None:
         self.add_all([(name, nbytes, last_used, sizes, owners or {})])
 
-    def add_all(self, segments: list[tuple[str, int, float, dict[str, int], dict[str, Iterable[str]]]]) -> None:
+    def add_all(self, segments: list[tuple[str, int, float, dict[str, int], Mapping[str, Iterable[str]]]]) -> None:
         """Several segments (name, nbytes, last_used, sizes, owners) in one transaction: one commit
         (a disk flush) for all of them."""
         with self.lock:
@@ -119,7 +119,9 @@ class SegmentIndex:
         """More owners for a block on SSD (it was spilled again by other sessions' requests)."""
         with self.lock:
             known = self.owners.get(hex_hash)
-            new = set(owners) - known if known is not None else set()
+            if known is None:  # not on SSD (any more)
+                return
+            new = set(owners) - known
             if new:
                 known |= new
                 self.db.executemany("INSERT OR IGNORE INTO owners VALUES (?, ?)", [(hex_hash, o) for o in new])
@@ -162,7 +164,7 @@ class SegmentIndex:
             return self._forget(name)
 
     def _add(
-        self, name: str, nbytes: int, last_used: float, sizes: dict[str, int], owners: dict[str, Iterable[str]]
+        self, name: str, nbytes: int, last_used: float, sizes: dict[str, int], owners: Mapping[str, Iterable[str]]
     ) -> None:  # caller holds the lock, in a transaction
         self.segments[name] = Segment(nbytes, last_used, list(sizes), last_used)
         self.num_bytes += nbytes

@@ -5,7 +5,6 @@ A library: never imports `gateway`, never reads HTTP headers; returns typed resu
 """
 
 from .cache import Screening, SemanticCache, SemanticEntry, SemanticLookup, SemanticSettings, SemanticSnapshot
-from .risk import PERSONAL_DATA, RiskPatterns, RiskPolicy, load_risk_patterns
 from .embedder import Embedder, MiniLMEmbedder
 from .entries import EntryStore, SqliteEntries
 from .exact import CacheControl, ExactCache, ExactLookup, ExactSnapshot, exact_key
@@ -14,6 +13,7 @@ from .index import PartitionedIndex
 from .owners import Owner, Selector, owner_label
 from .redis_entries import RedisEntries
 from .redis_store import RedisStore
+from .risk import PERSONAL_DATA, RiskPatterns, RiskPolicy, load_risk_patterns
 from .scope import Scope, context_fingerprint
 from .store import Answer, MemoryStore, Purged, ResponseStore, SqliteStore, StoredResponse, StoreUnavailable
 
@@ -22,31 +22,31 @@ __all__ = [
     "Answer",
     "CacheControl",
     "Embedder",
+    "EntryStore",
     "ExactCache",
     "ExactLookup",
     "ExactSnapshot",
     "MemoryStore",
-    "EntryStore",
     "MiniLMEmbedder",
     "Owner",
+    "PartitionedIndex",
     "Purged",
     "RedisEntries",
     "RedisStore",
-    "SqliteEntries",
-    "StoreUnavailable",
-    "SemanticSnapshot",
-    "Selector",
-    "PartitionedIndex",
     "ResponseStore",
     "RiskPatterns",
     "RiskPolicy",
     "Scope",
     "Screening",
+    "Selector",
     "SemanticCache",
     "SemanticEntry",
     "SemanticLookup",
     "SemanticSettings",
+    "SemanticSnapshot",
+    "SqliteEntries",
     "SqliteStore",
+    "StoreUnavailable",
     "StoredResponse",
     "Verdict",
     "check",

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .embedder import Embedder
+from .entries import STATUSES, EntryStore, SemanticEntry, SharedEntryStore, valid_id
 from .exact import Status
 from .guards import Verdict, check
 from .index import PartitionedIndex
-from .risk import PERSONAL_DATA
-from .entries import STATUSES, EntryStore, SemanticEntry, valid_id
 from .owners import Owner, Selector
+from .risk import PERSONAL_DATA
 from .scope import Scope
 from .store import Answer, Purged, StoreUnavailable
 
@@ -99,9 +99,9 @@ class SemanticCache:
         self.store_lost = position is None
         if self.store_lost:
             log.warning("semantic entry store unreachable at start: the layer bypasses until it is back")
-        if hasattr(store, "changes"):  # shared by replicas: follow their inserts and deletes
+        if isinstance(store, SharedEntryStore):  # shared by replicas: follow their inserts and deletes
             self.follower = threading.Thread(
-                target=self._follow, args=(position,), name="strata-semantic-follower", daemon=True
+                target=self._follow, args=(store, position), name="strata-semantic-follower", daemon=True
             )
             self.follower.start()
 
@@ -205,13 +205,15 @@ class SemanticCache:
             known = {w: self.word_vectors.get(w) for w in (left, right)}
         missing = [w for w, vector in known.items() if vector is None]
         if missing:
-            known.update(zip(missing, self.embedder.embed(missing)))
+            embedded = dict(zip(missing, self.embedder.embed(missing)))
+            known.update(embedded)
             with self.word_lock:
-                for word in missing:
-                    self.word_vectors[word] = known[word]
+                self.word_vectors.update(embedded)
                 while len(self.word_vectors) > WORD_VECTOR_CACHE_SIZE:
                     self.word_vectors.popitem(last=False)
-        return float(known[left] @ known[right])
+        left_vector, right_vector = known[left], known[right]
+        assert left_vector is not None and right_vector is not None, "both were embedded above"
+        return float(left_vector @ right_vector)
 
     # -- administration ----------------------------------------------------------------------
 
@@ -260,7 +262,7 @@ class SemanticCache:
 
     # -- the index ---------------------------------------------------------------------------
 
-    def _rebuild(self):
+    def _rebuild(self) -> str | None:
         """A fresh index from every entry in the store, swapped in whole; returns the store's change
         position read before the scan (None when the store cannot be reached: the index stays)."""
         try:
@@ -277,7 +279,7 @@ class SemanticCache:
         self.index = index
         return position if position is not None else "rebuilt"
 
-    def _follow(self, position) -> None:
+    def _follow(self, store: SharedEntryStore, position: str | None) -> None:
         """Apply the store's changes (every replica's inserts and deletes, this one's included:
         applying is idempotent) until the cache closes. After the store was unreachable the index is
         rebuilt, then followed from the position read before the rebuild."""
@@ -291,7 +293,7 @@ class SemanticCache:
                     log.info("semantic index rebuilt from the entry store, which is back")
                     self.store_lost = False
             try:
-                changes, position = self.store.changes(position, FOLLOW_WAIT_S)
+                changes, position = store.changes(position, FOLLOW_WAIT_S)
             except StoreUnavailable as exc:
                 if not self.store_lost:
                     log.warning("semantic entry store unreachable (%s): the layer bypasses until it is back", exc)

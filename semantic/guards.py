@@ -21,37 +21,318 @@ WordSimilarity = Callable[[str, str], float]
 WORD = re.compile(r"[A-Za-z][A-Za-z'’-]*|\d+(?:[.,:/-]\d+)*%?|[$€£¥%]")
 
 STOPWORDS = frozenset(
-    """a an the and or but if then so of in on at by for with to from into onto about as is are was were
-be been being am do does did doing have has had having i me my mine we us our you your yours he him his she her it its
-they them their this that these those there here what which who whom whose when where why how can could would should
-will shall may might must please tell give show explain list describe help me let know want need like get got just
-really actually exactly any some hey hi hello thanks thank way also too very much many quite""".split()
+    [
+        "a",
+        "an",
+        "the",
+        "and",
+        "or",
+        "but",
+        "if",
+        "then",
+        "so",
+        "of",
+        "in",
+        "on",
+        "at",
+        "by",
+        "for",
+        "with",
+        "to",
+        "from",
+        "into",
+        "onto",
+        "about",
+        "as",
+        "is",
+        "are",
+        "was",
+        "were",
+        "be",
+        "been",
+        "being",
+        "am",
+        "do",
+        "does",
+        "did",
+        "doing",
+        "have",
+        "has",
+        "had",
+        "having",
+        "i",
+        "me",
+        "my",
+        "mine",
+        "we",
+        "us",
+        "our",
+        "you",
+        "your",
+        "yours",
+        "he",
+        "him",
+        "his",
+        "she",
+        "her",
+        "it",
+        "its",
+        "they",
+        "them",
+        "their",
+        "this",
+        "that",
+        "these",
+        "those",
+        "there",
+        "here",
+        "what",
+        "which",
+        "who",
+        "whom",
+        "whose",
+        "when",
+        "where",
+        "why",
+        "how",
+        "can",
+        "could",
+        "would",
+        "should",
+        "will",
+        "shall",
+        "may",
+        "might",
+        "must",
+        "please",
+        "tell",
+        "give",
+        "show",
+        "explain",
+        "list",
+        "describe",
+        "help",
+        "me",
+        "let",
+        "know",
+        "want",
+        "need",
+        "like",
+        "get",
+        "got",
+        "just",
+        "really",
+        "actually",
+        "exactly",
+        "any",
+        "some",
+        "hey",
+        "hi",
+        "hello",
+        "thanks",
+        "thank",
+        "way",
+        "also",
+        "too",
+        "very",
+        "much",
+        "many",
+        "quite",
+    ]
 )
 
 NEGATIONS = frozenset(
-    """not no never none nobody nothing nowhere neither nor without cannot cant can't won't wont
-don't dont doesn't doesnt didn't didnt isn't isnt aren't arent wasn't wasnt weren't werent shouldn't shouldnt
-wouldn't wouldnt couldn't couldnt mustn't haven't havent hasn't hasnt hadn't hadnt ain't""".split()
+    [
+        "not",
+        "no",
+        "never",
+        "none",
+        "nobody",
+        "nothing",
+        "nowhere",
+        "neither",
+        "nor",
+        "without",
+        "cannot",
+        "cant",
+        "can't",
+        "won't",
+        "wont",
+        "don't",
+        "dont",
+        "doesn't",
+        "doesnt",
+        "didn't",
+        "didnt",
+        "isn't",
+        "isnt",
+        "aren't",
+        "arent",
+        "wasn't",
+        "wasnt",
+        "weren't",
+        "werent",
+        "shouldn't",
+        "shouldnt",
+        "wouldn't",
+        "wouldnt",
+        "couldn't",
+        "couldnt",
+        "mustn't",
+        "haven't",
+        "havent",
+        "hasn't",
+        "hasnt",
+        "hadn't",
+        "hadnt",
+        "ain't",
+    ]
 )
 NEGATING_PREFIXES = ("un", "in", "im", "il", "ir", "dis", "non")
 
-ANTONYM_PAIRS = """increase/decrease raise/lower rise/fall up/down buy/sell purchase/sell open/close start/stop begin/end
-enable/disable add/remove include/exclude allow/deny allow/block accept/reject before/after early/late cheap/expensive
-hot/cold high/low maximum/minimum max/min first/last input/output import/export upload/download login/logout
-encrypt/decrypt push/pull win/lose gain/lose profit/loss male/female man/woman men/women husband/wife boy/girl
-north/south east/west left/right inside/outside internal/external public/private true/false always/never
-lend/borrow send/receive arrive/depart arrival/departure deposit/withdraw credit/debit pass/fail light/dark
-heavy/light strong/weak fast/slow old/new young/old large/small big/small long/short tall/short wide/narrow
-thick/thin full/empty rich/poor safe/dangerous legal/illegal same/different ascending/descending online/offline
-install/uninstall subscribe/unsubscribe connect/disconnect lock/unlock mount/unmount compress/decompress
-asleep/awake alive/dead possible/impossible correct/incorrect visible/hidden show/hide create/delete hire/fire
-employer/employee parent/child teacher/student buyer/seller sender/recipient landlord/tenant inbound/outbound
-incoming/outgoing upstream/downstream above/below over/under top/bottom front/back positive/negative plus/minus
-win/loss attack/defense success/failure accept/decline approve/deny approve/reject import/export include/omit
-join/leave enter/exit entrance/exit upgrade/downgrade expand/collapse maximize/minimize zoom/unzoom freeze/unfreeze
-summer/winter spring/autumn spring/fall day/night morning/evening sunrise/sunset asc/desc debit/refund
-charge/refund pay/refund earn/spend income/expense import/export odd/even vertical/horizontal allow/forbid
-permit/forbid allow/prohibit soft/hard easy/hard wet/dry raw/cooked sweet/sour loud/quiet rare/common""".split()
+ANTONYM_PAIRS = [
+    "increase/decrease",
+    "raise/lower",
+    "rise/fall",
+    "up/down",
+    "buy/sell",
+    "purchase/sell",
+    "open/close",
+    "start/stop",
+    "begin/end",
+    "enable/disable",
+    "add/remove",
+    "include/exclude",
+    "allow/deny",
+    "allow/block",
+    "accept/reject",
+    "before/after",
+    "early/late",
+    "cheap/expensive",
+    "hot/cold",
+    "high/low",
+    "maximum/minimum",
+    "max/min",
+    "first/last",
+    "input/output",
+    "import/export",
+    "upload/download",
+    "login/logout",
+    "encrypt/decrypt",
+    "push/pull",
+    "win/lose",
+    "gain/lose",
+    "profit/loss",
+    "male/female",
+    "man/woman",
+    "men/women",
+    "husband/wife",
+    "boy/girl",
+    "north/south",
+    "east/west",
+    "left/right",
+    "inside/outside",
+    "internal/external",
+    "public/private",
+    "true/false",
+    "always/never",
+    "lend/borrow",
+    "send/receive",
+    "arrive/depart",
+    "arrival/departure",
+    "deposit/withdraw",
+    "credit/debit",
+    "pass/fail",
+    "light/dark",
+    "heavy/light",
+    "strong/weak",
+    "fast/slow",
+    "old/new",
+    "young/old",
+    "large/small",
+    "big/small",
+    "long/short",
+    "tall/short",
+    "wide/narrow",
+    "thick/thin",
+    "full/empty",
+    "rich/poor",
+    "safe/dangerous",
+    "legal/illegal",
+    "same/different",
+    "ascending/descending",
+    "online/offline",
+    "install/uninstall",
+    "subscribe/unsubscribe",
+    "connect/disconnect",
+    "lock/unlock",
+    "mount/unmount",
+    "compress/decompress",
+    "asleep/awake",
+    "alive/dead",
+    "possible/impossible",
+    "correct/incorrect",
+    "visible/hidden",
+    "show/hide",
+    "create/delete",
+    "hire/fire",
+    "employer/employee",
+    "parent/child",
+    "teacher/student",
+    "buyer/seller",
+    "sender/recipient",
+    "landlord/tenant",
+    "inbound/outbound",
+    "incoming/outgoing",
+    "upstream/downstream",
+    "above/below",
+    "over/under",
+    "top/bottom",
+    "front/back",
+    "positive/negative",
+    "plus/minus",
+    "win/loss",
+    "attack/defense",
+    "success/failure",
+    "accept/decline",
+    "approve/deny",
+    "approve/reject",
+    "import/export",
+    "include/omit",
+    "join/leave",
+    "enter/exit",
+    "entrance/exit",
+    "upgrade/downgrade",
+    "expand/collapse",
+    "maximize/minimize",
+    "zoom/unzoom",
+    "freeze/unfreeze",
+    "summer/winter",
+    "spring/autumn",
+    "spring/fall",
+    "day/night",
+    "morning/evening",
+    "sunrise/sunset",
+    "asc/desc",
+    "debit/refund",
+    "charge/refund",
+    "pay/refund",
+    "earn/spend",
+    "income/expense",
+    "import/export",
+    "odd/even",
+    "vertical/horizontal",
+    "allow/forbid",
+    "permit/forbid",
+    "allow/prohibit",
+    "soft/hard",
+    "easy/hard",
+    "wet/dry",
+    "raw/cooked",
+    "sweet/sour",
+    "loud/quiet",
+    "rare/common",
+]
 
 MONTHS = [
     "january",
@@ -189,8 +470,32 @@ PERIODS = {
     "hourly": "hour",
 }
 TIERS = frozenset(
-    "free basic starter standard plus pro professional premium business team teams enterprise ultimate "
-    "gold silver platinum bronze trial family student individual personal lite essentials".split()
+    [
+        "free",
+        "basic",
+        "starter",
+        "standard",
+        "plus",
+        "pro",
+        "professional",
+        "premium",
+        "business",
+        "team",
+        "teams",
+        "enterprise",
+        "ultimate",
+        "gold",
+        "silver",
+        "platinum",
+        "bronze",
+        "trial",
+        "family",
+        "student",
+        "individual",
+        "personal",
+        "lite",
+        "essentials",
+    ]
 )
 
 COMPARATIVES = {
@@ -207,15 +512,127 @@ COMPARATIVES = {
     "greatest": "best",
 }
 NOT_COMPARATIVE = frozenset(
-    """after over under never ever other another either neither whether together rather
-number numbers order orders user users water paper later remember member members computer computers customer
-customers server servers router printer printers player players power folder folders filter filters password
-passwords offer offers error errors answer answers register transfer transfers cancer center centre letter letters
-matter master enter winter summer river rivers border borders driver drivers partner partners manager managers
-owner owners teacher teachers provider providers charger chargers container containers reader trainer cluster
-register consider cover discover deliver gather hover render suffer whatever however wherever whenever
-forest interest interests request requests latest guest guests test tests rest best west nest est honest modest
-suggest suggests invest priest contest""".split()
+    [
+        "after",
+        "over",
+        "under",
+        "never",
+        "ever",
+        "other",
+        "another",
+        "either",
+        "neither",
+        "whether",
+        "together",
+        "rather",
+        "number",
+        "numbers",
+        "order",
+        "orders",
+        "user",
+        "users",
+        "water",
+        "paper",
+        "later",
+        "remember",
+        "member",
+        "members",
+        "computer",
+        "computers",
+        "customer",
+        "customers",
+        "server",
+        "servers",
+        "router",
+        "printer",
+        "printers",
+        "player",
+        "players",
+        "power",
+        "folder",
+        "folders",
+        "filter",
+        "filters",
+        "password",
+        "passwords",
+        "offer",
+        "offers",
+        "error",
+        "errors",
+        "answer",
+        "answers",
+        "register",
+        "transfer",
+        "transfers",
+        "cancer",
+        "center",
+        "centre",
+        "letter",
+        "letters",
+        "matter",
+        "master",
+        "enter",
+        "winter",
+        "summer",
+        "river",
+        "rivers",
+        "border",
+        "borders",
+        "driver",
+        "drivers",
+        "partner",
+        "partners",
+        "manager",
+        "managers",
+        "owner",
+        "owners",
+        "teacher",
+        "teachers",
+        "provider",
+        "providers",
+        "charger",
+        "chargers",
+        "container",
+        "containers",
+        "reader",
+        "trainer",
+        "cluster",
+        "register",
+        "consider",
+        "cover",
+        "discover",
+        "deliver",
+        "gather",
+        "hover",
+        "render",
+        "suffer",
+        "whatever",
+        "however",
+        "wherever",
+        "whenever",
+        "forest",
+        "interest",
+        "interests",
+        "request",
+        "requests",
+        "latest",
+        "guest",
+        "guests",
+        "test",
+        "tests",
+        "rest",
+        "best",
+        "west",
+        "nest",
+        "est",
+        "honest",
+        "modest",
+        "suggest",
+        "suggests",
+        "invest",
+        "priest",
+        "contest",
+    ]
 )
 
 QUANTIFIERS = {
@@ -249,14 +666,52 @@ QUANTIFIERS = {
     "no": "none",
 }
 
-DIRECTION_MARKERS = frozenset("from to into onto toward towards than before after over under versus vs against".split())
-RELATION_WORDS = DIRECTION_MARKERS | frozenset("of for with by on in at".split())
+DIRECTION_MARKERS = frozenset(
+    [
+        "from",
+        "to",
+        "into",
+        "onto",
+        "toward",
+        "towards",
+        "than",
+        "before",
+        "after",
+        "over",
+        "under",
+        "versus",
+        "vs",
+        "against",
+    ]
+)
+RELATION_WORDS = DIRECTION_MARKERS | frozenset(["of", "for", "with", "by", "on", "in", "at"])
 
-NUMBER_WORDS = {
+NUMBER_WORDS: dict[str, float] = {
     w: i
     for i, w in enumerate(
-        "zero one two three four five six seven eight nine ten eleven twelve "
-        "thirteen fourteen fifteen sixteen seventeen eighteen nineteen twenty".split()
+        [
+            "zero",
+            "one",
+            "two",
+            "three",
+            "four",
+            "five",
+            "six",
+            "seven",
+            "eight",
+            "nine",
+            "ten",
+            "eleven",
+            "twelve",
+            "thirteen",
+            "fourteen",
+            "fifteen",
+            "sixteen",
+            "seventeen",
+            "eighteen",
+            "nineteen",
+            "twenty",
+        ]
     )
 }
 NUMBER_WORDS |= {
@@ -282,7 +737,22 @@ NUMBER_WORDS |= {
 }
 ORDINALS = {
     w: i + 1
-    for i, w in enumerate("first second third fourth fifth sixth seventh eighth ninth tenth eleventh twelfth".split())
+    for i, w in enumerate(
+        [
+            "first",
+            "second",
+            "third",
+            "fourth",
+            "fifth",
+            "sixth",
+            "seventh",
+            "eighth",
+            "ninth",
+            "tenth",
+            "eleventh",
+            "twelfth",
+        ]
+    )
 }
 ORDINAL_SUFFIX = re.compile(r"^(\d+)(st|nd|rd|th)$")
 
@@ -353,7 +823,7 @@ def lemma(word: str) -> str:
 # -- the guards: each returns a reason or None ---------------------------------------------------
 
 
-def numbers(a: Text, b: Text) -> str | None:
+def numbers(a: Text, b: Text) -> GuardReason | None:
     return "numbers" if _numbers(a) != _numbers(b) else None
 
 
@@ -381,7 +851,7 @@ def _number_value(token: str) -> float | str:
         return token  # dates, times, versions: compared as text
 
 
-def negation(a: Text, b: Text) -> str | None:
+def negation(a: Text, b: Text) -> GuardReason | None:
     count_a, count_b = _negations(a), _negations(b)
     if count_a % 2 != count_b % 2 or (count_a == 0) != (count_b == 0):
         return "negation"
@@ -414,10 +884,10 @@ def _antonym_index() -> dict[str, set[str]]:
 ANTONYMS = _antonym_index()
 
 
-PARTICLES = frozenset("up down in out on off over back away".split())
+PARTICLES = frozenset(["up", "down", "in", "out", "on", "off", "over", "back", "away"])
 
 
-def antonym(a: Text, b: Text) -> str | None:
+def antonym(a: Text, b: Text) -> GuardReason | None:
     """Opposite words ('increase' vs 'decrease'), or one verb with another particle ('sign up' vs
     'sign in', 'turn on' vs 'turn off')."""
     only_a, only_b = a.lemma_set - b.lemma_set, b.lemma_set - a.lemma_set
@@ -440,7 +910,7 @@ def _phrasal(text: Text) -> dict[str, str]:
     return found
 
 
-def dates(a: Text, b: Text) -> str | None:
+def dates(a: Text, b: Text) -> GuardReason | None:
     return "date" if _dates(a) != _dates(b) else None
 
 
@@ -468,7 +938,7 @@ def _dates(text: Text) -> frozenset[str]:
     return frozenset(found)
 
 
-def units(a: Text, b: Text) -> str | None:
+def units(a: Text, b: Text) -> GuardReason | None:
     units_a, units_b = _units(a), _units(b)
     return "unit" if units_a and units_b and units_a != units_b else None
 
@@ -483,7 +953,7 @@ def _units(text: Text) -> frozenset[str]:
     return frozenset(found)
 
 
-def billing(a: Text, b: Text) -> str | None:
+def billing(a: Text, b: Text) -> GuardReason | None:
     periods_a, periods_b = _periods(a), _periods(b)
     if periods_a and periods_b and periods_a != periods_b:
         return "billing_period"
@@ -507,23 +977,21 @@ def _periods(text: Text) -> frozenset[str]:
             "biannual",
             "semiannual",
             "one-time",
-        ):
-            found.add(PERIODS[word])
-        elif word in PERIODS and i > 0 and text.words[i - 1] in ("per", "a", "each", "every", "/"):
+        ) or (word in PERIODS and i > 0 and text.words[i - 1] in ("per", "a", "each", "every", "/")):
             found.add(PERIODS[word])
     return frozenset(found)
 
 
-def entities(a: Text, b: Text) -> str | None:
+def entities(a: Text, b: Text) -> GuardReason | None:
     ents_a, ents_b = _entities(a.raw), _entities(b.raw)
     if ents_a == ents_b:
         return None
     only_a, only_b = ents_a - ents_b, ents_b - ents_a
     lemmas_a, lemmas_b = a.lemma_set, b.lemma_set
     # an entity that the other text mentions in lower case is the same entity
-    only_a = {e for e in only_a if not set(e.split()) <= lemmas_b}
-    only_b = {e for e in only_b if not set(e.split()) <= lemmas_a}
-    return "entity" if only_a or only_b else None
+    unmatched_a = {e for e in only_a if not set(e.split()) <= lemmas_b}
+    unmatched_b = {e for e in only_b if not set(e.split()) <= lemmas_a}
+    return "entity" if unmatched_a or unmatched_b else None
 
 
 ENTITY = re.compile(r"\b([A-Z][\w&.-]*(?:\s+(?:of\s+|de\s+|the\s+)?[A-Z][\w&.-]*)*)")
@@ -554,10 +1022,74 @@ def _mixed_token(word: str) -> bool:
 
 
 QUESTION_STARTS = frozenset(
-    """is are was were do does did can could will would should shall may might must has have
-had what which who whom whose when where why how please tell give show explain list describe help hey hi hello i
-find compare convert calculate translate check set change update reset cancel delete create make book order buy get
-send add remove open close turn enable disable""".split()
+    [
+        "is",
+        "are",
+        "was",
+        "were",
+        "do",
+        "does",
+        "did",
+        "can",
+        "could",
+        "will",
+        "would",
+        "should",
+        "shall",
+        "may",
+        "might",
+        "must",
+        "has",
+        "have",
+        "had",
+        "what",
+        "which",
+        "who",
+        "whom",
+        "whose",
+        "when",
+        "where",
+        "why",
+        "how",
+        "please",
+        "tell",
+        "give",
+        "show",
+        "explain",
+        "list",
+        "describe",
+        "help",
+        "hey",
+        "hi",
+        "hello",
+        "i",
+        "find",
+        "compare",
+        "convert",
+        "calculate",
+        "translate",
+        "check",
+        "set",
+        "change",
+        "update",
+        "reset",
+        "cancel",
+        "delete",
+        "create",
+        "make",
+        "book",
+        "order",
+        "buy",
+        "get",
+        "send",
+        "add",
+        "remove",
+        "open",
+        "close",
+        "turn",
+        "enable",
+        "disable",
+    ]
 )
 OPENERS = STOPWORDS | QUESTION_STARTS
 
@@ -572,7 +1104,7 @@ def _entity_name(capitalised: str, opens_sentence: bool) -> str:
     return lemma(" ".join(w.lower().rstrip(".") for w in words)) if words else ""
 
 
-def direction(a: Text, b: Text) -> str | None:
+def direction(a: Text, b: Text) -> GuardReason | None:
     """Two shared terms in the other order with the same relation word between them in both texts:
     'from Paris to Rome' vs 'from Rome to Paris', 'user to a group' vs 'group to a user', 'A bigger
     than B' vs 'B bigger than A'. A clause merely moved ('X according to Y' vs 'Y, what is ... X')
@@ -603,12 +1135,7 @@ def _content_positions(text: Text) -> dict[str, int]:
     return positions
 
 
-def _marker_between(text: Text, i: int, j: int, markers: set[str]) -> bool:
-    low, high = sorted((i, j))
-    return any(w in markers for w in text.words[low + 1 : high])
-
-
-def entity_order(a: Text, b: Text) -> str | None:
+def entity_order(a: Text, b: Text) -> GuardReason | None:
     """Named entities that both texts mention, in another order: 'A beat B' vs 'B beat A', and the
     word-order swaps of PAWS ('represented X ... representing Y' vs '... Y ... X')."""
     order_a, order_b = _entity_sequence(a.raw), _entity_sequence(b.raw)
@@ -630,17 +1157,65 @@ def _entity_sequence(raw: str) -> list[str]:
 
 
 NOUN_SLOT = frozenset(
-    """a an the this that these those my your our their his her its some any each every no for of
-in on at with from by about into without per many much few several is are was were be been do does did can could
-should would will""".split()
+    [
+        "a",
+        "an",
+        "the",
+        "this",
+        "that",
+        "these",
+        "those",
+        "my",
+        "your",
+        "our",
+        "their",
+        "his",
+        "her",
+        "its",
+        "some",
+        "any",
+        "each",
+        "every",
+        "no",
+        "for",
+        "of",
+        "in",
+        "on",
+        "at",
+        "with",
+        "from",
+        "by",
+        "about",
+        "into",
+        "without",
+        "per",
+        "many",
+        "much",
+        "few",
+        "several",
+        "is",
+        "are",
+        "was",
+        "were",
+        "be",
+        "been",
+        "do",
+        "does",
+        "did",
+        "can",
+        "could",
+        "should",
+        "would",
+        "will",
+    ]
 )
-PRONOUNS = frozenset("i you we they he she it".split())
+PRONOUNS = frozenset(["i", "you", "we", "they", "he", "she", "it"])
 
 
 SYNONYM_SIMILARITY = 0.78  # MiniLM word cosine: synonyms measured 0.79-0.92, co-hyponyms 0.21-0.75
 
 
-def substitution(a: Text, b: Text, similar: WordSimilarity | None = None) -> str | None:
+def substitution(a: Text, b: Text, similar: WordSimilarity | None = None) -> GuardReason | None:
     """One content word swapped for another in the same slot of otherwise aligned questions: 'a soft
     yolk' vs 'a hard yolk', 'my hand luggage' vs 'my checked luggage', 'for children' vs 'for adults',
     'do cats see' vs 'do dogs see'. Left to the paraphrase: a swapped verb after a pronoun or 'to'
@@ -670,7 +1245,7 @@ def _spelling_variant(left: str, right: str) -> bool:
     return len(left) >= 4 and len(right) >= 4 and SequenceMatcher(a=left, b=right).ratio() >= 0.8
 
 
-def comparatives(a: Text, b: Text) -> str | None:
+def comparatives(a: Text, b: Text) -> GuardReason | None:
     """Both texts compare, but not the same way: 'best' vs 'worst', 'more' vs 'less'. ('Improve
     my sleep' vs 'sleep better' is a paraphrase: only one side compares.)"""
     found_a, found_b = _comparatives(a), _comparatives(b)
@@ -708,14 +1283,14 @@ def _comparatives(text: Text) -> frozenset[str]:
             continue
         followed_by_than = i + 1 < len(text.words) and text.words[i + 1] == "than"
         after_copula = i > 0 and text.words[i - 1] in ("is", "are", "was", "were", "be", "get", "gets")
-        if word.endswith("er") and (followed_by_than or after_copula):
-            found.add(_canonical_comparison(word))
-        elif word.endswith("est") and i > 0 and text.words[i - 1] == "the":
+        if (word.endswith("er") and (followed_by_than or after_copula)) or (
+            word.endswith("est") and i > 0 and text.words[i - 1] == "the"
+        ):
             found.add(_canonical_comparison(word))
     return frozenset(found)
 
 
-def quantifiers(a: Text, b: Text) -> str | None:
+def quantifiers(a: Text, b: Text) -> GuardReason | None:
     return "quantifier" if _quantifiers(a) != _quantifiers(b) else None
 
 
@@ -792,7 +1367,7 @@ ARITHMETIC_REACH = 3
 COMMUTATIVE = frozenset({"+", "*", "mean", "median"})  # the operands' order changes nothing
 
 
-def arithmetic(a: Text, b: Text) -> str | None:
+def arithmetic(a: Text, b: Text) -> GuardReason | None:
     """'2+2' vs '2*2', 'square root of 16' vs 'square of 16', '7 times 8' vs '7 plus 8'; and, where
     an operation is not commutative, the operands' order: '10 divided by 2' vs '2 divided by 10'."""
     (found_a, order_a), (found_b, order_b) = _arithmetic(a.raw), _arithmetic(b.raw)
@@ -838,7 +1413,7 @@ def check(query: str, cached: str, score: float, threshold: float, similar: Word
     if score < threshold:
         return Verdict(False, score, ("below_threshold",))
     a, b = analyse(query), analyse(cached)
-    reasons = [r for guard in GUARDS if (r := guard(a, b))]
+    reasons: list[GuardReason] = [r for guard in GUARDS if (r := guard(a, b))]
     if not reasons and (r := substitution(a, b, similar)):  # the only guard that may embed: run it last
         reasons.append(r)
     return Verdict(not reasons, score, tuple(reasons))

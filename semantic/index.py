@@ -120,13 +120,15 @@ class PartitionedIndex:
         try:
             index = _inverted(self.dim, len(ids), vectors)  # the slow part, without the lock
             index.add_with_ids(vectors, ids)
-        except Exception:  # noqa: BLE001 - the old index keeps serving; the next add tries again
+        except Exception:
             log.exception("semantic index rebuild of a %d-entry partition failed", len(ids))
             with self.lock:
                 part.pending = None
             return
         with self.lock:
-            for change in part.pending:
+            pending = part.pending
+            assert pending is not None, "set by _start_rebuild; only this thread clears it"
+            for change in pending:
                 if change[0] == "add":
                     index.add_with_ids(change[2], change[1])
                 else:

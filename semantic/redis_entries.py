@@ -242,7 +242,7 @@ class RedisEntries:
         for start in range(0, len(ids), SCAN_BATCH):
             batch = ids[start : start + SCAN_BATCH]
             for entry_id, (partition, vector) in zip(batch, self._vectors_of(batch)):
-                if partition is not None:
+                if partition is not None and vector is not None:
                     out.append((entry_id, partition, vector))
         return out
 
@@ -284,7 +284,7 @@ class RedisEntries:
             return [], position
         added = [int(fields[b"id"]) for _, fields in records if fields[b"op"] == b"add"]
         present = dict(zip(added, self._vectors_of(added)))
-        changes = []
+        changes: list[tuple] = []
         for _, fields in records:
             entry_id = int(fields[b"id"])
             if fields[b"op"] == b"remove":

@@ -24,6 +24,7 @@ import math
 import threading
 from collections import Counter
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +49,7 @@ OVERRULABLE: frozenset[GuardReason] = frozenset({"order", "direction", "substitu
 class Settings:
     """Thresholds on P(same answer), chosen by train_verifier on held-out pairs and stored with the weights.
     `accept`: the verifier's bar when no guard objects. `overrule`: the higher bar at which it may
-    overrule the word-order guards (order, direction, entity, substitution), which it judges better."""
+    overrule the word-order guards (OVERRULABLE: order, direction, substitution), which it judges better."""
 
     accept: float = 0.5
     overrule: float = 0.9
@@ -116,7 +117,7 @@ class Ensemble(nn.Module):
 def piece_bits(pieces: list[int], other: list[int]) -> np.ndarray:
     """(len(pieces), 3): occurs in `other`; with the same left neighbour there; with the same right one."""
     others = set(other)
-    bigrams = set(zip(other, other[1:]))
+    bigrams = set(pairwise(other))
     bits = np.zeros((len(pieces), NUM_PIECE_BITS), dtype=np.float32)
     for i, piece in enumerate(pieces):
         bits[i, 0] = piece in others
@@ -129,7 +130,7 @@ def pair_features(pieces_a: list[int], pieces_b: list[int], cosine: float) -> np
     """Symmetric in a and b, as the whole scorer is: cosine, the smaller and the larger share of
     pieces without a counterpart, the share of bigrams kept, whether the bags of pieces are equal."""
     bag_a, bag_b = Counter(pieces_a), Counter(pieces_b)
-    bigrams_a, bigrams_b = Counter(zip(pieces_a, pieces_a[1:])), Counter(zip(pieces_b, pieces_b[1:]))
+    bigrams_a, bigrams_b = Counter(pairwise(pieces_a)), Counter(pairwise(pieces_b))
     kept_bigrams = sum((bigrams_a & bigrams_b).values()) / max(1, min(len(pieces_a), len(pieces_b)) - 1)
     unmatched = sorted(
         [sum((bag_a - bag_b).values()) / max(1, len(pieces_a)), sum((bag_b - bag_a).values()) / max(1, len(pieces_b))]

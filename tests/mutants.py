@@ -213,7 +213,7 @@ MUTANTS = (
     Mutant(
         "deepstack rows not passed to the chunk",
         "gateway/engine/runner.py",
-        "if inputs.deepstack is None or not inputs.visual[begin:end].any():",
+        "if inputs.deepstack is None or visual is None or not visual[begin:end].any():",
         "if True:",
         (f"{FAMILIES}::test_image_prompt_equals_the_library_one_shot_forward[qwen3_vl]",),
     ),
@@ -278,7 +278,7 @@ MUTANTS = (
     Mutant(
         "a hit does not make the entry the hitting session's",
         "gateway/responses.py",
-        '_guarded(self.store_errors, "exact", self.cache.own, ctx.exact_key, ctx.owner)',
+        'await self.lane.run(_guarded, self.store_errors, "exact", self.cache.own, ctx.exact_key, ctx.owner)',
         "pass",
         (
             "tests/gateway/test_retention.py::test_purging_a_session_misses_its_answers_and_keeps_what_another_session_shares",
@@ -287,7 +287,7 @@ MUTANTS = (
     Mutant(
         "a removed block is forgotten: every miss reads cold",
         "kvcache/prefix.py",
-        "        self.ghosts[block.block_hash] = Ghost(how, now - block.stored_at, time.time())\n",
+        "        self.ghosts.remember(block.block_hash, Ghost(how, time.monotonic() - block.stored_at, time.time()))\n",
         "        return\n",
         ("tests/gateway/test_engine_caches.py::test_every_prefix_miss_says_why",),
     ),
@@ -399,7 +399,7 @@ MUTANTS = (
     Mutant(
         "KV blocks not written through to a shared tier",
         "kvcache/prefix.py",
-        "        if self.cache.write_through:",
+        "        if self.cache.write_through and ssd is not None:",
         "        if False:",
         (
             "tests/kvcache/test_prefix.py::test_write_through_leaves_a_conversation_on_a_shared_tier_for_another_replica",
@@ -462,6 +462,20 @@ MUTANTS = (
         "                if self._stale_temp(path):",
         "                if True:",
         ("tests/kvcache/test_ssd.py::test_a_restarted_writer_keeps_others_temp_files_and_journals_afresh",),
+    ),
+    Mutant(
+        "exact lookups back on the event loop",
+        "gateway/responses.py",
+        "result = await self.lane.run(self.cache.lookup, ctx.exact_key,",
+        "result = self.cache.lookup(ctx.exact_key,",
+        ("tests/gateway/test_slow_stores.py::test_a_slow_redis_stalls_neither_streams_nor_health",),
+    ),
+    Mutant(
+        "exact stores back on the event loop",
+        "gateway/responses.py",
+        '        await self.lane.run(\n            _guarded,\n            self.store_errors,\n            "exact",\n',
+        '        _guarded(\n            self.store_errors,\n            "exact",\n',
+        ("tests/gateway/test_slow_stores.py::test_slow_sqlite_writes_stall_neither_streams_nor_health",),
     ),
 )
 

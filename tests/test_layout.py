@@ -9,6 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARIES = ("kvcache", "vision", "semantic")
 # besides the standard library and itself: the caches it runs and the model libraries beneath them
+PROTOCOL = "gateway.caches"  # the cache protocol every layer speaks: typing only, no HTTP
 ENGINE_MAY_IMPORT = {
     "kvcache",
     "vision",
@@ -28,11 +29,15 @@ ENGINE_MAY_IMPORT = {
 
 def _imported_modules(path: Path) -> list[str]:
     """Absolute names of every module `path` imports; `from ..x import y` resolves against its package."""
-    tree = ast.parse(path.read_text(), filename=str(path))
     parts = list(path.resolve().relative_to(ROOT).with_suffix("").parts) if path.resolve().is_relative_to(ROOT) else []
-    package = parts[:-1]
+    return _imports(path.read_text(), parts)
+
+
+def _imports(source: str, module: list[str]) -> list[str]:
+    """The modules `source` imports, as the module named by the parts `module` would resolve them."""
+    package = module[:-1]
     names = []
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -62,35 +67,38 @@ def test_the_engine_never_imports_the_http_side():
         if not (
             name == "gateway.engine"
             or name.startswith("gateway.engine.")
+            or name == PROTOCOL
             or name.split(".")[0] in ENGINE_MAY_IMPORT | sys.stdlib_module_names
         )
     ]
     assert violations == []
 
 
-def test_benchmarks_use_the_engine_package_only():
+def test_code_outside_the_engine_uses_its_package_only():
+    """The rest of the gateway and the benchmarks import `gateway.engine`, never its modules (the
+    tests may: they test those modules one at a time)."""
+    outside = [p for p in (ROOT / "gateway").rglob("*.py") if "engine" not in p.relative_to(ROOT).parts]
     violations = [
         f"{path.relative_to(ROOT)} imports {name}"
-        for path in (ROOT / "evals").rglob("*.py")
+        for path in outside + list((ROOT / "evals").rglob("*.py"))
         for name in _imported_modules(path)
         if name.startswith("gateway.engine.")
     ]
     assert violations == []
 
 
+def test_the_cache_protocol_imports_nothing_of_the_project():
+    """The engine may import it only because it holds types alone."""
+    names = _imported_modules(ROOT / "gateway" / "caches.py")
+    typing_only = {"__future__", "_typeshed"}  # _typeshed: type checkers' own, under TYPE_CHECKING
+    assert [n for n in names if n.split(".")[0] not in sys.stdlib_module_names | typing_only] == []
+
+
 def test_relative_imports_are_resolved():
-    assert "gateway.schemas" in _imported_modules_of("gateway/engine/x.py", "from ..schemas import Sampling\n")
-    assert "gateway.engine.types" in _imported_modules_of("gateway/engine/x.py", "from .types import Sampling\n")
-
-
-def _imported_modules_of(relative: str, source: str) -> list[str]:
-    path = ROOT / relative
-    assert not path.exists()
-    path.write_text(source)
-    try:
-        return _imported_modules(path)
-    finally:
-        path.unlink()
+    module = ["gateway", "engine", "x"]
+    assert "gateway.schemas" in _imports("from ..schemas import Sampling\n", module)
+    assert "gateway.engine.types" in _imports("from .types import Sampling\n", module)
+    assert "gateway.engine" in _imports("from . import types\n", module)
 
 
 def test_import_walk_detects_a_violation(tmp_path):

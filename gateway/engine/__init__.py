@@ -8,8 +8,10 @@
                                                             when its KV exceeds the whole memory budget)
     Engine.events(job)               -> async Started, Delta..., Finished | Failed
 
-`ModelRunner` is the same model run step by step on the caller's thread (prefill, decode, finish),
-for benchmarks and tools that time one step at a time; only one thread may use a runner.
+`ModelRunner` is the same model run step by step on the caller's thread (prefill, then
+`decode_alone(runner, prefill, sampling, cancelled)`, which decodes through the worker's own batch
+step with one row, then finish), for benchmarks and tools that time one step at a time; only one
+thread may use a runner.
 Everything public is exported here: code outside the engine imports `gateway.engine`, never its modules.
 """
 
@@ -21,18 +23,19 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from .builder import RECIPES, ensure_model, parse_model_name
-from .caching import CacheConfig
-from .families import VISION_FAMILIES, UnsupportedModel
-from .prompt import PreparedPrompt, PromptError
+from .batch import decode_alone
+from .builder import DEFAULT_FAMILY, DTYPES, RECIPES, SIZES, BuildSpec, build_model, ensure_model, parse_model_name
+from .caching import CacheConfig, PrefixReport, VisionReport
 from .constraint import GrammarError, json_schema_grammar
+from .families import VISION_FAMILIES, UnsupportedModel, family_of
+from .prompt import PreparedPrompt, PromptError
 from .runner import ModelRunner, Sampler, TokenLogprob
 from .tools import ParsedCall, ToolFormat
 from .types import ImagePart, Message, Sampling, TextPart, Tool, ToolCall
 from .worker import (
     Delta,
-    EmbedJob,
     Embedded,
+    EmbedJob,
     EngineStopped,
     EngineWorker,
     Failed,
@@ -51,9 +54,12 @@ BUILDABLE_FAMILIES = tuple(sorted(RECIPES))  # what `strata build-model --family
 
 __all__ = [
     "BUILDABLE_FAMILIES",
-    "CacheConfig",
-    "UnsupportedModel",
+    "DEFAULT_FAMILY",
+    "DTYPES",
+    "SIZES",
     "VISION_FAMILIES",
+    "BuildSpec",
+    "CacheConfig",
     "Delta",
     "EmbedJob",
     "Embedded",
@@ -61,15 +67,16 @@ __all__ = [
     "EngineConfig",
     "EngineStopped",
     "Failed",
-    "Health",
     "Finished",
     "GrammarError",
+    "Health",
     "ImagePart",
     "Job",
     "Message",
     "ModelRunner",
     "OverBudget",
     "ParsedCall",
+    "PrefixReport",
     "PreparedPrompt",
     "PromptError",
     "QueueFull",
@@ -81,8 +88,14 @@ __all__ = [
     "Tool",
     "ToolCall",
     "ToolFormat",
+    "UnsupportedModel",
+    "VisionReport",
+    "build_model",
+    "decode_alone",
+    "family_of",
     "json_schema_grammar",
     "model_fingerprint",
+    "parse_model_name",
     "resolve_model_path",
 ]
 

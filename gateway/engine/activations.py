@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import sys
 import types
-from functools import lru_cache
+from functools import cache
 
 import mlx.core as mx
 import mlx.nn as mlx_nn
@@ -83,7 +83,7 @@ def _cpu_swiglu(original):
 
 NN = types.ModuleType("mlx.nn (CPU prefill activations)")
 NN.__dict__.update(mlx_nn.__dict__)
-NN.silu, NN.gelu_approx = silu, gelu_approx
+NN.__dict__.update(silu=silu, gelu_approx=gelu_approx)
 
 
 def install_cpu_prefill_activations(language_model) -> int:
@@ -94,7 +94,7 @@ def install_cpu_prefill_activations(language_model) -> int:
     return swap_layer_classes(language_model, "mlp", _cpu_mlp_class)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _cpu_mlp_class(base: type) -> type | None:
     module = sys.modules[base.__module__].__dict__
     replacements = {"nn": NN}

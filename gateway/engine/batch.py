@@ -16,9 +16,12 @@ together equal each decoded alone (tests/gateway/test_batch.py keeps that true f
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import mlx.core as mx
 
-from .runner import ModelRunner, PrefillResult, cache_offset, decode_positions
+from .runner import Cancelled, ModelRunner, PrefillResult, Sampler, as_token, cache_offset, decode_positions
+from .types import Sampling
 
 
 class DecodeBatch:
@@ -29,7 +32,7 @@ class DecodeBatch:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.rows: list[PrefillResult] = []  # each row's prefill: its prompt, plan and mRoPE delta
-        self.cache: list | None = None  # per layer: the lone row's KVCache, or a BatchKVCache when batched
+        self.cache: list = []  # per layer: the lone row's KVCache, or a BatchKVCache when batched; [] with no rows
         self.batched = False
 
     def __len__(self) -> int:
@@ -54,7 +57,8 @@ class DecodeBatch:
     def step(self, tokens: list[int]) -> mx.array:
         """Feed row i the token tokens[i]; the next-token logits, one row each: (rows, vocab)."""
         ids = mx.array([[token] for token in tokens], dtype=mx.int32)
-        deltas = None if self.rows[0].rope_delta is None else [row.rope_delta for row in self.rows]
+        # mRoPE families give every row a delta, plain-RoPE families none
+        deltas = [row.rope_delta for row in self.rows if row.rope_delta is not None] or None
         offsets = self.cache[0].offset if self.batched else cache_offset(self.cache, 0)
         return self.runner.forward(ids, None, self.cache, decode_positions(offsets, deltas))
 
@@ -62,7 +66,7 @@ class DecodeBatch:
         """Remove row `index`; its prefill, with `cache` holding the row's own KV again (for finish())."""
         row = self.rows.pop(index)
         if not self.batched:
-            row.cache, self.cache = self.cache, None
+            row.cache, self.cache = self.cache, []
             return row
         row.cache = [layer.extract(index) for layer in self.cache]
         keep = mx.array([i for i in range(len(self.rows) + 1) if i != index])
@@ -72,3 +76,26 @@ class DecodeBatch:
             self.cache = [layer.extract(0) for layer in self.cache]
             self.batched = False
         return row
+
+
+def decode_alone(
+    runner: ModelRunner, prefill: PrefillResult, sampling: Sampling, cancelled: Callable[[], bool]
+) -> Iterator[int]:
+    """One sequence decoded on its own through the worker's batch step (a batch of one row): the
+    single-row path for tests, benchmarks and tools. Yields token ids until EOS or max_tokens (EOS
+    itself is not yielded); `prefill.cache` holds the sequence's KV throughout, for finish()."""
+    batch, sampler = DecodeBatch(runner), Sampler(sampling)
+    batch.join(prefill)
+    logits, generated = prefill.logits, list[int]()
+    try:
+        for _ in range(sampling.max_tokens):
+            token = as_token(sampler.draw(logits, generated))
+            if token in runner.eos_ids:
+                return
+            generated.append(token)
+            yield token
+            if cancelled():
+                raise Cancelled()
+            logits = batch.step([token])[0]
+    finally:
+        batch.leave(0)

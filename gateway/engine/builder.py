@@ -605,6 +605,13 @@ def parse_model_name(name: str) -> BuildSpec | None:
     return None
 
 
+def _token_id(tokenizer, token: str) -> int:
+    token_id = tokenizer.token_to_id(token)
+    if token_id is None:
+        raise ValueError(f"the trained tokenizer lacks the special token {token!r}")
+    return token_id
+
+
 def _write_tokenizer(out_dir: Path, family: str, recipe: Recipe) -> dict[str, int]:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -634,7 +641,7 @@ def _write_tokenizer(out_dir: Path, family: str, recipe: Recipe) -> dict[str, in
     fast.chat_template = (ASSETS / "templates" / f"{family}.jinja").read_text()
     fast.save_pretrained(str(out_dir))
     (out_dir / "chat_template.jinja").write_text(fast.chat_template)
-    return {t: tokenizer.token_to_id(t) for t in recipe.special_tokens}
+    return {t: _token_id(tokenizer, t) for t in recipe.special_tokens}
 
 
 def _write_weights(config: dict, out_dir: Path, spec: BuildSpec, recipe: Recipe) -> None:

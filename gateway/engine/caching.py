@@ -13,10 +13,12 @@ from typing import Literal
 import mlx.core as mx
 
 from kvcache import ExtraSpan, PrefixCache, PrefixSession, TenantSalt, cacheability
+from kvcache.prefix import Tier
 from kvcache.quant import QuantConfig
 from kvcache.ssd import SsdConfig, SsdTier
-from vision import VisionCache, image_key
+from vision import ImageKey, VisionCache, image_key
 
+from ..caches import CacheLayer, Removed
 from .prompt import PreparedPrompt, PromptImage
 
 
@@ -25,7 +27,7 @@ class PrefixReport:
     status: Literal["hit", "miss", "bypass"]
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
-    tier: Literal["", "ram", "ssd", "ram+ssd"] = ""
+    tier: Tier = ""
     reason: str = ""  # a bypass: "disabled", or "uncacheable:<cache classes>" (kvcache.Cacheability)
     num_ssd_tokens: int = 0  # of the reused tokens, promoted from SSD
     miss_reason: str = ""  # why reuse stopped short (kvcache.PrefixMatch.miss_reason): "" when it did not
@@ -89,7 +91,7 @@ class EngineCaches:
         session = self.prefix.open(salt, self.model_fingerprint, prompt.token_ids, spans, owner)
         match = session.match(prompt.num_tokens)
         plan = PrefixPlan(session, match.num_cached_tokens)
-        status = "hit" if match.num_cached_tokens else "miss"
+        status: Literal["hit", "miss"] = "hit" if match.num_cached_tokens else "miss"
         ssd_tokens = min(match.num_ssd_tokens, match.num_cached_tokens)
         return plan, PrefixReport(
             status,
@@ -118,7 +120,7 @@ class EngineCaches:
         """The most a running sequence may reserve (the whole budget); None: no bound."""
         return self.prefix.pool.budget_bytes if self.prefix is not None else None
 
-    def layers(self) -> list:
+    def layers(self) -> list[CacheLayer]:
         """The engine's cache layers that are on (each speaks the cache protocol, gateway/caches.py)."""
         ssd = self.prefix.ssd if self.prefix is not None else None
         return [layer for layer in (self.prefix, ssd, self.vision) if layer is not None]
@@ -136,19 +138,23 @@ class EngineCaches:
 
     def expire(self) -> dict:
         """Drop what the RAM tiers' retention no longer allows (worker thread): {layer: Purged}."""
-        removed = {}
+        removed: dict[str, Removed] = {}
         if self.prefix is not None and self.config.prefix_idle_s:
             removed["prefix"] = self.prefix.pool.expire(self.config.prefix_idle_s)
         if self.vision is not None and self.config.vision_idle_s:
             removed["vision"] = self.vision.expire(self.config.vision_idle_s)
         return removed
 
-    def purge_owned(self, selects: Callable[[str], bool], layers: Collection[str]) -> dict:
+    def purge_owned(self, selects: Callable[[str], bool], layers: Collection[str]) -> dict[str, Removed | None]:
         """Take the owners `selects(owner)` picks off the named layers' entries ("prefix", "ssd",
         "vision"); what each removed, by layer (None: the layer is off). Worker thread."""
         ssd = self.prefix.ssd if self.prefix is not None else None
-        owned = {"prefix": self.prefix, "ssd": ssd, "vision": self.vision}
-        return {name: owned[name].purge_owned(selects) if owned[name] is not None else None for name in layers}
+        owned: dict[str, PrefixCache | SsdTier | VisionCache | None] = {
+            "prefix": self.prefix,
+            "ssd": ssd,
+            "vision": self.vision,
+        }
+        return {name: _purge_owned(owned[name], selects) for name in layers}
 
     def shutdown(self, drain_s: float) -> None:
         """Persist admissible RAM blocks to SSD and let the writer drain, at most drain_s."""
@@ -191,7 +197,7 @@ class EngineCaches:
         skipped = len(prompt.images) - hits - misses
         return features, VisionReport(len(prompt.images), hits, misses, skipped, self.vision is not None)
 
-    def _image_key(self, image: PromptImage, salt: TenantSalt) -> str:
+    def _image_key(self, image: PromptImage, salt: TenantSalt) -> ImageKey:
         return image_key(image.pixel_hash, self.processor_fingerprint, self.model_fingerprint, salt)
 
 
@@ -207,3 +213,7 @@ def _prefix_cache(config: CacheConfig, model_fingerprint: str) -> PrefixCache:
         config.quant,
         write_through=config.ssd is not None and bool(config.ssd.writer),
     )
+
+
+def _purge_owned(layer: PrefixCache | SsdTier | VisionCache | None, selects: Callable[[str], bool]) -> Removed | None:
+    return layer.purge_owned(selects) if layer is not None else None

@@ -37,7 +37,10 @@ class PromptImage:
     def grid_thw(self) -> tuple[int, int, int] | None:
         """The Qwen VL line's (temporal, height, width) patch grid; None for other families."""
         grid = self.inputs.get("image_grid_thw")
-        return None if grid is None else tuple(int(v) for v in grid[0])
+        if grid is None:
+            return None
+        temporal, height, width = (int(v) for v in grid[0])
+        return temporal, height, width
 
 
 class PromptError(ValueError):
@@ -294,6 +297,7 @@ def _unmark(marked: str) -> tuple[str, list[tuple[int, int]]]:
         if piece == CLIENT_START:
             start = length
         elif piece == CLIENT_END:
+            assert start is not None, "the markers come in pairs, start first"
             spans.append((start, length))
         else:
             pieces.append(piece)

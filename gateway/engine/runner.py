@@ -16,9 +16,10 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,14 +28,13 @@ import numpy as np
 from kvcache import TenantSalt
 from vision import DecodedImage, pixel_hash, processor_fingerprint
 
-from .types import Sampling
 from .activations import install_cpu_prefill_activations
 from .attention import install_cpu_prefill_attention
 from .caching import CacheConfig, EngineCaches, PrefixPlan, PrefixReport, VisionReport
 from .constraint import MAX_CLOSING_TOKENS, Grammars
 from .families import Family, family_of, read_config
 from .prompt import PreparedPrompt, PromptBuilder, PromptImage
-
+from .types import Sampling
 
 CLOSING_CHECK_TOKENS = 8  # how often a grammar's distance to closing is measured (and the margin kept)
 LAST_TOKEN_POOLING = ("qwen3",)  # model types whose mlx-vlm embedding model pools the last token
@@ -159,7 +159,8 @@ class ModelRunner:
         owner: str | None = None,
     ) -> Generator[int, None, PrefillResult]:
         """prefill() one chunk at a time: yields each chunk's token count but the last's (the worker
-        runs a decode step of the batch in between) and returns the PrefillResult. Closing it early releases the prefix blocks.
+        runs a decode step of the batch in between) and returns the PrefillResult. Closing it early
+        releases the prefix blocks.
         prefill_ms counts the time spent in here, not the decode steps between chunks."""
         start = time.perf_counter()
         cache = self.new_cache()
@@ -173,7 +174,7 @@ class ModelRunner:
             embeds = self._embed(ids, prompt, features, cached) if features else None
             deepstack, visual = self._deepstack(prompt, features, cached)
             positions, rope_delta = self._positions(ids, prompt)
-            if cached:
+            if plan is not None and cached:
                 for layer, (keys, values) in zip(cache, plan.session.gather(cached)):
                     layer.update_and_fetch(keys, values)  # the libraries' KVCache append: offset follows
             inputs = ModelInputs(ids, embeds, positions, deepstack, visual)
@@ -220,6 +221,7 @@ class ModelRunner:
             if end < total:
                 yield end - begin
             begin = end
+        assert logits is not None, "the caller leaves at least one token to run"
         return logits, spent
 
     def forward(
@@ -316,23 +318,6 @@ class ModelRunner:
 
     # -- decode ------------------------------------------------------------------------------
 
-    def decode(self, prefill: PrefillResult, sampling: Sampling, cancelled: Callable[[], bool]) -> Iterator[int]:
-        """Yield sampled token ids until EOS or max_tokens; EOS itself is not yielded."""
-        sample = Sampler(sampling)
-        logits, cache = prefill.logits, prefill.cache
-        generated: list[int] = []
-        for _ in range(sampling.max_tokens):
-            token = sample(logits, generated)
-            if token in self.eos_ids:
-                return
-            generated.append(token)
-            yield token
-            if cancelled():
-                raise Cancelled()
-            deltas = None if prefill.rope_delta is None else [prefill.rope_delta]
-            positions = decode_positions(cache_offset(cache, 0), deltas)
-            logits = self.forward(mx.array([[token]], dtype=mx.int32), None, cache, positions)[0]
-
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
@@ -341,6 +326,9 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+
+
+Generated = list[int] | tuple[int, ...]  # the tokens a sequence has generated so far
 
 
 class Sampler:
@@ -356,17 +344,19 @@ class Sampler:
         if sampling.logit_bias:
             ids, values = zip(*sampling.logit_bias)
             self.bias = (mx.array(ids, dtype=mx.int32), mx.array(values, dtype=mx.float32))
-        self.matcher = grammars.matcher(sampling.grammar) if sampling.grammar else None
+        if sampling.grammar and grammars is None:
+            raise ValueError("a request with a grammar needs the model's Grammars")
+        self.matcher = grammars.matcher(sampling.grammar) if sampling.grammar and grammars else None
         self.closing = False  # under a grammar: the tokens left are needed to close the output
         self.tokens_to_close = 0  # as last measured
         # With top_logprobs: the last draw's (chosen logprob, top ids, top logprobs), lazy until the
         # batch evaluates them together with the draws (lazy_logprobs()).
         self.last_logprobs: tuple[mx.array, mx.array, mx.array] | None = None
 
-    def __call__(self, logits: mx.array, generated: Sequence[int] = ()) -> int:
-        return int(self.draw(logits, generated).item())
+    def __call__(self, logits: mx.array, generated: Generated = ()) -> int:
+        return as_token(self.draw(logits, generated))
 
-    def draw(self, logits: mx.array, generated: Sequence[int] = ()) -> mx.array:
+    def draw(self, logits: mx.array, generated: Generated = ()) -> mx.array:
         """The next token as a lazy scalar (a batch evaluates all its rows' draws at once), after the
         tokens this sequence has generated so far."""
         sampling = self.sampling
@@ -405,7 +395,7 @@ class Sampler:
         if self.closing or left > MAX_CLOSING_TOKENS:
             return self.closing
         near = left <= self.tokens_to_close + 3 * CLOSING_CHECK_TOKENS
-        if near or num_generated % CLOSING_CHECK_TOKENS == 0:
+        if self.matcher is not None and (near or num_generated % CLOSING_CHECK_TOKENS == 0):
             self.tokens_to_close = self.matcher.tokens_to_close()
             self.closing = left <= self.tokens_to_close + CLOSING_CHECK_TOKENS
         return self.closing
@@ -422,10 +412,12 @@ class Sampler:
 
     def logprobs(self, token: int) -> TokenLogprob:
         """The last draw's log probability of `token` (the drawn one) and its top_logprobs alternatives."""
+        assert self.last_logprobs is not None, "asked only of rows that want top_logprobs, after a draw"
         chosen, ids, values = self.last_logprobs
-        return TokenLogprob(token, chosen.item(), tuple(zip(ids.tolist(), values.tolist())))
+        top: list[tuple[int, float]] = list(zip(ids.tolist(), values.tolist()))  # type: ignore[arg-type]  # 1-D arrays
+        return TokenLogprob(token, float(cast(float, chosen.item())), tuple(top))
 
-    def _adjusted(self, logits: mx.array, generated: Sequence[int]) -> mx.array:
+    def _adjusted(self, logits: mx.array, generated: Generated) -> mx.array:
         sampling = self.sampling
         if not (self.bias or (generated and (sampling.presence_penalty or sampling.frequency_penalty))):
             return logits
@@ -496,15 +488,17 @@ def _load(family: Family, model_path: Path):
         from mlx_vlm.models import cache as cache_classes
 
         model, processor = mlx_vlm.load(str(model_path))
-        language_model = model.language_model
-    else:
-        import mlx_lm
-        from mlx_lm.models import cache as cache_classes
+        return _evaluated(model), processor, model.language_model, cache_classes
+    import mlx_lm
+    from mlx_lm.models import cache as lm_cache_classes
 
-        model, processor = mlx_lm.load(str(model_path))
-        language_model = model
+    model, tokenizer = mlx_lm.load(str(model_path))[:2]
+    return _evaluated(model), tokenizer, model, lm_cache_classes
+
+
+def _evaluated(model):
     mx.eval(_reachable_arrays(model))
-    return model, processor, language_model, cache_classes
+    return model
 
 
 def _reachable_arrays(root) -> list[mx.array]:
@@ -530,18 +524,19 @@ def _reachable_arrays(root) -> list[mx.array]:
 
 def _deepstack_kwargs(inputs: ModelInputs, begin: int, end: int) -> dict:
     """The library's deepstack arguments for rows [begin, end) of the uncached part (none without)."""
-    if inputs.deepstack is None or not inputs.visual[begin:end].any():
+    visual = inputs.visual  # set together with deepstack
+    if inputs.deepstack is None or visual is None or not visual[begin:end].any():
         return {}
-    rows = mx.array(np.flatnonzero(inputs.visual[begin:end]), dtype=mx.uint32)
+    rows = mx.array(np.flatnonzero(visual[begin:end]), dtype=mx.uint32)
     return {
-        "visual_pos_masks": mx.array(inputs.visual[begin:end])[None],
+        "visual_pos_masks": mx.array(visual[begin:end])[None],
         "deepstack_visual_embeds": [layer[begin:end][rows] for layer in inputs.deepstack],
     }
 
 
 def token_embedding(language_model) -> nn.Module:
     """The token embedding table: under `.model` in most families, on the language model itself in Idefics3's."""
-    inner = getattr(language_model, "model", None)
+    inner = getattr(language_model, "model", language_model)
     return inner.embed_tokens if hasattr(inner, "embed_tokens") else language_model.embed_tokens
 
 
@@ -611,3 +606,8 @@ def _last_position_class(base: type, method: str) -> type:
 
         _LAST_POSITION_CLASSES[key] = type(f"LastPosition{base.__name__}", (base,), {method: last_position})
     return _LAST_POSITION_CLASSES[key]
+
+
+def as_token(draw: mx.array) -> int:
+    """A drawn token id (an integer scalar array; mlx types item() as any number) as an int."""
+    return int(cast(int, draw.item()))

@@ -6,7 +6,6 @@ sequence, or that ends in an incomplete UTF-8 sequence, is held back until it is
 
 from __future__ import annotations
 
-
 # Tokens re-decoded together on every push: byte-level BPE decodes piecewise (a character's bytes may
 # span tokens), so a window is settled only once it decodes to whole characters.
 DECODE_WINDOW_TOKENS = 32
@@ -54,7 +53,3 @@ class TextStream:
         chunk = self.text[self.emitted : end]
         self.emitted = max(self.emitted, end)
         return chunk
-
-    @property
-    def final_text(self) -> str:
-        return self.text[: self.emitted]

@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .constraint import GrammarError, JSON_OPTIONS, lark_grammar
-from .types import Message, TextPart, Tool
+from .constraint import JSON_OPTIONS, GrammarError, lark_grammar
+from .types import Tool
 
 HERMES = "json_tools"
 CONSTRAINABLE = (HERMES, "mistral")  # formats whose call can be forced by a grammar
@@ -165,6 +165,3 @@ def _text(message: dict) -> str:
     if isinstance(content, str):
         return content
     return "".join(part.get("text", "") for part in content)
-
-
-__all__ = ["HERMES", "Message", "ParsedCall", "TextPart", "ToolFormat", "call_spec", "tool_spec"]

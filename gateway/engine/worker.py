@@ -26,11 +26,12 @@ two steps).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Generator
+from collections.abc import AsyncGenerator, Callable, Generator
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
@@ -38,13 +39,13 @@ import mlx.core as mx
 
 from kvcache import TenantSalt
 
-from .types import Sampling
-from .caching import PrefixReport, VisionReport
-from .prompt import PreparedPrompt
 from .batch import DecodeBatch
+from .caching import PrefixReport, VisionReport
 from .fair_queue import FairQueue, QueueFull
+from .prompt import PreparedPrompt
 from .runner import Cancelled, ModelRunner, PrefillResult, Sampler, TokenLogprob
 from .text import TextStream
+from .types import Sampling
 
 log = logging.getLogger("strata.engine")
 EXPIRY_INTERVAL_S = 10.0  # how often the worker drops idle entries from the RAM tiers
@@ -112,13 +113,7 @@ class Job:
     ended: bool = False  # Finished or Failed was sent: nothing more is
 
     def send(self, event: Event) -> None:
-        if self.ended:
-            return
-        self.ended = isinstance(event, ENDINGS)
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the client's event loop is closed: nobody is left to tell
-            pass
+        _deliver(self, event)
 
 
 @dataclass(slots=True)
@@ -132,7 +127,17 @@ class EmbedJob:
     vectors: list = field(default_factory=list)
     ended: bool = False
 
-    send = Job.send
+    def send(self, event: Event) -> None:
+        _deliver(self, event)
+
+
+def _deliver(job: Job | EmbedJob, event: Event) -> None:
+    """Hand an event to the job's event loop (any thread); nothing after its Finished or Failed."""
+    if job.ended:
+        return
+    job.ended = isinstance(event, ENDINGS)
+    with contextlib.suppress(RuntimeError):  # the client's event loop is closed: nobody is left to tell
+        job.loop.call_soon_threadsafe(job.events.put_nowait, event)
 
 
 @dataclass(slots=True)
@@ -198,7 +203,7 @@ class Running:
     job: Job
     sampler: Sampler
     text: TextStream
-    logits: object  # mx.array (vocab,): the next token's logits
+    logits: mx.array  # (vocab,): the next token's logits
     reserved: int  # bytes of the memory budget held for the job's KV
     generated: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # not yet sent with a Delta
@@ -256,15 +261,7 @@ class EngineWorker:
 
     def stop(self, timeout_s: float = 10.0) -> bool:
         """Cancel the running jobs, fail the waiting ones, end the thread. True when it ended."""
-        admitting = self.prefilling
-        for job in [row.job for row in list(self.running)] + [admitting.job if admitting else None, self.memory_wait]:
-            if job is not None:
-                job.cancelled.set()
-                job.send(Failed("server is shutting down"))
-        for job in [*self.jobs.drain(), *self.embeddings]:  # drop what waits, then wake the thread
-            job.cancelled.set()
-            job.send(Failed("server is shutting down"))
-        self.jobs.close()
+        self._end_every_job("server is shutting down")
         ended = self.ended.wait(timeout_s)
         self._fail_calls()
         return ended
@@ -360,7 +357,7 @@ class EngineWorker:
             self.memory_wait is not None,
         )
 
-    async def events(self, job: Job) -> AsyncIterator[Event]:
+    async def events(self, job: Job | EmbedJob) -> AsyncGenerator[Event, None]:
         """The job's events until Finished or Failed. Leaving early (client gone) cancels the job."""
         try:
             while True:
@@ -378,7 +375,7 @@ class EngineWorker:
         one exit in four). A parked daemon thread never exits: the process ends around it."""
         try:
             self._loop()
-        except BaseException as exc:  # noqa: BLE001 - a broken loop: health reports it, waiting jobs fail
+        except BaseException as exc:
             self.loop_error = exc
             log.exception("the engine worker's loop broke")
         finally:
@@ -387,21 +384,26 @@ class EngineWorker:
             threading.Event().wait()
 
     def _fail_what_waits(self) -> None:
-        """Once the loop has ended nothing will run: every job still held or queued gets Failed (a job
-        that ended already ignores it), and submit() refuses new ones."""
+        """Once the loop has ended nothing will run: every job fails and submit() refuses new ones."""
+        self._end_every_job("the engine has stopped")
+        self._fail_calls()
+
+    def _end_every_job(self, reason: str) -> None:
+        """Cancel every job held (running, prefilling, waiting for memory) or queued and send it
+        Failed(reason) (a job that ended already ignores it); close the queue, which wakes the thread
+        and makes submit() refuse new jobs. Any thread."""
         admitting = self.prefilling.job if self.prefilling else None
-        held = [row.job for row in self.running] + [admitting, self.memory_wait]
+        held = [row.job for row in list(self.running)] + [admitting, self.memory_wait]
         for job in [*held, *self.jobs.drain(), *self.embeddings]:
             if job is not None:
                 job.cancelled.set()
-                job.send(Failed("the engine has stopped"))
+                job.send(Failed(reason))
         self.jobs.close()
-        self._fail_calls()
 
     def _loop(self) -> None:
         try:
             self.runner.warm_up()
-        except BaseException as exc:  # reported by start(); the thread ends, serving nothing
+        except BaseException as exc:  # noqa: BLE001 - reported by start(); the thread ends, serving nothing
             self.warm_up_error = exc
             return
         finally:
@@ -479,7 +481,7 @@ class EngineWorker:
             job.send(Embedded(job.vectors))
         except Cancelled:
             self.stats.num_cancelled += 1
-        except Exception as exc:  # the worker must survive any one request
+        except Exception as exc:  # noqa: BLE001 - the worker must survive any one request
             self._fail(job, exc)
         self.embeddings.popleft()
 
@@ -502,6 +504,7 @@ class EngineWorker:
         """Run the admitted job's next prefill chunk; after its last, the job joins the batch.
         Returns the chunk's tokens."""
         admitting = self.prefilling
+        assert admitting is not None, "called only while a job is prefilling"
         try:
             num_tokens = next(admitting.steps)
             admitting.num_chunk_tokens += num_tokens
@@ -512,7 +515,7 @@ class EngineWorker:
         except Cancelled:
             self.stats.num_cancelled += 1
             prefill = None
-        except Exception as exc:  # the worker must survive any one request
+        except Exception as exc:  # noqa: BLE001 - the worker must survive any one request
             self._fail(admitting.job, exc)
             prefill = None
         self.prefilling = None
@@ -551,7 +554,7 @@ class EngineWorker:
                 admitted.reserved,
             )
             self.batch.join(prefill)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a sampler or grammar that cannot start fails its job alone
             self.runner.caches.release_running(admitted.reserved)
             self.runner.finish(prefill, [])
             self._fail(job, exc)
@@ -564,8 +567,8 @@ class EngineWorker:
         try:
             draws = mx.stack([row.sampler.draw(row.logits, row.generated) for row in self.running])
             mx.eval(draws, *[array for row in self.running for array in row.sampler.lazy_logprobs()])
-            tokens = draws.tolist()
-        except Exception as exc:  # the last step's evaluation failed: its rows fail, not the worker
+            tokens: list[int] = draws.tolist()  # type: ignore[assignment]  # mlx types tolist() as any nesting
+        except Exception as exc:  # noqa: BLE001 - the last step's evaluation failed: its rows fail, not the worker
             self._fail_all(exc)
             return
         going: list[int] = []
@@ -573,7 +576,7 @@ class EngineWorker:
             row = self.running[index]
             try:
                 goes_on = self._advance(row, tokens[index])
-            except Exception as exc:  # one row's grammar or logprobs failed: that row fails, not the batch
+            except Exception as exc:  # noqa: BLE001 - one row's grammar or logprobs failed: that row fails, not the batch
                 self._fail(row.job, exc)
                 goes_on = False
             if goes_on:
@@ -586,7 +589,7 @@ class EngineWorker:
         self.stats.num_decoded_tokens += len(going)
         try:
             logits = self.batch.step(going[::-1])
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failed batched forward fails its rows, not the worker
             self._fail_all(exc)
             return
         for index, row in enumerate(self.running):
@@ -636,7 +639,7 @@ class EngineWorker:
         finally:
             del self.running[index]
 
-    def _fail(self, job: Job, exc: Exception) -> None:
+    def _fail(self, job: Job | EmbedJob, exc: Exception) -> None:
         log.error("generation failed", exc_info=exc)
         self.stats.num_failed += 1
         job.send(Failed(f"generation failed: {type(exc).__name__}"))

@@ -8,8 +8,8 @@ import asyncio
 import json
 
 import httpx
-import numpy as np
 import jsonschema
+import numpy as np
 import openai
 import pytest
 

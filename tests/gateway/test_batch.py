@@ -10,7 +10,7 @@ import httpx
 import mlx.core as mx
 import pytest
 
-from gateway.engine import Message, Sampler, Sampling, TextPart
+from gateway.engine import Message, Sampler, Sampling, TextPart, decode_alone
 from gateway.engine.batch import DecodeBatch
 from gateway.engine.builder import RECIPES, BuildSpec
 from gateway.engine.caching import CacheConfig
@@ -33,7 +33,7 @@ def _prompts(runner, count=8):
 
 def _alone(runner, prompt) -> list[int]:
     prefill = runner.prefill(prompt, SALT, 64, lambda: False)
-    tokens = list(runner.decode(prefill, Sampling(STEPS, 0.0, 1.0, None, ()), lambda: False))
+    tokens = list(decode_alone(runner, prefill, Sampling(STEPS, 0.0, 1.0, None, ()), lambda: False))
     runner.finish(prefill, tokens)
     return tokens
 
@@ -235,7 +235,7 @@ def test_a_seeded_sampled_sequence_draws_the_same_tokens_alone_and_in_a_batch():
     prompts = _prompts(runner, 4)
     seeded = Sampling(STEPS, 0.9, 0.95, 1234, ())
     prefill = runner.prefill(prompts[2], SALT, 64, lambda: False)
-    alone = list(runner.decode(prefill, seeded, lambda: False))
+    alone = list(decode_alone(runner, prefill, seeded, lambda: False))
     batch, samplers, logits, drawn = DecodeBatch(runner), [], [], []
     for index, prompt in enumerate(prompts):
         prefill = runner.prefill(prompt, SALT, 64, lambda: False)
@@ -251,7 +251,8 @@ def test_a_seeded_sampled_sequence_draws_the_same_tokens_alone_and_in_a_batch():
 
 
 def test_stopping_the_engine_mid_batch_retires_the_rows_and_releases_their_blocks(tiny_model_path):
-    from gateway.engine import CacheConfig as Caches, Delta, Engine, EngineConfig
+    from gateway.engine import CacheConfig as Caches
+    from gateway.engine import Delta, Engine, EngineConfig
 
     engine = Engine(tiny_model_path, "tiny", EngineConfig(8, 64, Caches(64 << 20, 0, 16)))
     engine.start()
@@ -278,7 +279,8 @@ def test_the_last_place_in_the_batch_is_kept_for_another_tenant(tiny_model_path)
     """Three places; tenant B was served once. Tenant A then floods with long requests: it runs two
     sequences, never three, and B's next request starts at once in the kept place, while all of A's
     rows still decode (greedy, this prompt meets no EOS within 3000 tokens)."""
-    from gateway.engine import CacheConfig as Caches, Engine, EngineConfig, Finished, Started
+    from gateway.engine import CacheConfig as Caches
+    from gateway.engine import Engine, EngineConfig, Finished, Started
 
     engine = Engine(tiny_model_path, "tiny", EngineConfig(16, 64, Caches(64 << 20, 0, 16), max_num_seqs=3))
     engine.start()
@@ -330,7 +332,7 @@ def test_penalties_and_logit_bias_shape_each_row_as_they_do_alone(tiny_model_pat
 
     def alone(prompt, sampling):
         prefill = runner.prefill(prompt, SALT, 64, lambda: False)
-        return list(runner.decode(prefill, sampling, lambda: False))
+        return list(decode_alone(runner, prefill, sampling, lambda: False))
 
     assert alone(prompts[0], biased) == [7] * STEPS
     assert alone(prompts[1], penalised) != alone(prompts[1], plain)
@@ -343,7 +345,7 @@ def test_penalties_and_logit_bias_shape_each_row_as_they_do_alone(tiny_model_pat
         samplers.append(Sampler(sampling))
         logits.append(prefill.logits)
     for _ in range(STEPS):
-        tokens = mx.stack([s.draw(l, d) for s, l, d in zip(samplers, logits, drawn)]).tolist()
+        tokens = mx.stack([s.draw(row_logits, d) for s, row_logits, d in zip(samplers, logits, drawn)]).tolist()
         for row, token in enumerate(tokens):
             drawn[row].append(token)
         step = batch.step(tokens)

@@ -20,7 +20,6 @@ import pytest
 from gateway.cluster import Cluster, free_ports, port_free
 from tests.conftest import TINY
 
-
 KEYS = {"acme": "key-acme", "cold": "key-cold"}  # "cold" shares nothing with acme: its runs compute everything
 ADMIN = {"Authorization": "Bearer admin-key"}
 

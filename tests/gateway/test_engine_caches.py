@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gateway.engine import ImagePart, Message, Sampling, TextPart, decode_alone
 from gateway.engine.caching import CacheConfig
 from gateway.engine.runner import Cancelled, ModelRunner
-from gateway.engine import ImagePart, Message, Sampling, TextPart
 from kvcache import TenantSalt
 from tests.conftest import png_data_url
 from vision import ImageLimits, decode_data_url
@@ -43,7 +43,7 @@ def _prompt(runner, turns, images=()):
 def _run(runner, prompt, salt=TENANT_A, sampling=GREEDY):
     prefill = runner.prefill(prompt, salt, CHUNK, lambda: False)
     logits = np.array(prefill.logits)
-    generated = list(runner.decode(prefill, sampling, lambda: False))
+    generated = list(decode_alone(runner, prefill, sampling, lambda: False))
     runner.finish(prefill, generated)
     return logits, generated, prefill
 

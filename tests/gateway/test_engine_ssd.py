@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
+from gateway.engine import Message, Sampling, TextPart, decode_alone
 from gateway.engine.caching import CacheConfig
 from gateway.engine.runner import ModelRunner
-from gateway.engine import Message, Sampling, TextPart
 from kvcache import TenantSalt
 from kvcache.quant import QuantConfig
 from kvcache.ssd import AdmissionPolicy, SsdConfig
@@ -32,7 +32,7 @@ def _run(runner, text):
     prompt = runner.prompts.build((Message("user", (TextPart(text),)),), [])
     prefill = runner.prefill(prompt, SALT, 64, lambda: False)
     logits = np.array(prefill.logits)
-    tokens = list(runner.decode(prefill, GREEDY, lambda: False))
+    tokens = list(decode_alone(runner, prefill, GREEDY, lambda: False))
     runner.finish(prefill, tokens)
     return logits, tokens, prefill.prefix
 
@@ -92,9 +92,10 @@ SPILLER = """
 import sys
 from gateway.engine.caching import CacheConfig
 from gateway.engine.runner import ModelRunner
-from gateway.engine import Message, Sampling, TextPart
+from gateway.engine import Message, Sampling, TextPart, decode_alone
 from kvcache.ssd import AdmissionPolicy, SsdConfig
-runner = ModelRunner(sys.argv[1], CacheConfig(1 << 19, 0, 16, SsdConfig(sys.argv[2], admission=AdmissionPolicy(min_hits=0))), "tiny")
+ssd = SsdConfig(sys.argv[2], admission=AdmissionPolicy(min_hits=0))
+runner = ModelRunner(sys.argv[1], CacheConfig(1 << 19, 0, 16, ssd), "tiny")
 print("ready", flush=True)
 i = 0
 while True:  # heavy spilling: every prompt evicts earlier blocks to the SSD tier

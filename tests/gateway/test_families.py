@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from gateway.engine import ImagePart, Message, PromptError, Sampling, TextPart
+from gateway.engine import ImagePart, Message, PromptError, Sampling, TextPart, decode_alone
 from gateway.engine.builder import RECIPES, SIZES, BuildSpec
 from gateway.engine.caching import CacheConfig
 from gateway.engine.families import VISION_FAMILIES, UnsupportedModel, family_of
@@ -76,7 +76,7 @@ def _run(runner, turns, images=(), salt=TENANT_A):
     prompt = runner.prompts.build(tuple(turns), list(images))
     prefill = runner.prefill(prompt, salt, CHUNK, lambda: False)
     logits = np.array(prefill.logits.astype(mx.float32))
-    generated = list(runner.decode(prefill, GREEDY, lambda: False))
+    generated = list(decode_alone(runner, prefill, GREEDY, lambda: False))
     runner.finish(prefill, generated)
     return logits, generated, prefill
 
@@ -130,7 +130,7 @@ def test_multi_turn_with_an_image_in_turn_one(family, cold, warm):
     _vision_only(family)
     image = _image(3)
     turn1 = [_user("Look at this image and remember it.", image=True)]
-    _, reply_tokens, first = _run(warm, turn1, [image])
+    _, reply_tokens, _ = _run(warm, turn1, [image])
     reply = warm.tokenizer.decode(reply_tokens, skip_special_tokens=True)
     turn2 = turn1 + [Message("assistant", (TextPart(reply),)), _user("Now tell me more about its colours.")]
     result = _run(warm, turn2, [image])
@@ -215,7 +215,7 @@ def test_a_4bit_model_runs_warm_equals_cold(family):
 def test_a_vision_family_without_family_data_is_refused_at_start_up(tmp_path):
     config = '{"model_type": "made_up_vl", "vision_config": {}}'
     (tmp_path / "config.json").write_text(config)
-    with pytest.raises(UnsupportedModel, match="made_up_vl.*no family data.*image placeholder"):
+    with pytest.raises(UnsupportedModel, match=r"made_up_vl.*no family data.*image placeholder"):
         family_of(tmp_path)
 
 
@@ -337,7 +337,7 @@ def test_an_image_cut_by_a_cancelled_prefill_resumes_inside_its_tokens(family, c
 def test_a_hybrid_recurrent_model_runs_without_prefix_reuse_and_says_why():
     path = built_model(BuildSpec("qwen3_next", "tiny"))
     runner = _runner(path)
-    ids, expected = _library_logits(Library.load(path), [{"type": "text", "text": LONG}])
+    _, expected = _library_logits(Library.load(path), [{"type": "text", "text": LONG}])
     first, second = _run(runner, [_user(LONG)]), _run(runner, [_user(LONG)])
     for result in (first, second):
         assert (result[2].prefix.status, result[2].prefix.reason) == ("bypass", "recurrent_state")

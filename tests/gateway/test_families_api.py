@@ -113,5 +113,5 @@ def test_a_model_whose_warm_up_fails_stops_the_start_up_with_the_reason(tiny_mod
 
     engine = Engine(tiny_model_path, "tiny", EngineConfig())
     engine.runner.warm_up = lambda: (_ for _ in ()).throw(RuntimeError("the vision tower cannot run"))
-    with pytest.raises(RuntimeError, match="warm-up failed.*the vision tower cannot run"):
+    with pytest.raises(RuntimeError, match=r"warm-up failed.*the vision tower cannot run"):
         engine.start()

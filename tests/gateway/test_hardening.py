@@ -11,7 +11,7 @@ from litestar.testing import TestClient
 from gateway.app import create_app
 from gateway.engine import Message, TextPart
 from tests.conftest import TINY, png_data_url
-from tests.gateway.test_response_caches import ask, cached_settings, client  # noqa: F401 - fixtures
+from tests.gateway.test_response_caches import ask
 
 ADMIN = {"Authorization": "Bearer admin-key"}
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}

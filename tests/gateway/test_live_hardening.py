@@ -42,7 +42,7 @@ def _closed_within(sock: socket.socket, seconds: float) -> bool:
         while sock.recv(4096):
             pass  # a 4xx the server may send before closing
         return True
-    except socket.timeout:
+    except TimeoutError:
         return False
 
 
@@ -51,7 +51,8 @@ def _closed_within(sock: socket.socket, seconds: float) -> bool:
     [
         b"",
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Ty",
-        b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"model":',
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 1000\r\n\r\n{"model":',
     ],
     ids=["nothing", "half a header", "half a body"],
 )

@@ -121,12 +121,15 @@ def test_cache_status_follows_rfc_9211(engine, live_settings):
 
 
 def test_json_logs_write_one_line_per_request_without_prompt_text(engine, live_settings, caplog):
-    with caplog.at_level(logging.INFO, logger="strata.access"):
-        with TestClient(create_app(dataclasses.replace(live_settings, log_format="json"), engine=engine)) as client:
-            client.post(
-                "/v1/chat/completions", json=_body("PRIVATE words of the prompt"), headers={"X-Request-Id": "log-me"}
-            )
-            client.get("/nope")
+    settings = dataclasses.replace(live_settings, log_format="json")
+    with (
+        caplog.at_level(logging.INFO, logger="strata.access"),
+        TestClient(create_app(settings, engine=engine)) as client,
+    ):
+        client.post(
+            "/v1/chat/completions", json=_body("PRIVATE words of the prompt"), headers={"X-Request-Id": "log-me"}
+        )
+        client.get("/nope")
     records = [r for r in caplog.records if r.name == "strata.access"]
     assert len(records) == 2
     line = json.loads(JsonFormatter().format(records[0]))

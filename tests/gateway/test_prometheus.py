@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.gateway.test_live_server import LiveServer, _free_port
 from tests.conftest import TINY
+from tests.gateway.test_live_server import LiveServer, _free_port
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 

@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
-import pytest
 from litestar.testing import TestClient
 
 from gateway.app import create_app
 from tests.conftest import TINY, png_data_url
 
 ADMIN = {"Authorization": "Bearer admin-key"}
-
-
-@pytest.fixture
-def cached_settings(settings):
-    return dataclasses.replace(settings, exact_store="sqlite", semantic_enabled=True, admin_key="admin-key")
-
-
-@pytest.fixture
-def client(cached_settings, engine, embedder):
-    with TestClient(create_app(cached_settings, engine=engine, embedder=embedder)) as test_client:
-        yield test_client
 
 
 def ask(client, text, headers=None, **body):

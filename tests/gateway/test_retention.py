@@ -168,7 +168,8 @@ def test_idle_kv_blocks_and_image_features_expire_from_ram(tiny_model_path, monk
 
     async def run():
         job = engine.submit(engine.prepare(messages, [image]), Sampling(2, 0.0, 1.0, None, ()), b"t" * 16)
-        return [event async for event in engine.events(job)][0]
+        events = [event async for event in engine.events(job)]  # drained: the job has ended
+        return events[0]
 
     try:
         asyncio.run(run())

@@ -72,7 +72,7 @@ def _walk(grammars: Grammars, grammar: str, seed: int, limit: int = 400) -> list
     while len(tokens) < limit:
         allowed = np.flatnonzero(np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little"))
         allowed = allowed[allowed < grammars.vocab_size]
-        if matcher.is_accepting() and rng.random() < 0.5 or len(allowed) == 0:
+        if (matcher.is_accepting() and rng.random() < 0.5) or len(allowed) == 0:
             return tokens
         token = int(rng.choice(allowed))
         if matcher.is_accepting() and grammars.tokenizer.is_special_token(token):

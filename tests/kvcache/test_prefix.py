@@ -39,7 +39,7 @@ def test_supersequence_match_reuses_every_full_block_of_the_shorter_prompt(cache
     session = cache.open(SALT_A, "model", query)
     match = session.match(len(query))
     assert (match.num_matched_tokens, match.num_cached_tokens, match.tier) == (48, 48, "ram")
-    keys, values = session.gather(match.num_cached_tokens)[1]
+    keys, _ = session.gather(match.num_cached_tokens)[1]
     expected_keys, _ = _kv_for(query)[1]
     assert mx.array_equal(keys, expected_keys[:, :, :48, :])
     session.close()
