@@ -97,8 +97,8 @@ class RememberingEmbedder:
             self.vectors.update(zip(missing, self.embedder.embed(missing)))
         return np.stack([self.vectors[text] for text in texts])
 
-    def count_tokens(self, texts: list[str]) -> list[int]:
-        return self.embedder.count_tokens(texts)
+    def count_tokens(self, texts: list[str], truncated: bool = True) -> list[int]:
+        return self.embedder.count_tokens(texts, truncated)
 
 
 def run(pairs: list[Pair], cache: SemanticCache, isolate: bool = False) -> dict:

@@ -24,9 +24,11 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
+from typing import Any, TypeVar
 
 import anyio
 from litestar import Litestar, Request, Response, delete, get, post
@@ -50,7 +52,7 @@ from .dashboard import DASHBOARD_ROUTES, History
 from .embeddings import MODEL_NAMES as EMBEDDING_MODELS
 from .embeddings import Embeddings, parse_embeddings_request
 from .engine import CacheConfig, Engine, EngineConfig, resolve_model_path
-from .errors import EXCEPTION_HANDLERS, ApiError, bad_request
+from .errors import EXCEPTION_HANDLERS, ApiError, bad_request, echo
 from .files import private_dir, private_file
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import RequestMetrics, StateCollector
@@ -66,6 +68,7 @@ from .stats import LayerCounters
 from .sweeper import Sweeper
 
 log = logging.getLogger("strata")
+T = TypeVar("T")
 EXACT_KEY_HEADER = "X-Strata-Exact-Key"
 VERSION = "0.1.0"
 
@@ -95,7 +98,10 @@ async def chat_completions(request: Request) -> Response:
     caller = services.auth.caller(request.headers.get("authorization"))
     raw = await request.body()
     chat_request = await off_loop(len(raw), partial(_parse, raw, services.settings.limits))
-    turn = await services.pipeline.start(chat_request, caller, request.headers, len(raw))
+    starting = services.pipeline.start(chat_request, caller, request.headers, len(raw))
+    turn = await _unless_client_leaves(request, starting)
+    if turn is None:  # it left while the choices were admitted and prefilled: their jobs were cancelled
+        return Response(b"", status_code=499)
     request.state.turn = turn  # for the request's log line
     if chat_request.stream:
         chunks = openai_format.sse(
@@ -149,23 +155,32 @@ async def create_response(request: Request) -> Response:
     body = await off_loop(len(raw), partial(parse_json_body, raw, limits.max_json_depth))
     previous_id = body.get("previous_response_id")
     history = await _history(services, previous_id, caller.tenant)
+    stored = body.get("store", True) is not False
+    if stored:
+        await _check_quota(services, caller.tenant, len(raw))
     chat, conversation = responses_api.chat_body(body, history)
+    added = conversation[len(history or []) :]  # what this turn adds: a stored turn keeps only that
     chat_request = await off_loop(len(raw), partial(_parse_renamed, chat, limits))
-    turn = await services.pipeline.start(chat_request, caller, request.headers, len(raw))
+    turn = await _unless_client_leaves(
+        request, services.pipeline.start(chat_request, caller, request.headers, len(raw))
+    )
+    if turn is None:
+        return Response(b"", status_code=499)
     request.state.turn = turn  # for the request's log line
     response_id, tools, owner = responses_api.new_id(), _tools(services, chat_request), turn.ctx.owner
 
     async def finished(message: dict, response: dict) -> None:
-        if body.get("store", True) is not False:
+        if stored:
             await anyio.to_thread.run_sync(
                 services.conversations.save,
                 response_id,
                 caller.tenant,
                 owner.session or None,
                 owner.end_user or None,
-                conversation + [message],
+                [*added, message],
                 response,
                 time.time(),
+                previous_id,
             )
 
     if chat_request.stream:
@@ -200,10 +215,28 @@ async def delete_response(request: Request, response_id: FromPath[str]) -> dict:
     return {"id": response_id, "object": "response", "deleted": True}
 
 
+async def _check_quota(services: Services, tenant: str, num_bytes: int) -> None:
+    """413 before any work when storing a request of `num_bytes` could take the tenant's stored
+    responses past its quota (the output's bytes are bounded by max_output_tokens and not counted)."""
+    quota = services.settings.conversation_quota_bytes
+    if not quota:
+        return
+    used = await anyio.to_thread.run_sync(services.conversations.used_bytes, tenant)
+    if used + num_bytes > quota:
+        raise ApiError(
+            413,
+            f"this tenant's stored responses hold {used} bytes; storing this request ({num_bytes} bytes) "
+            f"would pass its quota of {quota} bytes: send 'store': false, or delete stored responses "
+            "(DELETE /v1/responses/{id})",
+            "storage_quota_exceeded",
+            "store",
+        )
+
+
 def _no_response(response_id: str) -> ApiError:
     return ApiError(
         404,
-        f"no stored response {response_id[:100]!r} (expired, deleted, not stored, or never made)",
+        f"no stored response {echo(response_id)} (expired, deleted, not stored, or never made)",
         "response_not_found",
         "response_id",
     )
@@ -219,7 +252,7 @@ async def _history(services: Services, previous_id, tenant: str) -> list[dict] |
     if history is None:
         raise ApiError(
             404,
-            f"no stored response {previous_id!r} (expired, not stored, or never made)",
+            f"no stored response {echo(previous_id)} (expired, not stored, or never made)",
             "previous_response_not_found",
             "previous_response_id",
         )
@@ -241,13 +274,15 @@ def _parse_renamed(chat: dict, limits):
 
 
 @post("/v1/embeddings", status_code=200)
-async def create_embeddings(request: Request) -> dict:
+async def create_embeddings(request: Request) -> Response:
     services = _services(request)
-    services.auth.caller(request.headers.get("authorization"))
+    caller = services.auth.caller(request.headers.get("authorization"))
     raw = await request.body()
     limits = services.settings.limits
     body = await off_loop(len(raw), partial(parse_json_body, raw, limits.max_json_depth))
-    return await services.embeddings.create(parse_embeddings_request(body, limits, services.embeddings.engine_model))
+    parsed = parse_embeddings_request(body, limits, services.embeddings.engine_model)
+    answer = await _unless_client_leaves(request, services.embeddings.create(parsed, caller.tenant))
+    return Response(b"", status_code=499) if answer is None else Response(answer)
 
 
 def _parse(raw: bytes, limits):
@@ -257,7 +292,19 @@ def _parse(raw: bytes, limits):
 async def _client_left_first(request: Request, finishing) -> bool:
     """Await `finishing` (a non-streaming answer) unless the client disconnects first; then cancel
     it, which closes the job's events and stops the engine between two steps. True if it left."""
-    task = asyncio.ensure_future(finishing)
+
+    async def finished() -> bool:
+        await finishing
+        return True
+
+    return await _unless_client_leaves(request, finished()) is None
+
+
+async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """`work`'s result, or None when the client disconnects first: `work` is then cancelled, which
+    cancels every job it started (all n choices; those still queued or prefilling too). Errors of
+    `work` (ApiError, the deadline) are raised."""
+    task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
     await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     left = not task.done()
@@ -265,9 +312,7 @@ async def _client_left_first(request: Request, finishing) -> bool:
         pending.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await pending
-    if not left:
-        task.result()  # re-raises the request's own error (ApiError, deadline)
-    return left
+    return None if left else task.result()
 
 
 async def _disconnected(request: Request) -> None:
@@ -410,11 +455,10 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
         request_metrics = RequestMetrics(registry, settings.metrics_tenant_label) if settings.metrics_enabled else None
         pipeline = Pipeline(ChatService(settings, live), responses, counters, sessions, request_metrics)
         stamp = ModelStamp(live.info.name, live.info.fingerprint)
-        shared = responses.semantic.embedder if responses.semantic is not None else embedder
         conversations = ConversationStore(
             private_file(settings.data_dir / "conversations.db"), settings.conversation_ttl_s
         )
-        embeddings = Embeddings(shared, live, settings)
+        embeddings = Embeddings(live, settings)
         app.state.services = Services(
             settings, live, auth, pipeline, counters, responses, stamp, embeddings, conversations, registry
         )

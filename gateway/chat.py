@@ -27,6 +27,7 @@ from vision import DecodedImage
 
 from .auth import Caller
 from .engine import (
+    CompiledGrammar,
     Delta,
     Engine,
     Failed,
@@ -42,7 +43,7 @@ from .engine import (
     VisionReport,
     json_schema_grammar,
 )
-from .errors import ENGINE_REFUSALS, ApiError, bad_request, engine_refusal
+from .errors import ENGINE_REFUSALS, ApiError, bad_request, echo, engine_refusal, refuse_unless_serving
 from .images import load_image
 from .openai_format import Completion
 from .schemas import ChatRequest
@@ -65,16 +66,20 @@ def deadline_error(timeout_s: float) -> ApiError:
     return ApiError(504, f"the request did not finish within the server's {timeout_s:g} s deadline", "timeout")
 
 
+GRAMMAR_COMPILE_S = 10.0  # a schema that takes longer to compile and probe is refused (400)
+
+
 class ChatService:
     def __init__(self, settings: Settings, engine: Engine):
         self.settings = settings
         self.engine = engine
+        self.compile_lane: anyio.CapacityLimiter | None = None  # one grammar compile at a time (made in the loop)
 
     def check_model(self, request: ChatRequest) -> None:
         if request.model != self.engine.info.name:
             raise ApiError(
                 404,
-                f"model {request.model!r} does not exist; this server serves {self.engine.info.name!r}",
+                f"model {echo(request.model)} does not exist; this server serves {self.engine.info.name!r}",
                 "model_not_found",
                 "model",
             )
@@ -115,24 +120,41 @@ class ChatService:
             raise bad_request(str(exc), exc.code, "messages") from None
         if prompt.num_tokens + request.sampling.max_tokens > limit:
             raise _context_error(limit, str(prompt.num_tokens), request.sampling.max_tokens)
-        grammar = await anyio.to_thread.run_sync(self._grammar, request) if _constrained(request) else None
+        grammar = await self._compiled_grammar(request) if _constrained(request) else None
         return prompt, replace(request.sampling, grammar=grammar)
 
-    def _grammar(self, request: ChatRequest) -> str:
-        """The grammar of a forced tool call, else of the response format; 400 when it cannot compile."""
+    async def _compiled_grammar(self, request: ChatRequest) -> CompiledGrammar:
+        """The output's grammar, compiled off the event loop and off the engine thread, one compile at
+        a time, within GRAMMAR_COMPILE_S; 400 invalid_schema when it takes longer (the compile is
+        left to finish: its result is cached for a request that sends the same schema again)."""
+        if self.compile_lane is None:
+            self.compile_lane = anyio.CapacityLimiter(1)
         param = "tools" if request.forced_tool is not None else "response_format"
+        try:
+            with anyio.fail_after(GRAMMAR_COMPILE_S):
+                return await anyio.to_thread.run_sync(
+                    self._grammar, request, param, limiter=self.compile_lane, abandon_on_cancel=True
+                )
+        except TimeoutError:
+            raise bad_request(
+                f"the {param} schema took longer than {GRAMMAR_COMPILE_S:.0f} s to compile; send a smaller one",
+                "invalid_schema",
+                param,
+            ) from None
+
+    def _grammar(self, request: ChatRequest, param: str) -> CompiledGrammar:
+        """The grammar of a forced tool call, else of the response format; 400 when it cannot compile."""
         try:
             if request.forced_tool is not None:
                 grammar = self.engine.tools.grammar(request.tools, request.forced_tool or None)
             else:
                 schema = (request.response_format or {}).get("schema")
                 grammar = json_schema_grammar(json.loads(schema) if schema else {"type": "object"})
-            self.engine.check_grammar(grammar)
+            return self.engine.compile_grammar(grammar)
         except (GrammarError, ValueError) as exc:
             raise bad_request(
                 f"the {param} schema cannot be used to constrain the output: {_brief(exc)}", "invalid_schema", param
             ) from None
-        return grammar
 
     def replay(self, stored: StoredResponse, trace: Trace) -> Run:
         """A Run whose events come from a stored answer (exact or semantic hit): same shapes, no model.
@@ -154,6 +176,7 @@ class ChatService:
     ) -> Run:
         """Queue the job and wait until its prefill is done (or it failed, or the deadline passed).
         The engine's caches record `owner` (with the tenant) on what the job stores or reuses."""
+        refuse_unless_serving(self.engine, self.settings.stuck_after_s)
         try:
             job = self.engine.submit(prompt, sampling, caller.salt, owner_label(caller.tenant, owner))
         except ENGINE_REFUSALS as refused:
@@ -250,7 +273,7 @@ def _apply(event, completion: Completion) -> None:
         completion.finish_reason = event.finish_reason
         completion.whole = True
     elif isinstance(event, Failed):
-        raise ApiError(500, event.message, "engine_error")
+        raise ApiError(event.status, event.message, event.code)
 
 
 def _constrained(request: ChatRequest) -> bool:

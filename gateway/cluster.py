@@ -133,6 +133,9 @@ class Cluster:
             "STRATA_SSD_DIR": str(self.folder / "kv-shared"),
             "STRATA_SSD_WRITER": name,
             "STRATA_SECRET_FILE": str(self.folder / "server.secret"),
+            # behind the proxy every client is the proxy: the per-client cap is the proxy's
+            # (deploy/haproxy/haproxy.cfg), a replica has none
+            "STRATA_MAX_CONNECTIONS_PER_CLIENT": "0",
             **self.extra_env,
         }
         self._spawn(

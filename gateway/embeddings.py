@@ -1,33 +1,48 @@
 """POST /v1/embeddings, in OpenAI's shape, from one of two models:
 
-- MiniLM (all-MiniLM-L6-v2, 384-d, L2-normalised), the model the semantic layer already holds:
-  inputs are embedded together, 64 per forward pass, in a worker thread;
+- MiniLM (all-MiniLM-L6-v2, 384-d, L2-normalised), an instance of its own (loaded on the first
+  request), never the semantic layer's: a bulk request never holds the model a chat's semantic
+  lookup needs. Inputs are embedded CHUNK_TEXTS at a time, each chunk a turn of the fair lane
+  (tenants in turn: a tenant's flood waits behind one chunk of each other tenant), all under the
+  request's deadline; a request whose client left or whose deadline passed stops after its chunk;
 - the served model itself when its family pools (qwen3: the last token's final hidden state,
   L2-normalised, as mlx-vlm's qwen3_embedding computes it): one text per engine worker step,
   between decode steps, since only the worker may run the model.
 
     parse_embeddings_request(body, limits, engine_model) -> EmbeddingsRequest    400s name the field
-    Embeddings.create(request) -> dict                                          the response body
+    Embeddings.create(request, tenant) -> dict                                  the response body
+
+Inputs are bounded as OpenAI bounds them: at most 2,048 texts, 8,192 tokens each and 300,000 tokens
+in all (a 400 names the bound), besides the byte bound checked before any tokenising.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import ctypes
+import ctypes.util
 import threading
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import numpy as np
 
-from semantic import Embedder, MiniLMEmbedder
+from semantic import MiniLMEmbedder
 
 from .chat import deadline_error
 from .engine import Embedded, Engine
-from .errors import ENGINE_REFUSALS, ApiError, bad_request, engine_refusal
+from .errors import ENGINE_REFUSALS, ApiError, bad_request, engine_refusal, refuse_unless_serving
 from .settings import Limits, Settings
 
 MODEL_NAMES = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
+CHUNK_TEXTS = 8  # texts per turn of the lane: ~0.05-0.3 s of MiniLM on this CPU, what another tenant may wait
+MAX_INPUT_TOKENS = 8192  # OpenAI's bounds per input and per request
+MAX_REQUEST_TOKENS = 300_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,22 +85,70 @@ def parse_embeddings_request(body: dict[str, Any], limits: Limits, engine_model:
     return EmbeddingsRequest(model, tuple(inputs), encoding == "base64")
 
 
-class Embeddings:
-    """Shares the semantic layer's MiniLM when it is on; else loads one on the first request."""
+class FairLane:
+    """One turn at a time, tenants in turn. Invariant: `busy` while a turn is held; `waiting` holds
+    each tenant with waiters (in the order tenants take turns) and their futures, oldest first."""
 
-    def __init__(self, embedder: Embedder | None, engine: Engine, settings: Settings):
-        self.embedder = embedder
+    def __init__(self) -> None:
+        self.busy = False
+        self.waiting: OrderedDict[str, deque[asyncio.Future]] = OrderedDict()
+
+    @asynccontextmanager
+    async def turn(self, tenant: str) -> AsyncIterator[None]:
+        if self.busy or self.waiting:
+            granted = asyncio.get_running_loop().create_future()
+            self.waiting.setdefault(tenant, deque()).append(granted)
+            try:
+                await granted
+            except asyncio.CancelledError:
+                if granted.done() and not granted.cancelled():
+                    self._pass_on()  # granted as it was cancelled: the turn is ours to hand on
+                else:
+                    self._forget(tenant, granted)
+                raise
+        else:
+            self.busy = True
+        try:
+            yield
+        finally:
+            self._pass_on()
+
+    def _pass_on(self) -> None:
+        while self.waiting:
+            tenant, queue = self.waiting.popitem(last=False)
+            granted = queue.popleft()
+            if queue:
+                self.waiting[tenant] = queue  # to the back of the line of tenants
+            if not granted.done():
+                granted.set_result(None)
+                return
+        self.busy = False
+
+    def _forget(self, tenant: str, granted: asyncio.Future) -> None:
+        queue = self.waiting.get(tenant)
+        if queue is not None and granted in queue:
+            queue.remove(granted)
+            if not queue:
+                del self.waiting[tenant]
+
+
+class Embeddings:
+    """MiniLM embeddings with a model of their own (loaded on the first request), or the engine's."""
+
+    def __init__(self, engine: Engine, settings: Settings):
+        self.embedder: MiniLMEmbedder | None = None
         self.engine = engine
         self.settings = settings
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # guards loading the model
+        self.lane = FairLane()
 
     @property
     def engine_model(self) -> str | None:
         return self.engine.info.name if self.engine.poolable else None
 
-    async def create(self, request: EmbeddingsRequest) -> dict:
+    async def create(self, request: EmbeddingsRequest, tenant: str) -> dict:
         if request.model in MODEL_NAMES:
-            vectors, num_tokens = await anyio.to_thread.run_sync(self._embed, list(request.inputs))
+            vectors, num_tokens = await self._embed(list(request.inputs), tenant)
         else:
             vectors, num_tokens = await self._engine_embed(request.inputs)
         data = [
@@ -99,11 +162,53 @@ class Embeddings:
             "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
         }
 
-    def _embed(self, texts: list[str]) -> tuple[list[np.ndarray], int]:
+    async def _embed(self, texts: list[str], tenant: str) -> tuple[list[np.ndarray], int]:
+        """MiniLM's vectors of `texts` and the tokens they were embedded from (after its truncation)."""
+        embedder = await anyio.to_thread.run_sync(self._model)
+        vectors: list[np.ndarray] = []
+        num_tokens = 0
+        try:
+            with anyio.fail_after(self.settings.request_timeout_s):
+                await self._check_tokens(embedder, texts, tenant)
+                for start in range(0, len(texts), CHUNK_TEXTS):
+                    chunk = texts[start : start + CHUNK_TEXTS]
+                    async with self.lane.turn(tenant):
+                        embedded, counted = await anyio.to_thread.run_sync(_embed_chunk, embedder, chunk)
+                    vectors.extend(embedded)
+                    num_tokens += counted
+        except TimeoutError:
+            raise deadline_error(self.settings.request_timeout_s) from None
+        finally:
+            await anyio.to_thread.run_sync(_return_memory)
+        return vectors, num_tokens
+
+    async def _check_tokens(self, embedder: MiniLMEmbedder, texts: list[str], tenant: str) -> None:
+        """400 past OpenAI's bounds, counted with the model's own tokenizer (in chunks, in turn)."""
+        total = 0
+        for start in range(0, len(texts), CHUNK_TEXTS * 8):
+            async with self.lane.turn(tenant):
+                counts = await anyio.to_thread.run_sync(
+                    embedder.count_tokens, texts[start : start + CHUNK_TEXTS * 8], False
+                )
+            for offset, count in enumerate(counts):
+                if count > MAX_INPUT_TOKENS:
+                    param = f"input[{start + offset}]"
+                    raise bad_request(
+                        f"{param} has {count} tokens; at most {MAX_INPUT_TOKENS} per input", "invalid_value", param
+                    )
+            total += sum(counts)
+            if total > MAX_REQUEST_TOKENS:
+                raise bad_request(
+                    f"the inputs hold more than {MAX_REQUEST_TOKENS} tokens; at most that many per request",
+                    "invalid_value",
+                    "input",
+                )
+
+    def _model(self) -> MiniLMEmbedder:
         with self.lock:
             if self.embedder is None:
                 self.embedder = MiniLMEmbedder()
-        return list(self.embedder.embed(texts)), sum(self.embedder.count_tokens(texts))
+            return self.embedder
 
     async def _engine_embed(self, inputs: tuple[str, ...]) -> tuple[list[np.ndarray], int]:
         texts = await anyio.to_thread.run_sync(lambda: tuple(self.engine.embedding_tokens(text) for text in inputs))
@@ -112,6 +217,7 @@ class Embeddings:
             raise bad_request(
                 f"an input has {longest} tokens; this model's context is {limit}", "context_length_exceeded", "input"
             )
+        refuse_unless_serving(self.engine, self.settings.stuck_after_s)
         try:
             job = self.engine.submit_embedding(texts)
         except ENGINE_REFUSALS as refused:
@@ -127,6 +233,21 @@ class Embeddings:
         if not isinstance(event, Embedded):
             raise ApiError(503, getattr(event, "message", "embedding failed"), "engine_unavailable")
         return event.vectors, sum(len(ids) for ids in texts)
+
+
+def _embed_chunk(embedder: MiniLMEmbedder, texts: list[str]) -> tuple[list[np.ndarray], int]:
+    return list(embedder.embed(texts)), sum(embedder.count_tokens(texts))
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
+
+
+def _return_memory() -> None:
+    """Give the heap that bulk work freed back to the system (glibc's malloc_trim; elsewhere nothing):
+    torch's activations for thousands of texts are freed but would stay in the process."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def _encoded(vector: np.ndarray, as_base64: bool) -> list[float] | str:

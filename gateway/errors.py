@@ -58,6 +58,16 @@ class ApiError(Exception):
         return error_body(self.status, self.message, self.code, self.param)
 
 
+ECHO_CHARS = 100  # the most of a client's value an error message quotes
+
+
+def echo(value: object) -> str:
+    """A client's value as an error message quotes it: its repr, cut to ECHO_CHARS characters (a
+    1 MB id must not come back as a 1 MB error)."""
+    text = repr(value)
+    return text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS] + "..."
+
+
 def bad_request(message: str, code: str = "invalid_request", param: str | None = None) -> ApiError:
     return ApiError(400, message, code, param)
 
@@ -116,3 +126,13 @@ def engine_refusal(refused: Exception) -> ApiError:
             "max_tokens",
         )
     return ApiError(503, f"the engine cannot take requests: {refused}", "engine_unavailable")
+
+
+def refuse_unless_serving(engine, stuck_after_s: float) -> None:
+    """503 at once while the engine is reported dead or stuck (what /health says): a new job would
+    only wait in the queue until its deadline."""
+    health = engine.health(stuck_after_s)
+    if not health.alive:
+        raise ApiError(
+            503, f"the engine cannot take requests: {health.reason}", "engine_unavailable", headers={"Retry-After": "5"}
+        )

@@ -104,7 +104,7 @@ async def sse(
     tools: ToolFormat | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """SSE chunks of a request's (choice index, event) pairs (already applied to `completions`). An
-    error mid-stream ends it with an error event; closing this generator early closes `events`
+    error mid-stream ends it with an error event, then [DONE]; closing this generator early closes `events`
     (which cancels the jobs). With `tools`, text from where a call may start is held back; at the
     end the calls go out as `tool_calls` deltas (one whole call each) and anything held that was not
     a call as content."""
@@ -120,6 +120,7 @@ async def sse(
                     yield chunk
     except ApiError as exc:
         yield _sse(exc.body())
+        yield b"data: [DONE]\n\n"  # the stream ends as every stream does: a client waiting for it stops
         return
     finally:
         await events.aclose()

@@ -16,7 +16,8 @@ What may be shared, and with whom:
   serves only greedy answers: a sampled draw, even a seeded one, must not stand in for another
   question's answer.
 - Personal questions (the risk rules' personal_data) are keyed to the named end user (OpenAI `user`,
-  else the session) in both layers; with no end user named, the semantic layer is bypassed.
+  else the session) in both layers; with no end user named, both layers are bypassed (the exact
+  layer with reason personal_unscoped): an answer about "my account" must not reach the whole tenant.
 - A failing store (full disk, locked database) is logged and counted; the client gets its answer.
 - No store call runs on the event loop: every lookup, store and ownership update runs on the store
   lane (StoreLane), a few worker threads of its own. A slow store (Redis behind a slow link, SQLite
@@ -106,6 +107,7 @@ class RequestContext:
     semantic_vector: object = None  # the query's embedding, kept from lookup for the insert
     # Why neither response layer may answer or store (a stored text cannot carry logprobs or n choices)
     bypass: str | None = None
+    exact_bypass: str | None = None  # why the exact layer alone may not (a personal question, unscoped)
     owner: Owner = Owner()  # the session and end user whose request this is (purges select by them)
 
 
@@ -183,6 +185,7 @@ class ResponseCaches:
             context,
             bypass,
             bypass=_response_bypass(request),
+            exact_bypass="personal_unscoped" if category == PERSONAL_DATA and end_user is None else None,
             owner=owner,
         )
 
@@ -205,8 +208,8 @@ class ExactLayer:
         self.lane = lane
 
     async def lookup(self, ctx: RequestContext, trace: Trace) -> StoredResponse | None:
-        if ctx.bypass:
-            trace.record("exact", LayerOutcome.of(BYPASS, reason=ctx.bypass))
+        if reason := ctx.bypass or ctx.exact_bypass:
+            trace.record("exact", LayerOutcome.of(BYPASS, reason=reason))
             return None
         try:
             result = await self.lane.run(self.cache.lookup, ctx.exact_key, ctx.control, ctx.deterministic, time.time())
@@ -225,7 +228,7 @@ class ExactLayer:
         return result.response
 
     async def store(self, ctx: RequestContext, answer: Answer) -> None:
-        if ctx.bypass:
+        if ctx.bypass or ctx.exact_bypass:
             return
         now = time.time()
         response = StoredResponse(

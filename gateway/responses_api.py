@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from .engine import Delta, ToolFormat
-from .errors import ApiError, bad_request
+from .errors import ApiError, bad_request, echo
 from .openai_format import Completion, assistant_message, sendable
 from .schemas import refuse_unsupported
 from .trace import Trace
@@ -92,16 +92,22 @@ def input_messages(raw: Any) -> list[dict]:
                 {
                     "role": "tool",
                     "tool_call_id": item.get("call_id"),
-                    "content": output if isinstance(output, str) else json.dumps(output),
+                    # a string, or content parts (input_text, input_image) as the Responses API allows
+                    "content": _content(index, output) if isinstance(output, list) else _tool_output(output),
                 }
             )
         else:
             raise bad_request(
-                f"input[{index}].type {kind!r} is not supported (message, function_call, function_call_output)",
+                f"input[{index}].type {echo(kind)} is not supported (message, function_call, function_call_output)",
                 "unsupported_content_type",
                 f"input[{index}]",
             )
     return messages
+
+
+def _tool_output(output: Any) -> str:
+    """A function's output that is not content parts: a string as it is, anything else as JSON."""
+    return output if isinstance(output, str) else json.dumps(output)
 
 
 def _content(index: int, raw: Any) -> Any:
@@ -112,16 +118,19 @@ def _content(index: int, raw: Any) -> Any:
             f"input[{index}].content must be a string or an array of parts", "invalid_type", f"input[{index}]"
         )
     parts = []
-    for part in raw:
+    for number, part in enumerate(raw):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text"):
-            parts.append({"type": "text", "text": part.get("text")})
+            if not isinstance(part.get("text"), str):
+                param = f"input[{index}].content[{number}].text"
+                raise bad_request(f"{param} must be a string", "invalid_type", param)
+            parts.append({"type": "text", "text": part["text"]})
         elif kind == "input_image":
             url = part.get("image_url")
             parts.append({"type": "image_url", "image_url": {"url": url.get("url") if isinstance(url, dict) else url}})
         else:
             raise bad_request(
-                f"input[{index}]: content part type {kind!r} is not supported (input_text, input_image)",
+                f"input[{index}]: content part type {echo(kind)} is not supported (input_text, input_image)",
                 "unsupported_content_type",
                 f"input[{index}]",
             )
@@ -149,7 +158,9 @@ def _tool_choice(raw: Any) -> Any:
 
 
 def _format(text: Any) -> dict:
-    shape = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(text, dict):
+        raise bad_request("'text' must be an object ({\"format\": ...})", "invalid_type", "text")
+    shape = text.get("format")
     if shape is None:
         return {"type": "text"}
     if not isinstance(shape, dict):
@@ -285,6 +296,8 @@ async def stream_events(
                     sent = end
     except ApiError as exc:
         yield stream.event("error", **exc.body()["error"])
+        failed = response_object(response_id, body, None, None, [], previous_id)
+        yield stream.event("response.failed", response={**failed, "status": "failed", "error": exc.body()["error"]})
         return
     finally:
         await events.aclose()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .engine import ImagePart, Message, Sampling, TextPart, Tool, ToolCall
-from .errors import bad_request
+from .errors import bad_request, echo
 from .settings import Limits
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -93,9 +93,9 @@ def _utf8_size(text: str) -> int:
         ) from None
 
 
-def _short(value: object) -> str:
-    """A client's value (or an error about it) as an error message may echo it: at most 200 characters."""
-    text = str(value)
+def _short(exc: Exception) -> str:
+    """A parser's complaint about the client's body, cut to 200 characters."""
+    text = str(exc)
     return text if len(text) <= 200 else text[:200] + "..."
 
 
@@ -151,10 +151,12 @@ def parse_chat_request(body: dict[str, Any], limits: Limits) -> ChatRequest:
     n = body.get("n", 1) if body.get("n") is not None else 1
     if not _is_int(n) or not 1 <= n <= limits.max_n:
         raise bad_request(f"'n' must be an integer from 1 to {limits.max_n}", "invalid_value", "n")
+    sampling = _parse_sampling(body, limits)
+    _check_logprob_entries(sampling, n, limits)
     return ChatRequest(
         model=model,
         messages=messages,
-        sampling=_parse_sampling(body, limits),
+        sampling=sampling,
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
         metadata=_parse_metadata(body.get("metadata")),
@@ -235,7 +237,7 @@ def parse_tool_choice(body: dict[str, Any], tools: tuple[Tool, ...]) -> str:
                 field,
             )
         if name not in {tool.name for tool in tools}:
-            raise bad_request(f"'{field}' names {_short(name)!r}, which is not among the tools", "invalid_value", field)
+            raise bad_request(f"'{field}' names {echo(name)}, which is not among the tools", "invalid_value", field)
         return name
     if raw not in ("none", "auto", "required"):
         raise bad_request(f"'{field}' must be 'none', 'auto', 'required' or a named function", "invalid_value", field)
@@ -301,7 +303,7 @@ def _check_tool_results(messages: tuple[Message, ...]) -> None:
         calls.update(call.id for call in message.tool_calls)
         if message.role == "tool" and message.tool_call_id not in calls:
             raise bad_request(
-                f"messages[{index}] is a tool result for call {_short(message.tool_call_id)!r}, which no "
+                f"messages[{index}] is a tool result for call {echo(message.tool_call_id)}, which no "
                 "earlier assistant message made",
                 "invalid_tool_message",
                 f"messages[{index}]",
@@ -314,7 +316,7 @@ def _parse_message(index: int, item: Any, limits: Limits) -> Message:
         raise bad_request(f"{param} must be an object", "invalid_type", param)
     role = item.get("role")
     if role not in ROLES:
-        raise bad_request(f"{param}.role must be one of {', '.join(ROLES)}; got {role!r}", "invalid_role", param)
+        raise bad_request(f"{param}.role must be one of {', '.join(ROLES)}; got {echo(role)}", "invalid_role", param)
     content = item.get("content")
     if content is None and role == "assistant":
         content = ""
@@ -374,7 +376,7 @@ def _parse_part(param: str, part: Any) -> TextPart | ImagePart:
             raise bad_request(f"{param}.image_url.url must be a string", "invalid_type", param)
         return ImagePart(url)
     raise bad_request(
-        f"{param}.type {kind!r} is not supported (use 'text' or 'image_url')", "unsupported_content_type", param
+        f"{param}.type {echo(kind)} is not supported (use 'text' or 'image_url')", "unsupported_content_type", param
     )
 
 
@@ -425,6 +427,19 @@ def _parse_logprobs(body: dict[str, Any], limits: Limits) -> int | None:
     return top or 0
 
 
+def _check_logprob_entries(sampling: Sampling, n: int, limits: Limits) -> None:
+    if sampling.top_logprobs is None:
+        return
+    entries = n * sampling.max_tokens * (sampling.top_logprobs + 1)
+    if entries > limits.max_logprob_entries:
+        raise bad_request(
+            f"n x max_tokens x (top_logprobs + 1) is {entries}; at most {limits.max_logprob_entries} log "
+            "probabilities per request: lower n, max_tokens or top_logprobs",
+            "invalid_value",
+            "top_logprobs",
+        )
+
+
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 
 
@@ -440,7 +455,7 @@ def _parse_logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
     pairs = []
     for key, value in raw.items():
         if not (key.isascii() and key.isdigit() and len(key) <= 9):
-            raise bad_request(f"'logit_bias' keys are token ids; got {_short(key)!r}", "invalid_value", "logit_bias")
+            raise bad_request(f"'logit_bias' keys are token ids; got {echo(key)}", "invalid_value", "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise bad_request("'logit_bias' values must be numbers from -100 to 100", "invalid_value", "logit_bias")
         pairs.append((int(key), float(value)))
@@ -466,7 +481,7 @@ def _parse_metadata(raw: Any) -> dict[str, str]:
     for key, value in raw.items():
         if not isinstance(value, str) or len(key) > 64 or len(value) > 512 or not key:
             raise bad_request(
-                f"metadata[{key!r}] must be a string of at most 512 characters", "invalid_type", "metadata"
+                f"metadata[{echo(key)}] must be a string of at most 512 characters", "invalid_type", "metadata"
             )
     return dict(raw)
 

@@ -6,14 +6,26 @@ uvicorn's own settings bound idle keep-alive connections (`timeout_keep_alive`),
 (`limit_concurrency`: more are answered 503) and header size (`h11_max_incomplete_event_size`), but
 nothing bounds the time a client takes to *send* a request: its keep-alive timer starts only after a
 response, so a socket that connects and sends nothing, or half a header, or half a body, stays open
-forever. `ReadDeadlineProtocol` adds that bound: from the first byte a connection may send (or from
-the connection itself), the request's headers and body must all arrive within `http_read_timeout_s`,
-or the connection is closed. Time spent answering is not counted: a long stream is never cut.
+forever, and a few hundred of them fill the connection cap for everyone. `GuardedProtocol` adds:
+- a header deadline: from the connection (or the first byte of a request on a kept-alive one) the
+  headers must arrive within `http_header_timeout_s` (default 5 s; never more than the body's), else
+  the connection is closed;
+- a body deadline: headers and body together within `http_read_timeout_s` (default 30 s). Time spent
+  answering is not counted: a long stream is never cut;
+- a per-client cap: one client address may hold `max_connections_per_client` open connections; one
+  more is answered 429 and closed before it can hold anything (0: no cap, as behind a proxy, where
+  every client is the proxy and the proxy caps each client itself);
+- health checks whatever the cap: GET /health, /healthz and /health/ready are served even when the
+  open connections exceed `limit_concurrency` (everything else then gets uvicorn's 503).
+In front of several replicas HAProxy adds its own `timeout http-request` (deploy/haproxy).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import Counter
+from typing import ClassVar
 
 import h11
 import uvicorn
@@ -23,45 +35,103 @@ from .settings import Settings
 
 MAX_HEADER_BYTES = 64 * 1024  # one request's headers; larger answer 400 (uvicorn's h11 bound)
 GRACEFUL_SHUTDOWN_S = 10
+HEALTH_PATHS = frozenset({"/health", "/healthz", "/health/ready"})
 _REQUEST_RECEIVED = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR, h11.SWITCHED_PROTOCOL)
+_TOO_MANY = (
+    b'{"error": {"message": "too many open connections from this client", "type": "rate_limit_error", '
+    b'"code": "too_many_connections", "param": null}}'
+)
+TOO_MANY_RESPONSE = (
+    b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    b"retry-after: 1\r\ncontent-length: " + str(len(_TOO_MANY)).encode() + b"\r\n\r\n" + _TOO_MANY
+)
 
 
-class ReadDeadlineProtocol(H11Protocol):
-    read_timeout_s: float = 30.0  # set per server by `protocol_with_read_timeout`
+class GuardedProtocol(H11Protocol):
+    """uvicorn's h11 protocol with the deadlines and caps above; the class attributes are set per
+    server by `guarded_protocol`. Invariant: `per_client[host]` counts this server's open
+    connections from `host` that were admitted (the refused one is never counted)."""
+
+    header_timeout_s: float = 5.0
+    read_timeout_s: float = 30.0
+    max_per_client: int = 32
+    per_client: ClassVar[Counter[str]] = Counter()  # replaced per server by guarded_protocol
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # uvicorn types the base as BaseTransport
         super().connection_made(transport)
         self.read_deadline: asyncio.TimerHandle | None = None
+        self.waiting_for: str | None = None  # "headers" or "body" while a deadline runs
+        self.request_started = time.monotonic()
+        self.host = self.client[0] if self.client else ""
+        self.counted = not self.max_per_client or self.per_client[self.host] < self.max_per_client
+        if not self.counted:
+            transport.write(TOO_MANY_RESPONSE)
+            transport.close()
+            return
+        self.per_client[self.host] += 1
         self._arm()  # a connection that never sends anything is closed too
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self.conn.their_state in _REQUEST_RECEIVED:
+        state = self.conn.their_state
+        if state in _REQUEST_RECEIVED:
             self._disarm()
-        else:  # a request is arriving (or a new one began on a kept-alive connection)
+        elif state is h11.SEND_BODY:
+            if self.waiting_for != "body":  # the headers are in: the body's deadline, from the request's start
+                self._arm(self.request_started + self.read_timeout_s, "body")
+        elif self.waiting_for is None:  # a new request began on a kept-alive connection
+            self.request_started = time.monotonic()
             self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self.counted:
+            self.counted = False
+            self.per_client[self.host] -= 1
+            if self.per_client[self.host] <= 0:
+                del self.per_client[self.host]
         super().connection_lost(exc)
 
-    def _arm(self) -> None:
-        if self.read_deadline is None:
-            self.read_deadline = self.loop.call_later(self.read_timeout_s, self._read_timed_out)
+    @property  # uvicorn's plain attribute, read where a request's headers are in
+    def limit_concurrency(self) -> int | None:
+        """uvicorn answers 503 past this many connections or tasks; never to a health check."""
+        scope = getattr(self, "scope", None)
+        return None if scope is not None and scope.get("path") in HEALTH_PATHS else self._limit_concurrency
+
+    @limit_concurrency.setter
+    def limit_concurrency(self, value: int | None) -> None:
+        self._limit_concurrency = value
+
+    def _arm(self, at: float | None = None, waiting_for: str = "headers") -> None:
+        """The deadline: `at` (monotonic), or the headers' from the request's start."""
+        self._disarm()
+        due = at if at is not None else self.request_started + min(self.header_timeout_s, self.read_timeout_s)
+        self.read_deadline = self.loop.call_later(max(0.0, due - time.monotonic()), self._read_timed_out)
+        self.waiting_for = waiting_for
 
     def _disarm(self) -> None:
-        if self.read_deadline is not None:
-            self.read_deadline.cancel()
-            self.read_deadline = None
+        deadline = getattr(self, "read_deadline", None)  # None too before connection_made
+        if deadline is not None:
+            deadline.cancel()
+        self.read_deadline = None
+        self.waiting_for = None
 
     def _read_timed_out(self) -> None:
         self.read_deadline = None
+        self.waiting_for = None
         if self.conn.their_state not in _REQUEST_RECEIVED and not self.transport.is_closing():
             self.transport.close()
 
 
-def protocol_with_read_timeout(read_timeout_s: float) -> type[ReadDeadlineProtocol]:
-    return type("ReadDeadlineProtocol", (ReadDeadlineProtocol,), {"read_timeout_s": read_timeout_s})
+def guarded_protocol(settings: Settings) -> type[GuardedProtocol]:
+    """A protocol class for one server: its deadlines, its cap, its own per-client counts."""
+    attributes = {
+        "header_timeout_s": settings.http_header_timeout_s,
+        "read_timeout_s": settings.http_read_timeout_s,
+        "max_per_client": settings.max_connections_per_client,
+        "per_client": Counter(),
+    }
+    return type("GuardedProtocol", (GuardedProtocol,), attributes)
 
 
 def serve(app, settings: Settings, log_level: str) -> None:
@@ -75,7 +145,7 @@ def serve(app, settings: Settings, log_level: str) -> None:
         log_level=log_level,
         log_config=None if json_logs else uvicorn.config.LOGGING_CONFIG,
         access_log=not json_logs,
-        http=protocol_with_read_timeout(settings.http_read_timeout_s),
+        http=guarded_protocol(settings),
         timeout_keep_alive=settings.keep_alive_s,
         limit_concurrency=settings.max_connections,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,

@@ -50,6 +50,9 @@ class Limits:
     max_tool_schema_bytes: int = 64 * 1024  # one function's parameter schema (or a response_format schema), as JSON
     max_top_logprobs: int = 20  # alternatives per token (OpenAI's own bound)
     max_n: int = 8  # choices per request
+    # n x max_tokens x (top_logprobs + 1): the log probabilities one request may ask the server to
+    # hold (a non-streamed body holds them all; ~40 MB at this bound)
+    max_logprob_entries: int = 262_144
     max_embedding_inputs: int = 2048  # texts per /v1/embeddings request (OpenAI's own bound)
 
 
@@ -61,6 +64,7 @@ class Settings:
     port: int = 8000
     model_name: str | None = None  # the id clients send; defaults to the folder name
     conversation_ttl_s: float = 30 * 86400  # stored Responses-API conversations (previous_response_id) live this long
+    conversation_quota_bytes: int = 1 << 30  # what one tenant's stored responses may hold (0: no quota)
     stuck_after_s: float = 60.0  # /health is 503 once no engine step ended for this long while work waits
     dashboard_sample_s: float = 5.0  # the dashboard's history: one point this often (an hour of them kept)
     log_format: str = "text"  # json: log records as JSON lines, and one line per request (gateway/requestlog.py)
@@ -74,8 +78,10 @@ class Settings:
     max_num_seqs: int = _default(EngineConfig, "max_num_seqs")  # sequences decoding together
     request_timeout_s: float = 300.0  # server-side deadline of one request, queue wait included; then 504
     http_read_timeout_s: float = 30.0  # a request's headers and body must arrive within this; then closed
+    http_header_timeout_s: float = 5.0  # its headers alone within this (a slow-header client goes early)
     keep_alive_s: int = 5  # idle keep-alive connections are closed after this
-    max_connections: int = 256  # open connections; more are answered 503 by uvicorn
+    max_connections: int = 256  # open connections; more are answered 503 (but /health, /healthz, /health/ready)
+    max_connections_per_client: int = 32  # open connections from one address; more are answered 429 (0: no cap)
     prefill_chunk_tokens: int = _default(EngineConfig, "prefill_chunk_tokens")  # a multiple of kv_block_size
     kv_block_size: int = 32  # tokens per prefix-cache block (README: how it was chosen)
     kv_budget_bytes: int | None = None  # RAM for KV blocks and running sequences; None = 25% of available RAM; 0 = off
@@ -199,6 +205,12 @@ SETTINGS = (
         "how long a stored Responses-API conversation can be continued",
     ),
     Setting(
+        "conversation_quota_bytes",
+        "STRATA_CONVERSATION_QUOTA_BYTES",
+        int,
+        "what one tenant's stored Responses-API turns and images may hold; past it, 413 (0: no quota)",
+    ),
+    Setting(
         "stuck_after_s",
         "STRATA_STUCK_AFTER_S",
         float,
@@ -233,8 +245,25 @@ SETTINGS = (
         float,
         "a request's headers and body must arrive within this",
     ),
+    Setting(
+        "http_header_timeout_s",
+        "STRATA_HTTP_HEADER_TIMEOUT_S",
+        float,
+        "a request's headers must arrive within this (its body within STRATA_HTTP_READ_TIMEOUT_S)",
+    ),
     Setting("keep_alive_s", "STRATA_KEEP_ALIVE_S", int, "idle keep-alive connections are closed after this"),
-    Setting("max_connections", "STRATA_MAX_CONNECTIONS", int, "open connections; more are answered 503"),
+    Setting(
+        "max_connections",
+        "STRATA_MAX_CONNECTIONS",
+        int,
+        "open connections; more are answered 503 (health checks never)",
+    ),
+    Setting(
+        "max_connections_per_client",
+        "STRATA_MAX_CONNECTIONS_PER_CLIENT",
+        int,
+        "open connections from one client address; more are answered 429 (0: none, as behind a proxy)",
+    ),
     Setting("kv_block_size", "STRATA_KV_BLOCK_SIZE", int, "tokens per prefix KV block"),
     Setting(
         "kv_budget_bytes",

@@ -19,8 +19,9 @@ class Embedder(Protocol):
     def embed(self, texts: list[str]) -> np.ndarray:
         """(len(texts), dim) float32, L2-normalised: inner product == cosine."""
 
-    def count_tokens(self, texts: list[str]) -> list[int]:
-        """Tokens each text is embedded from (what OpenAI-style usage counts)."""
+    def count_tokens(self, texts: list[str], truncated: bool = True) -> list[int]:
+        """Tokens each text is embedded from (what OpenAI-style usage counts); not `truncated`: the
+        whole text's, before the model's own cut."""
 
 
 class MiniLMEmbedder:
@@ -40,10 +41,12 @@ class MiniLMEmbedder:
         self.lock = threading.Lock()  # one encode at a time: the model is shared across threads
         self.num_texts = 0  # texts embedded so far (guarded by lock)
 
-    def count_tokens(self, texts: list[str]) -> list[int]:
-        """Word pieces each text is embedded from (after the model's truncation to its 256)."""
+    def count_tokens(self, texts: list[str], truncated: bool = True) -> list[int]:
+        """Word pieces each text is embedded from: after the model's truncation to its 256, or (not
+        `truncated`) the whole text's."""
+        limit = self.model.max_seq_length if truncated else None
         with self.lock:
-            encoded = self.model.tokenizer(texts, truncation=True, max_length=self.model.max_seq_length)
+            encoded = self.model.tokenizer(texts, truncation=truncated, max_length=limit)
         return [len(ids) for ids in encoded["input_ids"]]
 
     def embed(self, texts: list[str]) -> np.ndarray:

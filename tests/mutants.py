@@ -38,6 +38,8 @@ GUARDS = "tests/semantic/test_guards.py::test_lookalikes_are_refused_with_the_ri
 FAMILIES = "tests/gateway/test_families.py"
 BREADTH = "tests/gateway/test_api_breadth.py"
 VERIFIER = "tests/semantic/test_verifier.py"
+ROUND_TWO = "tests/gateway/test_hardening_round_two.py"
+LIVE_HARDENING = "tests/gateway/test_live_hardening.py"
 # semantic/guards.py's GUARDS, in order: each mutant takes one out
 GUARD_NAMES = (
     "numbers",
@@ -378,8 +380,8 @@ MUTANTS = (
     Mutant(
         "a stored conversation continued by another tenant",
         "gateway/conversations.py",
-        "WHERE id = ? AND tenant = ? AND",
-        "WHERE id = ? AND ? IS NOT NULL AND",
+        'BY_ID = "id = ? AND tenant = ?"',
+        'BY_ID = "id = ? AND ? IS NOT NULL"',
         (f"{BREADTH}::test_a_three_turn_responses_conversation_reuses_the_earlier_turns",),
     ),
     Mutant(
@@ -476,6 +478,121 @@ MUTANTS = (
         '        await self.lane.run(\n            _guarded,\n            self.store_errors,\n            "exact",\n',
         '        _guarded(\n            self.store_errors,\n            "exact",\n',
         ("tests/gateway/test_slow_stores.py::test_slow_sqlite_writes_stall_neither_streams_nor_health",),
+    ),
+    Mutant(
+        "a grammar admitted without its probe",
+        "gateway/engine/constraint.py",
+        "Matcher(start.deep_copy(), self).probe()",
+        "pass",
+        (f"{ROUND_TWO}::test_schemas_past_the_grammar_engines_limits_are_a_400",),
+    ),
+    Mutant(
+        "grammars compiled on the engine thread again",
+        "gateway/chat.py",
+        "return self.engine.compile_grammar(grammar)",
+        "return grammar",
+        (
+            f"{ROUND_TWO}::test_forced_tool_calls_reach_the_engine_compiled",
+            f"{ROUND_TWO}::test_compiling_big_grammars_never_stalls_a_running_sequence",
+        ),
+    ),
+    Mutant(
+        "a failed stream ends without [DONE]",
+        "gateway/openai_format.py",
+        'yield b"data: [DONE]\\n\\n"  # the stream ends',
+        "pass  # the stream ends",
+        (f"{ROUND_TWO}::test_a_stream_that_fails_after_its_first_byte_ends_with_an_error_and_done",),
+    ),
+    Mutant(
+        "a stored turn keeps the whole conversation again",
+        "gateway/app.py",
+        "added = conversation[len(history or []) :]",
+        "added = conversation",
+        (f"{ROUND_TWO}::test_a_chain_with_an_image_per_turn_is_stored_about_once",),
+    ),
+    Mutant(
+        "no storage quota",
+        "gateway/app.py",
+        "if used + num_bytes > quota:",
+        "if False:",
+        (f"{ROUND_TWO}::test_a_tenant_past_its_storage_quota_gets_a_clear_413",),
+    ),
+    Mutant(
+        "echoed values not cut",
+        "gateway/errors.py",
+        'return text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS] + "..."',
+        "return text",
+        (f"{ROUND_TWO}::test_errors_quote_at_most_a_cut_of_what_was_sent",),
+    ),
+    Mutant(
+        "$defs of a tool left where the call schema moved them from",
+        "gateway/engine/tools.py",
+        "if not _has_refs(parameters):",
+        "if True:",
+        (f"{ROUND_TWO}::test_defs_in_a_named_tools_parameters_are_resolved",),
+    ),
+    Mutant(
+        "unscoped personal questions exact-cached for the tenant",
+        "gateway/responses.py",
+        'exact_bypass="personal_unscoped" if category == PERSONAL_DATA and end_user is None else None,',
+        "exact_bypass=None,",
+        (f"{ROUND_TWO}::test_personal_questions_without_an_end_user_bypass_the_exact_layer_too",),
+    ),
+    Mutant(
+        "requests queue while the engine is stuck",
+        "gateway/chat.py",
+        "        refuse_unless_serving(self.engine, self.settings.stuck_after_s)\n        try:\n            job = self.engine.submit(",
+        "        try:\n            job = self.engine.submit(",
+        (f"{ROUND_TWO}::test_new_requests_fail_fast_while_the_engine_is_stuck",),
+    ),
+    Mutant(
+        "logprob buffers unbounded",
+        "gateway/schemas.py",
+        "if entries > limits.max_logprob_entries:",
+        "if False:",
+        (f"{LIVE_HARDENING}::test_logprob_buffers_are_bounded",),
+    ),
+    Mutant(
+        "a client leaving while its choices start goes unnoticed",
+        "gateway/app.py",
+        "turn = await _unless_client_leaves(request, starting)",
+        "turn = await starting",
+        (f"{LIVE_HARDENING}::test_abandoned_requests_for_several_choices_cancel_every_job",),
+    ),
+    Mutant(
+        "no per-client connection cap",
+        "gateway/server.py",
+        "self.counted = not self.max_per_client or self.per_client[self.host] < self.max_per_client",
+        "self.counted = True",
+        (f"{LIVE_HARDENING}::test_slow_header_connections_cannot_lock_out_other_clients",),
+    ),
+    Mutant(
+        "headers get the whole read timeout",
+        "gateway/server.py",
+        "self.request_started + min(self.header_timeout_s, self.read_timeout_s)",
+        "self.request_started + self.read_timeout_s",
+        (f"{LIVE_HARDENING}::test_slow_header_connections_cannot_lock_out_other_clients",),
+    ),
+    Mutant(
+        "health checks refused at the connection cap",
+        "gateway/server.py",
+        'return None if scope is not None and scope.get("path") in HEALTH_PATHS else self._limit_concurrency',
+        "return self._limit_concurrency",
+        (f"{LIVE_HARDENING}::test_connections_over_the_limit_are_refused_but_health_checks",),
+    ),
+    Mutant(
+        "bulk embeddings in one chunk",
+        "gateway/embeddings.py",
+        "CHUNK_TEXTS = 8  #",
+        "CHUNK_TEXTS = 100_000  #",
+        (f"{LIVE_HARDENING}::test_bulk_embeddings_stall_no_other_tenant",),
+    ),
+    Mutant(
+        "the fair lane serves one tenant's flood first",
+        "gateway/embeddings.py",
+        "self.waiting[tenant] = queue  # to the back of the line of tenants",
+        "self.waiting[tenant] = queue\n                self.waiting.move_to_end(tenant, last=False)",
+        ("tests/gateway/test_units.py::test_the_fair_lane_takes_tenants_in_turn",),
     ),
 )
 

@@ -1,7 +1,8 @@
 """The in-process MLX engine behind one small interface.
 
     Engine.prepare(messages, images, tools) -> PreparedPrompt   (any thread: tokenizer + numpy)
-    Engine.check_grammar(grammar)                          (any thread: GrammarError when it cannot compile)
+    Engine.compile_grammar(grammar) -> CompiledGrammar     (any thread, before submit: GrammarError when it
+                                                            cannot compile or exceeds the engine's limits)
     Engine.tools -> ToolFormat                             the model's tool-call format: grammar, parse
     Engine.submit_embedding(token_ids) -> EmbedJob         (poolable models) events: Embedded | Failed
     Engine.submit(prompt, sampling)  -> Job                (event loop; QueueFull when full, OverBudget
@@ -26,7 +27,7 @@ from pathlib import Path
 from .batch import decode_alone
 from .builder import DEFAULT_FAMILY, DTYPES, RECIPES, SIZES, BuildSpec, build_model, ensure_model, parse_model_name
 from .caching import CacheConfig, PrefixReport, VisionReport
-from .constraint import GrammarError, json_schema_grammar
+from .constraint import CompiledGrammar, GrammarError, json_schema_grammar
 from .families import VISION_FAMILIES, UnsupportedModel, family_of
 from .prompt import PreparedPrompt, PromptError
 from .runner import ModelRunner, Sampler, TokenLogprob
@@ -60,6 +61,7 @@ __all__ = [
     "VISION_FAMILIES",
     "BuildSpec",
     "CacheConfig",
+    "CompiledGrammar",
     "Delta",
     "EmbedJob",
     "Embedded",
@@ -143,8 +145,8 @@ class Engine:
         self.submit_embedding = self.worker.submit_embedding
         self.events = self.worker.events
 
-    def check_grammar(self, grammar: str) -> None:
-        self.runner.grammars.check(grammar)
+    def compile_grammar(self, grammar: str) -> CompiledGrammar:
+        return self.runner.grammars.compile(grammar)
 
     def embedding_tokens(self, text: str) -> tuple[int, ...]:
         """A text's tokens as the family's embedding models read it: the tokenizer's own, then EOS

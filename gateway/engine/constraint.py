@@ -2,8 +2,9 @@
 to the logits before sampling, so every token keeps the output inside the grammar.
 
     Grammars(tokenizer, vocab_size, eos_ids)   one per model (walks the vocabulary once)
-        .check(grammar) -> None                raises GrammarError with llguidance's reason
-        .matcher(grammar) -> Matcher           one per sequence
+        .compile(grammar) -> CompiledGrammar   any thread, before admission: compiled, probed, cached;
+                                               GrammarError with the limit or llguidance's reason
+        .matcher(grammar) -> Matcher           one per sequence: a copy of the compiled start state
     Matcher.mask(logits, closing) -> logits    disallowed tokens at -inf
     Matcher.accept(token)                      advance past the sampled token
 
@@ -25,7 +26,12 @@ JSON, reported as cut by length. A budget smaller than the shortest valid output
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -53,6 +59,19 @@ CLOSERS = QUOTES | frozenset(b"}]")
 SEPARATORS = CLOSERS | frozenset(b",:")
 
 
+COMPILED_CACHE_SIZE = 64  # compiled grammars kept by digest (a tool set sent again compiles once)
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class CompiledGrammar:
+    """A grammar compiled and probed off the engine thread. `start` is an llguidance matcher at the
+    grammar's start that is never advanced: each sequence decodes with a copy of it (microseconds),
+    so no compile (up to seconds for a hundred tools) ever runs between two decode steps."""
+
+    text: str
+    start: Any  # llguidance.LLMatcher (imported only when a grammar is used)
+
+
 class Grammars:
     def __init__(self, tokenizer, vocab_size: int, eos_ids: frozenset[int]):
         import llguidance.hf
@@ -62,6 +81,8 @@ class Grammars:
             tokenizer = tokenizer._tokenizer
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids))
+        self.compiled: OrderedDict[str, CompiledGrammar] = OrderedDict()  # by digest, least recent first
+        self.lock = threading.Lock()  # guards `compiled` (compiles run on request threads)
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token stands for (a piece of a UTF-8 character, possibly)."""
@@ -87,10 +108,32 @@ class Grammars:
     def check(self, grammar: str) -> None:
         error = _llguidance().LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error:
-            raise GrammarError(error)
+            raise GrammarError(_first_line(error))
 
-    def matcher(self, grammar: str) -> Matcher:
-        return Matcher(_llguidance().LLMatcher(self.tokenizer, grammar, log_level=0), self)
+    def compile(self, grammar: str) -> CompiledGrammar:
+        """Compile `grammar` and probe it: the shortest way to close it from the start must stay
+        within llguidance's limits and end within MAX_CLOSING_TOKENS tokens. Grammars that pass
+        are kept by digest. GrammarError names the limit a grammar exceeds."""
+        digest = hashlib.sha256(grammar.encode()).hexdigest()
+        with self.lock:
+            if (known := self.compiled.get(digest)) is not None:
+                self.compiled.move_to_end(digest)
+                return known
+        self.check(grammar)
+        start = _llguidance().LLMatcher(self.tokenizer, grammar, log_level=0)
+        Matcher(start.deep_copy(), self).probe()
+        compiled = CompiledGrammar(grammar, start)
+        with self.lock:
+            self.compiled[digest] = compiled
+            while len(self.compiled) > COMPILED_CACHE_SIZE:
+                self.compiled.popitem(last=False)
+        return compiled
+
+    def matcher(self, grammar: str | CompiledGrammar) -> Matcher:
+        """A sequence's matcher: a copy of a compiled grammar's start, or (a plain grammar, as tools
+        and benchmarks pass) compiled here."""
+        compiled = grammar if isinstance(grammar, CompiledGrammar) else self.compile(grammar)
+        return Matcher(compiled.start.deep_copy(), self)
 
 
 MAX_CLOSING_TOKENS = 512  # a dry run longer than this counts as this
@@ -110,6 +153,19 @@ class Matcher:
             allowed = np.zeros_like(allowed)
             allowed[self._closing_token(self.matcher)] = True
         return mx.where(mx.array(allowed), logits, -mx.inf)
+
+    def probe(self) -> None:
+        """From here, close the output the shortest way (on this matcher: use a copy): GrammarError
+        when a step exceeds llguidance's limits or the output cannot end within MAX_CLOSING_TOKENS."""
+        for _ in range(MAX_CLOSING_TOKENS):
+            if self.matcher.is_accepting():
+                return
+            if self.matcher.is_error() or not self.matcher.consume_token(self._closing_token(self.matcher)):
+                reason = _first_line(self.matcher.get_error())
+                raise GrammarError(f"the schema cannot be followed within the grammar engine's limits: {reason}")
+        raise GrammarError(
+            f"no output of this schema is shorter than {MAX_CLOSING_TOKENS} tokens (a recursion that never ends?)"
+        )
 
     def tokens_to_close(self) -> int:
         """Tokens that closing would take from here, counted on a copy: the matcher does not move."""
@@ -141,3 +197,9 @@ def _llguidance():
     import llguidance
 
     return llguidance
+
+
+def _first_line(error: str) -> str:
+    """llguidance's reason, first line only (its verbose errors add the parser state)."""
+    lines = error.strip().splitlines()
+    return lines[0][:300] if lines else "unknown error"

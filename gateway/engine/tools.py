@@ -68,14 +68,16 @@ class ToolFormat:
         if self.kind not in CONSTRAINABLE:
             raise GrammarError(f"this model's tool-call format ({self.kind}) cannot be forced; use tool_choice 'auto'")
         chosen = [tool for tool in tools if name is None or tool.name == name]
-        call = {"anyOf": [_call_schema(tool) for tool in chosen]} if len(chosen) > 1 else _call_schema(chosen[0])
+        calls, defs = zip(*(_call_schema(tool, f"tool{index}") for index, tool in enumerate(chosen)))
+        call = {"anyOf": list(calls)} if len(calls) > 1 else calls[0]
+        shared = {"$defs": {k: v for tool_defs in defs for k, v in tool_defs.items()}} if any(defs) else {}
         if self.kind == "mistral":
-            body = {"type": "array", "items": call, "minItems": 1, "maxItems": 1}
+            body = {"type": "array", "items": call, "minItems": 1, "maxItems": 1, **shared}
             lark = f"start: {json.dumps(self.start)} call\ncall: %json {json.dumps(_with_options(body))}\n"
         else:
             lark = (
                 f"start: {json.dumps(self.start + chr(10))} call {json.dumps(chr(10) + self.end)}\n"
-                f"call: %json {json.dumps(_with_options(call))}\n"
+                f"call: %json {json.dumps(_with_options({**call, **shared}))}\n"
             )
         return lark_grammar(lark)
 
@@ -118,13 +120,60 @@ def call_spec(call) -> dict:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
 
 
-def _call_schema(tool: Tool) -> dict:
-    return {
+def _call_schema(tool: Tool, prefix: str) -> tuple[dict, dict]:
+    """One call's schema ({"name": const, "arguments": the parameters}) and the definitions its
+    arguments refer to, to be placed at the root of the whole schema (see _rooted)."""
+    arguments, defs = _rooted(json.loads(tool.parameters), prefix)
+    schema = {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": json.loads(tool.parameters)},
+        "properties": {"name": {"const": tool.name}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+    return schema, defs
+
+
+def _rooted(parameters: dict, prefix: str) -> tuple[dict, dict]:
+    """A tool's parameters moved under a call's schema, whose root is no longer theirs: their
+    `$defs` (or `definitions`) become root definitions named `{prefix}.{name}` (tools may use the same
+    names), and every `$ref` is rewritten to match; a reference to the parameters' own root ("#",
+    "#/properties/...") points at a copy of them kept as the definition `prefix`. Parameters without
+    references are kept as they are."""
+    if not _has_refs(parameters):
+        return parameters, {}
+    own = {k: v for k, v in parameters.items() if k not in ("$defs", "definitions")}
+    defs = {**parameters.get("definitions", {}), **parameters.get("$defs", {})}
+    renamed = {f"{prefix}.{name}": _rewrite_refs(schema, prefix) for name, schema in defs.items()}
+    renamed[prefix] = _rewrite_refs(own, prefix)
+    return {"$ref": f"#/$defs/{prefix}"}, renamed
+
+
+def _has_refs(node: object) -> bool:
+    if isinstance(node, dict):
+        return "$ref" in node or any(_has_refs(value) for value in node.values())
+    return isinstance(node, list) and any(_has_refs(value) for value in node)
+
+
+def _rewrite_refs(node: object, prefix: str) -> object:
+    if isinstance(node, list):
+        return [_rewrite_refs(value, prefix) for value in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: _rewrite_refs(value, prefix) for key, value in node.items()}
+    ref = node.get("$ref")
+    if isinstance(ref, str):
+        out["$ref"] = _rewritten(ref, prefix)
+    return out
+
+
+def _rewritten(ref: str, prefix: str) -> str:
+    for defs in ("#/$defs/", "#/definitions/"):
+        if ref.startswith(defs):
+            name, _, rest = ref[len(defs) :].partition("/")
+            return f"#/$defs/{prefix}.{name}" + (f"/{rest}" if rest else "")
+    if ref == "#" or ref.startswith("#/"):
+        return f"#/$defs/{prefix}" + ref[1:]
+    return ref  # an external or anchor reference: llguidance says what it makes of it
 
 
 def _with_options(schema: dict) -> dict:

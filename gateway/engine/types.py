@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .constraint import CompiledGrammar
+
 
 @dataclass(frozen=True, slots=True)
 class TextPart:
@@ -61,5 +63,5 @@ class Sampling:
     min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
     # An llguidance grammar every generated token must follow (structured output, forced tool calls);
     # the row ends once the grammar is complete. None: free text.
-    grammar: str | None = None
+    grammar: str | CompiledGrammar | None = None  # compiled before admission (Engine.compile_grammar)
     top_logprobs: int | None = None  # None: no logprobs; else the chosen token's and this many alternatives

@@ -41,6 +41,7 @@ from kvcache import TenantSalt
 
 from .batch import DecodeBatch
 from .caching import PrefixReport, VisionReport
+from .constraint import GrammarError
 from .fair_queue import FairQueue, QueueFull
 from .prompt import PreparedPrompt
 from .runner import Cancelled, ModelRunner, PrefillResult, Sampler, TokenLogprob
@@ -80,6 +81,8 @@ class Finished:
 @dataclass(frozen=True, slots=True)
 class Failed:
     message: str
+    code: str = "engine_error"  # what the client's error says: invalid_schema for an output grammar that broke
+    status: int = 500
 
 
 @dataclass(frozen=True, slots=True)
@@ -642,4 +645,7 @@ class EngineWorker:
     def _fail(self, job: Job | EmbedJob, exc: Exception) -> None:
         log.error("generation failed", exc_info=exc)
         self.stats.num_failed += 1
-        job.send(Failed(f"generation failed: {type(exc).__name__}"))
+        if isinstance(exc, GrammarError):  # the client's schema, past what the probe before admission saw
+            job.send(Failed(f"the output grammar could not be followed: {str(exc)[:300]}", "invalid_schema", 400))
+        else:
+            job.send(Failed(f"generation failed: {type(exc).__name__}"))

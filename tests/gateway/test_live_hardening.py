@@ -8,6 +8,7 @@ import socket
 import stat
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -65,10 +66,12 @@ def test_slow_or_silent_connections_are_closed(server, sent):
     assert httpx.get(server.url + "/healthz", timeout=5).status_code == 200
 
 
-def test_connections_over_the_limit_are_refused(server):
+def test_connections_over_the_limit_are_refused_but_health_checks(server):
     idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(MAX_CONNECTIONS)]
     try:
-        assert httpx.get(server.url + "/healthz", timeout=5).status_code == 503
+        assert httpx.get(server.url + "/v1/models", timeout=5).status_code == 503
+        for path in ("/health", "/healthz", "/health/ready"):  # a full server still says it is alive
+            assert httpx.get(server.url + path, timeout=5).status_code == 200, path
     finally:
         for sock in idle:
             sock.close()
@@ -76,31 +79,78 @@ def test_connections_over_the_limit_are_refused(server):
     assert httpx.get(server.url + "/healthz", timeout=5).status_code == 200
 
 
+def _raw_post(body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    return head.encode() + data
+
+
 def test_an_abandoned_plain_request_is_cancelled(server):
     """Two clients that left after 0.5 s once held the engine for 80 s."""
     before = _admin_stats(server)["engine"]["num_cancelled"]
     # greedy: this prompt runs all 500 tokens on the tiny model (~1.8 s); a sampled one may stop early
-    body = json.dumps(
-        {
-            "model": TINY,
-            "messages": [{"role": "user", "content": "Tell a very long story."}],
-            "max_tokens": 500,
-            "temperature": 0,
-        }
-    ).encode()
-    request = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
+    body = {
+        "model": TINY,
+        "messages": [{"role": "user", "content": "Tell a very long story."}],
+        "max_tokens": 500,
+        "temperature": 0,
+    }
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.sendall(request)
+        sock.sendall(_raw_post(body))
         time.sleep(0.5)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and _admin_stats(server)["engine"]["num_cancelled"] == before:
         time.sleep(0.05)
     assert _admin_stats(server)["engine"]["num_cancelled"] == before + 1
     assert not _health(server)["engine_busy"]
+
+
+def test_abandoned_requests_for_several_choices_cancel_every_job(server):
+    """Three n: 8, max_tokens: 4096 requests closed after 2 s once kept the engine busy for 20 s:
+    the client's leaving was noticed only once every choice had been admitted and prefilled."""
+    before = _admin_stats(server)["engine"]["num_cancelled"]
+    sockets = []
+    for index, stream in enumerate((True, True, False)):
+        body = {
+            "model": TINY,
+            "messages": [{"role": "user", "content": f"Tell {index} very long stories."}],
+            "max_tokens": 4096,
+            "n": 8,
+            "temperature": 1.0,
+            "logit_bias": {"8184": -100, "8186": -100},  # the tiny model's end-of-sequence ids: never ends early
+            "stream": stream,
+        }
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.sendall(_raw_post(body))
+        sockets.append(sock)
+    time.sleep(2)
+    for sock in sockets:
+        sock.close()
+    left = time.monotonic()
+    while _health(server)["engine_busy"] or _admin_stats(server)["engine"]["num_running"]:
+        assert time.monotonic() - left < 10, "the engine kept decoding for clients that had left"
+        time.sleep(0.1)
+    idle_after_s = time.monotonic() - left
+    # every job started was cancelled (choices not yet submitted when the client left never are)
+    cancelled = _admin_stats(server)["engine"]["num_cancelled"] - before
+    assert 8 <= cancelled <= 24 and idle_after_s < 5, (cancelled, idle_after_s)
+    print(json.dumps({"engine_idle_after_s": idle_after_s, "jobs_cancelled": cancelled}))
+
+
+def test_logprob_buffers_are_bounded(server):
+    body = {
+        "model": TINY,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 4096,
+        "n": 8,
+        "logprobs": True,
+        "top_logprobs": 20,
+    }
+    refused = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=10)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_logprobs"
+    assert "262144" in refused.json()["error"]["message"]
+    body.update(n=1, max_tokens=64)
+    assert httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
 
 
 def test_hostile_text_never_holds_the_event_loop(server):
@@ -174,3 +224,147 @@ def test_data_files_are_private(tiny_model_path, tmp_path):
     for path in [data_dir, *data_dir.rglob("*")]:
         mode = stat.S_IMODE(os.lstat(path).st_mode)
         assert mode & 0o077 == 0, f"{path} is {oct(mode)}"
+
+
+class SlowHeaderFlood:
+    """`num_sockets` connections from another loopback address (127.0.0.2: another client), each
+    sending one header byte every `every_s`; a connection the server closes is opened again, so the
+    pressure lasts until stop()."""
+
+    def __init__(self, port: int, num_sockets: int, every_s: float):
+        self.port, self.num_sockets, self.every_s = port, num_sockets, every_s
+        self.stopped = threading.Event()
+        self.num_opened = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _open(self) -> socket.socket | None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.2", 0))
+        sock.settimeout(1)
+        try:
+            sock.connect(("127.0.0.1", self.port))
+        except OSError:
+            sock.close()
+            return None
+        self.num_opened += 1
+        return sock
+
+    def _run(self) -> None:
+        sockets: list[socket.socket | None] = [None] * self.num_sockets
+        while not self.stopped.is_set():
+            for index, sock in enumerate(sockets):
+                if sock is None:
+                    sock = sockets[index] = self._open()
+                try:
+                    if sock is not None:
+                        sock.send(b"G")  # one byte of "GET / HTTP/1.1...", never the rest
+                except OSError:
+                    sock.close()
+                    sockets[index] = None
+            self.stopped.wait(self.every_s)
+        for sock in sockets:
+            if sock is not None:
+                sock.close()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(30)
+
+
+def test_slow_header_connections_cannot_lock_out_other_clients(tiny_model_path, tmp_path):
+    """300 connections sending one header byte every 2 s once filled the connection cap: every
+    request, /health included, got 503 for 30 s. Now one client holds at most its share of the
+    connections, slow headers are cut at the header deadline, and health checks pass the cap."""
+    live = LiveServer(
+        tiny_model_path,
+        tmp_path / "data",
+        {
+            "STRATA_MODEL_NAME": TINY,
+            "STRATA_MAX_CONNECTIONS": "64",
+            "STRATA_MAX_CONNECTIONS_PER_CLIENT": "16",
+            "STRATA_HTTP_HEADER_TIMEOUT_S": "2",
+        },
+    )
+    flood = SlowHeaderFlood(live.port, 300, 2.0)
+    try:
+        time.sleep(3)  # the flood is at full pressure, past one header deadline
+        served = []
+        for index in range(4):
+            started = time.monotonic()
+            health = httpx.get(live.url + "/health", timeout=10)
+            body = {"model": TINY, "messages": [{"role": "user", "content": f"hello {index}"}], "max_tokens": 2}
+            chat = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=10)
+            assert (health.status_code, chat.status_code) == (200, 200), chat.text
+            served.append(time.monotonic() - started)
+            time.sleep(0.5)
+        assert flood.num_opened > 300  # the server cut connections and the flood opened them again
+        assert max(served) < 2.0, served
+        print(json.dumps({"served_s": served, "flood_connections_opened": flood.num_opened}))
+    finally:
+        flood.stop()
+        assert live.stop()
+
+
+def _rss_bytes(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:"))
+
+
+def test_bulk_embeddings_stall_no_other_tenant(tiny_model_path, tmp_path):
+    """2,048 inputs of 2,000 characters once held MiniLM for ~80 s under the lock the semantic layer's
+    lookups need: another tenant's plain chat waited as long. Now bulk work has a model of its own,
+    runs in chunks with tenants in turn, and inputs are bounded as OpenAI bounds them."""
+    keys = {"A": "key-a", "B": "key-b"}
+    live = LiveServer(
+        tiny_model_path,
+        tmp_path / "data",
+        {"STRATA_MODEL_NAME": TINY, "STRATA_API_KEYS": "key-a:tenant-a,key-b:tenant-b"},
+    )
+    auth = {name: {"Authorization": f"Bearer {key}"} for name, key in keys.items()}
+    url = live.url
+
+    def embed(who: str, texts: list[str], timeout: float = 300) -> httpx.Response:
+        body = {"model": "all-MiniLM-L6-v2", "input": texts, "encoding_format": "float"}
+        return httpx.post(url + "/v1/embeddings", json=body, headers=auth[who], timeout=timeout)
+
+    try:
+        assert embed("A", ["warm the bulk model up"]).status_code == 200
+        before = _rss_bytes(live.process.pid)
+        bulk = [f"Document {i}: " + "lorem ipsum dolor sit amet " * 74 for i in range(256)]  # ~2,000 characters
+        done: list[httpx.Response] = []
+        flood = threading.Thread(target=lambda: done.append(embed("A", bulk)))
+        started = time.monotonic()
+        flood.start()
+        time.sleep(1.0)
+        chat_started = time.monotonic()
+        question = {
+            "model": TINY,
+            "messages": [{"role": "user", "content": "How do I export my data?"}],
+            "max_tokens": 4,
+            "temperature": 0,
+        }
+        chat = httpx.post(url + "/v1/chat/completions", json=question, headers=auth["B"], timeout=120)
+        chat_s = time.monotonic() - chat_started
+        small_started = time.monotonic()
+        small = embed("B", ["a short one", "and another"], timeout=120)
+        small_s = time.monotonic() - small_started
+        flood.join(300)
+        bulk_s = time.monotonic() - started
+        assert chat.status_code == 200 and small.status_code == 200 and done[0].status_code == 200
+        assert len(done[0].json()["data"]) == 256
+        assert chat.headers["x-cache-semantic"].startswith("miss")  # it did look up, with MiniLM
+        assert small_s < 5.0 and chat_s < 3.0 and bulk_s > 3 * max(chat_s, small_s), (chat_s, small_s, bulk_s)
+        grown = _rss_bytes(live.process.pid) - before
+        print(
+            json.dumps(
+                {"chat_s": chat_s, "small_embeddings_s": small_s, "bulk_s": bulk_s, "rss_growth_mb": grown >> 20}
+            )
+        )
+        assert grown < 400 << 20
+        too_long = embed("B", ["word " * 9000])
+        assert too_long.status_code == 400 and "8192" in too_long.json()["error"]["message"]
+        too_many = embed("B", ["several words in a row " * 40] * 2048)  # ~200 tokens each, 400k in all
+        assert too_many.status_code == 400 and "300000" in too_many.json()["error"]["message"]
+    finally:
+        assert live.stop()

@@ -45,7 +45,7 @@ def test_writing_far_past_the_ttl_keeps_every_store_bounded(settings, embedder):
                 sweeper.sweep(second + 1)
         assert caches.exact.store.count() <= 20 * 10
         assert caches.semantic.stats().num_entries <= 20
-        (rows,) = conversations.db.execute("SELECT COUNT(*) FROM conversations").fetchone()
+        (rows,) = conversations.db.execute("SELECT COUNT(*) FROM responses").fetchone()
         assert rows <= 40
         assert sweeper.removed["exact"] >= 3000 - 200 and sweeper.num_sweeps == 30
     finally:

@@ -141,3 +141,34 @@ def test_a_flag_beats_the_environment_and_its_errors_name_the_flag(tmp_path):
 
 def test_builder_digest_keys_the_cached_test_model():
     assert builder_digest("tiny") == builder_digest("tiny") != builder_digest("demo")
+
+
+def test_the_fair_lane_takes_tenants_in_turn():
+    """A tenant with many queued turns waits behind one turn of each other tenant, not all of theirs;
+    a waiter cancelled in the queue is skipped."""
+    import asyncio
+
+    from gateway.embeddings import FairLane
+
+    async def run() -> list[str]:
+        lane, order = FairLane(), []
+
+        async def work(tenant: str) -> None:
+            async with lane.turn(tenant):
+                order.append(tenant)
+                await asyncio.sleep(0.01)
+
+        first = asyncio.create_task(work("flood"))
+        await asyncio.sleep(0)  # holds the lane
+        queued = [asyncio.create_task(work("flood")) for _ in range(4)]
+        await asyncio.sleep(0)
+        late = [asyncio.create_task(work("quiet")), asyncio.create_task(work("other"))]
+        gone = asyncio.create_task(work("gone"))
+        await asyncio.sleep(0)
+        gone.cancel()
+        await asyncio.gather(first, *queued, *late, return_exceptions=True)
+        assert not lane.busy and not lane.waiting
+        return order
+
+    order = asyncio.run(run())
+    assert order[:4] == ["flood", "flood", "quiet", "other"] and order.count("flood") == 5 and "gone" not in order
