@@ -300,6 +300,11 @@ def test_slow_header_connections_cannot_lock_out_other_clients(tiny_model_path, 
             time.sleep(0.5)
         assert flood.num_opened > 300  # the server cut connections and the flood opened them again
         assert max(served) < 2.0, served
+        started = time.monotonic()
+        with socket.create_connection(("127.0.0.1", live.port)) as dripping:
+            dripping.sendall(b"GET /health HTTP/1.1\r\nHo")
+            assert _closed_within(dripping, 10)
+        assert time.monotonic() - started < 4  # the header deadline (2 s), not the read timeout (30 s)
         print(json.dumps({"served_s": served, "flood_connections_opened": flood.num_opened}))
     finally:
         flood.stop()
