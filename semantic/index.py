@@ -120,7 +120,7 @@ class PartitionedIndex:
         try:
             index = _inverted(self.dim, len(ids), vectors)  # the slow part, without the lock
             index.add_with_ids(vectors, ids)
-        except Exception:
+        except Exception:  # the old index keeps serving; the next add tries again
             log.exception("semantic index rebuild of a %d-entry partition failed", len(ids))
             with self.lock:
                 part.pending = None

@@ -378,7 +378,7 @@ class EngineWorker:
         one exit in four). A parked daemon thread never exits: the process ends around it."""
         try:
             self._loop()
-        except BaseException as exc:
+        except BaseException as exc:  # a broken loop: health reports it, waiting jobs fail
             self.loop_error = exc
             log.exception("the engine worker's loop broke")
         finally:

@@ -67,7 +67,7 @@ class _Handler(BaseHTTPRequestHandler):
     routes: ClassVar[dict] = {}
     hits: ClassVar[list] = []
 
-    def do_GET(self):
+    def do_GET(self):  # http.server's name
         self.hits.append(self.path)
         status, headers, body, drip_s = self.routes.get(self.path, (404, {}, b"missing", 0))
         self.send_response(status)
