@@ -80,11 +80,15 @@ class FreeBlockQueue:
         self.num_blocks -= 1
         self.num_bytes -= block.nbytes
 
+    def oldest(self) -> Block | None:
+        """The least recently used free block, left in the queue; None when it is empty."""
+        first = self.head.next
+        return None if first is None or first is self.tail else first
+
     def pop_oldest(self) -> Block | None:
-        oldest = self.head.next
-        if oldest is None or oldest is self.tail:
-            return None
-        self.remove(oldest)
+        oldest = self.oldest()
+        if oldest is not None:
+            self.remove(oldest)
         return oldest
 
     def __iter__(self) -> Iterator[Block]:
@@ -155,9 +159,8 @@ class BlockPool:
         self.on_evict = on_evict  # e.g. spill to the SSD tier; called before the block's data is dropped
         self.on_discard = on_discard  # (block, "evicted" | "expired" | "purged") once it has left the pool
         self.by_hash: dict[BlockHash, Block] = {}
-        self.children: dict[
-            BlockHash | None, set[BlockHash]
-        ] = {}  # parent hash (None: a chain's first block) -> its blocks in the pool
+        # parent hash (None: a chain's first block) -> its blocks in the pool
+        self.children: dict[BlockHash | None, set[BlockHash]] = {}
         self.free = FreeBlockQueue()
         self.num_bytes = 0
         self.reserved_bytes = 0  # held for KV outside the pool (running sequences)
@@ -262,11 +265,8 @@ class BlockPool:
         first, without the eviction callback: what expired is not spilled."""
         cutoff = (time.monotonic() if now is None else now) - idle_s
         num_blocks, num_bytes = 0, 0
-        while (
-            (oldest := self.free.head.next) is not self.free.tail and oldest is not None and oldest.last_used < cutoff
-        ):
-            victim = self.free.pop_oldest()
-            assert victim is oldest
+        while (victim := self.free.oldest()) is not None and victim.last_used < cutoff:
+            self.free.remove(victim)
             num_blocks, num_bytes = num_blocks + 1, num_bytes + victim.nbytes
             self._discard(victim, "expired")
         self.counters.num_expired += num_blocks
