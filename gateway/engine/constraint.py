@@ -144,7 +144,7 @@ class Matcher:
         self.matcher = matcher
         self.grammars = grammars
         if matcher.is_error():
-            raise GrammarError(matcher.get_error())
+            raise GrammarError(_first_line(matcher.get_error()))
 
     def mask(self, logits: mx.array, closing: bool = False) -> mx.array:
         """The logits with what the grammar forbids at -inf; closing: only the closing token stays."""
@@ -177,7 +177,7 @@ class Matcher:
 
     def accept(self, token: int) -> None:
         if not self.matcher.consume_token(token):
-            raise GrammarError(f"token {token} broke the grammar: {self.matcher.get_error()}")
+            raise GrammarError(f"token {token} broke the grammar: {_first_line(self.matcher.get_error())}")
 
     def _closing_token(self, matcher) -> int:
         allowed = _allowed(matcher, self.grammars.vocab_size)

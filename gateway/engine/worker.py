@@ -646,6 +646,6 @@ class EngineWorker:
         log.error("generation failed", exc_info=exc)
         self.stats.num_failed += 1
         if isinstance(exc, GrammarError):  # the client's schema, past what the probe before admission saw
-            job.send(Failed(f"the output grammar could not be followed: {str(exc)[:300]}", "invalid_schema", 400))
+            job.send(Failed(f"the output grammar could not be followed: {exc}", "invalid_schema", 400))
         else:
             job.send(Failed(f"generation failed: {type(exc).__name__}"))
