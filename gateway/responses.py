@@ -43,6 +43,7 @@ from semantic import (
     Embedder,
     EntryStore,
     ExactCache,
+    ExactLookup,
     MemoryStore,
     MiniLMEmbedder,
     Owner,
@@ -212,7 +213,7 @@ class ExactLayer:
             trace.record("exact", LayerOutcome.of(BYPASS, reason=reason))
             return None
         try:
-            result = await self.lane.run(self.cache.lookup, ctx.exact_key, ctx.control, ctx.deterministic, time.time())
+            result = await self.lane.run(self._looked_up, ctx, time.time())
         except StoreUnavailable:
             self.store_errors["exact"] += 1
             trace.record("exact", LayerOutcome.of(BYPASS, reason="store_unavailable"))
@@ -223,9 +224,14 @@ class ExactLayer:
             else ({"reason": result.reason} if result.reason else {})
         )
         trace.record("exact", LayerOutcome.of(result.status, **details))
-        if result.status == HIT:
-            await self.lane.run(_guarded, self.store_errors, "exact", self.cache.own, ctx.exact_key, ctx.owner)
         return result.response
+
+    def _looked_up(self, ctx: RequestContext, now: float) -> ExactLookup:
+        """The lookup, and on a hit the entry made the hitting owner's too: one trip to the store lane."""
+        result = self.cache.lookup(ctx.exact_key, ctx.control, ctx.deterministic, now)
+        if result.status == HIT:
+            _guarded(self.store_errors, "exact", self.cache.own, ctx.exact_key, ctx.owner)
+        return result
 
     async def store(self, ctx: RequestContext, answer: Answer) -> None:
         if ctx.bypass or ctx.exact_bypass:
@@ -267,9 +273,7 @@ class SemanticLayer:
             trace.record("semantic", LayerOutcome.of(BYPASS, reason=reason or "no_user_query"))
             return None
         try:
-            result: SemanticLookup = await self.lane.run(
-                self.cache.lookup, ctx.query, ctx.scope, ctx.context, time.time()
-            )
+            result = await self.lane.run(self._looked_up, ctx.query, ctx, time.time())
         except StoreUnavailable:
             self.store_errors["semantic"] += 1
             trace.record("semantic", LayerOutcome.of(BYPASS, reason="store_unavailable"))
@@ -279,7 +283,6 @@ class SemanticLayer:
         entry = result.entry
         if result.status != HIT or entry is None:
             return None
-        await self.lane.run(_guarded, self.store_errors, "semantic", self.cache.own, entry.id, ctx.owner)
         return StoredResponse(
             entry.answer,
             entry.finish_reason,
@@ -288,6 +291,13 @@ class SemanticLayer:
             entry.created_at,
             entry.expires_at,
         )
+
+    def _looked_up(self, query: str, ctx: RequestContext, now: float) -> SemanticLookup:
+        """The lookup, and on a hit the entry made the hitting owner's too: one trip to the store lane."""
+        result = self.cache.lookup(query, ctx.scope, ctx.context, now)
+        if result.status == HIT and result.entry is not None:
+            _guarded(self.store_errors, "semantic", self.cache.own, result.entry.id, ctx.owner)
+        return result
 
     async def store(self, ctx: RequestContext, answer: Answer) -> None:
         if ctx.semantic_bypass is not None or ctx.bypass or ctx.control.no_store or not ctx.greedy:

@@ -280,7 +280,7 @@ MUTANTS = (
     Mutant(
         "a hit does not make the entry the hitting session's",
         "gateway/responses.py",
-        'await self.lane.run(_guarded, self.store_errors, "exact", self.cache.own, ctx.exact_key, ctx.owner)',
+        '_guarded(self.store_errors, "exact", self.cache.own, ctx.exact_key, ctx.owner)',
         "pass",
         (
             "tests/gateway/test_retention.py::test_purging_a_session_misses_its_answers_and_keeps_what_another_session_shares",
@@ -468,8 +468,8 @@ MUTANTS = (
     Mutant(
         "exact lookups back on the event loop",
         "gateway/responses.py",
-        "result = await self.lane.run(self.cache.lookup, ctx.exact_key,",
-        "result = self.cache.lookup(ctx.exact_key,",
+        "result = await self.lane.run(self._looked_up, ctx, time.time())",
+        "result = self._looked_up(ctx, time.time())",
         ("tests/gateway/test_slow_stores.py::test_a_slow_redis_stalls_neither_streams_nor_health",),
     ),
     Mutant(
