@@ -6,6 +6,7 @@ cache layers is pipeline.py.
 
 POST /v1/chat/completions   OpenAI chat completions (JSON or SSE)
 POST /v1/responses          OpenAI Responses API (previous_response_id kept per tenant)
+POST /v1/messages           Anthropic Messages API (JSON or SSE); /v1/messages/count_tokens
 GET|DELETE /v1/responses/ID a stored response (the caller's tenant's only)
 POST /v1/embeddings         MiniLM sentence embeddings
 GET  /v1/models             the served model
@@ -24,11 +25,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import anyio
 from litestar import Litestar, Request, Response, delete, get, post
@@ -42,7 +43,7 @@ from kvcache.quant import QuantConfig
 from kvcache.ssd import AdmissionPolicy, SsdConfig
 from semantic import Embedder
 
-from . import openai_format, responses_api
+from . import anthropic_api, openai_format, responses_api
 from .admin import ADMIN_CACHE_ROUTES, end_idle_sessions, purge_announced, require_admin
 from .auth import Authenticator, load_server_secret
 from .blas import blas_in_use
@@ -144,6 +145,93 @@ async def _client_left(request: Request, turn) -> bool:
 def _tools(services: Services, chat_request):
     """The model's tool-call format when the reply may hold calls to parse out."""
     return services.engine.tools if chat_request.parses_tool_calls else None
+
+
+def _authorization(request: Request) -> str | None:
+    """The caller's key: `Authorization: Bearer`, or Anthropic's `x-api-key` header."""
+    key = request.headers.get("x-api-key")
+    return request.headers.get("authorization") or (f"Bearer {key}" if key else None)
+
+
+@post("/v1/messages", status_code=200)
+async def create_message(request: Request) -> Response:
+    services = _services(request)
+    caller = services.auth.caller(_authorization(request))
+    raw = await request.body()
+    chat_request = await off_loop(len(raw), partial(_parse_anthropic, raw, services.settings.limits))
+    starting = asyncio.ensure_future(services.pipeline.start(chat_request, caller, request.headers, len(raw)))
+    if chat_request.stream:
+        return await _message_stream(services, chat_request, starting)
+    turn = await _unless_client_leaves(request, starting)
+    if turn is None:
+        return Response(b"", status_code=499)
+    request.state.turn = turn  # for the request's log line
+    if await _client_left(request, turn):
+        return Response(b"", status_code=499)
+    message = anthropic_api.message_body(
+        anthropic_api.new_id(), services.stamp.name, turn.completion, _tools(services, chat_request), _usage(turn)
+    )
+    return Response(message, headers=_headers(services, turn))
+
+
+def _usage(turn) -> dict:
+    return anthropic_api.usage(turn.completion, turn.trace, turn.pins)
+
+
+async def _message_stream(services: Services, chat_request, starting: asyncio.Future) -> Response:
+    """The SSE answer: with the cache headers when the prompt is in within one ping interval, else
+    started at once with `ping` events while it prefills (its cache facts then in the usage only)."""
+    ping_s = services.settings.stream_ping_s
+    await asyncio.wait({starting}, timeout=ping_s)
+    if starting.done():
+        turn = starting.result()  # an error before the answer is an HTTP error
+        chunks = _message_chunks(services, chat_request, turn)
+        return Stream(chunks, media_type="text/event-stream", headers=_stream_headers(services, turn))
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return Stream(_pinging(services, chat_request, starting, ping_s), media_type="text/event-stream", headers=headers)
+
+
+async def _pinging(services: Services, chat_request, starting: asyncio.Future, ping_s: float):
+    try:
+        while not starting.done():
+            yield anthropic_api.PING
+            await asyncio.wait({starting}, timeout=ping_s)
+        turn = starting.result()
+    except ApiError as exc:
+        yield anthropic_api.error_event(exc)
+        return
+    finally:
+        if not starting.done():  # the client left while its prompt prefilled: cancel its jobs
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+    async for chunk in _message_chunks(services, chat_request, turn):
+        yield chunk
+
+
+async def _message_chunks(services: Services, chat_request, turn):
+    stream = anthropic_api.MessageStream(
+        anthropic_api.new_id(), services.stamp.name, turn.completion, _tools(services, chat_request)
+    )
+    yield stream.start(_usage(turn))
+    async for chunk in anthropic_api.stream_events(turn.events(), stream, partial(_usage, turn)):
+        yield chunk
+
+
+@post("/v1/messages/count_tokens", status_code=200)
+async def count_message_tokens(request: Request) -> dict:
+    """The prompt's tokens as the engine would see them (images expanded); nothing runs."""
+    services = _services(request)
+    services.auth.caller(_authorization(request))
+    raw = await request.body()
+    limits = services.settings.limits
+    body = await off_loop(len(raw), partial(parse_json_body, raw, limits.max_json_depth))
+    chat_request = anthropic_api.parse_messages_request({"max_tokens": 1, **body}, limits)
+    return {"input_tokens": await services.pipeline.chat.count_tokens(chat_request)}
+
+
+def _parse_anthropic(raw: bytes, limits):
+    return anthropic_api.parse_messages_request(parse_json_body(raw, limits.max_json_depth), limits)
 
 
 @post("/v1/responses", status_code=200)
@@ -300,7 +388,7 @@ async def _client_left_first(request: Request, finishing) -> bool:
     return await _unless_client_leaves(request, finished()) is None
 
 
-async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T | None:
     """`work`'s result, or None when the client disconnects first: `work` is then cancelled, which
     cancels every job it started (all n choices; those still queued or prefilling too). Errors of
     `work` (ApiError, the deadline) are raised."""
@@ -499,6 +587,8 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
         route_handlers=[
             chat_completions,
             create_response,
+            create_message,
+            count_message_tokens,
             get_response,
             delete_response,
             create_embeddings,

@@ -34,6 +34,7 @@ from .engine import (
     Finished,
     GrammarError,
     ImagePart,
+    Pin,
     PrefixReport,
     PreparedPrompt,
     PromptError,
@@ -112,16 +113,47 @@ class ChatService:
             )
         limit = min(self.settings.limits.max_context_tokens, self.engine.info.max_context_tokens)
         at_least = -(-request.num_text_bytes // self.engine.info.max_token_bytes)
-        if at_least + request.sampling.max_tokens > limit:
-            raise _context_error(limit, f"at least {at_least}", request.sampling.max_tokens)
+        least_output = 1 if request.fit_max_tokens else request.sampling.max_tokens
+        if at_least + least_output > limit:
+            raise _context_error(limit, f"at least {at_least}", least_output)
         try:
             prompt = await anyio.to_thread.run_sync(self.engine.prepare, request.messages, images, request.tools)
         except PromptError as exc:
             raise bad_request(str(exc), exc.code, "messages") from None
-        if prompt.num_tokens + request.sampling.max_tokens > limit:
-            raise _context_error(limit, str(prompt.num_tokens), request.sampling.max_tokens)
+        if prompt.num_tokens + least_output > limit:
+            raise _context_error(limit, str(prompt.num_tokens), least_output)
+        max_tokens = min(request.sampling.max_tokens, limit - prompt.num_tokens)
         grammar = await self._compiled_grammar(request) if _constrained(request) else None
-        return prompt, replace(request.sampling, grammar=grammar)
+        return prompt, replace(request.sampling, grammar=grammar, max_tokens=max_tokens)
+
+    async def count_tokens(self, request: ChatRequest) -> int:
+        """The prompt's tokens, images expanded, as prepare() would make them; no job runs."""
+        self.check_model(request)
+        images = await self.load_images(request)
+        try:
+            prompt = await anyio.to_thread.run_sync(self.engine.prepare, request.messages, images, request.tools)
+        except PromptError as exc:
+            raise bad_request(str(exc), exc.code, "messages") from None
+        return prompt.num_tokens
+
+    async def pins(self, request: ChatRequest, prompt: PreparedPrompt) -> tuple[Pin, ...]:
+        """The request's cache breakpoints in prompt tokens, down to whole KV blocks (rendered off the
+        event loop); a breakpoint the template cannot render alone is left out."""
+        if not request.breakpoints:
+            return ()
+        first_is_system = request.messages[0].role == "system"
+        counts = [max(mark.num_messages, int(first_is_system)) for mark in request.breakpoints]
+
+        def render() -> list[int | None]:
+            return [self.engine.tokens_through(prompt, count) for count in counts]
+
+        through = await anyio.to_thread.run_sync(render)
+        block = self.settings.kv_block_size  # a pin keeps whole blocks: the tail of a partial one is not kept
+        return tuple(
+            Pin(tokens // block * block, mark.ttl_s)
+            for tokens, mark in zip(through, request.breakpoints)
+            if tokens is not None
+        )
 
     async def _compiled_grammar(self, request: ChatRequest) -> CompiledGrammar:
         """The output's grammar, compiled off the event loop and off the engine thread, one compile at
@@ -271,6 +303,7 @@ def _apply(event, completion: Completion) -> None:
     elif isinstance(event, Finished):
         completion.completion_tokens = event.num_completion_tokens
         completion.finish_reason = event.finish_reason
+        completion.stop_sequence = event.stop_sequence
         completion.whole = True
     elif isinstance(event, Failed):
         raise ApiError(event.status, event.message, event.code)

@@ -1,4 +1,6 @@
-"""OpenAI-style errors: every 4xx/5xx body is {"error": {"message", "type", "code", "param"}}.
+"""OpenAI-style errors: every 4xx/5xx body is {"error": {"message", "type", "code", "param"}};
+on Anthropic's routes (/v1/messages...) Anthropic's {"type": "error", "error": {"type", "message"}}
+with its types, so each client raises its own exception classes.
 
 ApiError                      raised by our code with the status it should answer
 litestar HTTPException        mapped (404 route, 405 method, 413 body too large, ...)
@@ -77,24 +79,52 @@ def error_body(status: int, message: str, code: str, param: str | None = None) -
     return {"error": {"message": message, "type": kind, "code": code, "param": param}}
 
 
-def _api_error_handler(_: Request, exc: ApiError) -> Response:
-    return Response(exc.body(), status_code=exc.status, headers=exc.headers)
+ANTHROPIC_PATH = "/v1/messages"  # this route and those under it answer errors in Anthropic's shape
 
 
-def _http_exception_handler(_: Request, exc: HTTPException) -> Response:
+def anthropic_error(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": anthropic_error_type(status), "message": message}}
+
+
+def anthropic_error_type(status: int) -> str:
+    kinds = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        413: "request_too_large",
+        429: "rate_limit_error",
+        503: "overloaded_error",
+        504: "timeout_error",
+    }
+    return kinds.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+
+def _error_response(request: Request, status: int, message: str, code: str, param=None, headers=None) -> Response:
+    """The error in the shape of the API the request called."""
+    path = request.url.path
+    anthropic = path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+    body = anthropic_error(status, message) if anthropic else error_body(status, message, code, param)
+    return Response(body, status_code=status, headers=headers or {})
+
+
+def _api_error_handler(request: Request, exc: ApiError) -> Response:
+    return _error_response(request, exc.status, exc.message, exc.code, exc.param, exc.headers)
+
+
+def _http_exception_handler(request: Request, exc: HTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code, "http_error")
-    body = error_body(exc.status_code, str(exc.detail), code)
-    return Response(body, status_code=exc.status_code, headers=exc.headers or {})
+    return _error_response(request, exc.status_code, str(exc.detail), code, headers=exc.headers)
 
 
-def _store_unavailable_handler(_: Request, exc: StoreUnavailable) -> Response:
+def _store_unavailable_handler(request: Request, exc: StoreUnavailable) -> Response:
     message = f"the cache store cannot be reached ({exc}); nothing was changed: retry"
-    return Response(error_body(503, message, "store_unavailable"), status_code=503, headers={"Retry-After": "1"})
+    return _error_response(request, 503, message, "store_unavailable", headers={"Retry-After": "1"})
 
 
 def _unexpected_handler(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return Response(error_body(500, "internal server error", "internal_error"), status_code=500)
+    return _error_response(request, 500, "internal server error", "internal_error")
 
 
 EXCEPTION_HANDLERS: dict[int | type[Exception], ExceptionHandler] = {

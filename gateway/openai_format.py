@@ -26,6 +26,7 @@ class Completion:
     finish_reason: str = "stop"
     whole: bool = False  # Finished arrived: the text is the complete answer
     logprobs: list[dict] | None = None  # OpenAI `logprobs.content` entries, when the request asked for them
+    stop_sequence: str | None = None  # the client's stop sequence that ended the answer (the engine's)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from semantic import Answer, StoredResponse
 
 from .auth import Caller
 from .chat import ChatService, Run
-from .engine import Delta, Finished, Sampling
+from .engine import Delta, Finished, Pin, Sampling
 from .metrics import RequestMetrics
 from .openai_format import Completion
 from .responses import RequestContext, ResponseCaches
@@ -55,6 +55,7 @@ class Turn:
     trace: Trace
     runs: list[Run]  # one per choice
     cached: bool  # answered by a response layer: nothing to store, nothing to abandon
+    pins: tuple[Pin, ...] = ()  # the prefixes the client asked to keep, in prompt tokens
 
     @property
     def completion(self) -> Completion:
@@ -138,6 +139,7 @@ class Pipeline:
             return Turn(self, ctx, trace, [self.chat.replay(cached, trace)], cached=True)
         with trace.timed("tokenize"):
             prompt, sampling = await self.chat.prepare(request, images)
+            pins = await self.chat.pins(request, prompt)
         runs = [await self.chat.start(prompt, sampling, caller, ctx.owner, trace, deadline)]
         try:
             for index in range(1, request.n):
@@ -148,7 +150,7 @@ class Pipeline:
             for run in runs:
                 await run.events.aclose()
             raise
-        return Turn(self, ctx, trace, runs, cached=False)
+        return Turn(self, ctx, trace, runs, cached=False, pins=pins)
 
     async def _lookup(self, ctx: RequestContext, trace: Trace) -> StoredResponse | None:
         for index, layer in enumerate(self.responses.layers):

@@ -1,4 +1,8 @@
-"""Parse and validate an OpenAI chat-completions body into typed, immutable values.
+"""Parse and validate an OpenAI chat-completions body into the neutral request type, ChatRequest.
+
+ChatRequest is what every front end parses into (OpenAI chat here, Anthropic messages in
+anthropic_api.py, both ending in `checked_request`); the caches' keys are computed from it, so the
+same conversation sent through either API shares its exact, semantic and prefix entries.
 
 Every rejection is an ApiError(400) naming the offending parameter; nothing here touches images'
 bytes (decoding is CPU work done later, off the event loop). Cheap checks come first: nesting depth,
@@ -11,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .engine import ImagePart, Message, Sampling, TextPart, Tool, ToolCall
@@ -19,6 +23,15 @@ from .errors import bad_request, echo
 from .settings import Limits
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheBreakpoint:
+    """A prefix the client asked to keep (Anthropic `cache_control`, OpenAI `prompt_cache_retention`):
+    the prompt through its first `num_messages` messages (tools and system come first), for ttl_s."""
+
+    num_messages: int
+    ttl_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +50,10 @@ class ChatRequest:
     tool_choice: str = "auto"
     response_format: dict | None = None  # {"type": "json_object"} or {"type": "json_schema", ...}; None: text
     n: int = 1
+    breakpoints: tuple[CacheBreakpoint, ...] = ()  # in prompt order: pinned prefixes, shortest first
+    # Anthropic's max_tokens is the most the client takes, not a demand: lowered to fit the context
+    # rather than refused (agents send 32,000 whatever the model's context)
+    fit_max_tokens: bool = False
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -135,34 +152,23 @@ def parse_chat_request(body: dict[str, Any], limits: Limits) -> ChatRequest:
         raise bad_request("'model' is required and must be a string", "invalid_type", "model")
     refuse_unsupported(body, UNSUPPORTED_UNLESS)
     messages = _parse_messages(body.get("messages"), limits)
-    num_images = sum(isinstance(p, ImagePart) for m in messages for p in m.parts)
-    if num_images > limits.max_images:
-        raise bad_request(f"at most {limits.max_images} images per request", "too_many_images", "messages")
     tools = parse_tools(body, limits)
-    num_text_bytes = _prompt_text_bytes(messages, tools)
-    if num_text_bytes > limits.max_text_bytes:
-        raise bad_request(
-            f"the messages and tools hold {num_text_bytes} bytes of text; the limit is {limits.max_text_bytes}",
-            "context_length_exceeded",
-            "messages",
-        )
-    stream = _typed(body, "stream", bool, False)
-    options = _typed(body, "stream_options", dict, None) or {}
+    stream = typed(body, "stream", bool, False)
+    options = typed(body, "stream_options", dict, None) or {}
     n = body.get("n", 1) if body.get("n") is not None else 1
-    if not _is_int(n) or not 1 <= n <= limits.max_n:
+    if not is_int(n) or not 1 <= n <= limits.max_n:
         raise bad_request(f"'n' must be an integer from 1 to {limits.max_n}", "invalid_value", "n")
     sampling = _parse_sampling(body, limits)
     _check_logprob_entries(sampling, n, limits)
-    return ChatRequest(
+    return checked_request(
+        limits,
         model=model,
         messages=messages,
         sampling=sampling,
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
         metadata=_parse_metadata(body.get("metadata")),
-        uses_tools=bool(tools) or any(m.role == "tool" or m.tool_calls for m in messages),
-        user=_parse_user(body.get("user"), limits),
-        num_text_bytes=num_text_bytes,
+        user=parse_user(body.get("user"), limits, "user"),
         tools=tools,
         tool_choice=parse_tool_choice(body, tools),
         response_format=parse_response_format(body.get("response_format"), limits),
@@ -170,9 +176,27 @@ def parse_chat_request(body: dict[str, Any], limits: Limits) -> ChatRequest:
     )
 
 
+def checked_request(limits: Limits, **fields: Any) -> ChatRequest:
+    """The neutral request, after the checks every front end shares (OpenAI chat, Anthropic
+    messages): each tool result answers an earlier call, the image count, the text's byte size."""
+    request = ChatRequest(**fields)
+    _check_tool_results(request.messages)
+    if request.num_images > limits.max_images:
+        raise bad_request(f"at most {limits.max_images} images per request", "too_many_images", "messages")
+    num_text_bytes = _prompt_text_bytes(request.messages, request.tools)
+    if num_text_bytes > limits.max_text_bytes:
+        raise bad_request(
+            f"the messages and tools hold {num_text_bytes} bytes of text; the limit is {limits.max_text_bytes}",
+            "context_length_exceeded",
+            "messages",
+        )
+    uses_tools = bool(request.tools) or any(m.role == "tool" or m.tool_calls for m in request.messages)
+    return replace(request, num_text_bytes=num_text_bytes, uses_tools=uses_tools)
+
+
 # -- tools and structured output ----------------------------------------------------------------
 
-_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -202,16 +226,16 @@ def _parse_tool(param: str, item: Any, limits: Limits) -> Tool:
         raise bad_request(f'{param} must be {{"type": "function", "function": {{...}}}}', "invalid_type", param)
     function = item["function"]
     name = function.get("name")
-    if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
         raise bad_request(f"{param}.function.name must be 1 to 64 letters, digits, '_' or '-'", "invalid_value", param)
     description = function.get("description", "")
     if not isinstance(description, str):
         raise bad_request(f"{param}.function.description must be a string", "invalid_type", param)
     parameters = function.get("parameters", EMPTY_PARAMETERS)
-    return Tool(name, description, _schema_json(f"{param}.function.parameters", parameters, limits))
+    return Tool(name, description, schema_json(f"{param}.function.parameters", parameters, limits))
 
 
-def _schema_json(param: str, schema: Any, limits: Limits) -> str:
+def schema_json(param: str, schema: Any, limits: Limits) -> str:
     """A JSON schema as canonical JSON text. That it compiles is checked where the model is known."""
     if not isinstance(schema, dict):
         raise bad_request(f"{param} must be a JSON schema object", "invalid_type", param)
@@ -263,7 +287,7 @@ def parse_response_format(raw: Any, limits: Limits) -> dict | None:
             )
         return {
             "type": "json_schema",
-            "schema": _schema_json("response_format.json_schema.schema", spec.get("schema"), limits),
+            "schema": schema_json("response_format.json_schema.schema", spec.get("schema"), limits),
         }
     raise bad_request(
         "'response_format.type' must be 'text', 'json_object' or 'json_schema'", "invalid_value", "response_format"
@@ -278,11 +302,13 @@ def _prompt_text_bytes(messages: tuple[Message, ...], tools: tuple[Tool, ...]) -
     return parts + calls + definitions
 
 
-def _parse_user(raw: Any, limits: Limits) -> str | None:
+def parse_user(raw: Any, limits: Limits, param: str) -> str | None:
     if raw is None:
         return None
     if not isinstance(raw, str) or not 0 < len(raw) <= limits.max_user_chars:
-        raise bad_request(f"'user' must be a string of 1 to {limits.max_user_chars} characters", "invalid_type", "user")
+        raise bad_request(
+            f"'{param}' must be a string of 1 to {limits.max_user_chars} characters", "invalid_type", param
+        )
     return raw
 
 
@@ -291,9 +317,7 @@ def _parse_messages(raw: Any, limits: Limits) -> tuple[Message, ...]:
         raise bad_request("'messages' must be a non-empty array", "invalid_messages", "messages")
     if len(raw) > limits.max_messages:
         raise bad_request(f"at most {limits.max_messages} messages per request", "too_many_messages", "messages")
-    messages = tuple(_parse_message(i, item, limits) for i, item in enumerate(raw))
-    _check_tool_results(messages)
-    return messages
+    return tuple(_parse_message(i, item, limits) for i, item in enumerate(raw))
 
 
 def _check_tool_results(messages: tuple[Message, ...]) -> None:
@@ -385,17 +409,17 @@ def _parse_sampling(body: dict[str, Any], limits: Limits) -> Sampling:
     param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_tokens is None:
         max_tokens = limits.default_max_tokens
-    if not _is_int(max_tokens) or not 1 <= max_tokens <= limits.max_output_tokens:
+    if not is_int(max_tokens) or not 1 <= max_tokens <= limits.max_output_tokens:
         raise bad_request(f"'{param}' must be an integer from 1 to {limits.max_output_tokens}", "invalid_value", param)
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    temperature = number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0.0:
         raise bad_request("'top_p' must be greater than 0", "invalid_value", "top_p")
     seed = body.get("seed")
-    if seed is not None and not (_is_int(seed) and -(2**63) <= seed < 2**64):
+    if seed is not None and not (is_int(seed) and -(2**63) <= seed < 2**64):
         raise bad_request("'seed' must be a 64-bit integer", "invalid_type", "seed")
     top_k = body.get("top_k", 0)
-    if not _is_int(top_k) or top_k < -1:
+    if not is_int(top_k) or top_k < -1:
         raise bad_request("'top_k' must be an integer: -1 or 0 for off, else at least 1", "invalid_value", "top_k")
     return Sampling(
         max_tokens,
@@ -403,20 +427,20 @@ def _parse_sampling(body: dict[str, Any], limits: Limits) -> Sampling:
         top_p,
         seed,
         _parse_stop(body.get("stop"), limits),
-        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         logit_bias=_parse_logit_bias(body.get("logit_bias")),
         top_k=max(top_k, 0),
-        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        min_p=number(body, "min_p", 0.0, 0.0, 1.0),
         top_logprobs=_parse_logprobs(body, limits),
     )
 
 
 def _parse_logprobs(body: dict[str, Any], limits: Limits) -> int | None:
     """None without logprobs; else how many alternatives each token reports (0: the chosen token only)."""
-    wanted = _typed(body, "logprobs", bool, False)
+    wanted = typed(body, "logprobs", bool, False)
     top = body.get("top_logprobs")
-    if top is not None and (not _is_int(top) or not 0 <= top <= limits.max_top_logprobs):
+    if top is not None and (not is_int(top) or not 0 <= top <= limits.max_top_logprobs):
         raise bad_request(
             f"'top_logprobs' must be an integer from 0 to {limits.max_top_logprobs}", "invalid_value", "top_logprobs"
         )
@@ -486,14 +510,14 @@ def _parse_metadata(raw: Any) -> dict[str, str]:
     return dict(raw)
 
 
-def _typed(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
+def typed(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
     value = body.get(name, default)
     if value is not None and value is not default and not isinstance(value, kind):
         raise bad_request(f"'{name}' must be of type {kind.__name__}", "invalid_type", name)
     return value
 
 
-def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
+def number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
     value = body.get(name)
     if value is None:
         return default
@@ -504,5 +528,5 @@ def _number(body: dict[str, Any], name: str, default: float, low: float, high: f
     return float(value)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

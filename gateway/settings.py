@@ -77,6 +77,7 @@ class Settings:
     max_queue: int = _default(EngineConfig, "max_queue")  # waiting requests; more answer 429
     max_num_seqs: int = _default(EngineConfig, "max_num_seqs")  # sequences decoding together
     request_timeout_s: float = 300.0  # server-side deadline of one request, queue wait included; then 504
+    stream_ping_s: float = 5.0  # an Anthropic stream whose prompt still prefills sends `ping` this often
     http_read_timeout_s: float = 30.0  # a request's headers and body must arrive within this; then closed
     http_header_timeout_s: float = 5.0  # its headers alone within this (a slow-header client goes early)
     keep_alive_s: int = 5  # idle keep-alive connections are closed after this
@@ -238,6 +239,12 @@ SETTINGS = (
     Setting("max_num_seqs", "STRATA_MAX_NUM_SEQS", int, "sequences that decode together, one batched step each"),
     Setting(
         "request_timeout_s", "STRATA_REQUEST_TIMEOUT_S", float, "deadline of one request, queue wait included; then 504"
+    ),
+    Setting(
+        "stream_ping_s",
+        "STRATA_STREAM_PING_S",
+        float,
+        "an Anthropic stream sends a ping this often while its prompt is still prefilling",
     ),
     Setting(
         "http_read_timeout_s",

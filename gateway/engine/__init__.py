@@ -32,7 +32,7 @@ from .families import VISION_FAMILIES, UnsupportedModel, family_of
 from .prompt import PreparedPrompt, PromptError
 from .runner import ModelRunner, Sampler, TokenLogprob
 from .tools import ParsedCall, ToolFormat
-from .types import ImagePart, Message, Sampling, TextPart, Tool, ToolCall
+from .types import ImagePart, Message, Pin, Sampling, TextPart, Tool, ToolCall
 from .worker import (
     Delta,
     Embedded,
@@ -78,6 +78,7 @@ __all__ = [
     "ModelRunner",
     "OverBudget",
     "ParsedCall",
+    "Pin",
     "PrefixReport",
     "PreparedPrompt",
     "PromptError",
@@ -139,6 +140,7 @@ class Engine:
         self.worker = EngineWorker(self.runner, config.max_queue, config.prefill_chunk_tokens, config.max_num_seqs)
         self.prepare = self.runner.prompts.build
         self.message_at = self.runner.prompts.message_at  # any thread (tokenizer and template only)
+        self.tokens_through = self.runner.prompts.tokens_through  # any thread, likewise
         self.tools = self.runner.prompts.tool_format
         self.poolable = self.runner.poolable  # /v1/embeddings may use this model (its family pools)
         self.submit = self.worker.submit

@@ -128,6 +128,15 @@ class PromptBuilder:
         except Exception:  # noqa: BLE001 - a template that refuses a partial conversation (role order checks)
             return None
 
+    def tokens_through(self, prompt: PreparedPrompt, count: int) -> int | None:
+        """How many of the prompt's tokens its first `count` messages make (0: the tools and system
+        header alone, where the template renders them first); None when the template cannot render
+        that part alone. For the prefixes a client asks to keep (cache breakpoints)."""
+        try:
+            return min(self._num_tokens_through(prompt, count), prompt.num_tokens)
+        except Exception:  # noqa: BLE001 - a template that refuses a partial conversation (role order checks)
+            return None
+
     def _num_tokens_through(self, prompt: PreparedPrompt, count: int) -> int:
         """Tokens of the first `count` messages rendered alone, images expanded as in the prompt."""
         messages = prompt.messages[:count]

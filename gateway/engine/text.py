@@ -22,6 +22,7 @@ class TextStream:
         self.emitted = 0
         self.text = ""
         self.stopped = False
+        self.matched_stop: str | None = None  # the stop sequence that ended the text (the first in the text)
 
     def push(self, token_id: int) -> str:
         """Add one token; return the newly decided text (maybe empty). Sets `stopped` on a stop hit."""
@@ -46,8 +47,11 @@ class TextStream:
 
     def _stop_position(self) -> int | None:
         window_start = max(0, self.emitted - self.hold)
-        hits = [i for s in self.stop if (i := self.text.find(s, window_start)) >= 0]
-        return min(hits) if hits else None
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, window_start)) >= 0]
+        if not hits:
+            return None
+        position, self.matched_stop = min(hits, key=lambda hit: hit[0])
+        return position
 
     def _emit_until(self, end: int) -> str:
         chunk = self.text[self.emitted : end]

@@ -65,3 +65,12 @@ class Sampling:
     # the row ends once the grammar is complete. None: free text.
     grammar: str | CompiledGrammar | None = None  # compiled before admission (Engine.compile_grammar)
     top_logprobs: int | None = None  # None: no logprobs; else the chosen token's and this many alternatives
+
+
+@dataclass(frozen=True, slots=True)
+class Pin:
+    """Keep the full KV blocks of the prompt's first `num_tokens` tokens for ttl_s seconds: LRU does not
+    evict them meanwhile (within the tenant's pin budget); past the TTL they are ordinary blocks."""
+
+    num_tokens: int
+    ttl_s: float

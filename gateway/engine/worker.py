@@ -76,6 +76,7 @@ class Finished:
     finish_reason: str  # "stop" | "length"
     num_completion_tokens: int
     decode_ms: float
+    stop_sequence: str | None = None  # the client's stop sequence that ended the answer, if one did
 
 
 @dataclass(frozen=True, slots=True)
@@ -619,7 +620,8 @@ class EngineWorker:
             row.job.send(row.delta(tail))
         cut = row.text.num_tokens >= sampling.max_tokens or row.sampler.closed_early
         reason = "stop" if row.text.stopped or not cut else "length"
-        row.job.send(Finished(reason, row.text.num_tokens, (time.perf_counter() - row.started_at) * 1000))
+        decode_ms = (time.perf_counter() - row.started_at) * 1000
+        row.job.send(Finished(reason, row.text.num_tokens, decode_ms, row.text.matched_stop))
         return False
 
     def _fail_all(self, exc: Exception) -> None:
