@@ -204,13 +204,20 @@ class ChatService:
         return Run(events(), completion, None)
 
     async def start(
-        self, prompt: PreparedPrompt, sampling: Sampling, caller: Caller, owner: Owner, trace: Trace, deadline: float
+        self,
+        prompt: PreparedPrompt,
+        sampling: Sampling,
+        caller: Caller,
+        owner: Owner,
+        trace: Trace,
+        deadline: float,
+        pins: tuple[Pin, ...] = (),
     ) -> Run:
         """Queue the job and wait until its prefill is done (or it failed, or the deadline passed).
         The engine's caches record `owner` (with the tenant) on what the job stores or reuses."""
         refuse_unless_serving(self.engine, self.settings.stuck_after_s)
         try:
-            job = self.engine.submit(prompt, sampling, caller.salt, owner_label(caller.tenant, owner))
+            job = self.engine.submit(prompt, sampling, caller.salt, owner_label(caller.tenant, owner), pins)
         except ENGINE_REFUSALS as refused:
             raise engine_refusal(refused) from None
         events = self.engine.events(job)

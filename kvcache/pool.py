@@ -6,7 +6,10 @@ Invariants (checked by `check()` in tests):
 - `num_bytes` == sum of the blocks' nbytes; `free.num_bytes` == sum over the free queue's blocks;
 - `num_bytes + reserved_bytes <= budget_bytes`;
 - a block is `purged` iff a purge took its last owner while it was in use: it leaves the pool
-  when its last holder releases it, never through the free queue (a new owner clears the mark).
+  when its last holder releases it, never through the free queue (a new owner clears the mark);
+- a pinned block holds one reference of its own until its pin ends (TTL passed, purged, or given
+  up to make room): `pins` maps it to its end, and `pinned_bytes[scope]` sums its scope's pinned
+  blocks, at most `pin_budget_bytes` per scope (a scope is a tenant's chain root: pins never cross).
 
 Owners are opaque labels (the gateway's "tenant, session, end user"): a block shared by several
 sessions is owned by each of them, and a purge removes the selected owners' references, deleting a
@@ -140,6 +143,10 @@ class Purged:
 
 @dataclass(slots=True)
 class PoolStats:
+    num_pinned: int = 0  # pins taken (a block pinned again only moves its end)
+    num_pins_refused: int = 0  # pins past the scope's pin budget
+    num_pins_expired: int = 0
+    num_pins_given_up: int = 0  # pins ended early so running sequences fit (the blocks spill to SSD)
     num_inserted: int = 0
     num_evicted: int = 0
     num_rejected: int = 0  # inserts refused: the budget was held by blocks in use and reservations
@@ -154,8 +161,14 @@ class BlockPool:
         budget_bytes: int,
         on_evict: Callable[[Block], None] | None = None,
         on_discard: Callable[[Block, str], None] | None = None,
+        pin_budget_bytes: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.budget_bytes = budget_bytes
+        self.pin_budget_bytes = pin_budget_bytes  # per scope; 0: nothing is pinned
+        self.clock = clock  # pins' TTLs run on it (tests inject one)
+        self.pins: dict[BlockHash, float] = {}  # pinned block -> when its pin ends (clock time)
+        self.pinned_bytes: dict[str, int] = {}  # scope -> bytes of its pinned blocks
         self.on_evict = on_evict  # e.g. spill to the SSD tier; called before the block's data is dropped
         self.on_discard = on_discard  # (block, "evicted" | "expired" | "purged") once it has left the pool
         self.by_hash: dict[BlockHash, Block] = {}
@@ -203,9 +216,53 @@ class BlockPool:
         self.counters.num_inserted += 1
         return block
 
+    def pin(self, block: Block, ttl_s: float) -> bool:
+        """Keep a cached block from LRU eviction for ttl_s (a pinned block pinned again keeps the later
+        end); False, pinning nothing, past its scope's pin budget."""
+        until = self.clock() + ttl_s
+        if block.block_hash in self.pins:
+            self.pins[block.block_hash] = max(until, self.pins[block.block_hash])
+            return True
+        pinned = self.pinned_bytes.get(block.scope, 0)
+        if pinned + block.nbytes > self.pin_budget_bytes:
+            self.counters.num_pins_refused += 1
+            return False
+        self.acquire(block)
+        self.pins[block.block_hash] = until
+        self.pinned_bytes[block.scope] = pinned + block.nbytes
+        self.counters.num_pinned += 1
+        return True
+
+    def expire_pins(self) -> int:
+        """End every pin past its TTL: its block is an ordinary cached block again. Returns how many."""
+        now = self.clock()
+        ended = [block_hash for block_hash, until in self.pins.items() if until <= now]
+        for block_hash in ended:
+            self._unpin(self.by_hash[block_hash])
+        self.counters.num_pins_expired += len(ended)
+        return len(ended)
+
+    def _unpin(self, block: Block) -> None:
+        del self.pins[block.block_hash]
+        self.pinned_bytes[block.scope] -= block.nbytes
+        if not self.pinned_bytes[block.scope]:
+            del self.pinned_bytes[block.scope]
+        self.release(block)
+
+    def _give_up_pins(self, nbytes: int) -> None:
+        """End pins, the soonest to end first, until nbytes more could fit (or none is left): running
+        sequences come before pins; the blocks go to the LRU end and spill to SSD when evicted."""
+        for block_hash in sorted(self.pins, key=self.pins.__getitem__):
+            if self.num_bytes - self.free.num_bytes + self.reserved_bytes + nbytes <= self.budget_bytes:
+                return
+            self._unpin(self.by_hash[block_hash])
+            self.counters.num_pins_given_up += 1
+
     def make_room(self, nbytes: int) -> bool:
-        """Evict LRU free blocks until nbytes more fit; False, evicting nothing, when blocks in use and
-        reservations hold too much of the budget."""
+        """Evict LRU free blocks until nbytes more fit, giving up pins first when blocks in use hold
+        too much; False, evicting nothing, when blocks in use and reservations still do."""
+        if self.num_bytes - self.free.num_bytes + self.reserved_bytes + nbytes > self.budget_bytes:
+            self._give_up_pins(nbytes)
         if self.num_bytes - self.free.num_bytes + self.reserved_bytes + nbytes > self.budget_bytes:
             return False
         while self.num_bytes + self.reserved_bytes + nbytes > self.budget_bytes:
@@ -232,7 +289,10 @@ class BlockPool:
         self.reserved_bytes -= nbytes
 
     def drop_free(self) -> Purged:
-        """Remove every block no session holds, without the eviction callback (nothing spills)."""
+        """Remove every block no session holds (pins end first), without the eviction callback
+        (nothing spills)."""
+        for block_hash in list(self.pins):
+            self._unpin(self.by_hash[block_hash])
         num_blocks, num_bytes = 0, 0
         while (victim := self.free.pop_oldest()) is not None:
             num_blocks, num_bytes = num_blocks + 1, num_bytes + victim.nbytes
@@ -252,7 +312,10 @@ class BlockPool:
             if block.owners:
                 continue
             num_blocks, num_bytes = num_blocks + 1, num_bytes + block.nbytes
-            if block.ref_count:
+            if block.block_hash in self.pins:
+                block.purged = True
+                self._unpin(block)  # the last reference: it leaves now
+            elif block.ref_count:
                 block.purged = True
             else:
                 self.free.remove(block)
@@ -295,6 +358,13 @@ class BlockPool:
         assert len(free) + len(in_use) == len(self.by_hash), (len(free), len(in_use), len(self.by_hash))
         total = sum(b.nbytes for b in self.by_hash.values())
         assert total == self.num_bytes, (total, self.num_bytes)
+        pinned: dict[str, int] = {}
+        for block_hash in self.pins:
+            block = self.by_hash[block_hash]
+            assert block.ref_count >= 1, "a pinned block holds a reference"
+            pinned[block.scope] = pinned.get(block.scope, 0) + block.nbytes
+        assert pinned == self.pinned_bytes, (pinned, self.pinned_bytes)
+        assert all(used <= self.pin_budget_bytes for used in pinned.values()), "a scope's pins passed its budget"
         assert self.num_bytes + self.reserved_bytes <= self.budget_bytes, (
             self.num_bytes,
             self.reserved_bytes,

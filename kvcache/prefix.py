@@ -3,6 +3,7 @@
     PrefixCache.open(salt, model, token_ids, spans, owner) -> PrefixSession   one per request; a context manager
     session.match(num_prompt_tokens) -> PrefixMatch  longest cached prefix (first missing block ends it)
     session.gather(num_tokens) -> [(keys, values)]   per layer, ready to seed a KV cache
+    session.pin(num_tokens, ttl_s) -> int           keep its first blocks from LRU for a while
     session.store(token_ids, layer_states, num_tokens)   cache the full blocks of the first num_tokens
     PrefixCache.purge_owned(selects) -> Purged       take owners off blocks (RAM; the SSD tier has its own)
 
@@ -130,6 +131,8 @@ class PrefixCache:
         ssd: SsdTier | None = None,
         quant: QuantConfig | None = None,
         write_through: bool = False,
+        pin_budget_bytes: int = 0,
+        clock=time.monotonic,
     ):
         self.block_size = block_size
         self.ssd = ssd
@@ -137,7 +140,13 @@ class PrefixCache:
         # hit count is not asked): a replica that dies leaves its conversations on a shared tier.
         self.write_through = write_through and ssd is not None
         self.quant = quant
-        self.pool = BlockPool(budget_bytes, on_evict=self._spill if ssd else None, on_discard=self._remember)
+        self.pool = BlockPool(
+            budget_bytes,
+            on_evict=self._spill if ssd else None,
+            on_discard=self._remember,
+            pin_budget_bytes=pin_budget_bytes,
+            clock=clock,
+        )
         self.counters = PrefixCacheStats()
         self.ghosts: Ghosts[BlockHash] = Ghosts()  # blocks that left RAM: why a later lookup missed
 
@@ -420,6 +429,17 @@ class PrefixSession:
         if quant is not None and end_token >= quant.min_tokens:
             return quantize(x, quant)
         return mx.contiguous(x)
+
+    def pin(self, num_tokens: int, ttl_s: float) -> int:
+        """Pin the held blocks of the first num_tokens tokens (whole blocks) for ttl_s, within the
+        tenant's pin budget (the scope is this chain's salted root); how many were pinned."""
+        num_blocks = min(num_tokens // self.cache.block_size, len(self.held))
+        pinned = 0
+        for block in self.held[:num_blocks]:
+            if not self.pool.pin(block, ttl_s):
+                break  # the budget is spent: a pinned prefix never has a gap
+            pinned += 1
+        return pinned
 
     def close(self) -> None:
         assert not self.closed, "PrefixSession closed twice"

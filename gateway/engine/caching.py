@@ -20,6 +20,7 @@ from vision import ImageKey, VisionCache, image_key
 
 from ..caches import CacheLayer, Removed
 from .prompt import PreparedPrompt, PromptImage
+from .types import Pin
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,7 @@ class PrefixPlan:
 
     session: PrefixSession  # owns the chain: root, hashes, image spans
     num_cached_tokens: int
+    pins: tuple[Pin, ...] = ()  # pinned once the request ends (its prompt's blocks are all stored then)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +66,8 @@ class CacheConfig:
     # Retention of the RAM tiers: entries nobody used for this long are dropped (0: kept until evicted).
     prefix_idle_s: float = 0.0
     vision_idle_s: float = 0.0
+    # What one tenant's pinned prefix blocks (cache breakpoints) may hold of the prefix budget.
+    pin_budget_bytes: int = 0
 
 
 class EngineCaches:
@@ -139,6 +143,8 @@ class EngineCaches:
     def expire(self) -> dict:
         """Drop what the RAM tiers' retention no longer allows (worker thread): {layer: Purged}."""
         removed: dict[str, Removed] = {}
+        if self.prefix is not None:
+            self.prefix.pool.expire_pins()  # first: an expired pin's block may be idle long enough to go
         if self.prefix is not None and self.config.prefix_idle_s:
             removed["prefix"] = self.prefix.pool.expire(self.config.prefix_idle_s)
         if self.vision is not None and self.config.vision_idle_s:
@@ -161,6 +167,13 @@ class EngineCaches:
         if self.prefix is not None and self.prefix.ssd is not None:
             self.prefix.persist()
             self.prefix.ssd.close(drain_s)
+
+    def pin(self, plan: PrefixPlan) -> None:
+        """Pin what the request's breakpoints cover (pins past their TTL end first)."""
+        if plan.pins:
+            plan.session.pool.expire_pins()
+        for pin in plan.pins:
+            plan.session.pin(pin.num_tokens, pin.ttl_s)
 
     def store(self, plan: PrefixPlan, token_ids: tuple[int, ...], kv_cache: list, num_tokens: int) -> None:
         """Cache the full blocks of token_ids[:num_tokens] (a prompt, or prompt + generated tokens)."""
@@ -212,6 +225,7 @@ def _prefix_cache(config: CacheConfig, model_fingerprint: str) -> PrefixCache:
         ssd,
         config.quant,
         write_through=config.ssd is not None and bool(config.ssd.writer),
+        pin_budget_bytes=config.pin_budget_bytes,
     )
 
 

@@ -34,7 +34,7 @@ from .caching import CacheConfig, EngineCaches, PrefixPlan, PrefixReport, Vision
 from .constraint import MAX_CLOSING_TOKENS, Grammars
 from .families import Family, family_of, read_config
 from .prompt import PreparedPrompt, PromptBuilder, PromptImage
-from .types import Sampling
+from .types import Pin, Sampling
 
 CLOSING_CHECK_TOKENS = 8  # how often a grammar's distance to closing is measured (and the margin kept)
 LAST_TOKEN_POOLING = ("qwen3",)  # model types whose mlx-vlm embedding model pools the last token
@@ -140,10 +140,12 @@ class ModelRunner:
         chunk_tokens: int,
         cancelled: Callable[[], bool],
         owner: str | None = None,
+        pins: tuple[Pin, ...] = (),
     ) -> PrefillResult:
         """Reuse the longest cached prefix, run the rest in chunks, cache new blocks as they fill.
-        `owner` labels what this request stores or reuses (purges select by it)."""
-        steps = self.prefill_steps(prompt, salt, chunk_tokens, cancelled, owner)
+        `owner` labels what this request stores or reuses (purges select by it); `pins` are kept
+        cached for their TTL once finish() stored the request."""
+        steps = self.prefill_steps(prompt, salt, chunk_tokens, cancelled, owner, pins)
         while True:
             try:
                 next(steps)
@@ -157,6 +159,7 @@ class ModelRunner:
         chunk_tokens: int,
         cancelled: Callable[[], bool],
         owner: str | None = None,
+        pins: tuple[Pin, ...] = (),
     ) -> Generator[int, None, PrefillResult]:
         """prefill() one chunk at a time: yields each chunk's token count but the last's (the worker
         runs a decode step of the batch in between) and returns the PrefillResult. Closing it early
@@ -165,6 +168,8 @@ class ModelRunner:
         start = time.perf_counter()
         cache = self.new_cache()
         plan, prefix_report = self.caches.open_prefix(prompt, salt, cache, owner)
+        if plan is not None:
+            plan.pins = pins
         try:
             cached = plan.num_cached_tokens if plan else 0
             vision_start = time.perf_counter()
@@ -247,6 +252,7 @@ class ModelRunner:
             sequence = prefill.prompt.token_ids + tuple(generated)
             kv_tokens = cache_offset(prefill.cache, len(sequence))  # the last sampled token was never fed back
             self.caches.store(plan, sequence, prefill.cache, min(kv_tokens, len(sequence)))
+            self.caches.pin(plan)
         finally:
             plan.session.close()
 

@@ -46,7 +46,7 @@ from .fair_queue import FairQueue, QueueFull
 from .prompt import PreparedPrompt
 from .runner import Cancelled, ModelRunner, PrefillResult, Sampler, TokenLogprob
 from .text import TextStream
-from .types import Sampling
+from .types import Pin, Sampling
 
 log = logging.getLogger("strata.engine")
 EXPIRY_INTERVAL_S = 10.0  # how often the worker drops idle entries from the RAM tiers
@@ -111,6 +111,7 @@ class Job:
     salt: TenantSalt
     loop: asyncio.AbstractEventLoop
     owner: str | None = None  # the label of who asks (tenant, session, end user): cache purges select by it
+    pins: tuple[Pin, ...] = ()  # prompt prefixes to keep cached for a while once the job ends
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.perf_counter)
@@ -313,7 +314,14 @@ class EngineWorker:
             return Health(True, False, "warming up")
         return Health(True, True)
 
-    def submit(self, prompt: PreparedPrompt, sampling: Sampling, salt: TenantSalt, owner: str | None = None) -> Job:
+    def submit(
+        self,
+        prompt: PreparedPrompt,
+        sampling: Sampling,
+        salt: TenantSalt,
+        owner: str | None = None,
+        pins: tuple[Pin, ...] = (),
+    ) -> Job:
         """Queue a job; QueueFull when there is no place for it, OverBudget when it can never fit,
         EngineStopped when the worker's loop has ended."""
         if self.ended.is_set():
@@ -322,7 +330,7 @@ class EngineWorker:
         need = self.kv_bytes(prompt, sampling)
         if budget is not None and need > budget:
             raise OverBudget(need, budget)
-        job = Job(prompt, sampling, salt, asyncio.get_running_loop(), owner)
+        job = Job(prompt, sampling, salt, asyncio.get_running_loop(), owner, pins)
         try:
             self.jobs.put(salt, job)
         except QueueFull:
@@ -457,7 +465,9 @@ class EngineWorker:
                 continue
             self.stats.num_requests += 1
             queue_ms = (time.perf_counter() - job.enqueued_at) * 1000
-            steps = self.runner.prefill_steps(job.prompt, job.salt, self.chunk_tokens, job.cancelled.is_set, job.owner)
+            steps = self.runner.prefill_steps(
+                job.prompt, job.salt, self.chunk_tokens, job.cancelled.is_set, job.owner, job.pins
+            )
             self.prefilling = Prefilling(job, steps, queue_ms, need)
         return True
 

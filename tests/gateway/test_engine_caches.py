@@ -220,3 +220,35 @@ def test_every_prefix_miss_says_why(warm):
     assert 0 < evicted.miss_lived_s < 60  # stored by the run just before
     reasons = warm.caches.stats()["prefix"]["miss_reasons"]
     assert {"cold", "diverged", "expired", "purged", "evicted"} <= set(reasons)
+
+
+def test_a_pinned_prefix_survives_a_storm_of_other_prompts_then_expires(tiny_model_path):
+    """Through the runner: a request's breakpoint pins its prompt's blocks when it ends; prompts that
+    fill the RAM budget many times over evict the unpinned twin, not the pinned one, until the
+    pin's TTL passes on the injected clock."""
+    from gateway.engine import Pin
+
+    runner = ModelRunner(tiny_model_path, CacheConfig(4 << 20, 0, 16, pin_budget_bytes=1 << 20), "tiny")
+    clock = [0.0]
+    runner.caches.prefix.pool.clock = lambda: clock[0]
+    pinned = _prompt(runner, [Message("system", (TextPart("Pinned. " + LONG),)), _user("one")])
+    unpinned = _prompt(runner, [Message("system", (TextPart("Loose. " + LONG),)), _user("one")])
+    for prompt, pins in ((pinned, (Pin(pinned.num_tokens // 16 * 16, 300.0),)), (unpinned, ())):
+        prefill = runner.prefill(prompt, TENANT_A, CHUNK, lambda: False, pins=pins)
+        runner.finish(prefill, [])
+    assert runner.caches.prefix.pool.pins
+    for i in range(12):  # each prompt holds 640 KiB of blocks: twice the budget in all
+        _run(runner, _prompt(runner, [_user(f"Storm {i}. " + LONG)]), sampling=Sampling(1, 0.0, 1.0, None, ()))
+
+    def cached(prompt):
+        plan, report = runner.caches.open_prefix(prompt, TENANT_A, runner.new_cache())
+        plan.session.close()
+        return report.num_cached_tokens
+
+    assert cached(pinned) == _reusable(pinned.num_tokens) and cached(unpinned) == 0
+    clock[0] += 301
+    runner.caches.expire()
+    for i in range(12):
+        _run(runner, _prompt(runner, [_user(f"Second storm {i}. " + LONG)]), sampling=Sampling(1, 0.0, 1.0, None, ()))
+    assert cached(pinned) == 0 and not runner.caches.prefix.pool.pins
+    runner.caches.prefix.pool.check()

@@ -122,3 +122,86 @@ def test_purge_takes_owners_off_and_deletes_blocks_left_with_none():
     pool.acquire(pool.get(_h(1)), "C")  # a third session reuses the shared block: it owns it too
     assert pool.get(_h(1)).owners == {"B", "C"}
     pool.check()
+
+
+# -- pins (cache breakpoints) --------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _pinning_pool(budget=500, pin_budget=200, **kwargs):
+    clock = Clock()
+    return BlockPool(budget, pin_budget_bytes=pin_budget, clock=clock, **kwargs), clock
+
+
+def _cached(pool, i, scope="tenant-a"):
+    block = pool.insert(Block(_h(i), (), 100, scope=scope))
+    pool.release(block)
+    return block
+
+
+def test_a_pinned_block_survives_an_lru_storm_that_evicts_an_unpinned_one():
+    pool, _ = _pinning_pool()
+    pinned, unpinned = _cached(pool, 0), _cached(pool, 1)
+    assert pool.pin(pinned, 300)
+    for i in range(2, 12):  # a storm of newer blocks through a 500-byte pool
+        _cached(pool, i)
+    assert pool.get(pinned.block_hash) is pinned and pool.get(unpinned.block_hash) is None
+    pool.check()
+
+
+def test_a_pin_past_its_ttl_is_an_ordinary_block_again():
+    pool, clock = _pinning_pool()
+    block = _cached(pool, 0)
+    pool.pin(block, 300)
+    clock.now += 299
+    assert pool.expire_pins() == 0 and block.ref_count == 1
+    pool.pin(block, 0.5)  # pinned again to end sooner: the later end stays
+    clock.now += 2
+    assert pool.expire_pins() == 1 and block.ref_count == 0 and pool.counters.num_pins_expired == 1
+    for i in range(1, 6):
+        _cached(pool, i)
+    assert pool.get(block.block_hash) is None  # evicted as any LRU block
+    pool.check()
+
+
+def test_each_tenant_pins_within_its_own_budget():
+    pool, _ = _pinning_pool(budget=1000, pin_budget=200)
+    a = [_cached(pool, i, "tenant-a") for i in range(3)]
+    b = [_cached(pool, 10 + i, "tenant-b") for i in range(2)]
+    assert pool.pin(a[0], 60) and pool.pin(a[1], 60) and not pool.pin(a[2], 60)
+    assert pool.pin(b[0], 60) and pool.pin(b[1], 60)  # tenant a's pins never spend tenant b's budget
+    assert pool.pinned_bytes == {"tenant-a": 200, "tenant-b": 200} and pool.counters.num_pins_refused == 1
+    pool.check()
+
+
+def test_running_sequences_come_before_pins_and_the_pinned_blocks_spill():
+    spilled = []
+    pool, _ = _pinning_pool(budget=300, pin_budget=300, on_evict=spilled.append)
+    blocks = [_cached(pool, i) for i in range(3)]
+    for block in blocks:
+        pool.pin(block, 300)
+    assert pool.reserve(150)  # a running sequence needs room: the soonest-ending pins give way
+    assert pool.counters.num_pins_given_up == 2 and len(spilled) == 2 and blocks[2].block_hash in pool.pins
+    pool.check()
+
+
+def test_a_purge_ends_the_pins_of_what_it_removes():
+    pool, _ = _pinning_pool()
+    block = _cached(pool, 0)
+    pool.acquire(block, "tenant-a/session-1")
+    pool.release(block)
+    pool.pin(block, 300)
+    assert pool.purge_owned(lambda owner: owner.startswith("tenant-a")).num_entries == 1
+    assert pool.get(block.block_hash) is None and not pool.pins and not pool.pinned_bytes
+    other = _cached(pool, 1)
+    pool.pin(other, 300)
+    pool.drop_free()
+    assert pool.get(other.block_hash) is None and not pool.pins
+    pool.check()
