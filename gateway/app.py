@@ -57,6 +57,7 @@ from .errors import EXCEPTION_HANDLERS, ApiError, bad_request, echo
 from .files import private_dir, private_file
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import RequestMetrics, StateCollector
+from .normalize import DEFAULT_RULES_FILE, Normalizer, load_rules
 from .openai_format import ModelStamp
 from .pipeline import Pipeline, off_loop
 from .purge_feed import PurgeFeed
@@ -222,11 +223,12 @@ async def _message_chunks(services: Services, chat_request, turn):
 async def count_message_tokens(request: Request) -> dict:
     """The prompt's tokens as the engine would see them (images expanded); nothing runs."""
     services = _services(request)
-    services.auth.caller(_authorization(request))
+    caller = services.auth.caller(_authorization(request))
     raw = await request.body()
     limits = services.settings.limits
     body = await off_loop(len(raw), partial(parse_json_body, raw, limits.max_json_depth))
     chat_request = anthropic_api.parse_messages_request({"max_tokens": 1, **body}, limits)
+    chat_request, _ = services.pipeline.normalizer.apply(chat_request, caller.tenant)
     return {"input_tokens": await services.pipeline.chat.count_tokens(chat_request)}
 
 
@@ -541,7 +543,9 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
         responses = await anyio.to_thread.run_sync(ResponseCaches, settings, live.info.fingerprint, embedder)
         sessions = SessionClock(settings.session_ttl_s)
         request_metrics = RequestMetrics(registry, settings.metrics_tenant_label) if settings.metrics_enabled else None
-        pipeline = Pipeline(ChatService(settings, live), responses, counters, sessions, request_metrics)
+        rules = load_rules(settings.normalize_rules_file or DEFAULT_RULES_FILE)
+        normalizer = Normalizer(rules, settings.normalize_off_tenants)
+        pipeline = Pipeline(ChatService(settings, live), responses, counters, sessions, request_metrics, normalizer)
         stamp = ModelStamp(live.info.name, live.info.fingerprint)
         conversations = ConversationStore(
             private_file(settings.data_dir / "conversations.db"), settings.conversation_ttl_s
@@ -639,6 +643,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         ssd,
         quant,
         prefix_idle_s=settings.kv_ram_retention_s,
+        pin_budget_bytes=int(budget * settings.kv_pin_fraction),
         vision_idle_s=settings.vision_retention_s,
     )
     return EngineConfig(settings.max_queue, settings.prefill_chunk_tokens, caches, settings.max_num_seqs)

@@ -28,6 +28,7 @@ from .auth import Caller
 from .chat import ChatService, Run
 from .engine import Delta, Finished, Pin, Sampling
 from .metrics import RequestMetrics
+from .normalize import Normalizer
 from .openai_format import Completion
 from .responses import RequestContext, ResponseCaches
 from .schemas import ChatRequest
@@ -119,7 +120,9 @@ class Pipeline:
         counters: LayerCounters,
         sessions: SessionClock,
         metrics: RequestMetrics | None,
+        normalizer: Normalizer,
     ):
+        self.normalizer = normalizer  # before every key and token: volatile system lines removed
         self.chat = chat
         self.responses = responses
         self.counters = counters
@@ -130,6 +133,7 @@ class Pipeline:
         deadline = anyio.current_time() + self.chat.settings.request_timeout_s
         self.chat.check_model(request)
         trace = Trace()
+        request, trace.normalized = self.normalizer.apply(request, caller.tenant)
         with trace.timed("prepare"):
             images = await self.chat.load_images(request)
             ctx = await off_loop(body_size, partial(self.responses.context, request, caller, headers, images))
@@ -140,7 +144,7 @@ class Pipeline:
         with trace.timed("tokenize"):
             prompt, sampling = await self.chat.prepare(request, images)
             pins = await self.chat.pins(request, prompt)
-        runs = [await self.chat.start(prompt, sampling, caller, ctx.owner, trace, deadline)]
+        runs = [await self.chat.start(prompt, sampling, caller, ctx.owner, trace, deadline, pins)]
         try:
             for index in range(1, request.n):
                 runs.append(

@@ -88,6 +88,7 @@ class Settings:
     kv_budget_bytes: int | None = None  # RAM for KV blocks and running sequences; None = 25% of available RAM; 0 = off
     vision_budget_bytes: int = 256 << 20  # RAM for cached image features; 0 = off
     kv_ram_retention_s: float = 86400.0  # prefix KV blocks in RAM nobody used for this long are dropped (0: never)
+    kv_pin_fraction: float = 0.25  # of the prefix KV budget, what one tenant's pinned blocks (breakpoints) may hold
     vision_retention_s: float = 86400.0  # cached image features nobody used for this long are dropped (0: never)
     ssd_capacity_bytes: int = _default(SsdConfig, "capacity_bytes")  # KV blocks under DATA_DIR/kv; 0 = no SSD tier
     ssd_retention_s: float = _default(SsdConfig, "retention_s")
@@ -110,6 +111,8 @@ class Settings:
     semantic_ttl_s: float = _default(SemanticSettings, "default_ttl_s")
     cache_nondeterministic: bool = False  # also cache sampled (temperature > 0, no seed) answers
     risk_patterns_file: Path | None = None  # None: semantic/risk_patterns.json
+    normalize_rules_file: Path | None = None  # None: gateway/normalize_rules.json (prompts kept cacheable)
+    normalize_off_tenants: tuple[str, ...] = ()  # tenants whose system prompts are left exactly as sent
     allow_remote_images: bool = False  # http(s) image_url parts
     remote_image_allow: tuple[Network, ...] = ()  # networks that may be fetched although not public (10.1.0.0/16)
     remote_image_timeout_s: float = 10.0  # total deadline of one fetch: DNS, connect, redirects, body
@@ -151,6 +154,10 @@ def parse_flag(text: str) -> bool:
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def _cidrs(text: str) -> tuple[Network, ...]:
@@ -280,6 +287,12 @@ SETTINGS = (
     ),
     Setting("vision_budget_bytes", "STRATA_VISION_BUDGET_BYTES", int, "RAM for cached image features (0: off)"),
     Setting(
+        "kv_pin_fraction",
+        "STRATA_KV_PIN_FRACTION",
+        float,
+        "share of the prefix KV budget one tenant's pinned prefixes (cache breakpoints) may hold (0: no pins)",
+    ),
+    Setting(
         "kv_ram_retention_s",
         "STRATA_KV_RAM_RETENTION_S",
         float,
@@ -350,6 +363,18 @@ SETTINGS = (
         "STRATA_RISK_PATTERNS_FILE",
         Path,
         "risk rules as JSON (default semantic/risk_patterns.json)",
+    ),
+    Setting(
+        "normalize_rules_file",
+        "STRATA_NORMALIZE_RULES_FILE",
+        Path,
+        "prompt normalisation rules as JSON (default gateway/normalize_rules.json)",
+    ),
+    Setting(
+        "normalize_off_tenants",
+        "STRATA_NORMALIZE_OFF_TENANTS",
+        _names,
+        "tenants (comma-separated) whose system prompts are never normalised",
     ),
     Setting("allow_remote_images", "STRATA_ALLOW_REMOTE_IMAGES", parse_flag, "accept http(s) image URLs"),
     Setting("remote_image_allow", "STRATA_REMOTE_IMAGE_ALLOW", _cidrs, "CIDRs that may be fetched although not public"),

@@ -60,6 +60,7 @@ class Trace:
     first_token_s: float | None = None  # from start to the first piece of the answer (time to first token)
     token_gaps_s: list[float] = field(default_factory=list)  # between the engine's pieces (inter-token latency)
     last_token_at: float = 0.0
+    normalized: bool = False  # a normalisation rule changed the prompt (X-Cache-Prefix says normalized=1)
 
     def token(self, from_engine: bool) -> None:
         """A piece of the answer left (a stored answer's pieces count for the first token only)."""
@@ -108,6 +109,8 @@ class Trace:
     def headers(self) -> dict[str, str]:
         headers = {"X-Cache-Layer": self.served_by, "Cache-Status": self.cache_status()}
         headers.update({f"X-Cache-{name.capitalize()}": self.outcomes[name].header_value() for name in LAYERS})
+        if self.normalized:
+            headers["X-Cache-Prefix"] += "; normalized=1"
         if self.timings_ms:
             headers["Server-Timing"] = self.server_timing()
         return headers

@@ -594,6 +594,33 @@ MUTANTS = (
         "self.waiting[tenant] = queue\n                self.waiting.move_to_end(tenant, last=False)",
         ("tests/gateway/test_units.py::test_the_fair_lane_takes_tenants_in_turn",),
     ),
+    Mutant(
+        "pins never expire",
+        "kvcache/pool.py",
+        "ended = [block_hash for block_hash, until in self.pins.items() if until <= now]",
+        "ended = []",
+        (
+            "tests/kvcache/test_pool.py::test_a_pin_past_its_ttl_is_an_ordinary_block_again",
+            "tests/gateway/test_engine_caches.py::test_a_pinned_prefix_survives_a_storm_of_other_prompts_then_expires",
+        ),
+    ),
+    Mutant(
+        "a pin spends another tenant's budget",
+        "kvcache/pool.py",
+        "pinned = self.pinned_bytes.get(block.scope, 0)",
+        "pinned = sum(self.pinned_bytes.values())",
+        ("tests/kvcache/test_pool.py::test_each_tenant_pins_within_its_own_budget",),
+    ),
+    Mutant(
+        "anthropic usage fields do not add up",
+        "gateway/anthropic_api.py",
+        '"input_tokens": prompt - read - creation,',
+        '"input_tokens": prompt - read,',
+        (
+            "tests/gateway/test_anthropic.py::test_a_shared_breakpoint_is_read_from_cache_and_the_fields_add_up",
+            "tests/gateway/test_anthropic.py::test_create_and_stream_give_the_same_answer",
+        ),
+    ),
 )
 
 

@@ -46,6 +46,7 @@ def server(tmp_path_factory, tiny_model_path):
             "STRATA_API_KEYS": "key-a:tenant-a,key-b:tenant-b",
             "STRATA_MODEL_NAME": TINY,
             "STRATA_STREAM_PING_S": "0.02",  # the long prompt below prefills for longer than this
+            "STRATA_NORMALIZE_OFF_TENANTS": "tenant-b",
         },
     )
     yield live
@@ -218,6 +219,10 @@ def test_a_shared_breakpoint_is_read_from_cache_and_the_fields_add_up(server):
     )
     system_tokens = client.messages.count_tokens(model=TINY, system=SYSTEM, messages=[{"role": "user", "content": "?"}])
     assert first.usage.cache_creation_input_tokens > 100 and first.usage.cache_read_input_tokens == 0
+    first_prompt = client.messages.count_tokens(
+        model=TINY, system=system, messages=[{"role": "user", "content": "First question?"}]
+    )
+    assert _adds_up(first.usage) == first_prompt.input_tokens
     assert first.usage.cache_creation.ephemeral_5m_input_tokens == first.usage.cache_creation_input_tokens
     assert second.usage.cache_read_input_tokens >= first.usage.cache_creation_input_tokens  # whole blocks
     assert second.usage.cache_creation_input_tokens == 0
@@ -275,3 +280,27 @@ def test_pings_while_a_long_prompt_prefills_and_the_client_still_reads_it(server
         **{k: v for k, v in body.items() if k != "stream"} | {"system": SYSTEM * 2 + " again"}
     ) as stream:
         assert stream.get_final_message().usage.output_tokens > 0
+
+
+def _attributed(cch: str) -> list[dict]:
+    line = f"x-anthropic-billing-header: cc_version=2.1.37.8f1; cc_entrypoint=cli; cch={cch};"
+    return [{"type": "text", "text": line}, {"type": "text", "text": "Attributed. " + SYSTEM}]
+
+
+def test_requests_differing_only_in_the_attribution_line_share_their_prefix(server):
+    ask = {"model": TINY, "max_tokens": 4, "messages": [{"role": "user", "content": "Plan the change"}]}
+    client = _client(server)
+    client.messages.create(**ask, system=_attributed("1a2b3"), extra_body=GREEDY)
+    raw = client.messages.with_raw_response.create(
+        **ask, system=_attributed("9f8e7"), extra_body=GREEDY, extra_headers=NO_RESPONSE_CACHES
+    )
+    prompt = client.messages.count_tokens(model=TINY, system=_attributed("00000"), messages=ask["messages"])
+    assert raw.headers["x-cache-prefix"].startswith("hit;") and raw.headers["x-cache-prefix"].endswith("normalized=1")
+    assert raw.parse().usage.cache_read_input_tokens >= prompt.input_tokens - 32  # all but the last partial block
+    opted_out = _client(server, "key-b")
+    opted_out.messages.create(**ask, system=_attributed("1a2b3"), extra_body=GREEDY)
+    kept = opted_out.messages.with_raw_response.create(
+        **ask, system=_attributed("9f8e7"), extra_body=GREEDY, extra_headers=NO_RESPONSE_CACHES
+    )
+    assert "normalized" not in kept.headers["x-cache-prefix"] and "in=system" in kept.headers["x-cache-prefix"]
+    assert kept.parse().usage.cache_read_input_tokens < raw.parse().usage.cache_read_input_tokens / 4
