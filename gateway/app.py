@@ -632,6 +632,7 @@ def engine_config(settings: Settings) -> EngineConfig:
             settings.ssd_retention_s,
             admission=admission,
             writer=settings.ssd_writer,
+            pin_budget_bytes=int(settings.ssd_capacity_bytes * settings.kv_pin_fraction),
         )
     quant = (
         QuantConfig(settings.kv_quant_bits, min_tokens=settings.kv_quant_min_tokens) if settings.kv_quant_bits else None

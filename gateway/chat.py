@@ -150,7 +150,7 @@ class ChatService:
         through = await anyio.to_thread.run_sync(render)
         block = self.settings.kv_block_size  # a pin keeps whole blocks: the tail of a partial one is not kept
         return tuple(
-            Pin(tokens // block * block, mark.ttl_s)
+            Pin(tokens // block * block, mark.ttl_s, mark.on_ssd)
             for tokens, mark in zip(through, request.breakpoints)
             if tokens is not None
         )

@@ -32,6 +32,7 @@ class CacheBreakpoint:
 
     num_messages: int
     ttl_s: float
+    on_ssd: bool = False  # kept on the SSD tier, not in RAM
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +174,32 @@ def parse_chat_request(body: dict[str, Any], limits: Limits) -> ChatRequest:
         tool_choice=parse_tool_choice(body, tools),
         response_format=parse_response_format(body.get("response_format"), limits),
         n=n,
+        breakpoints=_retention(body, len(messages)),
     )
+
+
+RETENTION_24H_S = 24 * 3600.0
+
+
+def _retention(body: dict[str, Any], num_messages: int) -> tuple[CacheBreakpoint, ...]:
+    """OpenAI's prompt_cache_retention: "in_memory" (or "in-memory") is Strata's own caching; "24h"
+    pins the whole prompt on the SSD tier for a day. `prompt_cache_key` is a routing hint for the
+    proxy in front (it hashes on it first), checked here only for its type."""
+    key = body.get("prompt_cache_key")
+    if key is not None and (not isinstance(key, str) or len(key) > 1024):
+        raise bad_request(
+            "'prompt_cache_key' must be a string of at most 1024 characters", "invalid_type", "prompt_cache_key"
+        )
+    retention = body.get("prompt_cache_retention")
+    if retention in (None, "in_memory", "in-memory"):
+        return ()
+    if retention != "24h":
+        raise bad_request(
+            f"'prompt_cache_retention' must be 'in_memory' or '24h'; got {echo(retention)}",
+            "invalid_value",
+            "prompt_cache_retention",
+        )
+    return (CacheBreakpoint(num_messages, RETENTION_24H_S, on_ssd=True),)
 
 
 def checked_request(limits: Limits, **fields: Any) -> ChatRequest:

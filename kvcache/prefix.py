@@ -4,6 +4,7 @@
     session.match(num_prompt_tokens) -> PrefixMatch  longest cached prefix (first missing block ends it)
     session.gather(num_tokens) -> [(keys, values)]   per layer, ready to seed a KV cache
     session.pin(num_tokens, ttl_s) -> int           keep its first blocks from LRU for a while
+    session.pin_on_ssd(num_tokens, ttl_s) -> int    the same on the SSD tier (written there now)
     session.store(token_ids, layer_states, num_tokens)   cache the full blocks of the first num_tokens
     PrefixCache.purge_owned(selects) -> Purged       take owners off blocks (RAM; the SSD tier has its own)
 
@@ -440,6 +441,18 @@ class PrefixSession:
                 break  # the budget is spent: a pinned prefix never has a gap
             pinned += 1
         return pinned
+
+    def pin_on_ssd(self, num_tokens: int, ttl_s: float) -> int:
+        """Write the held blocks of the first num_tokens tokens to the SSD tier now (past its
+        admission rule) and pin them there for ttl_s, within the tenant's SSD pin budget; how many
+        were pinned (0 without an SSD tier)."""
+        ssd = self.cache.ssd
+        if ssd is None:
+            return 0
+        blocks = self.held[: min(num_tokens // self.cache.block_size, len(self.held))]
+        for block in blocks:
+            ssd.offer(_spill_request(block, self.cache.block_size))
+        return ssd.pin(self.scope, [(b.block_hash.hex(), b.nbytes) for b in blocks], time.time() + ttl_s)
 
     def close(self) -> None:
         assert not self.closed, "PrefixSession closed twice"

@@ -7,6 +7,7 @@
     reconcile()                   at start-up: temp leftovers and doomed files removed, index fixed from the files
     refresh()                     a shared folder: take in the segments other writers wrote or deleted
     purge_owned(selects)          take owners off blocks; blocks left with none are cut out of their files
+    pin(scope, blocks, until)     keep blocks' segments past LRU and retention until then (a budget per scope)
     ghost(hash)                   why a block recently left the tier ("evicted" / "expired" / "purged")
     drain(timeout_s) / close()    at shutdown: the writer finishes within a bounded time
 
@@ -110,6 +111,7 @@ class SsdConfig:
     queue_blocks: int = 256
     admission: AdmissionPolicy = AdmissionPolicy()
     writer: str = ""  # this process's name among the writers of a shared root ("": the only writer)
+    pin_budget_bytes: int = 0  # what one scope (tenant) may pin on this tier (0: no pins)
 
 
 @dataclass(slots=True)
@@ -165,6 +167,9 @@ class SsdTier:
         self.index = SegmentIndex(self.folder / (f"index-{config.writer}.sqlite" if config.writer else "index.sqlite"))
         self.journal_lock = threading.Lock()
         self.journals: dict[str, tuple[int, int]] = {}  # another writer's journal -> (inode, bytes taken in)
+        # Pins (OpenAI prompt_cache_retention "24h"), under `lock`: block -> (scope, bytes, until: time.time());
+        # a segment holding a pinned block is neither evicted nor expired. Kept in memory: a restart ends them.
+        self.pins: dict[str, tuple[str, int, float]] = {}
         self.pending: queue.Queue[SpillRequest | None] = queue.Queue(maxsize=config.queue_blocks)
         self.readers = ThreadPoolExecutor(max_workers=READER_THREADS, thread_name_prefix="strata-ssd-reader")
         self.writer = threading.Thread(target=self._write_loop, name="strata-ssd-writer", daemon=True)
@@ -281,6 +286,32 @@ class SsdTier:
             return False
         return True
 
+    def pin(self, scope: str, blocks: list[tuple[str, int]], until: float) -> int:
+        """Pin (hex hash, bytes) blocks until `until` (time.time()) within the scope's pin budget, in
+        order, stopping at the first that does not fit; how many were pinned."""
+        budget_bytes = self.config.pin_budget_bytes
+        with self.lock:
+            used = sum(nbytes for owner, nbytes, _ in self.pins.values() if owner == scope)
+            pinned = 0
+            for hex_hash, nbytes in blocks:
+                if hex_hash in self.pins:
+                    owner, held, end = self.pins[hex_hash]
+                    self.pins[hex_hash] = (owner, held, max(end, until))
+                elif used + nbytes > budget_bytes:
+                    break
+                else:
+                    self.pins[hex_hash] = (scope, nbytes, until)
+                    used += nbytes
+                pinned += 1
+            return pinned
+
+    def _pinned_segments(self, now: float) -> set[str]:
+        """Segments holding a block pinned past `now`; pins that ended are dropped."""
+        with self.lock:
+            self.pins = {h: pin for h, pin in self.pins.items() if pin[2] > now}
+            pinned = list(self.pins)
+        return {name for name in self.index.segments_of(pinned) if name is not None}
+
     def _within_daily_budget(self) -> bool:
         today = time.strftime("%Y-%m-%d")
         with self.lock:
@@ -381,11 +412,14 @@ class SsdTier:
         return len(payload)
 
     def _enforce_capacity(self, now: float | None = None) -> None:
-        """LRU-evict segment files past the byte cap; remove files unused past the retention (the
-        caller holds files_lock)."""
+        """LRU-evict segment files past the byte cap; remove files unused past the retention; never a
+        segment with a pinned block (the caller holds files_lock)."""
         now = time.time() if now is None else now
         excess = self.index.counts()[2] - self.config.capacity_bytes
+        pinned = self._pinned_segments(now)
         for name, segment in self.index.least_recently_used():
+            if name in pinned:
+                continue
             expired = now - segment.last_used > self.config.retention_s
             if not expired and excess <= 0:
                 break

@@ -173,7 +173,10 @@ class EngineCaches:
         if plan.pins:
             plan.session.pool.expire_pins()
         for pin in plan.pins:
-            plan.session.pin(pin.num_tokens, pin.ttl_s)
+            if pin.on_ssd:
+                plan.session.pin_on_ssd(pin.num_tokens, pin.ttl_s)
+            else:
+                plan.session.pin(pin.num_tokens, pin.ttl_s)
 
     def store(self, plan: PrefixPlan, token_ids: tuple[int, ...], kv_cache: list, num_tokens: int) -> None:
         """Cache the full blocks of token_ids[:num_tokens] (a prompt, or prompt + generated tokens)."""

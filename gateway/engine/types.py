@@ -70,7 +70,9 @@ class Sampling:
 @dataclass(frozen=True, slots=True)
 class Pin:
     """Keep the full KV blocks of the prompt's first `num_tokens` tokens for ttl_s seconds: LRU does not
-    evict them meanwhile (within the tenant's pin budget); past the TTL they are ordinary blocks."""
+    evict them meanwhile (within the tenant's pin budget); past the TTL they are ordinary blocks.
+    In RAM (Anthropic cache_control), or on the SSD tier (OpenAI prompt_cache_retention "24h")."""
 
     num_tokens: int
     ttl_s: float
+    on_ssd: bool = False  # pinned on the SSD tier (written there now) rather than held in RAM

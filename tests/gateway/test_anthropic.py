@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 
 import anthropic
 import httpx
@@ -20,6 +21,7 @@ from PIL import Image
 from tests.gateway.test_live_server import LiveServer
 
 TINY = "tiny"
+ADMIN = "admin-key"
 GREEDY = {"temperature": 0}
 NO_RESPONSE_CACHES = {"Cache-Control": "no-cache"}  # the engine's prefix cache itself answers
 SYSTEM = "You are the build agent of a large repository. Follow the house rules exactly. " * 12
@@ -47,6 +49,9 @@ def server(tmp_path_factory, tiny_model_path):
             "STRATA_MODEL_NAME": TINY,
             "STRATA_STREAM_PING_S": "0.02",  # the long prompt below prefills for longer than this
             "STRATA_NORMALIZE_OFF_TENANTS": "tenant-b",
+            "STRATA_ADMIN_KEY": ADMIN,
+            "STRATA_SSD_CAPACITY_BYTES": str(256 << 20),
+            "STRATA_SSD_MIN_HITS": "1000",  # nothing reaches SSD by eviction: only what is pinned there
         },
     )
     yield live
@@ -304,3 +309,29 @@ def test_requests_differing_only_in_the_attribution_line_share_their_prefix(serv
     )
     assert "normalized" not in kept.headers["x-cache-prefix"] and "in=system" in kept.headers["x-cache-prefix"]
     assert kept.parse().usage.cache_read_input_tokens < raw.parse().usage.cache_read_input_tokens / 4
+
+
+def _ssd_blocks(server) -> int:
+    stats = httpx.get(server.url + "/admin/stats", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+    return stats["engine_caches"]["ssd"]["num_blocks"]
+
+
+def test_openai_24h_retention_pins_the_prompt_on_ssd_and_cache_key_is_accepted(server):
+    chat = openai.OpenAI(base_url=server.url + "/v1", api_key="key-a", max_retries=0)
+    messages = [{"role": "system", "content": "Retained. " + SYSTEM}, {"role": "user", "content": "Keep me a day"}]
+    before = _ssd_blocks(server)
+    chat.chat.completions.create(
+        model=TINY,
+        messages=messages,
+        max_tokens=2,
+        extra_body={"prompt_cache_retention": "24h", "prompt_cache_key": "agent-7"},
+    )
+    deadline = time.monotonic() + 10
+    while _ssd_blocks(server) <= before and time.monotonic() < deadline:
+        time.sleep(0.1)  # the SSD writer runs beside the engine
+    prompt = chat.chat.completions.create(model=TINY, messages=messages, max_tokens=1).usage.prompt_tokens
+    assert _ssd_blocks(server) - before >= prompt // 32 - 1  # the prompt's whole blocks, at once
+    with pytest.raises(openai.BadRequestError, match="prompt_cache_retention"):
+        chat.chat.completions.create(
+            model=TINY, messages=messages, max_tokens=1, extra_body={"prompt_cache_retention": "forever"}
+        )

@@ -322,3 +322,28 @@ def test_a_restarted_writer_keeps_others_temp_files_and_journals_afresh(tmp_path
     assert b.refresh() == 1 and b.contains(_hex(2))
     a.close()
     b.close()
+
+
+def test_a_pinned_block_outlives_capacity_and_retention_until_its_pin_ends(tmp_path):
+    probe = _tier(tmp_path / "probe")
+    _spill(probe, 1)
+    size = probe.index.num_bytes
+    probe.close()
+    tier = _tier(tmp_path, capacity_bytes=2 * size, pin_budget_bytes=10 * size)
+    _spill(tier, 1)
+    day = 24 * 3600
+    assert tier.pin("scope", [(_hex(1), size)], time.time() + day) == 1
+    _spill(tier, 2, 3, 4)  # a storm past capacity: the LRU file is the pinned one
+    assert tier.contains(_hex(1)) and not tier.contains(_hex(2))
+    tier._enforce_capacity(now=time.time() + 8 * day)  # past the retention as well as the pin
+    assert not tier.contains(_hex(1)) and not tier.pins
+    tier.close()
+
+
+def test_ssd_pins_stay_within_each_scopes_budget(tmp_path):
+    tier = _tier(tmp_path, pin_budget_bytes=300)
+    until = time.time() + 3600
+    assert tier.pin("tenant-a", [(_hex(1), 100), (_hex(2), 100), (_hex(3), 100), (_hex(4), 100)], until) == 3
+    assert tier.pin("tenant-b", [(_hex(5), 300)], until) == 1  # a's pins spend none of b's budget
+    assert tier.pin("tenant-a", [(_hex(1), 100)], until + 60) == 1 and tier.pins[_hex(1)][2] == until + 60
+    tier.close()
