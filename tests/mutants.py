@@ -621,6 +621,13 @@ MUTANTS = (
             "tests/gateway/test_anthropic.py::test_create_and_stream_give_the_same_answer",
         ),
     ),
+    Mutant(
+        "no bounded load in the proxy",
+        "deploy/haproxy/haproxy.cfg",
+        "    hash-balance-factor 150\n",
+        "",
+        ("tests/gateway/test_cluster.py::test_a_cache_key_sticks_and_a_hot_key_spills_under_bounded_load",),
+    ),
 )
 
 

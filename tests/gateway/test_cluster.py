@@ -8,6 +8,7 @@ died again; stopping leaves no process behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -184,3 +185,54 @@ def test_cluster_up_restarts_a_dead_replica_and_stops_everything_on_sigint(tiny_
     up.send_signal(signal.SIGINT)
     assert up.wait(timeout=90) == 0 and "strata cluster: stopped" in up.stdout.read()
     assert all(port_free(port + i) for i in range(3))  # proxy and replicas gone
+
+
+@pytest.mark.slow
+def test_a_cache_key_sticks_and_a_hot_key_spills_under_bounded_load(cluster):
+    """prompt_cache_key routes first (any first message, any session header); six streams of one hot
+    key held open at once cannot all sit on one replica: hash-balance-factor sends the later ones on."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + 30
+    while len(seen) < 2:  # until the proxy has both replicas up
+        assert time.monotonic() < deadline, f"the proxy never used both replicas: {seen}"
+        response = _ask(cluster.url, "Which replica?", f"warm-{len(seen)}-{time.monotonic()}")
+        if response.status_code == 200:
+            seen.add(response.headers["x-strata-replica"])
+    homes = set()
+    for turn in range(4):
+        body = {
+            "model": TINY,
+            "messages": [{"role": "user", "content": f"Different first message {turn}."}],
+            "max_tokens": 2,
+            "prompt_cache_key": "agent-hot",
+        }
+        headers = {"Authorization": "Bearer key-acme", "X-Strata-Session": f"session-{turn}"}
+        homes.add(
+            httpx.post(cluster.url + "/v1/chat/completions", json=body, headers=headers, timeout=60).headers[
+                "x-strata-replica"
+            ]
+        )
+    assert len(homes) == 1
+    never_ending = {"8184": -100, "8186": -100}  # the tiny model's end-of-text tokens: each stream runs its max_tokens
+    body = {
+        "model": TINY,
+        "messages": [{"role": "user", "content": "Stream for a while."}],
+        "max_tokens": 400,
+        "stream": True,
+        "logit_bias": never_ending,
+        "prompt_cache_key": "agent-hot",
+    }
+    with httpx.Client(timeout=120) as client, contextlib.ExitStack() as streams:
+        replicas = []
+        for _ in range(6):
+            response = streams.enter_context(
+                client.stream(
+                    "POST",
+                    cluster.url + "/v1/chat/completions",
+                    json=body,
+                    headers={"Authorization": "Bearer key-acme"},
+                )
+            )
+            assert response.status_code == 200
+            replicas.append(response.headers["x-strata-replica"])
+    assert replicas[0] in homes and set(replicas) == {"a", "b"}, replicas
