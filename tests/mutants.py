@@ -373,7 +373,7 @@ MUTANTS = (
     Mutant(
         "a tool result without its call accepted",
         "gateway/schemas.py",
-        "    _check_tool_results(messages)\n",
+        "    _check_tool_results(request.messages)\n",
         "",
         (f"{BREADTH}::test_hostile_tool_and_format_requests_are_400s_naming_the_field",),
     ),
@@ -555,8 +555,10 @@ MUTANTS = (
     Mutant(
         "a client leaving while its choices start goes unnoticed",
         "gateway/app.py",
-        "turn = await _unless_client_leaves(request, starting)",
-        "turn = await starting",
+        "starting = services.pipeline.start(chat_request, caller, request.headers, len(raw))\n"
+        "    turn = await _unless_client_leaves(request, starting)",
+        "starting = services.pipeline.start(chat_request, caller, request.headers, len(raw))\n"
+        "    turn = await starting",
         (f"{LIVE_HARDENING}::test_abandoned_requests_for_several_choices_cancel_every_job",),
     ),
     Mutant(
