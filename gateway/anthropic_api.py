@@ -77,7 +77,49 @@ def parse_messages_request(body: dict[str, Any], limits: Limits) -> ChatRequest:
         tool_choice=_tool_choice(body.get("tool_choice"), tools),
         breakpoints=marks.sorted(),
         fit_max_tokens=True,
+        thinking=_thinking(body.get("thinking")),
+        response_format=_output_format(body.get("output_config"), limits),
     )
+
+
+THINKING_TYPES = {"enabled": True, "adaptive": True, "between_tools": True, "disabled": False}
+
+
+def _thinking(raw: Any) -> bool | None:
+    """The template's thinking switch: on for enabled/adaptive, off for disabled (templates without
+    a switch answer as they always do; budget_tokens is counted within max_tokens, as Anthropic's)."""
+    if raw is None:
+        return None
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind not in THINKING_TYPES:
+        raise bad_request(
+            f"thinking.type: must be one of {', '.join(THINKING_TYPES)}; got {echo(kind)}", "invalid_value", "thinking"
+        )
+    return THINKING_TYPES[kind]
+
+
+EFFORTS = (None, "low", "medium", "high", "xhigh", "max")
+
+
+def _output_format(raw: Any, limits: Limits) -> dict | None:
+    """output_config.format (a JSON schema the answer must follow) as the chat form's response
+    format; `effort` is accepted and changes nothing (a local model has no effort setting)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or raw.get("effort") not in EFFORTS:
+        raise bad_request(
+            "output_config: must be an object; effort one of low, medium, high, xhigh, max",
+            "invalid_value",
+            "output_config",
+        )
+    shape = raw.get("format")
+    if shape is None:
+        return None
+    if not isinstance(shape, dict) or shape.get("type") != "json_schema":
+        raise bad_request(
+            'output_config.format: must be {"type": "json_schema", "schema": {...}}', "invalid_value", "output_config"
+        )
+    return {"type": "json_schema", "schema": schema_json("output_config.format.schema", shape.get("schema"), limits)}
 
 
 class _Breakpoints:
@@ -356,9 +398,32 @@ def usage(completion: Completion, trace: Trace, pins: tuple[Pin, ...]) -> dict:
 
 
 def content_blocks(completion: Completion, tools: ToolFormat | None) -> list[dict]:
-    text, calls = tools.parse(completion.text) if tools is not None else (completion.text, [])
-    blocks: list[dict] = [{"type": "text", "text": text}] if text or not calls else []
+    thought, answer = split_thinking(completion.text)
+    text, calls = tools.parse(answer) if tools is not None else (answer, [])
+    blocks: list[dict] = [{"type": "thinking", "thinking": thought, "signature": ""}] if thought is not None else []
+    blocks += [{"type": "text", "text": text}] if text or not (calls or blocks) else []
     return blocks + [_tool_use_block(call.name, call.arguments) for call in calls]
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def split_thinking(text: str) -> tuple[str | None, str]:
+    """(the thinking, the answer) of a text that opens with <think>; (None, text) otherwise. An
+    unclosed <think> (the answer was cut short) is all thinking."""
+    opening = text.lstrip()
+    if not opening.startswith(THINK_OPEN):
+        return None, text
+    thought, closed, answer = opening[len(THINK_OPEN) :].partition(THINK_CLOSE)
+    return thought, answer.lstrip("\n") if closed else ""
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """How many of text's last characters are the start of `marker` (held back: they may become it)."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
 
 
 def _tool_use_block(name: str, arguments: str) -> dict:
@@ -404,17 +469,20 @@ def error_event(exc: ApiError) -> bytes:
 
 
 class MessageStream:
-    """The SSE events of one answer: text as it comes (from where a tool call may start, held back
-    with `tools`), then each parsed call as a tool_use block with its input as input_json_delta."""
+    """The SSE events of one answer: a leading <think>...</think> as a thinking block, then the text
+    as it comes (from where a tool call may start, held back with `tools`), then each parsed call as
+    a tool_use block with its input as input_json_delta."""
 
     def __init__(self, message_id: str, model: str, completion: Completion, tools: ToolFormat | None):
         self.message_id = message_id
         self.model = model
         self.completion = completion
         self.tools = tools
-        self.sent = 0  # characters of the text sent
+        self.phase = "undecided"  # until the text shows whether it opens with <think>; then thinking, text
+        self.answer_start = 0  # where the answer begins in the text (after the thinking)
+        self.sent = 0  # characters of the text sent (thinking and answer)
         self.num_blocks = 0  # content blocks opened so far
-        self.text_open = False
+        self.open_kind = ""  # the open block's type ("": none open)
 
     def start(self, usage_: dict) -> bytes:
         message: dict[str, Any] = {
@@ -429,39 +497,85 @@ class MessageStream:
         }
         return sse("message_start", {"type": "message_start", "message": message})
 
-    def delta(self) -> bytes:
-        end = sendable(self.completion.text, self.tools)
-        return self._text(self.completion.text[self.sent : end]) if end > self.sent else b""
+    def delta(self, final: bool = False) -> bytes:
+        text = self.completion.text
+        if self.phase == "undecided":
+            opening = text.lstrip()
+            if THINK_OPEN.startswith(opening) and not final:
+                return b""  # may still become <think>
+            self.phase = "thinking" if opening.startswith(THINK_OPEN) else "text"
+            if self.phase == "thinking":
+                self.sent = text.index(THINK_OPEN) + len(THINK_OPEN)
+        out = self._thinking(text, final) if self.phase == "thinking" else b""
+        if self.phase == "text":
+            if self.answer_start and self.sent == self.answer_start:  # newlines after </think> are not the answer
+                self.answer_start = self.sent = len(text) - len(text[self.sent :].lstrip("\n"))
+            end = self.answer_start + sendable(text[self.answer_start :], self.tools)
+            out += self._piece("text", text[self.sent : end]) if end > self.sent else b""
+        return out
 
-    def _text(self, piece: str) -> bytes:
+    def _thinking(self, text: str, final: bool) -> bytes:
+        """Thinking deltas up to </think> (a part of it at the end held back); at </think>, the
+        block closes and the answer starts after it."""
+        close = text.find(THINK_CLOSE, self.sent)
+        end = close if close >= 0 else (len(text) if final else len(text) - _partial_suffix(text, THINK_CLOSE))
+        out = self._piece("thinking", text[self.sent : end]) if end > self.sent else b""
+        if close < 0 and not final:
+            return out
+        out += self._piece("thinking", "") if not self.open_kind else b""
+        out += self._close()
+        rest = close + len(THINK_CLOSE) if close >= 0 else len(text)
+        self.answer_start = self.sent = rest + len(text[rest:]) - len(text[rest:].lstrip("\n"))
+        self.phase = "text"
+        return out
+
+    def _piece(self, kind: str, piece: str) -> bytes:
         out = b""
-        if not self.text_open:
+        if self.open_kind != kind:
+            out += self._close()
+            block = (
+                {"type": "text", "text": ""}
+                if kind == "text"
+                else {"type": "thinking", "thinking": "", "signature": ""}
+            )
             out += sse(
                 "content_block_start",
-                {
-                    "type": "content_block_start",
-                    "index": self.num_blocks,
-                    "content_block": {"type": "text", "text": ""},
-                },
+                {"type": "content_block_start", "index": self.num_blocks, "content_block": block},
             )
-            self.text_open = True
+            self.open_kind = kind
             self.num_blocks += 1
         self.sent += len(piece)
-        delta = {"type": "text_delta", "text": piece}
+        delta = (
+            {"type": "text_delta", "text": piece} if kind == "text" else {"type": "thinking_delta", "thinking": piece}
+        )
         return out + sse(
             "content_block_delta", {"type": "content_block_delta", "index": self.num_blocks - 1, "delta": delta}
         )
 
+    def _close(self) -> bytes:
+        if not self.open_kind:
+            return b""
+        out = b""
+        if self.open_kind == "thinking":  # a local model's thinking carries no signature
+            signature = {"type": "signature_delta", "signature": ""}
+            out += sse(
+                "content_block_delta",
+                {"type": "content_block_delta", "index": self.num_blocks - 1, "delta": signature},
+            )
+        self.open_kind = ""
+        return out + sse("content_block_stop", {"type": "content_block_stop", "index": self.num_blocks - 1})
+
     def finish(self, usage_: dict) -> bytes:
         """What was held back, the tool calls, then message_delta (stop reason, usage) and message_stop."""
+        out = self.delta(final=True)
         text = self.completion.text
-        calls = self.tools.parse(text)[1] if self.tools is not None and self.sent < len(text) else []
-        rest = text[self.sent : sendable(text, self.tools)] if calls else text[self.sent :]
-        out = self._text(rest) if rest else b""
+        answer = text[self.answer_start :]
+        calls = self.tools.parse(answer)[1] if self.tools is not None and self.sent < len(text) else []
+        end = self.answer_start + (sendable(answer, self.tools) if calls else len(answer))
+        out += self._piece("text", text[self.sent : end]) if end > self.sent else b""
         if not self.num_blocks and not calls:
-            out += self._text("")
-        if self.text_open:
-            out += sse("content_block_stop", {"type": "content_block_stop", "index": self.num_blocks - 1})
+            out += self._piece("text", "")
+        out += self._close()
         blocks = [_tool_use_block(call.name, call.arguments) for call in calls]
         for block in blocks:
             out += self._tool_use(block)

@@ -117,7 +117,9 @@ class ChatService:
         if at_least + least_output > limit:
             raise _context_error(limit, f"at least {at_least}", least_output)
         try:
-            prompt = await anyio.to_thread.run_sync(self.engine.prepare, request.messages, images, request.tools)
+            prompt = await anyio.to_thread.run_sync(
+                self.engine.prepare, request.messages, images, request.tools, request.thinking
+            )
         except PromptError as exc:
             raise bad_request(str(exc), exc.code, "messages") from None
         if prompt.num_tokens + least_output > limit:
@@ -131,7 +133,9 @@ class ChatService:
         self.check_model(request)
         images = await self.load_images(request)
         try:
-            prompt = await anyio.to_thread.run_sync(self.engine.prepare, request.messages, images, request.tools)
+            prompt = await anyio.to_thread.run_sync(
+                self.engine.prepare, request.messages, images, request.tools, request.thinking
+            )
         except PromptError as exc:
             raise bad_request(str(exc), exc.code, "messages") from None
         return prompt.num_tokens

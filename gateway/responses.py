@@ -378,8 +378,8 @@ def _canonical(message, hashes) -> dict:
 
 
 def _output_shape(request: ChatRequest) -> dict:
-    """The tools offered, the tool choice and the response format: they shape the answer, so they
-    are in both keys (only when set: plain requests keep their keys)."""
+    """The tools offered, the tool choice, the response format and the thinking switch: they shape
+    the answer, so they are in both keys (only when set: plain requests keep their keys)."""
     shape: dict = {}
     if request.tools:
         shape.update(
@@ -387,6 +387,8 @@ def _output_shape(request: ChatRequest) -> dict:
         )
     if request.response_format is not None:
         shape["response_format"] = request.response_format
+    if request.thinking is not None:
+        shape["thinking"] = request.thinking
     return shape
 
 

@@ -55,6 +55,7 @@ class ChatRequest:
     # Anthropic's max_tokens is the most the client takes, not a demand: lowered to fit the context
     # rather than refused (agents send 32,000 whatever the model's context)
     fit_max_tokens: bool = False
+    thinking: bool | None = None  # the template's thinking switch (Anthropic `thinking`); None: its default
 
     @property
     def parses_tool_calls(self) -> bool:

@@ -56,6 +56,9 @@ class Recipe:
     pad_token: str
     config: Callable[[ModelSize, dict[str, int]], dict]
     processor_files: Callable[[ModelSize], dict[str, dict]] = lambda size: {}
+    # Whole tokens that are not special (decoded into the text like any word): Qwen3's <think> and
+    # </think>, by which mlx-lm knows the template has a thinking switch that is on by default.
+    added_tokens: tuple[str, ...] = ()
 
 
 def _qwen2_5_vl_config(size: ModelSize, ids: dict[str, int]) -> dict:
@@ -511,7 +514,7 @@ RECIPES = {
         "<|end_of_text|>",
         _llama_config,
     ),
-    "qwen3": Recipe("mlx_lm", QWEN_TOKENS, *QWEN_ENDS, _qwen3_config),
+    "qwen3": Recipe("mlx_lm", QWEN_TOKENS, *QWEN_ENDS, _qwen3_config, added_tokens=("<think>", "</think>")),
     "qwen3_next": Recipe("mlx_lm", QWEN_TOKENS, *QWEN_ENDS, _qwen3_next_config),
 }
 # Tokens the family's processor reads as tokenizer attributes (Gemma 3: tokenizer.boi_token ...).
@@ -620,13 +623,14 @@ def _write_tokenizer(out_dir: Path, family: str, recipe: Recipe) -> dict[str, in
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE - len(recipe.special_tokens),
+        vocab_size=VOCAB_SIZE - len(recipe.special_tokens) - len(recipe.added_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     lines = (ASSETS / "corpus.txt").read_text().splitlines()[1:]
     tokenizer.train_from_iterator(lines, trainer=trainer)
     tokenizer.add_special_tokens(list(recipe.special_tokens))
+    tokenizer.add_tokens(list(recipe.added_tokens))
     named = NAMED_TOKENS.get(family, {})
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,

@@ -64,6 +64,7 @@ class PreparedPrompt:
     images: tuple[PromptImage, ...]
     messages: tuple[Message, ...] = ()  # what it was built from (to say which message a token is in)
     tools: tuple[Tool, ...] = ()
+    thinking: bool | None = None  # the template's thinking switch (enable_thinking); None: its default
 
     @property
     def num_tokens(self) -> int:
@@ -97,18 +98,24 @@ class PromptBuilder:
         self.max_token_bytes = max(len(t.encode("utf-8")) for t in self.tokenizer.get_vocab())
 
     def build(
-        self, messages: tuple[Message, ...], images: list[DecodedImage], tools: tuple[Tool, ...] = ()
+        self,
+        messages: tuple[Message, ...],
+        images: list[DecodedImage],
+        tools: tuple[Tool, ...] = (),
+        thinking: bool | None = None,
     ) -> PreparedPrompt:
+        """`thinking`: the template's enable_thinking switch (templates without one ignore it)."""
         if images and self.placeholder is None:
             raise PromptError("images_unsupported", "this model is a text model: it does not take images")
         rendered, specs = self.tool_format.template_messages(
             [self._template_message(m) for m in messages], tuple(_marked_tool(tool) for tool in tools)
         )
-        extra = {"tools": specs} if specs else {}
+        extra = _template_options(specs, thinking)
         marked = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **extra)
         ids = self.tokenizer.encode(self._neutralise(marked), add_special_tokens=False)
         processed = [self.process_image(image) for image in images]
-        return replace(self._expand_image_tokens(ids, processed), messages=messages, tools=tools)
+        prompt = self._expand_image_tokens(ids, processed)
+        return replace(prompt, messages=messages, tools=tools, thinking=thinking)
 
     def message_at(self, prompt: PreparedPrompt, token: int) -> int | None:
         """The index of the message that holds the prompt's `token` (len(messages): the generation
@@ -143,7 +150,7 @@ class PromptBuilder:
         rendered, specs = self.tool_format.template_messages(
             [self._template_message(m) for m in messages], tuple(_marked_tool(tool) for tool in prompt.tools)
         )
-        extra = {"tools": specs} if specs else {}
+        extra = _template_options(specs, prompt.thinking)
         marked = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=False, **extra)
         num_images = sum(isinstance(part, ImagePart) for m in messages for part in m.parts)
         expansion = sum(image.num_tokens - 1 for image in prompt.images[:num_images])
@@ -227,6 +234,13 @@ class PromptBuilder:
 
 # Processor outputs about the text, not the image: the prompt's own ids replace them.
 _TEXT_OUTPUTS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
+
+
+def _template_options(tool_specs: list | None, thinking: bool | None) -> dict:
+    options: dict = {"tools": tool_specs} if tool_specs else {}
+    if thinking is not None:
+        options["enable_thinking"] = thinking
+    return options
 
 
 def _hf_tokenizer(processor):

@@ -115,3 +115,31 @@ def test_a_model_whose_warm_up_fails_stops_the_start_up_with_the_reason(tiny_mod
     engine.runner.warm_up = lambda: (_ for _ in ()).throw(RuntimeError("the vision tower cannot run"))
     with pytest.raises(RuntimeError, match=r"warm-up failed.*the vision tower cannot run"):
         engine.start()
+
+
+def test_anthropic_thinking_switches_a_template_that_has_one(settings):
+    """Qwen3's template renders an empty think block when thinking is off (as the real checkpoints'
+    does); Anthropic's `thinking` sets the switch, counted and cached apart; a template without the
+    switch renders the same prompt either way."""
+    ask = {"model": "qwen3", "messages": [{"role": "user", "content": "Think it over"}]}
+
+    def count(client, **extra):
+        response = client.post("/v1/messages/count_tokens", json=ask | extra)
+        assert response.status_code == 200, response.text
+        return response.json()["input_tokens"]
+
+    with _client(settings, "qwen3") as client:
+        default, off = count(client), count(client, thinking={"type": "disabled"})
+        on = count(client, thinking={"type": "enabled", "budget_tokens": 2048})
+        answered = client.post("/v1/messages", json=ask | {"max_tokens": 3, "thinking": {"type": "disabled"}})
+    assert off > default == on
+    assert answered.status_code == 200 and answered.json()["usage"]["input_tokens"] == off
+    with _client(settings, "llama") as client:
+        llama = {**ask, "model": "llama"}
+        same = [
+            client.post("/v1/messages/count_tokens", json=llama | extra).json()["input_tokens"]
+            for extra in ({}, {"thinking": {"type": "disabled"}})
+        ]
+        refused = client.post("/v1/messages/count_tokens", json=llama | {"thinking": {"type": "sometimes"}})
+    assert same[0] == same[1] and refused.status_code == 400
+    assert refused.json()["error"]["type"] == "invalid_request_error"

@@ -172,3 +172,49 @@ def test_the_fair_lane_takes_tenants_in_turn():
 
     order = asyncio.run(run())
     assert order[:4] == ["flood", "flood", "quiet", "other"] and order.count("flood") == 5 and "gone" not in order
+
+
+# -- Anthropic answer shapes ---------------------------------------------------------------------
+
+
+def _events(stream_bytes: bytes) -> list[dict]:
+    import json as _json
+
+    return [_json.loads(line[6:]) for line in stream_bytes.decode().splitlines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<think>\nFirst a plan.\n</think>\n\nThe answer.",
+        "Plain answer, <think> later is just text",
+        "<think>cut short before it closed",
+        "",
+        "<thi",
+    ],
+)
+def test_a_streamed_anthropic_answer_has_the_blocks_of_the_whole_one(text):
+    """Streamed one character at a time, the events rebuild exactly the blocks the JSON answer has:
+    a leading <think>...</think> becomes a thinking block, whatever else is text."""
+    from gateway.anthropic_api import MessageStream, content_blocks
+    from gateway.openai_format import Completion
+
+    whole = Completion("id", 0, 4, 0, text=text, whole=True)
+    partial = Completion("id", 0, 4, 0)
+    stream = MessageStream("msg_1", "m", partial, None)
+    out = b""
+    for character in text:
+        partial.text += character
+        out += stream.delta()
+    out += stream.finish({"output_tokens": 1})
+    blocks: list[dict] = []
+    for event in _events(out):
+        if event["type"] == "content_block_start":
+            blocks.append(dict(event["content_block"]))
+        elif event["type"] == "content_block_delta" and event["delta"]["type"] == "text_delta":
+            blocks[event["index"]]["text"] += event["delta"]["text"]
+        elif event["type"] == "content_block_delta" and event["delta"]["type"] == "thinking_delta":
+            blocks[event["index"]]["thinking"] += event["delta"]["thinking"]
+    expected = content_blocks(whole, None)
+    assert [b.get("text", b.get("thinking")) for b in blocks] == [b.get("text", b.get("thinking")) for b in expected]
+    assert [b["type"] for b in blocks] == [b["type"] for b in expected]
