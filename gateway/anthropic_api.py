@@ -183,8 +183,8 @@ def _messages(raw: Any, limits: Limits, marks: _Breakpoints, offset: int) -> tup
             out.append(_assistant(blocks, param))
         else:
             out.extend(_user(blocks, param))
-        for number_, block in enumerate(blocks):
-            _mark(block, f"{param}.content.{number_}", marks, offset + len(out))
+        for position, block in enumerate(blocks):
+            _mark(block, f"{param}.content.{position}", marks, offset + len(out))
     if out[-1].role == "assistant":
         raise bad_request(
             "messages: the last message must be the user's (a final assistant message, a response "
@@ -207,8 +207,8 @@ def _blocks(raw: Any, param: str, limits: Limits) -> list[dict]:
 
 def _assistant(blocks: list[dict], param: str) -> Message:
     parts, calls = [], []
-    for number_, block in enumerate(blocks):
-        where, kind = f"{param}.content.{number_}", block.get("type")
+    for position, block in enumerate(blocks):
+        where, kind = f"{param}.content.{position}", block.get("type")
         if kind == "text":
             parts.append(_text(block, where))
         elif kind == "tool_use":
@@ -221,8 +221,8 @@ def _assistant(blocks: list[dict], param: str) -> Message:
 def _user(blocks: list[dict], param: str) -> list[Message]:
     """Tool results become tool messages where they stand; the other blocks one user message after them."""
     results, parts = [], []
-    for number_, block in enumerate(blocks):
-        where, kind = f"{param}.content.{number_}", block.get("type")
+    for position, block in enumerate(blocks):
+        where, kind = f"{param}.content.{position}", block.get("type")
         if kind == "tool_result":
             results.append(_tool_result(block, where))
         elif kind in ("text", "image"):

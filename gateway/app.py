@@ -248,9 +248,8 @@ async def create_response(request: Request) -> Response:
     stored = body.get("store", True) is not False
     if stored:
         await _check_quota(services, caller.tenant, len(raw))
-    chat, conversation = responses_api.chat_body(body, history)
+    chat_request, conversation = await off_loop(len(raw), partial(responses_api.parse_request, body, history, limits))
     added = conversation[len(history or []) :]  # what this turn adds: a stored turn keeps only that
-    chat_request = await off_loop(len(raw), partial(_parse_renamed, chat, limits))
     turn = await _unless_client_leaves(
         request, services.pipeline.start(chat_request, caller, request.headers, len(raw))
     )
@@ -347,20 +346,6 @@ async def _history(services: Services, previous_id, tenant: str) -> list[dict] |
             "previous_response_id",
         )
     return history
-
-
-# Chat parameter names as the Responses API calls them, for its 400s.
-RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
-
-
-def _parse_renamed(chat: dict, limits):
-    try:
-        return parse_chat_request(chat, limits)
-    except ApiError as exc:
-        if exc.param:
-            head = exc.param.split("[")[0].split(".")[0]
-            exc.param = RESPONSES_PARAMS.get(head, exc.param)
-        raise
 
 
 @post("/v1/embeddings", status_code=200)

@@ -1,12 +1,14 @@
 """OpenAI's Responses API (`POST /v1/responses`) over the chat-completions pipeline.
 
-A Responses body is translated into a chat body (input items -> messages, `instructions` -> a system
-message first, function tools and `text.format` -> tools and response_format) and validated by the
-same parser, so every layer and every check applies unchanged. `previous_response_id` puts the
+A Responses body is parsed straight into the neutral ChatRequest (input items -> messages,
+`instructions` -> a system message first, function tools and `text.format` -> tools and response
+format) and ends in the checks every front end shares, so every layer applies unchanged and the same
+conversation sent as chat completions shares its cache entries. The conversation is stored in chat
+form (the messages it renders from). `previous_response_id` puts the
 stored conversation before the new input (the same tenant's only); the earlier turns render to the
 same prompt tokens, so the prefix cache serves them. Instructions are not carried over, as OpenAI's.
 
-    chat_body(body, history) -> dict                a chat-completions body
+    parse_request(body, history, limits) -> (ChatRequest, conversation to store)
     response_object(...) -> dict                    the `response` object
     stream_events(...) -> SSE bytes                 response.created ... response.completed
 """
@@ -19,15 +21,27 @@ import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from .engine import Delta, ToolFormat
+from .engine import Delta, Sampling, Tool, ToolFormat
 from .errors import ApiError, bad_request, echo
 from .openai_format import Completion, assistant_message, sendable
-from .schemas import refuse_unsupported
+from .schemas import (
+    EMPTY_PARAMETERS,
+    TOOL_NAME,
+    ChatRequest,
+    checked_request,
+    is_int,
+    number,
+    parse_messages,
+    parse_metadata,
+    parse_retention,
+    parse_user,
+    refuse_unsupported,
+    schema_json,
+    typed,
+)
+from .settings import Limits
 from .trace import Trace
 
-# Responses fields passed to the chat parser under their chat name.
-RENAMED = {"max_output_tokens": "max_tokens"}
-PASSED = ("model", "temperature", "top_p", "stream", "metadata", "user", "parallel_tool_calls")
 # Responses fields Strata does not implement, with the values that change nothing (else a 400).
 UNSUPPORTED_UNLESS = {
     "include": (None, []),
@@ -43,24 +57,56 @@ def new_id() -> str:
     return f"resp_{uuid.uuid4().hex}"
 
 
-def chat_body(body: dict[str, Any], history: list[dict] | None) -> tuple[dict, list[dict]]:
-    """The chat body to run, and the conversation to store with the response (without instructions)."""
+def parse_request(body: dict[str, Any], history: list[dict] | None, limits: Limits) -> tuple[ChatRequest, list[dict]]:
+    """The neutral request, and the conversation to store with the response (chat-shaped messages,
+    without the instructions). Errors name the Responses API's own parameters."""
     refuse_unsupported(body, UNSUPPORTED_UNLESS)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required and must be a string", "invalid_type", "model")
     conversation = (history or []) + input_messages(body.get("input"))
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad_request("'instructions' must be a string", "invalid_type", "instructions")
-    messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
-    chat = {name: body[name] for name in PASSED if name in body}
-    chat.update({RENAMED[name]: body[name] for name in RENAMED if name in body})
-    chat["messages"] = messages
-    if body.get("tools") is not None:
-        chat["tools"] = _tools(body["tools"])
-    if body.get("tool_choice") is not None:
-        chat["tool_choice"] = _tool_choice(body["tool_choice"])
-    if (text := body.get("text")) is not None:
-        chat["response_format"] = _format(text)
-    return chat, conversation
+    chat = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
+    try:
+        messages = parse_messages(chat, limits)
+        tools = _tools(body.get("tools"), limits)
+        request = checked_request(
+            limits,
+            model=model,
+            messages=messages,
+            sampling=_sampling(body, limits),
+            stream=typed(body, "stream", bool, False),
+            include_usage=False,
+            metadata=parse_metadata(body.get("metadata")),
+            user=parse_user(body.get("user"), limits, "user"),
+            tools=tools,
+            tool_choice=_tool_choice(body.get("tool_choice"), tools),
+            response_format=_format(body.get("text"), limits),
+            breakpoints=parse_retention(body, len(messages)),
+        )
+    except ApiError as exc:
+        if exc.param and exc.param.startswith("messages"):
+            exc.param = "input"  # the conversation is the Responses API's input
+        raise
+    return request, conversation
+
+
+def _sampling(body: dict[str, Any], limits: Limits) -> Sampling:
+    max_tokens = body.get("max_output_tokens")
+    if max_tokens is None:
+        max_tokens = limits.default_max_tokens
+    if not is_int(max_tokens) or not 1 <= max_tokens <= limits.max_output_tokens:
+        raise bad_request(
+            f"'max_output_tokens' must be an integer from 1 to {limits.max_output_tokens}",
+            "invalid_value",
+            "max_output_tokens",
+        )
+    top_p = number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0.0:
+        raise bad_request("'top_p' must be greater than 0", "invalid_value", "top_p")
+    return Sampling(max_tokens, number(body, "temperature", 1.0, 0.0, 2.0), top_p, None, ())
 
 
 def input_messages(raw: Any) -> list[dict]:
@@ -118,11 +164,11 @@ def _content(index: int, raw: Any) -> Any:
             f"input[{index}].content must be a string or an array of parts", "invalid_type", f"input[{index}]"
         )
     parts = []
-    for number, part in enumerate(raw):
+    for position, part in enumerate(raw):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text"):
             if not isinstance(part.get("text"), str):
-                param = f"input[{index}].content[{number}].text"
+                param = f"input[{index}].content[{position}].text"
                 raise bad_request(f"{param} must be a string", "invalid_type", param)
             parts.append({"type": "text", "text": part["text"]})
         elif kind == "input_image":
@@ -137,44 +183,62 @@ def _content(index: int, raw: Any) -> Any:
     return parts
 
 
-def _tools(raw: Any) -> Any:
-    if not isinstance(raw, list):
-        return raw  # the chat parser names the error
+def _tools(raw: Any, limits: Limits) -> tuple[Tool, ...]:
+    """Function tools ({"type": "function", "name", "description", "parameters"})."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or len(raw) > limits.max_tools:
+        raise bad_request(f"'tools' must be an array of at most {limits.max_tools} functions", "invalid_type", "tools")
     tools = []
     for index, tool in enumerate(raw):
+        param = f"tools[{index}]"
         if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise bad_request(
-                f"tools[{index}]: only function tools are supported", "unsupported_tool", f"tools[{index}]"
-            )
-        function = {key: tool[key] for key in ("name", "description", "parameters") if key in tool}
-        tools.append({"type": "function", "function": function})
-    return tools
+            raise bad_request(f"{param}: only function tools are supported", "unsupported_tool", param)
+        name, description = tool.get("name"), tool.get("description", "")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise bad_request(f"{param}.name must be 1 to 64 letters, digits, '_' or '-'", "invalid_value", param)
+        if not isinstance(description, str):
+            raise bad_request(f"{param}.description must be a string", "invalid_type", param)
+        schema = schema_json(f"{param}.parameters", tool.get("parameters", EMPTY_PARAMETERS), limits)
+        tools.append(Tool(name, description, schema))
+    if len({tool.name for tool in tools}) != len(tools):
+        raise bad_request("'tools' names a function twice", "invalid_value", "tools")
+    return tuple(tools)
 
 
-def _tool_choice(raw: Any) -> Any:
-    if isinstance(raw, dict) and raw.get("type") == "function":
-        return {"type": "function", "function": {"name": raw.get("name")}}
-    return raw
+def _tool_choice(raw: Any, tools: tuple[Tool, ...]) -> str:
+    """auto | none | required | {"type": "function", "name": ...} (that call is forced)."""
+    if raw is None:
+        return "auto"
+    if isinstance(raw, dict) and raw.get("type") == "function" and raw.get("name") in {t.name for t in tools}:
+        return raw["name"]
+    if raw in ("auto", "none") or (raw == "required" and tools):
+        return raw
+    raise bad_request(
+        "'tool_choice' must be 'auto', 'none', 'required' (with tools) or "
+        f'{{"type": "function", "name": ...}} naming one of the tools; got {echo(raw)}',
+        "invalid_value",
+        "tool_choice",
+    )
 
 
-def _format(text: Any) -> dict:
+def _format(text: Any, limits: Limits) -> dict | None:
+    """text.format as the response format: None for text, json_object, or json_schema with its schema."""
+    if text is None:
+        return None
     if not isinstance(text, dict):
         raise bad_request("'text' must be an object ({\"format\": ...})", "invalid_type", "text")
     shape = text.get("format")
-    if shape is None:
-        return {"type": "text"}
-    if not isinstance(shape, dict):
-        raise bad_request("'text.format' must be an object", "invalid_type", "text.format")
-    if shape.get("type") == "json_schema":
-        return {
-            "type": "json_schema",
-            "json_schema": {
-                "name": shape.get("name", "output"),
-                "schema": shape.get("schema"),
-                "strict": shape.get("strict", False),
-            },
-        }
-    return shape
+    kind = shape.get("type") if isinstance(shape, dict) else None
+    if shape is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema" and isinstance(shape, dict):
+        return {"type": "json_schema", "schema": schema_json("text.format.schema", shape.get("schema"), limits)}
+    raise bad_request(
+        "'text.format.type' must be 'text', 'json_object' or 'json_schema'", "invalid_value", "text.format"
+    )
 
 
 # -- the response ------------------------------------------------------------------------------

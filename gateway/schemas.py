@@ -153,7 +153,7 @@ def parse_chat_request(body: dict[str, Any], limits: Limits) -> ChatRequest:
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a string", "invalid_type", "model")
     refuse_unsupported(body, UNSUPPORTED_UNLESS)
-    messages = _parse_messages(body.get("messages"), limits)
+    messages = parse_messages(body.get("messages"), limits)
     tools = parse_tools(body, limits)
     stream = typed(body, "stream", bool, False)
     options = typed(body, "stream_options", dict, None) or {}
@@ -169,20 +169,20 @@ def parse_chat_request(body: dict[str, Any], limits: Limits) -> ChatRequest:
         sampling=sampling,
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
-        metadata=_parse_metadata(body.get("metadata")),
+        metadata=parse_metadata(body.get("metadata")),
         user=parse_user(body.get("user"), limits, "user"),
         tools=tools,
         tool_choice=parse_tool_choice(body, tools),
         response_format=parse_response_format(body.get("response_format"), limits),
         n=n,
-        breakpoints=_retention(body, len(messages)),
+        breakpoints=parse_retention(body, len(messages)),
     )
 
 
 RETENTION_24H_S = 24 * 3600.0
 
 
-def _retention(body: dict[str, Any], num_messages: int) -> tuple[CacheBreakpoint, ...]:
+def parse_retention(body: dict[str, Any], num_messages: int) -> tuple[CacheBreakpoint, ...]:
     """OpenAI's prompt_cache_retention: "in_memory" (or "in-memory") is Strata's own caching; "24h"
     pins the whole prompt on the SSD tier for a day. `prompt_cache_key` is a routing hint for the
     proxy in front (it hashes on it first), checked here only for its type."""
@@ -339,7 +339,7 @@ def parse_user(raw: Any, limits: Limits, param: str) -> str | None:
     return raw
 
 
-def _parse_messages(raw: Any, limits: Limits) -> tuple[Message, ...]:
+def parse_messages(raw: Any, limits: Limits) -> tuple[Message, ...]:
     if not isinstance(raw, list) or not raw:
         raise bad_request("'messages' must be a non-empty array", "invalid_messages", "messages")
     if len(raw) > limits.max_messages:
@@ -524,7 +524,7 @@ def _parse_stop(raw: Any, limits: Limits) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _parse_metadata(raw: Any) -> dict[str, str]:
+def parse_metadata(raw: Any) -> dict[str, str]:
     if raw is None:
         return {}
     if not isinstance(raw, dict) or len(raw) > 16:

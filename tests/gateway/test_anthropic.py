@@ -237,7 +237,7 @@ def test_a_shared_breakpoint_is_read_from_cache_and_the_fields_add_up(server):
     assert pinned.usage.cache_creation.ephemeral_1h_input_tokens > 100
 
 
-def test_the_same_conversation_via_openai_then_anthropic_shares_its_caches(server):
+def test_the_same_conversation_via_openai_anthropic_and_responses_shares_its_caches(server):
     system, question = SYSTEM + " Cross-API.", "Which layer answered?"
     chat = openai.OpenAI(base_url=server.url + "/v1", api_key="key-a", max_retries=0)
     first = chat.chat.completions.create(
@@ -254,6 +254,11 @@ def test_the_same_conversation_via_openai_then_anthropic_shares_its_caches(serve
     replay = client.messages.with_raw_response.create(**kwargs, extra_body=GREEDY)
     assert replay.headers["x-cache-layer"] == "exact"  # the same request, whichever API stored it
     assert replay.parse().content[0].text == first.choices[0].message.content
+    responses = chat.responses.with_raw_response.create(
+        model=TINY, instructions=system, input=question, max_output_tokens=6, temperature=0, store=False
+    )
+    assert responses.headers["x-cache-layer"] == "exact"  # the Responses API parses into the same request
+    assert responses.parse().output_text == first.choices[0].message.content
     other_tenant = _client(server, "key-b").messages.create(**kwargs, extra_body=GREEDY)
     assert other_tenant.usage.cache_read_input_tokens == 0
 
