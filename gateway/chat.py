@@ -252,16 +252,13 @@ class ChatService:
     async def _prefix_facts(self, prompt: PreparedPrompt, report: PrefixReport) -> PrefixFacts | None:
         if report.status == BYPASS:
             return None
-        where = ""
-        if report.miss_reason == "diverged":
-            where = (
-                "image"
-                if report.miss_in_image
-                else message_place(
-                    prompt.messages,
-                    await anyio.to_thread.run_sync(self.engine.message_at, prompt, report.miss_at_token),
-                )
-            )
+        where, line = "", ""
+        if report.miss_reason == "diverged" and report.miss_in_image:
+            where = "image"
+        elif report.miss_reason == "diverged":
+            at = report.miss_at_token
+            where = message_place(prompt.messages, await anyio.to_thread.run_sync(self.engine.message_at, prompt, at))
+            line = await anyio.to_thread.run_sync(self.engine.line_at, prompt, at)
         return PrefixFacts(
             report.num_prompt_tokens,
             report.num_cached_tokens,
@@ -270,6 +267,7 @@ class ChatService:
             report.miss_tier,
             report.miss_lived_s,
             where,
+            line,
         )
 
     async def _next(self, events: AsyncGenerator, deadline: float | None):

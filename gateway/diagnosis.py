@@ -3,8 +3,8 @@
     diagnose(records, window_s, now, ssd_enabled) -> dict     what GET /admin/diagnosis answers
 
 Each request that looked up the prefix cache leaves its prompt tokens, the tokens it reused and, when
-reuse stopped short, why (cold, diverged and where, evicted / expired / purged and from which tier,
-after how long). The tokens a request recomputed count against that cause. A cause holding at least
+reuse stopped short, why (cold, diverged and where — with the first 40 characters of the line it
+diverged on —, evicted / expired / purged and from which tier, after how long). The tokens a request recomputed count against that cause. A cause holding at least
 FINDING_SHARE of all recomputed tokens is a finding; the actionable finding with the largest share
 names the bottleneck. New content (a prompt seen for the first time, or a conversation's latest
 message) is reported but never advised against: no setting makes the unseen cached.
@@ -13,7 +13,7 @@ message) is reported but never advised against: no setting makes the unseen cach
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -153,10 +153,13 @@ def _hit_rates(recent: list[RequestRecord], looked_up: list[PrefixFacts]) -> dic
 
 
 def _cause_summary(group: list[PrefixFacts], tokens: int, total: int) -> dict:
-    summary = {"requests": len(group), "tokens": tokens, "share": round(tokens / total, 4) if total else 0.0}
+    summary: dict = {"requests": len(group), "tokens": tokens, "share": round(tokens / total, 4) if total else 0.0}
     lived = [f.lived_s for f in group if f.why in ("evicted", "expired")]
     if lived:
         summary["median_lived_s"] = round(statistics.median(lived), 1)
+    lines = Counter(f.line for f in group if f.line)
+    if lines:  # where prompts diverged: the lines to look at (a volatile one is a normalisation rule to add)
+        summary["diverging_lines"] = [{"line": line, "requests": count} for line, count in lines.most_common(5)]
     return summary
 
 

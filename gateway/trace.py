@@ -48,6 +48,9 @@ class PrefixFacts:
     tier: str = ""  # evicted / expired / purged: from ram or ssd
     lived_s: float = 0.0  # ... after this long there
     where: str = ""  # diverged: system | earlier_turn | latest | image ("" when unknown)
+    # diverged: the first 40 characters of the prompt line where it did (for the admin's diagnosis only:
+    # never in a header)
+    line: str = ""
 
 
 @dataclass(slots=True)

@@ -141,6 +141,7 @@ class Engine:
         self.prepare = self.runner.prompts.build
         self.message_at = self.runner.prompts.message_at  # any thread (tokenizer and template only)
         self.tokens_through = self.runner.prompts.tokens_through  # any thread, likewise
+        self.line_at = self.runner.prompts.line_at  # any thread, likewise
         self.tools = self.runner.prompts.tool_format
         self.poolable = self.runner.poolable  # /v1/embeddings may use this model (its family pools)
         self.submit = self.worker.submit

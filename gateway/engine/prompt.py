@@ -71,6 +71,9 @@ class PreparedPrompt:
         return len(self.token_ids)
 
 
+LINE_WINDOW_TOKENS = 128  # tokens decoded on each side of a diverging token to find its line
+
+
 class PromptBuilder:
     """Chat template + tokenizer + image processor of one model."""
 
@@ -134,6 +137,13 @@ class PromptBuilder:
             return low - 1
         except Exception:  # noqa: BLE001 - a template that refuses a partial conversation (role order checks)
             return None
+
+    def line_at(self, prompt: PreparedPrompt, token: int, width: int = 40) -> str:
+        """The first `width` characters of the prompt's line that holds `token` (decoded from up to
+        LINE_WINDOW_TOKENS around it: a longer line shows from where the window starts)."""
+        before = self.tokenizer.decode(list(prompt.token_ids[max(0, token - LINE_WINDOW_TOKENS) : token]))
+        after = self.tokenizer.decode(list(prompt.token_ids[token : token + LINE_WINDOW_TOKENS]))
+        return (before.rsplit("\n", 1)[-1] + after.split("\n", 1)[0])[:width]
 
     def tokens_through(self, prompt: PreparedPrompt, count: int) -> int | None:
         """How many of the prompt's tokens its first `count` messages make (0: the tools and system

@@ -86,6 +86,10 @@ def test_a_system_prompt_that_changes_every_request_is_named(engine, admin_setti
         report = client.get("/admin/diagnosis?window_s=600", headers=ADMIN).json()
         assert report["bottleneck"] == "system_prompt" and report["causes"]["system_prompt"]["share"] > 0.7
         assert any("system prompt byte-identical" in f for f in report["findings"])
+        lines = report["causes"]["system_prompt"]["diverging_lines"]  # the admin sees which line varies
+        assert lines and all(entry["line"].startswith("The time is 10:0") for entry in lines)
+        assert sum(entry["requests"] for entry in lines) == 5 and all(len(e["line"]) <= 40 for e in lines)
+        assert not any("The time" in value for h in headers for value in h.values())  # never in a header
         assert report["hit_rate"]["exact"] is None  # the exact layer is off in these settings
         assert client.get("/admin/diagnosis").status_code == 401
         assert client.get("/admin/diagnosis?window_s=-1", headers=ADMIN).status_code == 400
