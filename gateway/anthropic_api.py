@@ -16,6 +16,7 @@ Earlier `thinking` blocks are not rendered again (as Anthropic drops them from e
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from collections.abc import AsyncGenerator
@@ -72,7 +73,7 @@ def parse_messages_request(body: dict[str, Any], limits: Limits) -> ChatRequest:
         stream=typed(body, "stream", bool, False),
         include_usage=True,
         metadata={},
-        user=parse_user(metadata.get("user_id"), limits, "metadata.user_id"),
+        user=_end_user(metadata.get("user_id"), limits),
         tools=tools,
         tool_choice=_tool_choice(body.get("tool_choice"), tools),
         breakpoints=marks.sorted(),
@@ -120,6 +121,14 @@ def _output_format(raw: Any, limits: Limits) -> dict | None:
             'output_config.format: must be {"type": "json_schema", "schema": {...}}', "invalid_value", "output_config"
         )
     return {"type": "json_schema", "schema": schema_json("output_config.format.schema", shape.get("schema"), limits)}
+
+
+def _end_user(raw: Any, limits: Limits) -> str | None:
+    """metadata.user_id as the end user; one longer than the limit (agents put JSON with device,
+    account and session ids there) stands as its digest rather than being refused."""
+    if isinstance(raw, str) and len(raw) > limits.max_user_chars:
+        return "sha256:" + hashlib.sha256(raw.encode()).hexdigest()[:32]
+    return parse_user(raw, limits, "metadata.user_id")
 
 
 class _Breakpoints:

@@ -148,8 +148,9 @@ class ChatService:
         first_is_system = request.messages[0].role == "system"
         counts = [max(mark.num_messages, int(first_is_system)) for mark in request.breakpoints]
 
-        def render() -> list[int | None]:
-            return [self.engine.tokens_through(prompt, count) for count in counts]
+        def render() -> list[int | None]:  # through every message: the prompt (but its few generation-prompt tokens)
+            whole = len(request.messages)
+            return [prompt.num_tokens if n >= whole else self.engine.tokens_through(prompt, n) for n in counts]
 
         through = await anyio.to_thread.run_sync(render)
         block = self.settings.kv_block_size  # a pin keeps whole blocks: the tail of a partial one is not kept

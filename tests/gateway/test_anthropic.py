@@ -271,6 +271,11 @@ def test_end_users_are_kept_apart_by_metadata_user_id(server):
     assert raw.headers["x-cache-layer"] != "exact" or "user" not in raw.headers.get("x-cache-exact", "")
     again = client.messages.with_raw_response.create(**kwargs, metadata={"user_id": "alice"}, extra_body=GREEDY)
     assert again.headers["x-cache-layer"] == "exact"
+    agent_id = (
+        '{"device_id": "' + "d" * 64 + '", "account_uuid": "' + "a" * 36 + '", "session_id": "' + "s" * 200 + '"}'
+    )
+    long_id = client.messages.create(**kwargs, metadata={"user_id": agent_id}, extra_body=GREEDY)
+    assert long_id.content  # an id past the 256-character limit stands as its digest, not a 400
 
 
 def test_pings_while_a_long_prompt_prefills_and_the_client_still_reads_it(server):
