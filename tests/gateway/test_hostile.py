@@ -1,7 +1,9 @@
 """The hostile-input suite: generated bad requests against a real server process. Every one must get
 a 2xx or a 4xx with an OpenAI error body, within a deadline (never a 5xx, never a hang), and the
-server must keep serving. Cases: every top-level field x a set of hostile values, hostile messages and
-parts, raw bodies, hostile headers, and the admin routes."""
+server must keep serving. Cases: every top-level field x a set of hostile values (chat completions,
+Responses, embeddings, Anthropic messages and count_tokens), hostile messages, parts and Anthropic
+content blocks, raw bodies, hostile headers, and the admin routes. Anthropic's routes answer in its
+own error shape."""
 
 from __future__ import annotations
 
@@ -77,6 +79,26 @@ RESPONSES_FIELDS = (
     "max_output_tokens",
     "store",
 )
+MESSAGES = "/v1/messages"
+MESSAGES_BASE = {"model": TINY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+MESSAGES_FIELDS = (
+    "model",
+    "messages",
+    "max_tokens",
+    "system",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop_sequences",
+    "stream",
+    "metadata",
+    "tools",
+    "tool_choice",
+    "thinking",
+    "cache_control",
+    "output_config",
+)
+COUNT_TOKENS = "/v1/messages/count_tokens"
 EMBEDDINGS = "/v1/embeddings"
 EMBEDDINGS_BASE = {"model": "all-MiniLM-L6-v2", "input": "hi"}
 EMBEDDINGS_FIELDS = ("model", "input", "encoding_format", "dimensions")
@@ -116,6 +138,8 @@ def _field_cases() -> list[tuple]:
     for path, base, fields in (
         (RESPONSES, RESPONSES_BASE, RESPONSES_FIELDS),
         (EMBEDDINGS, EMBEDDINGS_BASE, EMBEDDINGS_FIELDS),
+        (MESSAGES, MESSAGES_BASE, MESSAGES_FIELDS),
+        (COUNT_TOKENS, MESSAGES_BASE, ("messages", "system", "tools", "thinking")),
     ):
         for field in fields:
             for name, value in HOSTILE_VALUES.items():
@@ -323,7 +347,46 @@ def _route_cases() -> list[tuple]:
     return cases
 
 
-CASES = _field_cases() + _tool_cases() + _message_cases() + _raw_cases() + _header_cases() + _route_cases()
+def _block_cases() -> list[tuple]:
+    """Hostile Anthropic content blocks, each value in every place it can go."""
+    cases = []
+    for name, value in HOSTILE_VALUES.items():
+        places = {
+            "block": [value],
+            "block-type": [{"type": value}],
+            "text": [{"type": "text", "text": value}],
+            "image-source": [{"type": "image", "source": value}],
+            "image-data": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": value}}],
+            "image-url": [{"type": "image", "source": {"type": "url", "url": value}}],
+            "tool-result-id": [{"type": "tool_result", "tool_use_id": value, "content": "x"}],
+            "tool-result-content": [{"type": "tool_result", "tool_use_id": "t", "content": value}],
+            "cache-control": [{"type": "text", "text": "x", "cache_control": value}],
+        }
+        for place, content in places.items():
+            body = {**MESSAGES_BASE, "messages": [{"role": "user", "content": content}]}
+            cases.append((f"messages-{place}-{name}", "POST", MESSAGES, {}, body))
+        call = {"type": "tool_use", "id": "t", "name": "f", "input": value}
+        turns = [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": [call]},
+            {"role": "user", "content": "y"},
+        ]
+        cases.append((f"messages-tool-use-input-{name}", "POST", MESSAGES, {}, {**MESSAGES_BASE, "messages": turns}))
+        cases.append(
+            (
+                f"messages-role-{name}",
+                "POST",
+                MESSAGES,
+                {},
+                {**MESSAGES_BASE, "messages": [{"role": value, "content": "x"}]},
+            )
+        )
+    return cases
+
+
+CASES = (
+    _field_cases() + _block_cases() + _tool_cases() + _message_cases() + _raw_cases() + _header_cases() + _route_cases()
+)
 
 
 @pytest.fixture(scope="module")
@@ -358,7 +421,10 @@ def test_hostile_request_gets_a_clean_answer(server, name, method, path, headers
     headers = {k: v.encode("latin-1") for k, v in headers.items()}  # bytes: httpx sends non-ASCII as it is
     response = server.client.request(method, path, content=content, headers=headers)  # a hang fails on the timeout
     assert response.status_code < 500, (response.status_code, response.text[:300])
-    if response.status_code >= 400:
+    if response.status_code >= 400 and path.startswith(MESSAGES):  # Anthropic's error shape
+        body = response.json()
+        assert body["type"] == "error" and body["error"]["type"] and isinstance(body["error"]["message"], str)
+    elif response.status_code >= 400:
         error = response.json()["error"]
         assert isinstance(error["message"], str) and error["message"] and error["type"] and error["code"]
     assert server.client.get("/healthz").status_code == 200
