@@ -49,8 +49,11 @@ TOO_MANY_RESPONSE = (
 
 class GuardedProtocol(H11Protocol):
     """uvicorn's h11 protocol with the deadlines and caps above; the class attributes are set per
-    server by `guarded_protocol`. Invariant: `per_client[host]` counts this server's open
-    connections from `host` that were admitted (the refused one is never counted)."""
+    server by `guarded_protocol`. Invariants: `per_client[host]` counts this server's open
+    connections from `host` that were admitted (the refused one is never counted); while a request is
+    being received a deadline runs (`waiting_for` is set), and `request_started` is when its first
+    byte came (on a kept-alive connection, not the connection's first request: its headers and body
+    may arrive in one read or many)."""
 
     header_timeout_s: float = 5.0
     read_timeout_s: float = 30.0
@@ -72,6 +75,8 @@ class GuardedProtocol(H11Protocol):
         self._arm()  # a connection that never sends anything is closed too
 
     def data_received(self, data: bytes) -> None:
+        if self.waiting_for is None:  # no deadline runs: these are a new request's first bytes
+            self.request_started = time.monotonic()
         super().data_received(data)
         state = self.conn.their_state
         if state in _REQUEST_RECEIVED:
@@ -79,8 +84,7 @@ class GuardedProtocol(H11Protocol):
         elif state is h11.SEND_BODY:
             if self.waiting_for != "body":  # the headers are in: the body's deadline, from the request's start
                 self._arm(self.request_started + self.read_timeout_s, "body")
-        elif self.waiting_for is None:  # a new request began on a kept-alive connection
-            self.request_started = time.monotonic()
+        elif self.waiting_for is None:  # a new request's headers began on a kept-alive connection
             self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -630,6 +630,16 @@ MUTANTS = (
         "",
         ("tests/gateway/test_cluster.py::test_a_cache_key_sticks_and_a_hot_key_spills_under_bounded_load",),
     ),
+    Mutant(
+        "a kept-alive request's deadline counts from the connection's first",
+        "gateway/server.py",
+        "        if self.waiting_for is None:  # no deadline runs: these are a new request's first bytes\n"
+        "            self.request_started = time.monotonic()\n",
+        "",
+        (
+            f"{LIVE_HARDENING}::test_a_kept_alive_connection_older_than_the_read_deadline_still_takes_a_request_in_pieces",
+        ),
+    ),
 )
 
 

@@ -264,13 +264,24 @@ def test_the_same_conversation_via_openai_anthropic_and_responses_shares_its_cac
 
 
 def test_end_users_are_kept_apart_by_metadata_user_id(server):
+    """A question about the asker's own data is answered from cache only for the same end user
+    (metadata.user_id here, the OpenAI `user` there: one end user across both APIs)."""
     client = _client(server)
-    kwargs = {"model": TINY, "max_tokens": 4, "messages": [{"role": "user", "content": "A private question."}]}
+    personal = "What is my current account balance?"
+    kwargs = {"model": TINY, "max_tokens": 4, "messages": [{"role": "user", "content": personal}]}
     client.messages.create(**kwargs, metadata={"user_id": "alice"}, extra_body=GREEDY)
-    raw = client.messages.with_raw_response.create(**kwargs, metadata={"user_id": "bob"}, extra_body=GREEDY)
-    assert raw.headers["x-cache-layer"] != "exact" or "user" not in raw.headers.get("x-cache-exact", "")
+    bob = client.messages.with_raw_response.create(**kwargs, metadata={"user_id": "bob"}, extra_body=GREEDY)
+    assert bob.headers["x-cache-layer"] == "engine" and bob.headers["x-cache-exact"].startswith("miss")
     again = client.messages.with_raw_response.create(**kwargs, metadata={"user_id": "alice"}, extra_body=GREEDY)
     assert again.headers["x-cache-layer"] == "exact"
+    chat = openai.OpenAI(base_url=server.url + "/v1", api_key="key-a", max_retries=0)
+    as_alice = chat.chat.completions.with_raw_response.create(
+        model=TINY, messages=kwargs["messages"], max_tokens=4, temperature=0, user="alice"
+    )
+    as_carol = chat.chat.completions.with_raw_response.create(
+        model=TINY, messages=kwargs["messages"], max_tokens=4, temperature=0, user="carol"
+    )
+    assert as_alice.headers["x-cache-layer"] == "exact" and as_carol.headers["x-cache-layer"] == "engine"
     agent_id = (
         '{"device_id": "' + "d" * 64 + '", "account_uuid": "' + "a" * 36 + '", "session_id": "' + "s" * 200 + '"}'
     )

@@ -66,6 +66,41 @@ def test_slow_or_silent_connections_are_closed(server, sent):
     assert httpx.get(server.url + "/healthz", timeout=5).status_code == 200
 
 
+def _response_status(sock: socket.socket) -> int:
+    sock.settimeout(30)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        assert chunk, f"the server closed the connection instead of answering: {data!r}"
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = int(
+        next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")).split(b":")[1]
+    )
+    while len(rest) < length:
+        rest += sock.recv(4096)
+    return int(head.split(b" ")[1])
+
+
+def test_a_kept_alive_connection_older_than_the_read_deadline_still_takes_a_request_in_pieces(server):
+    """An agent keeps one connection for a whole session; its later requests, whose bodies arrive in
+    several reads, were once cut at once: the body's deadline ran from the connection's first request."""
+    body = {"model": TINY, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "temperature": 0}
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(_raw_post(body))
+        assert _response_status(sock) == 200
+        for _ in range(2):  # the connection outlives the read deadline, never idle past keep-alive
+            time.sleep(READ_TIMEOUT_S * 0.8)
+            sock.sendall(_raw_post(body))
+            assert _response_status(sock) == 200
+        request = _raw_post(body)
+        split = request.index(b"\r\n\r\n") + 8  # the headers and the body's first bytes, then the rest
+        sock.sendall(request[:split])
+        time.sleep(0.2)
+        sock.sendall(request[split:])
+        assert _response_status(sock) == 200
+
+
 def test_connections_over_the_limit_are_refused_but_health_checks(server):
     idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(MAX_CONNECTIONS)]
     try:

@@ -268,6 +268,29 @@ def test_full_queue_answers_429_with_retry_after(server):
     assert rejected.json()["error"]["code"] == "queue_full"
 
 
+def test_full_queue_raises_the_anthropic_clients_rate_limit_error(server):
+    """The same burst through the Anthropic client: its own RateLimitError, Anthropic's error shape."""
+    import anthropic
+
+    body = {"model": TINY, "messages": [{"role": "user", "content": "Tell a very long story."}], "max_tokens": 500}
+
+    async def burst():
+        client = anthropic.AsyncAnthropic(base_url=server.url, api_key="key-a", max_retries=0, timeout=120)
+        running = asyncio.ensure_future(client.messages.create(**body, extra_body={"temperature": 0}))
+        deadline = time.monotonic() + 30
+        while not _health(server)["engine_busy"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        others = [client.messages.create(**body, extra_body={"temperature": 0}) for _ in range(5)]
+        outcomes = await asyncio.gather(running, *others, return_exceptions=True)
+        await client.close()
+        return outcomes
+
+    outcomes = asyncio.run(burst())
+    limited = [o for o in outcomes if isinstance(o, anthropic.RateLimitError)]
+    assert len(limited) == 4 and sum(isinstance(o, anthropic.types.Message) for o in outcomes) == 2, outcomes
+    assert limited[0].body["error"]["type"] == "rate_limit_error" and limited[0].response.headers["retry-after"] == "1"
+
+
 def test_single_tenant_mode_is_announced(tiny_model_path, tmp_path):
     live = LiveServer(
         tiny_model_path,
