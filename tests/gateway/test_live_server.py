@@ -276,11 +276,15 @@ def test_full_queue_raises_the_anthropic_clients_rate_limit_error(server):
 
     async def burst():
         client = anthropic.AsyncAnthropic(base_url=server.url, api_key="key-a", max_retries=0, timeout=120)
-        running = asyncio.ensure_future(client.messages.create(**body, extra_body={"temperature": 0}))
+        fresh = {
+            "extra_body": {"temperature": 0},
+            "extra_headers": {"Cache-Control": "no-cache"},
+        }  # not a stored answer
+        running = asyncio.ensure_future(client.messages.create(**body, **fresh))
         deadline = time.monotonic() + 30
         while not _health(server)["engine_busy"] and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        others = [client.messages.create(**body, extra_body={"temperature": 0}) for _ in range(5)]
+        others = [client.messages.create(**body, **fresh) for _ in range(5)]
         outcomes = await asyncio.gather(running, *others, return_exceptions=True)
         await client.close()
         return outcomes
