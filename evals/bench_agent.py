@@ -12,7 +12,9 @@ replies, so both servers see the same prompts. Three variants of Claude Code's a
 - stable: one cch per session, and a second session (another cch) after the first;
 - none: no line (CLAUDE_CODE_ATTRIBUTION_HEADER=0).
 Per turn: TTFT (request sent to first text delta) and the prompt tokens each server reports read
-from cache (`cache_read_input_tokens`). Strata runs with its response layers off (engine caches
+from cache (`cache_read_input_tokens`); the system prompt and the last message carry a cache_control
+breakpoint, as Claude Code sends them. The summary: the least and median share read from turn 2
+on, the last turn's TTFT and the median of the last five turns' (one turn alone is noisy). Strata runs with its response layers off (engine caches
 on), mlx-vlm with its prefix cache (APC) on and an empty disk tier. Ends with one JSON line.
 """
 
@@ -100,9 +102,16 @@ def turn_messages(session: int, turns: int) -> list[dict]:
             }
         )
         result = {"type": "tool_result", "tool_use_id": call_id, "content": words(1000 * session + turn, 300)}
-        ask = {"type": "text", "text": f"Turn {turn}: what next?", "cache_control": {"type": "ephemeral"}}
+        ask = {"type": "text", "text": f"Turn {turn}: what next?"}
         messages.append({"role": "user", "content": [result, ask]})
+    messages[-1]["content"] = _marked(messages[-1]["content"])  # as Claude Code: a breakpoint on the last message
     return messages
+
+
+def _marked(content: str | list[dict]) -> list[dict]:
+    blocks: list[dict] = [{"type": "text", "text": content}] if isinstance(content, str) else [dict(b) for b in content]
+    blocks[-1]["cache_control"] = {"type": "ephemeral"}
+    return blocks
 
 
 def request(
@@ -145,12 +154,14 @@ def run_variant(server: Server, variant: str, turns: int, system_words: int) -> 
 
 def summary(rows: list[dict]) -> dict:
     first = [r for r in rows if r["session"] == 1]
+    last_five = [r["ttft_s"] for r in first[-5:]]
     later = [r for r in first if r["turn"] >= 2]
     second = [r for r in rows if r["session"] == 2]
     return {
         "min_read_from_turn_2": min((r["read"] / r["prompt"] for r in later), default=None),
         "median_read_from_turn_2": statistics.median([r["read"] / r["prompt"] for r in later]) if later else None,
         "last_turn_ttft_s": first[-1]["ttft_s"],
+        "last_five_turns_median_ttft_s": statistics.median(last_five),
         "last_turn_prompt": first[-1]["prompt"],
         "second_session_first_turn_read": second[0]["read"] if second else None,
         "second_session_first_turn_prompt": second[0]["prompt"] if second else None,
@@ -196,6 +207,9 @@ def print_variant(variant: str, result: dict) -> None:
         f"  {'last turn TTFT (ms)':<34} {strata['last_turn_ttft_s'] * 1000:>10.0f} {peer['last_turn_ttft_s'] * 1000:>10.0f}"
     )
     print(f"  {'last turn TTFT, strata / mlx-vlm':<34} {strata['last_turn_ttft_s'] / peer['last_turn_ttft_s']:>10.2f}x")
+    five_s, five_peer = strata["last_five_turns_median_ttft_s"], peer["last_five_turns_median_ttft_s"]
+    print(f"  {'last 5 turns, median TTFT (ms)':<34} {five_s * 1000:>10.0f} {five_peer * 1000:>10.0f}")
+    print(f"  {'last 5 turns, strata / mlx-vlm':<34} {five_s / five_peer:>10.2f}x")
     if strata["second_session_first_turn_read"] is not None:
         print(
             f"  {'second session, turn 1: read':<34} {strata['second_session_first_turn_read']:>10} "

@@ -3,10 +3,11 @@ straight into the neutral ChatRequest, and the answer shaped as Anthropic's `mes
 events. Shaping and parsing only: the route is app.py's, the layers are the pipeline's.
 
     parse_messages_request(body, limits) -> ChatRequest
-    message_body(completion, trace, request, model, tools) -> dict      the whole `message`
-    stream_events(...) -> SSE bytes     message_start, content_block_start/delta/stop, message_delta,
-                                        message_stop; `ping` while the prompt prefills
-    usage(completion, trace) -> dict    input + cache_read + cache_creation tokens == the prompt
+    message_body(id, model, completion, tools, usage) -> dict     the whole `message`
+    MessageStream / stream_events(...) -> SSE bytes     message_start, content_block_start/delta/stop,
+                                        message_delta, message_stop (the route sends PING while the
+                                        prompt prefills)
+    usage(completion, trace, pins) -> dict     input + cache_read + cache_creation tokens == the prompt
 
 A conversation maps onto the chat form the engine renders: `system` first (its text blocks kept as
 parts), `tool_use` blocks as the assistant's tool calls, each `tool_result` block as a tool message
@@ -47,6 +48,7 @@ UNSUPPORTED_UNLESS: dict[str, tuple] = {
     "service_tier": (None, "auto", "standard_only"),
 }
 TTL_S = {"5m": 300.0, "1h": 3600.0}
+MAX_BREAKPOINTS = 4  # cache_control blocks per request, as Anthropic allows (each is a render of the prompt)
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 
@@ -136,9 +138,21 @@ class _Breakpoints:
 
     def __init__(self) -> None:
         self.marks: dict[int, float] = {}
+        self.num_blocks = 0  # blocks that carried a cache_control
 
     def add(self, ttl_s: float, num_messages: int) -> None:
         self.marks[num_messages] = max(ttl_s, self.marks.get(num_messages, 0.0))
+
+    def add_block(self, ttl_s: float, num_messages: int) -> None:
+        """A block's cache_control: at most MAX_BREAKPOINTS of them per request, as Anthropic's."""
+        self.num_blocks += 1
+        if self.num_blocks > MAX_BREAKPOINTS:
+            raise bad_request(
+                f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. Found {self.num_blocks}.",
+                "invalid_value",
+                "cache_control",
+            )
+        self.add(ttl_s, num_messages)
 
     def sorted(self) -> tuple[CacheBreakpoint, ...]:
         return tuple(CacheBreakpoint(count, ttl) for count, ttl in sorted(self.marks.items()))
@@ -155,7 +169,7 @@ def _ttl(raw: Any, param: str) -> float:
 
 def _mark(block: dict, param: str, marks: _Breakpoints, num_messages: int) -> None:
     if block.get("cache_control") is not None:
-        marks.add(_ttl(block["cache_control"], f"{param}.cache_control"), num_messages)
+        marks.add_block(_ttl(block["cache_control"], f"{param}.cache_control"), num_messages)
 
 
 def _system(raw: Any, marks: _Breakpoints) -> tuple[Message, ...]:

@@ -1,6 +1,7 @@
 """The Litestar app: its routes, the lifespan that builds and closes the services, and the glue
 that belongs to no layer: the Responses API's orchestration (the stored conversation in front of a
-chat completion; its shapes are responses_api.py's), settings mapped to the engine's config
+chat completion; its shapes are responses_api.py's), the Anthropic stream's pings while a prompt
+prefills (its shapes are anthropic_api.py's), settings mapped to the engine's config
 (engine_config), and the metrics collector's view of the services. A request's way through the
 cache layers is pipeline.py.
 
@@ -227,8 +228,8 @@ async def count_message_tokens(request: Request) -> dict:
     raw = await request.body()
     limits = services.settings.limits
     body = await off_loop(len(raw), partial(parse_json_body, raw, limits.max_json_depth))
-    chat_request = anthropic_api.parse_messages_request({"max_tokens": 1, **body}, limits)
-    chat_request, _ = services.pipeline.normalizer.apply(chat_request, caller.tenant)
+    parse = partial(anthropic_api.parse_messages_request, {"max_tokens": 1, **body}, limits)  # no max_tokens here
+    chat_request, _ = services.pipeline.normalizer.apply(await off_loop(len(raw), parse), caller.tenant)
     return {"input_tokens": await services.pipeline.chat.count_tokens(chat_request)}
 
 

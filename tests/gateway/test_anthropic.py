@@ -171,6 +171,14 @@ BAD_BODIES = [
     ({"cache_control": {"type": "ephemeral", "ttl": "2h"}}, "ttl"),
     ({"metadata": {"user_id": 7}}, "metadata.user_id"),
     ({"mcp_servers": [{"url": "http://x"}]}, "mcp_servers"),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}] * 5}
+            ]
+        },
+        "A maximum of 4 blocks with cache_control",
+    ),
 ]
 
 
