@@ -314,7 +314,7 @@ class BlockPool:
             num_blocks, num_bytes = num_blocks + 1, num_bytes + block.nbytes
             if block.block_hash in self.pins:
                 block.purged = True
-                self._unpin(block)  # the last reference: it leaves now
+                self._unpin(block)  # it leaves now, or with the last request that holds it
             elif block.ref_count:
                 block.purged = True
             else:

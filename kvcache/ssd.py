@@ -45,8 +45,8 @@ segments it knows, deleting others' files as well as its own (and saying so in i
 
 Parts: `segment.py` is the file format (pure functions), `ssd_index.py` the index (its own lock);
 this module is the tier: the writer thread, admission and the daily budget, capacity and retention,
-quarantine and reconcile. Lock discipline here: `lock` guards `stats`, `written_today` and
-`ghosts`; the index guards itself; the two are never held together. `journal_lock` guards
+quarantine and reconcile. Lock discipline here: `lock` guards `stats`, `written_today`, `ghosts`
+and `pins`; the index guards itself; the two are never held together. `journal_lock` guards
 `journals` (the others' journals read so far) for refresh(). `files_lock` serialises the
 writer's segment writes and capacity deletions with a purge's rewrites (never taken under `lock`).
 """
@@ -191,6 +191,8 @@ class SsdTier:
         self.refresh()
         num_files, num_blocks, num_bytes = 0, 0, 0
         with self.files_lock:
+            with self.lock:
+                self.pins = {}
             for name, _ in self.index.least_recently_used():
                 if (segment := self._delete_segment(name, "purged")) is not None:
                     num_files, num_blocks, num_bytes = (
@@ -211,6 +213,7 @@ class SsdTier:
                 num_bytes += sum(self.index.kv_nbytes(h) or 0 for h in dropped)
                 self._rewrite_without(name, set(dropped))
                 num_blocks, num_files = num_blocks + len(dropped), num_files + 1
+                self._unpin(dropped)
         self._count("num_purged_blocks", num_blocks)
         return Purged(num_blocks, num_bytes, num_files)
 
@@ -304,6 +307,12 @@ class SsdTier:
                     used += nbytes
                 pinned += 1
             return pinned
+
+    def _unpin(self, hex_hashes: list[str]) -> None:
+        """Purged blocks' pins end with them (they no longer spend their scope's budget)."""
+        with self.lock:
+            for hex_hash in hex_hashes:
+                self.pins.pop(hex_hash, None)
 
     def _pinned_segments(self, now: float) -> set[str]:
         """Segments holding a block pinned past `now`; pins that ended are dropped."""

@@ -347,3 +347,16 @@ def test_ssd_pins_stay_within_each_scopes_budget(tmp_path):
     assert tier.pin("tenant-b", [(_hex(5), 300)], until) == 1  # a's pins spend none of b's budget
     assert tier.pin("tenant-a", [(_hex(1), 100)], until + 60) == 1 and tier.pins[_hex(1)][2] == until + 60
     tier.close()
+
+
+def test_a_purge_ends_the_pins_of_the_blocks_it_removes(tmp_path):
+    tier = _tier(tmp_path, pin_budget_bytes=10_000)
+    _spill_together(tier, _owned(1, "tenant-a/s1"), _owned(2, "tenant-b/s1"))
+    until = time.time() + 3600
+    tier.pin("scope-a", [(_hex(1), 100)], until)
+    tier.pin("scope-b", [(_hex(2), 100)], until)
+    tier.purge_owned(lambda owner: owner.startswith("tenant-a"))
+    assert _hex(1) not in tier.pins and _hex(2) in tier.pins  # the other tenant's pin stays
+    tier.purge()
+    assert not tier.pins
+    tier.close()
