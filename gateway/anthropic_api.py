@@ -27,16 +27,16 @@ from .engine import Delta, Finished, ImagePart, Message, Pin, Sampling, TextPart
 from .errors import ApiError, anthropic_error, bad_request, echo
 from .openai_format import Completion, sendable
 from .schemas import (
-    EMPTY_PARAMETERS,
-    TOOL_NAME,
     CacheBreakpoint,
     ChatRequest,
     checked_request,
+    function_tool,
     is_int,
     number,
     parse_user,
     schema_json,
     typed,
+    unique_tools,
 )
 from .settings import Limits
 from .trace import Trace
@@ -322,17 +322,9 @@ def _tools(raw: Any, limits: Limits, marks: _Breakpoints) -> tuple[Tool, ...]:
         if not isinstance(item, dict) or item.get("type", "custom") != "custom":
             kind = item.get("type") if isinstance(item, dict) else None
             raise bad_request(f"{param}: only custom tools are supported; got {echo(kind)}", "unsupported_tool", param)
-        name, description = item.get("name"), item.get("description", "")
-        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-            raise bad_request(f"{param}.name: must be 1 to 64 letters, digits, '_' or '-'", "invalid_value", param)
-        if not isinstance(description, str):
-            raise bad_request(f"{param}.description: must be a string", "invalid_type", param)
-        schema = schema_json(f"{param}.input_schema", item.get("input_schema", EMPTY_PARAMETERS), limits)
+        tools.append(function_tool(param, param, item, "input_schema", limits))
         _mark(item, param, marks, 0)
-        tools.append(Tool(name, description, schema))
-    if len({tool.name for tool in tools}) != len(tools):
-        raise bad_request("tools: names a tool twice", "invalid_value", "tools")
-    return tuple(tools)
+    return unique_tools(tools, "tools")
 
 
 def _tool_choice(raw: Any, tools: tuple[Tool, ...]) -> str:

@@ -116,28 +116,27 @@ class ChatService:
         least_output = 1 if request.fit_max_tokens else request.sampling.max_tokens
         if at_least + least_output > limit:
             raise _context_error(limit, f"at least {at_least}", least_output)
-        try:
-            prompt = await anyio.to_thread.run_sync(
-                self.engine.prepare, request.messages, images, request.tools, request.thinking
-            )
-        except PromptError as exc:
-            raise bad_request(str(exc), exc.code, "messages") from None
+        prompt = await self._prompt(request, images)
         if prompt.num_tokens + least_output > limit:
             raise _context_error(limit, str(prompt.num_tokens), least_output)
         max_tokens = min(request.sampling.max_tokens, limit - prompt.num_tokens)
         grammar = await self._compiled_grammar(request) if _constrained(request) else None
         return prompt, replace(request.sampling, grammar=grammar, max_tokens=max_tokens)
 
-    async def count_tokens(self, request: ChatRequest) -> int:
-        """The prompt's tokens, images expanded, as prepare() would make them; no job runs."""
-        self.check_model(request)
-        images = await self.load_images(request)
+    async def _prompt(self, request: ChatRequest, images: list[DecodedImage]) -> PreparedPrompt:
+        """The request's prompt, rendered and tokenised off the event loop; 400 when the model cannot take it."""
         try:
-            prompt = await anyio.to_thread.run_sync(
+            return await anyio.to_thread.run_sync(
                 self.engine.prepare, request.messages, images, request.tools, request.thinking
             )
         except PromptError as exc:
             raise bad_request(str(exc), exc.code, "messages") from None
+
+    async def count_tokens(self, request: ChatRequest) -> int:
+        """The prompt's tokens, images expanded, as prepare() would make them; no job runs."""
+        self.check_model(request)
+        images = await self.load_images(request)
+        prompt = await self._prompt(request, images)
         return prompt.num_tokens
 
     async def pins(self, request: ChatRequest, prompt: PreparedPrompt) -> tuple[Pin, ...]:

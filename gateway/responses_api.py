@@ -25,10 +25,9 @@ from .engine import Delta, Sampling, Tool, ToolFormat
 from .errors import ApiError, bad_request, echo
 from .openai_format import Completion, assistant_message, sendable
 from .schemas import (
-    EMPTY_PARAMETERS,
-    TOOL_NAME,
     ChatRequest,
     checked_request,
+    function_tool,
     is_int,
     number,
     parse_messages,
@@ -38,6 +37,7 @@ from .schemas import (
     refuse_unsupported,
     schema_json,
     typed,
+    unique_tools,
 )
 from .settings import Limits
 from .trace import Trace
@@ -194,16 +194,8 @@ def _tools(raw: Any, limits: Limits) -> tuple[Tool, ...]:
         param = f"tools[{index}]"
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise bad_request(f"{param}: only function tools are supported", "unsupported_tool", param)
-        name, description = tool.get("name"), tool.get("description", "")
-        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-            raise bad_request(f"{param}.name must be 1 to 64 letters, digits, '_' or '-'", "invalid_value", param)
-        if not isinstance(description, str):
-            raise bad_request(f"{param}.description must be a string", "invalid_type", param)
-        schema = schema_json(f"{param}.parameters", tool.get("parameters", EMPTY_PARAMETERS), limits)
-        tools.append(Tool(name, description, schema))
-    if len({tool.name for tool in tools}) != len(tools):
-        raise bad_request("'tools' names a function twice", "invalid_value", "tools")
-    return tuple(tools)
+        tools.append(function_tool(param, param, tool, "parameters", limits))
+    return unique_tools(tools, "tools")
 
 
 def _tool_choice(raw: Any, tools: tuple[Tool, ...]) -> str:

@@ -242,24 +242,33 @@ def parse_tools(body: dict[str, Any], limits: Limits) -> tuple[Tool, ...]:
         _parse_tool(f"{field}[{i}]", item if field == "tools" else {"type": "function", "function": item}, limits)
         for i, item in enumerate(raw)
     ]
-    names = [tool.name for tool in tools]
-    if len(set(names)) != len(names):
+    return unique_tools(tools, field)
+
+
+def unique_tools(tools: list[Tool], field: str) -> tuple[Tool, ...]:
+    """The tools of every API, refused when two share a name."""
+    if len({tool.name for tool in tools}) != len(tools):
         raise bad_request(f"'{field}' names a function twice", "invalid_value", field)
     return tuple(tools)
+
+
+def function_tool(where: str, param: str, function: dict[str, Any], schema_field: str, limits: Limits) -> Tool:
+    """A function's name, description and JSON-schema parameters (under `schema_field`), checked
+    alike for every API; `where` starts the messages (tools[0].function, tools.0), `param` is the
+    error's parameter."""
+    name, description = function.get("name"), function.get("description", "")
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise bad_request(f"{where}.name must be 1 to 64 letters, digits, '_' or '-'", "invalid_value", param)
+    if not isinstance(description, str):
+        raise bad_request(f"{where}.description must be a string", "invalid_type", param)
+    parameters = function.get(schema_field, EMPTY_PARAMETERS)
+    return Tool(name, description, schema_json(f"{where}.{schema_field}", parameters, limits))
 
 
 def _parse_tool(param: str, item: Any, limits: Limits) -> Tool:
     if not isinstance(item, dict) or item.get("type") != "function" or not isinstance(item.get("function"), dict):
         raise bad_request(f'{param} must be {{"type": "function", "function": {{...}}}}', "invalid_type", param)
-    function = item["function"]
-    name = function.get("name")
-    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-        raise bad_request(f"{param}.function.name must be 1 to 64 letters, digits, '_' or '-'", "invalid_value", param)
-    description = function.get("description", "")
-    if not isinstance(description, str):
-        raise bad_request(f"{param}.function.description must be a string", "invalid_type", param)
-    parameters = function.get("parameters", EMPTY_PARAMETERS)
-    return Tool(name, description, schema_json(f"{param}.function.parameters", parameters, limits))
+    return function_tool(f"{param}.function", param, item["function"], "parameters", limits)
 
 
 def schema_json(param: str, schema: Any, limits: Limits) -> str:
