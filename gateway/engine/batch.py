@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 
-from .runner import Cancelled, ModelRunner, PrefillResult, Sampler, as_token, cache_offset, decode_positions
+from .runner import Cancelled, ModelRunner, Part, PrefillResult, Sampler, as_token, cache_offset, decode_positions
 from .types import Sampling
 
 
@@ -56,11 +56,16 @@ class DecodeBatch:
 
     def step(self, tokens: list[int]) -> mx.array:
         """Feed row i the token tokens[i]; the next-token logits, one row each: (rows, vocab)."""
-        ids = mx.array([[token] for token in tokens], dtype=mx.int32)
+        return self.runner.run_step([self.part([[token] for token in tokens])])[0]
+
+    def part(self, tokens: list[list[int]]) -> Part:
+        """Row i fed tokens[i] (the same count per row), as one part of a step: logits come back
+        for every token fed, row-major."""
+        ids = mx.array(tokens, dtype=mx.int32)
         # mRoPE families give every row a delta, plain-RoPE families none
         deltas = [row.rope_delta for row in self.rows if row.rope_delta is not None] or None
         offsets = self.cache[0].offset if self.batched else cache_offset(self.cache, 0)
-        return self.runner.forward(ids, None, self.cache, decode_positions(offsets, deltas))
+        return Part(self.cache, ids, positions=decode_positions(offsets, deltas, ids.shape[1]), keep=ids.shape[1])
 
     def leave(self, index: int) -> PrefillResult:
         """Remove row `index`; its prefill, with `cache` holding the row's own KV again (for finish())."""

@@ -11,13 +11,14 @@ Owned by the engine's single worker thread: MLX is not thread-safe, so no other 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import os
 import time
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
@@ -33,6 +34,8 @@ from .attention import install_cpu_prefill_attention
 from .caching import CacheConfig, EngineCaches, PrefixPlan, PrefixReport, VisionReport
 from .constraint import MAX_CLOSING_TOKENS, Grammars
 from .families import Family, family_of, read_config
+from .mixed import Segment, SegmentCache
+from .mixed import install as install_packed_calls
 from .prompt import PreparedPrompt, PromptBuilder, PromptImage
 from .types import Pin, Sampling
 
@@ -53,6 +56,76 @@ class ModelInputs:
     # image tokens. (layers, L - cached, hidden), and which of those L - cached positions are image rows.
     deepstack: mx.array | None = None
     visual: np.ndarray | None = None
+
+
+@dataclass(slots=True)
+class Part:
+    """One segment of a step's model call: `ids` (rows, tokens) fed on `cache` (per layer: a
+    prompt's own KVCache, or the decode rows' cache); logits come back for each row's last `keep`
+    tokens. A prompt chunk names its admission, which advances once the step ran."""
+
+    cache: list
+    ids: mx.array
+    embeds: mx.array | None = None  # (1, tokens, hidden) with image rows spliced in; None: from ids
+    positions: mx.array | None = None  # (3, rows, tokens) mRoPE ids; None: from the cache offsets
+    extra: dict = field(default_factory=dict)  # the library's deepstack arguments, chunks only
+    keep: int = 1
+    admission: Admission | None = None
+
+
+@dataclass(slots=True)
+class Admission:
+    """A prompt on its way into the KV: its own cache (the reused prefix copied in), the prefix plan
+    that stores its blocks as chunks complete them, and its inputs. Invariant: `computed` tokens of
+    the prompt are in `cache`; `logits` is set once computed == the prompt's length."""
+
+    prompt: PreparedPrompt
+    cache: list
+    plan: PrefixPlan | None
+    prefix: PrefixReport
+    vision: VisionReport
+    vision_ms: float
+    inputs: ModelInputs
+    rope_delta: int | None
+    first: int  # the first token not reused from the prefix cache
+    computed: int = -1
+    spent_s: float = 0.0  # time in this prompt's setup and steps (a step's whole time counts)
+    logits: mx.array | None = None
+
+    def __post_init__(self):
+        self.computed = self.first
+
+    @property
+    def done(self) -> bool:
+        return self.computed == self.prompt.num_tokens
+
+    def advance(self, caches: EngineCaches, num_tokens: int, last_logits: mx.array, spent_s: float) -> None:
+        """A step ran num_tokens more of the prompt: store the blocks they completed."""
+        self.computed += num_tokens
+        self.spent_s += spent_s
+        if self.plan:
+            caches.store(self.plan, self.prompt.token_ids, self.cache, self.computed)
+        if self.done:
+            self.logits = last_logits
+
+    def close(self) -> None:
+        """Give up the prompt (cancelled, failed, preempted): blocks stored so far stay cached."""
+        if self.plan:
+            self.plan.session.close()
+
+    def result(self) -> PrefillResult:
+        assert self.logits is not None, "every prompt token has run"
+        return PrefillResult(
+            self.logits,
+            self.cache,
+            self.rope_delta,
+            self.prompt,
+            self.plan,
+            self.prefix,
+            self.vision,
+            self.spent_s * 1000,
+            self.vision_ms,
+        )
 
 
 @dataclass(slots=True)
@@ -77,6 +150,7 @@ class ModelRunner:
         self.batchable = all(type(layer).__name__ == "KVCache" for layer in self.new_cache())
         install_cpu_prefill_attention(self.lm)
         install_cpu_prefill_activations(self.lm)
+        install_packed_calls(self.lm)
         keep_last_position_logits(self.lm)
         self.prompts = PromptBuilder(self.processor, self.family)
         # The token the model's own code treats as an image row (deepstack rows go there).
@@ -161,10 +235,31 @@ class ModelRunner:
         owner: str | None = None,
         pins: tuple[Pin, ...] = (),
     ) -> Generator[int, None, PrefillResult]:
-        """prefill() one chunk at a time: yields each chunk's token count but the last's (the worker
-        runs a decode step of the batch in between) and returns the PrefillResult. Closing it early
-        releases the prefix blocks.
-        prefill_ms counts the time spent in here, not the decode steps between chunks."""
+        """prefill() one chunk at a time: yields each chunk's token count but the last's and returns
+        the PrefillResult. Closing it early releases the prefix blocks. Chunks of chunk_tokens (a
+        multiple of the block size, so every chunk but the last ends on a block boundary)."""
+        admission = self.open_prefill(prompt, salt, owner, pins)
+        try:
+            while admission.computed < prompt.num_tokens:
+                if cancelled():
+                    raise Cancelled()
+                end = min(admission.computed + chunk_tokens, prompt.num_tokens)
+                num_tokens = end - admission.computed
+                self.run_step([self.chunk_part(admission, end)])
+                if end < prompt.num_tokens:
+                    yield num_tokens
+        except BaseException:  # failed, cancelled, or closed before the end: the blocks are released
+            admission.close()
+            raise
+        return admission.result()
+
+    def open_prefill(
+        self, prompt: PreparedPrompt, salt: TenantSalt, owner: str | None = None, pins: tuple[Pin, ...] = ()
+    ) -> Admission:
+        """Start a prompt: reuse the longest cached prefix (its KV copied into the prompt's own cache),
+        find or encode its images' features, compute its positions. The rest runs as chunks
+        (chunk_part) in steps (run_step). `owner` labels what this request stores or reuses (purges
+        select by it); `pins` are kept cached for their TTL once finish() stored the request."""
         start = time.perf_counter()
         cache = self.new_cache()
         plan, prefix_report = self.caches.open_prefix(prompt, salt, cache, owner)
@@ -182,52 +277,80 @@ class ModelRunner:
             if plan is not None and cached:
                 for layer, (keys, values) in zip(cache, plan.session.gather(cached)):
                     layer.update_and_fetch(keys, values)  # the libraries' KVCache append: offset follows
-            inputs = ModelInputs(ids, embeds, positions, deepstack, visual)
-            setup_s = time.perf_counter() - start
-            logits, chunks_s = yield from self._run_chunks(prompt, inputs, cache, plan, chunk_tokens, cancelled)
-        except BaseException:  # failed, cancelled, or closed before the end: the blocks are released
+        except BaseException:
             if plan:
                 plan.session.close()
             raise
-        prefill_ms = (setup_s + chunks_s) * 1000 - vision_ms
-        return PrefillResult(
-            logits, cache, rope_delta, prompt, plan, prefix_report, vision_report, prefill_ms, vision_ms
+        first = cache_offset(cache, 0)  # the first uncached token: the reused prefix ends here
+        inputs = ModelInputs(ids, embeds, positions, deepstack, visual)
+        admission = Admission(prompt, cache, plan, prefix_report, vision_report, vision_ms, inputs, rope_delta, first)
+        admission.spent_s = time.perf_counter() - start - vision_ms / 1000
+        return admission
+
+    def chunk_part(self, admission: Admission, end: int) -> Part:
+        """The admission's prompt tokens [computed, end) as one part of a step; the blocks it
+        completes are stored once the step ran (Admission.advance)."""
+        begin, first, inputs = admission.computed, admission.first, admission.inputs
+        assert begin < end <= admission.prompt.num_tokens, (begin, end, admission.prompt.num_tokens)
+        return Part(
+            admission.cache,
+            inputs.ids[:, begin:end],
+            None if inputs.embeds is None else inputs.embeds[:, begin - first : end - first],
+            None if inputs.positions is None else inputs.positions[..., begin:end],
+            _deepstack_kwargs(inputs, begin - first, end - first),
+            admission=admission,
         )
 
-    def _run_chunks(
-        self, prompt, inputs: ModelInputs, cache, plan, chunk_tokens, cancelled
-    ) -> Generator[int, None, tuple[mx.array, float]]:
-        """Prefill tokens [cached, L) in chunks of chunk_tokens, yielding after each but the last; after
-        each chunk the blocks it completed are cached, so a long prompt cut short still leaves its
-        prefix. The reused prefix ends on a block boundary and chunk_tokens is a multiple of the block
-        size, so every chunk but the last ends on one too; a suffix shorter than a chunk runs in one
-        model call. Returns the last position's logits and the seconds spent in the chunks (not in
-        whatever ran between them)."""
-        ids, embeds, positions = inputs.ids, inputs.embeds, inputs.positions
-        total = prompt.num_tokens
-        first = begin = cache_offset(cache, 0)  # the first uncached token: the reused prefix ends here
-        logits, spent = None, 0.0
-        while begin < total:
-            if cancelled():
-                raise Cancelled()
-            chunk_start = time.perf_counter()
-            end = min(begin + chunk_tokens, total)
-            logits = self.forward(
-                ids[:, begin:end],
-                None if embeds is None else embeds[:, begin - first : end - first],
-                cache,
-                None if positions is None else positions[..., begin:end],
-                _deepstack_kwargs(inputs, begin - first, end - first),
-            )[0]
-            mx.eval([logits] + _state_arrays(cache))
-            if plan:
-                self.caches.store(plan, prompt.token_ids, cache, end)
-            spent += time.perf_counter() - chunk_start
-            if end < total:
-                yield end - begin
-            begin = end
-        assert logits is not None, "the caller leaves at least one token to run"
-        return logits, spent
+    def run_step(self, parts: list[Part]) -> list[mx.array]:
+        """One model call over every part (decode rows, prompt chunks): each part's logits, (rows x
+        keep, vocab), in order. One part runs as the library's plain call; several are packed
+        (gateway/engine/mixed.py). Chunks' admissions then store the blocks they completed."""
+        start = time.perf_counter()
+        logits = self._call_one(parts[0]) if len(parts) == 1 else self._call_packed(parts)
+        mx.eval(logits + [array for part in parts if part.admission for array in _state_arrays(part.cache)])
+        spent = time.perf_counter() - start
+        for part, part_logits in zip(parts, logits):
+            if part.admission is not None:
+                part.admission.advance(self.caches, part.ids.shape[1], part_logits[-1], spent)
+        return logits
+
+    def _call_one(self, part: Part) -> list[mx.array]:
+        kwargs = {"cache": part.cache} | part.extra
+        if part.embeds is not None:
+            kwargs["inputs_embeds"] = part.embeds
+        if part.positions is not None:
+            kwargs["position_ids"] = part.positions
+        with keep_positions(self.lm, part.keep):
+            out = self.lm(part.ids, **kwargs)
+        logits = getattr(out, "logits", out)
+        return [logits.reshape(-1, logits.shape[-1])]
+
+    def _call_packed(self, parts: list[Part]) -> list[mx.array]:
+        segments, cursor, keep = [], 0, []
+        for part in parts:
+            rows, tokens = part.ids.shape
+            segments.append((part.cache, cursor, rows, tokens))
+            keep += [cursor + row * tokens + tokens - k for row in range(rows) for k in range(part.keep, 0, -1)]
+            cursor += rows * tokens
+        layers = [
+            SegmentCache([Segment(cache[layer], start, rows, tokens) for cache, start, rows, tokens in segments])
+            for layer in range(len(parts[0].cache))
+        ]
+        kwargs: dict = {"cache": layers} | _packed_deepstack(parts, cursor)
+        if any(part.embeds is not None for part in parts):
+            embed = token_embedding(self.lm)
+            kwargs["inputs_embeds"] = mx.concatenate(
+                [_flat(embed(p.ids) if p.embeds is None else p.embeds) for p in parts], axis=1
+            )
+        if parts[0].positions is not None:
+            kwargs["position_ids"] = mx.concatenate([p.positions.reshape(3, 1, -1) for p in parts], axis=2)  # type: ignore[union-attr]
+        ids = mx.concatenate([part.ids.reshape(1, -1) for part in parts], axis=1)
+        with keep_positions(self.lm, keep):
+            out = self.lm(ids, **kwargs)
+        logits = getattr(out, "logits", out)[0]
+        sizes = [part.ids.shape[0] * part.keep for part in parts]
+        bounds = np.cumsum([0, *sizes]).tolist()
+        return [logits[bounds[i] : bounds[i + 1]] for i in range(len(parts))]
 
     def forward(
         self, ids: mx.array, embeds: mx.array | None, cache: list, positions: mx.array | None, extra: dict | None = None
@@ -569,12 +692,14 @@ def _text_setting(config: dict, name: str):
     return (config.get("text_config") or {}).get(name) or config.get(name)
 
 
-def decode_positions(offsets, deltas: list[int] | None) -> mx.array | None:
-    """mRoPE ids of one new token per row: the row's KV length (`offsets`, an int or one per row) plus
-    its delta; None for plain RoPE, where the cache offset gives the position."""
+def decode_positions(offsets, deltas: list[int] | None, num_tokens: int = 1) -> mx.array | None:
+    """mRoPE ids of num_tokens new tokens per row, (3, rows, num_tokens): from the row's KV length
+    (`offsets`, an int or one per row) plus its delta; None for plain RoPE, where the cache offset
+    gives the position."""
     if deltas is None:
         return None
-    return mx.broadcast_to((offsets + mx.array(deltas))[None, :, None], (3, len(deltas), 1)).astype(mx.int32)
+    first = (offsets + mx.array(deltas))[:, None] + mx.arange(num_tokens)[None]
+    return mx.broadcast_to(first[None], (3, len(deltas), num_tokens)).astype(mx.int32)
 
 
 def _plain_mrope(num_tokens: int) -> mx.array:
@@ -590,13 +715,30 @@ def cache_offset(cache: list, default: int) -> int:
 
 
 def keep_last_position_logits(language_model) -> None:
-    """Make this model instance compute logits for the last position only: prefill needs no others,
-    and a 512-token chunk's full logits cost as much as a quarter of its layers. The output head
-    (an untied lm_head, or the tied embedding's as_linear) gets a subclass that slices first."""
-    head = getattr(language_model, "lm_head", None)
-    target = head if isinstance(head, nn.Module) else token_embedding(language_model)
-    method = "__call__" if target is head else "as_linear"
+    """Make this model instance compute logits for the last position only (or the positions
+    keep_positions() names): prefill needs no others, and a 512-token chunk's full logits cost as
+    much as a quarter of its layers. The output head (an untied lm_head, or the tied embedding's
+    as_linear) gets a subclass that slices first."""
+    target = output_head(language_model)
+    method = "__call__" if target is getattr(language_model, "lm_head", None) else "as_linear"
     target.__class__ = _last_position_class(type(target), method)
+
+
+def output_head(language_model) -> nn.Module:
+    head = getattr(language_model, "lm_head", None)
+    return head if isinstance(head, nn.Module) else token_embedding(language_model)
+
+
+@contextlib.contextmanager
+def keep_positions(language_model, keep: int | list[int]):
+    """Within the block, the output head keeps each row's last `keep` positions, or the packed
+    positions listed."""
+    head = output_head(language_model)
+    object.__setattr__(head, "kept", keep)  # a plain attribute: an array here would become a parameter
+    try:
+        yield
+    finally:
+        object.__setattr__(head, "kept", 1)
 
 
 _LAST_POSITION_CLASSES: dict = {}
@@ -608,10 +750,38 @@ def _last_position_class(base: type, method: str) -> type:
         original = getattr(base, method)
 
         def last_position(self, x, *args, **kwargs):
-            return original(self, x[:, -1:] if x.ndim == 3 else x, *args, **kwargs)
+            if x.ndim == 3:
+                kept = self.__dict__.get("kept", 1)
+                x = x[:, -kept:] if isinstance(kept, int) else x[:, mx.array(kept)]
+            return original(self, x, *args, **kwargs)
 
         _LAST_POSITION_CLASSES[key] = type(f"LastPosition{base.__name__}", (base,), {method: last_position})
     return _LAST_POSITION_CLASSES[key]
+
+
+def _flat(x: mx.array) -> mx.array:
+    """(rows, tokens, hidden) -> (1, rows x tokens, hidden), row-major."""
+    return x.reshape(1, -1, x.shape[-1])
+
+
+def _packed_deepstack(parts: list[Part], num_tokens: int) -> dict:
+    """The library's deepstack arguments over the packed tokens: each chunk's visual rows at its place."""
+    if not any(part.extra for part in parts):
+        return {}
+    masks, layers, cursor = [], [], 0
+    for part in parts:
+        size = part.ids.size
+        if part.extra:
+            masks.append(part.extra["visual_pos_masks"].reshape(-1))
+            layers.append(part.extra["deepstack_visual_embeds"])
+        else:
+            masks.append(mx.zeros((size,), dtype=mx.bool_))
+        cursor += size
+    assert cursor == num_tokens
+    return {
+        "visual_pos_masks": mx.concatenate(masks)[None],
+        "deepstack_visual_embeds": [mx.concatenate(list(rows)) for rows in zip(*layers)],
+    }
 
 
 def as_token(draw: mx.array) -> int:

@@ -10,7 +10,7 @@ import httpx
 import mlx.core as mx
 import pytest
 
-from gateway.engine import Message, Sampler, Sampling, TextPart, decode_alone
+from gateway.engine import ImagePart, Message, Sampler, Sampling, TextPart, decode_alone
 from gateway.engine.batch import DecodeBatch
 from gateway.engine.builder import RECIPES, BuildSpec
 from gateway.engine.caching import CacheConfig
@@ -72,6 +72,57 @@ def test_eight_sequences_decoded_together_equal_each_decoded_alone(family):
     prompts = _prompts(runner)
     alone = [_alone(runner, p) for p in prompts]
     assert _together(runner, prompts) == alone
+
+
+def _mixed(runner, prompts, chunk_tokens=32, admit_per_step=2) -> list[list[int]]:
+    """Greedy decode where prompts come in while others decode, in one model call per step: the
+    decode rows and up to `admit_per_step` prompts' next chunks (batched admissions) packed together."""
+    batch, tokens, live = DecodeBatch(runner), [[] for _ in prompts], []  # live[i]: the prompt of row i
+    waiting = list(range(len(prompts)))
+    admitting: dict[int, object] = {}
+    while waiting or admitting or live:
+        while waiting and len(admitting) < admit_per_step:
+            index = waiting.pop(0)
+            admitting[index] = runner.open_prefill(prompts[index], SALT)
+        for row in reversed(range(len(live))):  # rows that ended leave before the step
+            done = tokens[live[row]][-1] in runner.eos_ids or len(tokens[live[row]]) == STEPS
+            if done:
+                runner.finish(batch.leave(row), tokens[live[row]])
+                live.pop(row)
+        parts = [batch.part([[tokens[p][-1]] for p in live])] if live else []
+        for admission in admitting.values():
+            parts.append(
+                runner.chunk_part(admission, min(admission.computed + chunk_tokens, admission.prompt.num_tokens))
+            )
+        if not parts:
+            continue
+        logits = runner.run_step(parts)
+        for row, prompt_index in enumerate(live):
+            tokens[prompt_index].append(int(mx.argmax(logits[0][row]).item()))
+        for index, admission in list(admitting.items()):
+            if admission.done:
+                del admitting[index]
+                prefill = admission.result()
+                batch.join(prefill)
+                live.append(index)
+                tokens[index].append(int(mx.argmax(prefill.logits).item()))
+    return [_until_eos(t, runner.eos_ids) for t in tokens]
+
+
+@pytest.mark.parametrize("family", sorted(set(RECIPES) - {"qwen3_next"}))
+def test_mixed_steps_and_batched_admissions_give_each_sequence_its_lone_tokens(family):
+    """Prompt chunks of two admissions ride in the decode rows' model call (one packed call per
+    step): every sequence gets the greedy tokens it gets alone."""
+    runner = ModelRunner(built_model(BuildSpec(family, "tiny")), CacheConfig(0, 0, 16), "fp")
+    prompts = _prompts(runner, 5)
+    if runner.family.image_placeholder:  # images in chunks that share a call: features, mRoPE, deepstack
+        from tests.gateway.test_families import _image
+
+        for seed in (1, 2):
+            message = Message("user", (ImagePart("x"), TextPart(f"What is in picture {seed}? " * seed)))
+            prompts.insert(seed, runner.prompts.build((message,), [_image(seed)]))
+    alone = [_alone(runner, p) for p in prompts]
+    assert _mixed(runner, prompts) == alone
 
 
 def test_a_row_that_leaves_stores_its_prompt_and_reply_blocks():

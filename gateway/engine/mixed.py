@@ -1,0 +1,119 @@
+"""One model call over several sequences of different query lengths: decode rows and prefill chunks.
+
+MLX's batched cache (BatchKVCache) holds rows that each take the same number of new tokens per call,
+so a decode step (one token per row) and a prompt chunk (hundreds of tokens of one sequence) used to
+be two calls, each streaming every weight. Here they are packed into one sequence of N tokens,
+(1, N, hidden), and run through the library's own model code once: embeddings, norms, MLPs and the
+output head see the packed tokens as one sequence (one matmul per weight). Only attention must keep
+the sequences apart, so each layer's attention module gets, instead of a cache, a `SegmentCache`:
+the packed tokens' segments in order, each with its own cache (the decode rows' BatchKVCache, a
+prompt's own KVCache). The attention module (a subclass swapped onto this instance, see `install`)
+then runs its own unchanged code once per segment, with that segment's cache, mask and positions,
+and concatenates the outputs. Masks come from the segments' caches (the model asks its cache for a
+mask with the window it wants; a SegmentCache answers with one mask per segment). Positions come
+from each segment's cache offset (plain RoPE) or from the packed mRoPE ids, cut per segment.
+
+Invariant: segment i covers packed tokens [start_i, start_i + rows_i * tokens_i), row-major (row 0's
+tokens, then row 1's), and the segments tile [0, N) in order.
+Measured equal: greedy tokens of mixed steps equal each sequence run alone, every family
+(tests/gateway/test_batch.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from functools import cache
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    cache: object  # this layer's cache of the segment: a KVCache (one row) or a BatchKVCache
+    start: int  # first packed token
+    rows: int
+    tokens: int  # new tokens per row
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows * self.tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentMasks:
+    """One attention mask per segment, as each segment's cache made it."""
+
+    masks: tuple
+
+
+class SegmentCache:
+    """What one layer's attention gets in a packed call: the segments and their caches."""
+
+    offset = 0  # the packed sequence has no single offset; model code that reads one sees 0
+
+    def __init__(self, segments: list[Segment]):
+        self.segments = segments
+
+    def make_mask(self, num_tokens: int, window_size: int | None = None, return_array: bool = False) -> SegmentMasks:
+        assert num_tokens == self.segments[-1].end, "the packed call's length"
+        return SegmentMasks(
+            tuple(
+                segment.cache.make_mask(segment.tokens, window_size=window_size, return_array=return_array)  # type: ignore[attr-defined]
+                for segment in self.segments
+            )
+        )
+
+    def run(self, module, call, bound: inspect.BoundArguments) -> mx.array:
+        """`call` (the attention module's own __call__) once per segment; outputs packed again."""
+        arguments = dict(bound.arguments)
+        x_name = list(arguments)[1]  # after self
+        packed = arguments[x_name]
+        outputs = []
+        for index, segment in enumerate(self.segments):
+            own = dict(arguments)
+            own[x_name] = packed[:, segment.start : segment.end].reshape(segment.rows, segment.tokens, -1)
+            own["cache"] = segment.cache
+            mask = own.get("mask")
+            own["mask"] = mask.masks[index] if isinstance(mask, SegmentMasks) else _unsupported("mask", mask)
+            positions = own.get("position_ids")
+            if isinstance(positions, mx.array):
+                cut = positions[..., segment.start : segment.end]
+                own["position_ids"] = cut.reshape(positions.shape[0], segment.rows, segment.tokens)
+                if own.get("position_embeddings") is not None:  # the model's own once-per-call rotary tables
+                    own["position_embeddings"] = module.rotary_emb(own[x_name], own["position_ids"])
+            own_bound = inspect.BoundArguments(bound.signature, own)
+            out = call(*own_bound.args, **own_bound.kwargs)
+            outputs.append(out.reshape(1, segment.rows * segment.tokens, -1))
+        return mx.concatenate(outputs, axis=1) if len(outputs) > 1 else outputs[0]
+
+
+def _unsupported(name: str, value):
+    raise NotImplementedError(f"a packed call cannot cut this layer's {name} per segment: {type(value).__name__}")
+
+
+def install(language_model) -> int:
+    """Let each attention layer of this instance run packed calls: its class gets a subclass whose
+    __call__ hands a SegmentCache its own code, and runs as before for any other cache."""
+    from .attention import swap_layer_classes
+
+    return swap_layer_classes(language_model, "self_attn", _segmented_class)
+
+
+@cache
+def _segmented_class(base: type) -> type:
+    call = base.__call__
+    signature = inspect.signature(call)
+
+    def __call__(self, *args, **kwargs):
+        cache_arg = kwargs.get("cache")
+        if cache_arg is None:
+            bound = signature.bind(self, *args, **kwargs)
+            cache_arg = bound.arguments.get("cache")
+        if not isinstance(cache_arg, SegmentCache):
+            return call(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        return cache_arg.run(self, call, bound)
+
+    return type(f"Segmented{base.__name__}", (base,), {"__call__": __call__})
