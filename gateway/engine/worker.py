@@ -1,23 +1,21 @@
 """One dedicated thread runs the model; requests wait in a bounded queue; events flow back to asyncio.
 
-    HTTP handler --submit()--> FairQueue(max_queue) --> worker thread (ModelRunner, DecodeBatch)
-         ^                                                       |
+    HTTP handler --submit()--> FairQueue(max_queue) --> worker thread: Scheduler -> step plan
+         ^                                                    |        ModelRunner, DecodeBatch
          +---- asyncio.Queue <-- loop.call_soon_threadsafe(event) +
 
-The worker decodes up to `max_num_seqs` sequences together, one batched forward per step. One queued
-job at a time is admitted: it is prefilled on its own (every cache applies), one chunk per step, each
-chunk followed by a decode step of the batch, so running streams keep flowing while a long prompt
-comes in; then it joins the batch. Tenants take turns (gateway/engine/fair_queue.py): none holds more
-than half of the waiting places, or, while others wait, of the batch, and once several tenants have
-been served the batch's last place is kept for a tenant with nothing running. A full queue raises
-QueueFull at once (the gateway answers 429). A job whose client went away is cancelled: skipped if
-still queued, removed from the batch at the next step if running.
+Each pass of the loop: sample every decoding sequence's next token (one evaluation for the batch)
+and send its text; retire the sequences that ended (their prompt and reply blocks are stored for the
+next turn); ask the scheduler (gateway/engine/scheduler.py: fair queue, memory budget, token budget)
+for the next step; run it as one model call: the decode rows' tokens and the chunks of prompts
+coming in (several at once) packed together (gateway/engine/mixed.py). A prompt whose last chunk ran
+joins the decode batch. A full queue raises QueueFull at once (the gateway answers 429). A job whose
+client went away is cancelled: skipped if still queued, dropped at the next step if running.
 
-One memory budget: a job is admitted only once its own KV (prompt + max_tokens tokens) is reserved
-under the prefix cache's byte budget, which free cached blocks give way to (spilled to SSD when the
-tier is on); until then it waits at the head of the line while the batch decodes, and no other job
-overtakes it. A job that could not fit even in an empty budget is refused at submit (OverBudget).
-The left padding of the shared batch cache (rows shorter than the longest) is not counted.
+Memory: a sequence holds KV for its prompt and grows a block at a time; when the budget runs out the
+scheduler preempts the newest sequence, whose KV the worker stores as cached prefix blocks, and
+resumes it later from them. A job that could not fit even in an empty budget (prompt + max_tokens)
+is refused at submit (OverBudget). The left padding of the shared batch cache is not counted.
 
 The caches belong to this thread: other threads reach them through call() (a purge runs between
 two steps).
@@ -27,11 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Callable, Generator
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
@@ -40,11 +39,12 @@ import mlx.core as mx
 from kvcache import TenantSalt
 
 from .batch import DecodeBatch
-from .caching import PrefixReport, VisionReport
+from .caching import EngineCaches, PrefixReport, VisionReport
 from .constraint import GrammarError
 from .fair_queue import FairQueue, QueueFull
 from .prompt import PreparedPrompt
 from .runner import Cancelled, ModelRunner, PrefillResult, Sampler, TokenLogprob
+from .scheduler import Limits, Scheduler, Sequence, StepPlan
 from .text import TextStream
 from .types import Pin, Sampling
 
@@ -115,6 +115,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.perf_counter)
+    queue_ms: float = 0.0  # from submit to admission
     ended: bool = False  # Finished or Failed was sent: nothing more is
 
     def send(self, event: Event) -> None:
@@ -156,11 +157,15 @@ class EngineStats:
     num_prefill_chunks: int = 0
     num_prefilled_tokens: int = 0  # prompt tokens run (reused prefixes excluded): / chunks = tokens per chunk
     num_memory_waits: int = 0  # jobs that waited at the head of the line for KV memory
+    num_preemptions: int = 0  # sequences stopped to free KV, resumed later from their cached blocks
+    peak_running: int = 0  # most sequences on the model at once (decoding or coming in)
+    num_steps: int = 0  # model calls (decode rows and prompt chunks together)
+    num_resumed_tokens: int = 0  # tokens preempted sequences got back from the prefix cache
 
 
 @dataclass(frozen=True, slots=True)
 class StepShape:
-    """One worker step: a prefill chunk (0 tokens when none ran) and a decode step over `rows`."""
+    """One worker step: `rows` decoding sequences and `prefill_tokens` prompt tokens in one call."""
 
     rows: int = 0
     prefill_tokens: int = 0
@@ -190,49 +195,18 @@ class WorkerSnapshot:
     waiting_for_memory: bool = False  # the next job waits for running sequences to free KV
 
 
-@dataclass(slots=True)
-class Prefilling:
-    """The job being admitted: its prefill, advanced one chunk per worker step."""
-
-    job: Job
-    steps: Generator[int, None, PrefillResult]
-    queue_ms: float
-    reserved: int  # bytes of the memory budget held for the job's KV, until it retires
-    num_chunk_tokens: int = 0  # tokens the yielded chunks ran
-
-
-@dataclass(slots=True)
-class Running:
-    """One job in the decode batch: what it has produced and the logits of its next token."""
-
-    job: Job
-    sampler: Sampler
-    text: TextStream
-    logits: mx.array  # (vocab,): the next token's logits
-    reserved: int  # bytes of the memory budget held for the job's KV
-    generated: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # not yet sent with a Delta
-    started_at: float = field(default_factory=time.perf_counter)
-
-    def delta(self, text: str) -> Delta:
-        logprobs, self.logprobs = tuple(self.logprobs), []
-        return Delta(text, logprobs)
-
-
 class EngineWorker:
     def __init__(self, runner: ModelRunner, max_queue: int, prefill_chunk_tokens: int, max_num_seqs: int):
         self.runner = runner
-        self.chunk_tokens = prefill_chunk_tokens
         # Recurrent layers have no batched cache here: such models decode one sequence at a time.
         self.max_num_seqs = max_num_seqs if runner.batchable else 1
-        # a tenant holds at most half of the waiting places and, while others wait, half of the batch
+        self.step_tokens = prefill_chunk_tokens
+        # a tenant holds at most half of the waiting places
         self.jobs = FairQueue(max_queue, tenant_share=max(1, max_queue // 2))
-        self.batch_share = max(1, self.max_num_seqs // 2)
+        self.scheduler: Scheduler | None = None  # built once warm-up measured the KV bytes per token
         self.stats = EngineStats()
         self.batch = DecodeBatch(runner)
-        self.running: list[Running] = []  # running[i] is row i of self.batch
-        self.prefilling: Prefilling | None = None  # the job being admitted, one chunk per step
-        self.memory_wait: Job | None = None  # taken from the queue, waiting for its KV to fit the budget
+        self.rows: list[Sequence] = []  # rows[i] is row i of self.batch
         # Embedding requests, oldest first; at most max_queue wait. Any thread appends, the worker pops.
         self.embeddings: deque[EmbedJob] = deque()
         self.max_embeddings = max_queue
@@ -304,7 +278,7 @@ class EngineWorker:
                 else (f"the engine worker has stopped: {error!r}" if error else "the engine worker has stopped")
             )
             return Health(False, False, why)
-        pending = self.jobs.qsize() + len(self.running) + bool(self.prefilling) + len(self.embeddings) + len(self.calls)
+        pending = self.jobs.qsize() + len(self.held()) + len(self.embeddings) + len(self.calls)
         idle_s = time.monotonic() - self.last_progress
         if pending and idle_s > stuck_after_s and self.warmed_up.is_set():
             return Health(
@@ -332,7 +306,7 @@ class EngineWorker:
             raise OverBudget(need, budget)
         job = Job(prompt, sampling, salt, asyncio.get_running_loop(), owner, pins)
         try:
-            self.jobs.put(salt, job)
+            self.jobs.put(salt, Sequence(salt, prompt.num_tokens, sampling.max_tokens, job))
         except QueueFull:
             self.stats.num_rejected_full += 1
             raise
@@ -351,23 +325,44 @@ class EngineWorker:
         return job
 
     @property
+    def running(self) -> list[Sequence]:
+        """The sequences on the model: decoding, or their prompt coming in."""
+        return list(self.scheduler.running) if self.scheduler else []
+
+    @property
+    def prefilling(self) -> list[Sequence]:
+        return [sequence for sequence in self.running if sequence.admission is not None]
+
+    def held(self) -> list[Sequence]:
+        return self.scheduler.held() if self.scheduler else []
+
+    @property
     def busy(self) -> bool:
-        """A job is on the model: being prefilled, or decoding in the batch."""
-        return bool(self.running or self.prefilling)
+        """A job is on the model: coming in, or decoding in the batch."""
+        return bool(self.running)
 
     def kv_bytes(self, prompt: PreparedPrompt, sampling: Sampling) -> int:
         """The most KV the job's own cache can grow to: every prompt token and max_tokens more."""
         return (prompt.num_tokens + sampling.max_tokens) * self.runner.kv_bytes_per_token
 
     def snapshot(self) -> WorkerSnapshot:
+        memory_wait = self.scheduler is not None and self.scheduler.memory_wait is not None
         return WorkerSnapshot(
-            replace(self.stats),
-            self.jobs.qsize() + (self.memory_wait is not None),
+            self._counters(),
+            self.jobs.qsize() + memory_wait + len(self.scheduler.preempted if self.scheduler else ()),
             self.busy,
-            len(self.running),
+            len(self.rows),
             self.last_step,
-            self.memory_wait is not None,
+            memory_wait,
         )
+
+    def _counters(self) -> EngineStats:
+        counters = replace(self.stats)
+        if self.scheduler is not None:
+            counters.num_memory_waits = self.scheduler.stats.num_memory_waits
+            counters.num_preemptions = self.scheduler.stats.num_preemptions
+            counters.peak_running = self.scheduler.stats.peak_running
+        return counters
 
     async def events(self, job: Job | EmbedJob) -> AsyncGenerator[Event, None]:
         """The job's events until Finished or Failed. Leaving early (client gone) cancels the job."""
@@ -401,75 +396,265 @@ class EngineWorker:
         self._fail_calls()
 
     def _end_every_job(self, reason: str) -> None:
-        """Cancel every job held (running, prefilling, waiting for memory) or queued and send it
+        """Cancel every job held (running, preempted, waiting for memory) or queued and send it
         Failed(reason) (a job that ended already ignores it); close the queue, which wakes the thread
         and makes submit() refuse new jobs. Any thread."""
-        admitting = self.prefilling.job if self.prefilling else None
-        held = [row.job for row in list(self.running)] + [admitting, self.memory_wait]
-        for job in [*held, *self.jobs.drain(), *self.embeddings]:
-            if job is not None:
-                job.cancelled.set()
-                job.send(Failed(reason))
+        sequences = [*self.held(), *self.jobs.drain()]
+        for job in [*(sequence.job for sequence in sequences), *self.embeddings]:
+            job.cancelled.set()
+            job.send(Failed(reason))
         self.jobs.close()
 
     def _loop(self) -> None:
         try:
             self.runner.warm_up()
+            self.scheduler = Scheduler(self._limits(), _Budget(self.runner.caches), self, self.jobs)
         except BaseException as exc:  # noqa: BLE001 - reported by start(); the thread ends, serving nothing
             self.warm_up_error = exc
             return
         finally:
             self.last_progress = time.monotonic()
             self.warmed_up.set()
-        while self._admit():
+        while True:
             self._expire_now_and_then()
             self._run_calls()
             if self.embeddings:
                 self._embed_one()
-            prefill_tokens = self._prefill_chunk() if self.prefilling else 0
-            if self.running:
-                self._step()
-            self.last_step = StepShape(len(self.running), prefill_tokens)
+            self._sample()
+            self._drop_cancelled()
+            if not self.running:
+                self.last_step = StepShape()  # idle: what shows while the loop waits for a job
+            plan = self._admit()
+            if plan is None:
+                break
+            if plan:
+                self._step(plan)
+            self.last_step = StepShape(len(plan.decode), plan.num_prompt_tokens)
             self.last_progress = time.monotonic()
-        # stopped: the rows still running store what they computed and release their blocks
-        if self.prefilling:
-            self.prefilling.steps.close()
-            self.prefilling = None
-        for index in reversed(range(len(self.running))):
+        self._store_what_runs()
+
+    def _limits(self) -> Limits:
+        block = self.runner.caches.config.block_size
+        step_tokens = max(block, self.step_tokens // block * block)
+        return Limits(self.max_num_seqs, step_tokens, block, self.runner.kv_bytes_per_token)
+
+    def _admit(self) -> StepPlan | None:
+        """The scheduler's next step plan (waiting for a job when nothing runs); None once stop()
+        closed the queue."""
+        assert self.scheduler is not None
+        idle = not (self.scheduler.running or self.embeddings or self.scheduler.preempted)
+        plan = self.scheduler.schedule(block=idle, timeout_s=EXPIRY_INTERVAL_S)
+        if not plan and self.jobs.closed:
+            return None
+        return plan
+
+    def _store_what_runs(self) -> None:
+        """Stopped: the sequences still running store what they computed and release their blocks."""
+        for sequence in list(self.running):
+            if sequence.admission is not None:
+                sequence.admission.close()
+                self._end(sequence)
+        for index in reversed(range(len(self.rows))):
             self._retire(index)
 
-    def _admit(self) -> bool:
-        """Start admitting one queued job when the batch has room, no admission is under way and the
-        job's KV fits the memory budget (waiting for a job when nothing runs). False once stop() sent
-        its sentinel."""
-        while self.prefilling is None and len(self.running) < self.max_num_seqs:
-            waited, self.memory_wait = self.memory_wait, None
-            job = waited or self.jobs.get(
-                block=not (self.running or self.embeddings),
-                passed_over=self._holds_its_batch_share,
-                allowed=self._may_take_a_place,
-                timeout_s=EXPIRY_INTERVAL_S,
-            )
-            if job is None:
-                return not self.jobs.closed
-            if job.cancelled.is_set():
-                self.stats.num_cancelled += 1
-                continue
-            need = self.kv_bytes(job.prompt, job.sampling)
-            if not self.runner.caches.reserve_running(need):
-                if self.running:  # they free memory as they retire: wait for them at the head of the line
-                    self.stats.num_memory_waits += waited is None
-                    self.memory_wait = job
-                    return True
-                self._fail(job, MemoryError("its KV does not fit the memory budget, which blocks in use hold"))
-                continue
+    # -- the scheduler's executor ------------------------------------------------------------------
+
+    def admit(self, sequence: Sequence) -> bool:
+        """Open the sequence's prompt (its prefix from the cache); a resumed one's prompt carries
+        the tokens it generated."""
+        job = sequence.job
+        if job.cancelled.is_set():
+            self.stats.num_cancelled += 1
+            return False
+        prompt = job.prompt
+        if sequence.generated:
+            prompt = dataclasses.replace(prompt, token_ids=prompt.token_ids + tuple(sequence.generated))
+        else:
             self.stats.num_requests += 1
-            queue_ms = (time.perf_counter() - job.enqueued_at) * 1000
-            steps = self.runner.prefill_steps(
-                job.prompt, job.salt, self.chunk_tokens, job.cancelled.is_set, job.owner, job.pins
-            )
-            self.prefilling = Prefilling(job, steps, queue_ms, need)
+            job.queue_ms = (time.perf_counter() - job.enqueued_at) * 1000
+        try:
+            sequence.admission = self.runner.open_prefill(prompt, job.salt, job.owner, job.pins)
+        except Exception as exc:  # noqa: BLE001 - the worker must survive any one request
+            self._fail(job, exc)
+            return False
+        sequence.num_resumed_tokens = len(sequence.generated)
+        sequence.num_computed_tokens = sequence.admission.computed
         return True
+
+    def preempt(self, sequence: Sequence) -> None:
+        """Store the sequence's KV as cached blocks (its resumption finds them) and drop its cache."""
+        if sequence.admission is not None:
+            sequence.admission.close()
+            sequence.admission = None
+            return
+        index = self.rows.index(sequence)
+        prefill = self.batch.leave(index)
+        del self.rows[index]
+        self._store(prefill, sequence)
+        sequence.logits = None
+
+    def refuse(self, sequence: Sequence, reason: str) -> None:
+        self._fail(sequence.job, MemoryError(reason))
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def _step(self, plan: StepPlan) -> None:
+        """One model call for the plan: the decode rows' pending tokens and the prompt chunks."""
+        assert [id(s) for s in plan.decode] == [id(s) for s in self.rows], "every row decodes in each step"
+        parts = [self.batch.part([[sequence.generated[-1]] for sequence in self.rows])] if self.rows else []
+        for sequence, num_tokens in plan.chunks:
+            parts.append(self.runner.chunk_part(sequence.admission, sequence.num_computed_tokens + num_tokens))
+        self.stats.num_steps += 1
+        try:
+            logits = self.runner.run_step(parts)
+        except Exception as exc:  # noqa: BLE001 - a failed model call fails its sequences, not the worker
+            self._fail_step(plan, exc)
+            return
+        if self.rows:
+            self.stats.num_decode_steps += 1
+            self.stats.num_decoded_tokens += len(self.rows)
+            for index, sequence in enumerate(self.rows):
+                sequence.logits = logits[0][index]
+                sequence.num_computed_tokens += 1
+        for sequence, num_tokens in plan.chunks:
+            self._count_chunk(num_tokens)
+            sequence.num_computed_tokens += num_tokens
+            if sequence.admission.done:
+                self._join(sequence)
+
+    def _count_chunk(self, num_tokens: int) -> None:
+        self.stats.num_prefill_chunks += 1
+        self.stats.num_prefilled_tokens += num_tokens
+
+    def _fail_step(self, plan: StepPlan, exc: Exception) -> None:
+        for sequence, _ in plan.chunks:
+            sequence.admission.close()
+            sequence.admission = None
+            self._fail(sequence.job, exc)
+            self._end(sequence)
+        self._fail_all(exc)
+
+    def _join(self, sequence: Sequence) -> None:
+        """The prompt has run: the sequence joins the decode batch (its first token is sampled at
+        the next pass). Started is sent once, not again when a preempted sequence comes back."""
+        admission, job = sequence.admission, sequence.job
+        sequence.admission = None
+        prefill = admission.result()
+        try:
+            if sequence.sampler is None:
+                job.send(
+                    Started(
+                        job.prompt.num_tokens,
+                        prefill.prefix.num_cached_tokens,
+                        prefill.prefix,
+                        prefill.vision,
+                        job.queue_ms,
+                        prefill.vision_ms,
+                        prefill.prefill_ms,
+                    )
+                )
+                grammars = self.runner.grammars if job.sampling.grammar else None
+                sequence.sampler = Sampler(job.sampling, grammars)
+                sequence.text = TextStream(self.runner.tokenizer, job.sampling.stop)
+                sequence.started_at = time.perf_counter()
+            else:
+                self.stats.num_resumed_tokens += prefill.prefix.num_cached_tokens
+            self.batch.join(prefill)
+        except Exception as exc:  # noqa: BLE001 - a sampler or grammar that cannot start fails its job alone
+            self.runner.finish(prefill, [])
+            self._fail(job, exc)
+            self._end(sequence)
+            return
+        sequence.logits = prefill.logits
+        self.rows.append(sequence)
+
+    def _sample(self) -> None:
+        """Sample every row's next token (one evaluation for the whole batch), send its text, retire
+        the rows that ended."""
+        if not self.rows:
+            return
+        try:
+            draws = mx.stack([s.sampler.draw(s.logits, s.generated) for s in self.rows])
+            mx.eval(draws, *[array for s in self.rows for array in s.sampler.lazy_logprobs()])
+            tokens: list[int] = draws.tolist()  # type: ignore[assignment]  # mlx types tolist() as any nesting
+        except Exception as exc:  # noqa: BLE001 - the evaluation failed: its rows fail, not the worker
+            self._fail_all(exc)
+            return
+        for index in reversed(range(len(self.rows))):
+            sequence = self.rows[index]
+            try:
+                goes_on = self._advance(sequence, tokens[index])
+            except Exception as exc:  # noqa: BLE001 - one row's grammar or logprobs failed: that row fails, not the batch
+                self._fail(sequence.job, exc)
+                goes_on = False
+            if not goes_on:
+                self._retire(index)
+
+    def _drop_cancelled(self) -> None:
+        """Prompts whose client went away stop coming in (their stored blocks stay cached)."""
+        for sequence in self.prefilling:
+            if sequence.job.cancelled.is_set():
+                sequence.admission.close()
+                sequence.admission = None
+                self.stats.num_cancelled += 1
+                self._end(sequence)
+
+    def _advance(self, sequence: Sequence, token: int) -> bool:
+        """Take the row's sampled token and send it as text; False when the row ended (it then sent
+        its last event)."""
+        job, sampling = sequence.job, sequence.job.sampling
+        if job.cancelled.is_set():
+            self.stats.num_cancelled += 1
+            return False
+        generated = sequence.generated
+        if len(generated) < sampling.max_tokens and token not in self.runner.eos_ids:
+            generated.append(token)
+            sequence.sampler.accept(token)
+            if sampling.top_logprobs is not None:
+                sequence.logprobs.append(sequence.sampler.logprobs(token))
+            if chunk := sequence.text.push(token):
+                job.send(_delta(sequence, chunk))
+            if not sequence.text.stopped and len(generated) < sampling.max_tokens:
+                return True
+        tail = sequence.text.finish()
+        if tail or sequence.logprobs:
+            job.send(_delta(sequence, tail))
+        cut = sequence.text.num_tokens >= sampling.max_tokens or sequence.sampler.closed_early
+        reason = "stop" if sequence.text.stopped or not cut else "length"
+        decode_ms = (time.perf_counter() - sequence.started_at) * 1000
+        job.send(Finished(reason, sequence.text.num_tokens, decode_ms, sequence.text.matched_stop))
+        return False
+
+    def _fail_all(self, exc: Exception) -> None:
+        """A broken batched step fails the rows in it, not the worker."""
+        for index in reversed(range(len(self.rows))):
+            self._fail(self.rows[index].job, exc)
+            self._retire(index)
+
+    def _retire(self, index: int) -> None:
+        """Take row `index` out of the batch and store its blocks (prompt and reply) for the next
+        turn. Its memory is given back first, so those blocks may use the room its KV held. The
+        sequence stays running (the worker is busy) until its blocks are stored."""
+        sequence = self.rows[index]
+        prefill = self.batch.leave(index)
+        del self.rows[index]
+        if self.scheduler is not None:
+            self.scheduler.release(sequence)
+        try:
+            self._store(prefill, sequence)
+        finally:
+            self._end(sequence)
+
+    def _store(self, prefill: PrefillResult, sequence: Sequence) -> None:
+        """Cache the sequence's prompt and reply blocks (best effort: the answer was sent already)."""
+        try:
+            self.runner.finish(prefill, sequence.generated[sequence.num_resumed_tokens :])
+        except Exception:  # storing blocks is best effort: the answer was sent already
+            log.exception("storing the sequence's blocks failed")
+
+    def _end(self, sequence: Sequence) -> None:
+        if self.scheduler is not None:
+            self.scheduler.finish(sequence)
 
     def _expire_now_and_then(self) -> None:
         """Every EXPIRY_INTERVAL_S (an idle worker wakes for it), drop what the RAM tiers' retention
@@ -499,161 +684,6 @@ class EngineWorker:
             self._fail(job, exc)
         self.embeddings.popleft()
 
-    def _num_rows(self, tenant: bytes) -> int:
-        return sum(1 for row in self.running if row.job.salt == tenant)
-
-    def _holds_its_batch_share(self, tenant: bytes) -> bool:
-        return self._num_rows(tenant) >= self.batch_share
-
-    def _may_take_a_place(self, tenant: bytes) -> bool:
-        """Once more than one tenant has been served, the batch's last free place is kept for a
-        tenant with nothing running: another tenant's request then starts after at most the prefill
-        chunk under way, instead of waiting for a flooding tenant's row to end. A lone tenant (one
-        salt, as in single-tenant mode) may fill the batch."""
-        if len(self.running) < self.max_num_seqs - 1 or self.jobs.num_tenants_served() < 2:
-            return True
-        return self._num_rows(tenant) == 0
-
-    def _prefill_chunk(self) -> int:
-        """Run the admitted job's next prefill chunk; after its last, the job joins the batch.
-        Returns the chunk's tokens."""
-        admitting = self.prefilling
-        assert admitting is not None, "called only while a job is prefilling"
-        try:
-            num_tokens = next(admitting.steps)
-            admitting.num_chunk_tokens += num_tokens
-            self._count_chunk(num_tokens)
-            return num_tokens  # more chunks to come
-        except StopIteration as done:
-            prefill = done.value
-        except Cancelled:
-            self.stats.num_cancelled += 1
-            prefill = None
-        except Exception as exc:  # noqa: BLE001 - the worker must survive any one request
-            self._fail(admitting.job, exc)
-            prefill = None
-        self.prefilling = None
-        if prefill is None:
-            self.runner.caches.release_running(admitting.reserved)
-            return 0
-        num_tokens = prefill.prompt.num_tokens - prefill.prefix.num_cached_tokens - admitting.num_chunk_tokens
-        self._count_chunk(num_tokens)
-        self._join(admitting, prefill)
-        return num_tokens
-
-    def _count_chunk(self, num_tokens: int) -> None:
-        self.stats.num_prefill_chunks += 1
-        self.stats.num_prefilled_tokens += num_tokens
-
-    def _join(self, admitted: Prefilling, prefill: PrefillResult) -> None:
-        job = admitted.job
-        job.send(
-            Started(
-                job.prompt.num_tokens,
-                prefill.prefix.num_cached_tokens,
-                prefill.prefix,
-                prefill.vision,
-                admitted.queue_ms,
-                prefill.vision_ms,
-                prefill.prefill_ms,
-            )
-        )
-        try:
-            grammars = self.runner.grammars if job.sampling.grammar else None
-            row = Running(
-                job,
-                Sampler(job.sampling, grammars),
-                TextStream(self.runner.tokenizer, job.sampling.stop),
-                prefill.logits,
-                admitted.reserved,
-            )
-            self.batch.join(prefill)
-        except Exception as exc:  # noqa: BLE001 - a sampler or grammar that cannot start fails its job alone
-            self.runner.caches.release_running(admitted.reserved)
-            self.runner.finish(prefill, [])
-            self._fail(job, exc)
-            return
-        self.running.append(row)
-
-    def _step(self) -> None:
-        """Sample every row's next token (one evaluation for the whole batch), retire the rows that
-        ended, feed the others one batched step."""
-        try:
-            draws = mx.stack([row.sampler.draw(row.logits, row.generated) for row in self.running])
-            mx.eval(draws, *[array for row in self.running for array in row.sampler.lazy_logprobs()])
-            tokens: list[int] = draws.tolist()  # type: ignore[assignment]  # mlx types tolist() as any nesting
-        except Exception as exc:  # noqa: BLE001 - the last step's evaluation failed: its rows fail, not the worker
-            self._fail_all(exc)
-            return
-        going: list[int] = []
-        for index in reversed(range(len(self.running))):
-            row = self.running[index]
-            try:
-                goes_on = self._advance(row, tokens[index])
-            except Exception as exc:  # noqa: BLE001 - one row's grammar or logprobs failed: that row fails, not the batch
-                self._fail(row.job, exc)
-                goes_on = False
-            if goes_on:
-                going.append(tokens[index])
-            else:
-                self._retire(index)
-        if not self.running:
-            return
-        self.stats.num_decode_steps += 1
-        self.stats.num_decoded_tokens += len(going)
-        try:
-            logits = self.batch.step(going[::-1])
-        except Exception as exc:  # noqa: BLE001 - a failed batched forward fails its rows, not the worker
-            self._fail_all(exc)
-            return
-        for index, row in enumerate(self.running):
-            row.logits = logits[index]
-
-    def _advance(self, row: Running, token: int) -> bool:
-        """Take the row's sampled token and send it as text; False when the row ended (it then sent
-        its last event)."""
-        sampling = row.job.sampling
-        if row.job.cancelled.is_set():
-            self.stats.num_cancelled += 1
-            return False
-        if len(row.generated) < sampling.max_tokens and token not in self.runner.eos_ids:
-            row.generated.append(token)
-            row.sampler.accept(token)
-            if sampling.top_logprobs is not None:
-                row.logprobs.append(row.sampler.logprobs(token))
-            if chunk := row.text.push(token):
-                row.job.send(row.delta(chunk))
-            if not row.text.stopped and len(row.generated) < sampling.max_tokens:
-                return True
-        tail = row.text.finish()
-        if tail or row.logprobs:
-            row.job.send(row.delta(tail))
-        cut = row.text.num_tokens >= sampling.max_tokens or row.sampler.closed_early
-        reason = "stop" if row.text.stopped or not cut else "length"
-        decode_ms = (time.perf_counter() - row.started_at) * 1000
-        row.job.send(Finished(reason, row.text.num_tokens, decode_ms, row.text.matched_stop))
-        return False
-
-    def _fail_all(self, exc: Exception) -> None:
-        """A broken batched step fails the rows in it, not the worker."""
-        for index in reversed(range(len(self.running))):
-            self._fail(self.running[index].job, exc)
-            self._retire(index)
-
-    def _retire(self, index: int) -> None:
-        """Take row `index` out of the batch and store its blocks (prompt and reply) for the next turn.
-        Its reservation is returned first, so those blocks may use the room its KV held. The row stays
-        in `running` (the worker is busy) until its blocks are stored."""
-        row = self.running[index]
-        prefill = self.batch.leave(index)
-        self.runner.caches.release_running(row.reserved)
-        try:
-            self.runner.finish(prefill, row.generated)
-        except Exception:  # storing blocks is best effort; the answer was already sent
-            log.exception("storing the finished sequence's blocks failed")
-        finally:
-            del self.running[index]
-
     def _fail(self, job: Job | EmbedJob, exc: Exception) -> None:
         log.error("generation failed", exc_info=exc)
         self.stats.num_failed += 1
@@ -661,3 +691,21 @@ class EngineWorker:
             job.send(Failed(f"the output grammar could not be followed: {exc}", "invalid_schema", 400))
         else:
             job.send(Failed(f"generation failed: {type(exc).__name__}"))
+
+
+def _delta(sequence: Sequence, text: str) -> Delta:
+    logprobs, sequence.logprobs = tuple(sequence.logprobs), []
+    return Delta(text, logprobs)
+
+
+@dataclass(slots=True)
+class _Budget:
+    """The scheduler's memory: the prefix cache's budget, where cached blocks give way."""
+
+    caches: EngineCaches
+
+    def reserve(self, nbytes: int) -> bool:
+        return self.caches.reserve_running(nbytes)
+
+    def release(self, nbytes: int) -> None:
+        self.caches.release_running(nbytes)

@@ -319,7 +319,7 @@ def test_stopping_the_engine_mid_batch_retires_the_rows_and_releases_their_block
 
     asyncio.run(two_running())
     engine.stop()
-    assert engine.worker.ended.is_set() and not engine.worker.running and engine.worker.prefilling is None
+    assert engine.worker.ended.is_set() and not engine.worker.running and not engine.worker.prefilling
     pool = engine.runner.caches.prefix.pool
     pool.check()
     assert len(pool.by_hash) >= story.num_tokens // 16

@@ -46,7 +46,7 @@ def test_a_step_that_never_ends_is_reported_stuck_then_recovers(tiny_model_path,
     engine = _engine(tiny_model_path)
     engine.start()
     gate, original = threading.Event(), engine.worker._step
-    engine.worker._step = lambda: (gate.wait(30), original())
+    engine.worker._step = lambda plan: (gate.wait(30), original(plan))
     try:
         with TestClient(create_app(quick, engine=engine)) as client:
             assert client.get("/health").status_code == 200

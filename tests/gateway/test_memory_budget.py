@@ -76,8 +76,8 @@ def test_admission_waits_for_memory_instead_of_overcommitting(tiny_model_path):
     pool = engine.runner.caches.prefix.pool
     decode_step = worker._step
 
-    def observed_step():  # an observation only: the real step runs, then the invariants are checked
-        decode_step()
+    def observed_step(plan):  # an observation only: the real step runs, then the invariants are checked
+        decode_step(plan)
         pool.check()  # blocks + reservations <= budget
         running_at_step.append(len(worker.running))
 
@@ -88,7 +88,8 @@ def test_admission_waits_for_memory_instead_of_overcommitting(tiny_model_path):
     finally:
         engine.stop()
     assert together == alone
-    assert worker.stats.num_memory_waits >= 1
+    counters = worker.snapshot().counters
+    assert counters.num_memory_waits >= 1, counters
     assert 1 <= max(running_at_step) < 4, running_at_step
     assert pool.reserved_bytes == 0
     pool.check()

@@ -1,0 +1,295 @@
+"""Which sequences run in the next model call, and how many tokens each: the engine's step plan.
+
+No MLX here: the scheduler sees sequences as token counts, a memory budget and a fair queue, and is
+tested with fake sequences (tests/gateway/test_scheduler.py). The worker (gateway/engine/worker.py)
+executes its plans; the runner makes the model calls.
+
+There is no prefill or decode phase (as in vLLM v1): a sequence has `num_tokens` (prompt and
+generated) of which `num_computed_tokens` have KV; a step feeds it the difference, or a chunk of it.
+A decoding sequence needs one token a step (its last sampled one); a prompt coming in needs the rest
+of its prompt, taken in chunks under a per-step token budget shared by every admission, so running
+streams keep their pace while prompts arrive, and several prompts can come in in the same call.
+
+Memory: one budget (the prefix cache's, where cached blocks give way to running sequences). A
+sequence holds `num_reserved_tokens` of KV in it: its prompt and one block at admission, then a
+block more whenever it fills what it holds, never its worst case up front. When a sequence cannot
+grow, the newest sequence is preempted: the executor stores its KV as cached prefix blocks and
+forgets it; it resumes ahead of every waiting request, as a prompt of its tokens so far, which the
+prefix cache mostly serves (greedy or seeded, it continues with the tokens it would have drawn).
+Cached blocks are evicted before any running sequence is preempted (the budget's reserve() does so).
+A request that does not fit waits at the head of the line while others run; with nothing running it
+is refused.
+
+Fairness (tenants): the fair queue takes turns; no tenant holds more than half of the running places
+while others wait, and once several tenants have been served the last place is kept for a tenant
+with nothing running.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+from .fair_queue import FairQueue
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """One request's generation. The scheduler reads and writes the counts; the worker keeps the
+    rest (its job, KV, sampler, text stream), which the scheduler never touches."""
+
+    tenant: bytes
+    num_prompt_tokens: int
+    max_tokens: int
+    job: Any = None  # the worker's Job: events, cancellation
+    status: Status = Status.WAITING
+    generated: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # of prompt + generated, the tokens whose KV is in the sequence's cache
+    num_reserved_tokens: int = 0  # KV tokens the memory budget holds for it
+    order: int = 0  # admission order: the newest is preempted first
+    num_preemptions: int = 0
+    # the worker's own state: the admission under way, the sampler, the text stream, the next
+    # token's logits, logprobs not yet sent, when decoding started, the tokens generated before
+    # the last resume (already in the prompt the runner saw)
+    admission: Any = None
+    sampler: Any = None
+    text: Any = None
+    logits: Any = None
+    logprobs: list = field(default_factory=list)
+    started_at: float = 0.0
+    num_resumed_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + len(self.generated)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens to feed before the next token can be sampled."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def decoding(self) -> bool:
+        """Its prompt has run: it needs one token a step."""
+        return self.status is Status.RUNNING and self.sampler is not None and self.admission is None
+
+
+class Memory(Protocol):
+    def reserve(self, nbytes: int) -> bool: ...
+
+    def release(self, nbytes: int) -> None: ...
+
+
+class Executor(Protocol):
+    """What the scheduler asks of the worker while it plans."""
+
+    def admit(self, sequence: Sequence) -> bool:
+        """Start the sequence (look up its prefix: num_computed_tokens is set); False if it failed."""
+        ...
+
+    def preempt(self, sequence: Sequence) -> None:
+        """Store the sequence's KV as cached blocks and drop it; it resumes from its tokens."""
+        ...
+
+    def refuse(self, sequence: Sequence, reason: str) -> None:
+        """Fail a sequence that can never run."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_num_seqs: int
+    step_tokens: int  # prompt tokens per model call, over every admission
+    block_tokens: int  # chunks end on block boundaries (blocks are stored as chunks complete them)
+    kv_bytes_per_token: int
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One model call: `decode` feeds each its one pending token; `chunks` feed (sequence, tokens)."""
+
+    decode: list[Sequence] = field(default_factory=list)
+    chunks: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(n for _, n in self.chunks)
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.chunks)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_memory_waits: int = 0  # requests that waited at the head of the line for KV memory
+    peak_running: int = 0  # most sequences running at once
+
+
+class Scheduler:
+    def __init__(self, limits: Limits, memory: Memory, executor: Executor, queue: FairQueue):
+        self.limits = limits
+        self.memory = memory
+        self.executor = executor
+        self.waiting = queue
+        self.preempted: deque[Sequence] = deque()  # resumed before anything waiting, oldest first
+        self.memory_wait: Sequence | None = None  # the head of the line, until its KV fits
+        self.running: list[Sequence] = []  # admission order (oldest first)
+        self.batch_share = max(1, limits.max_num_seqs // 2)
+        self.stats = SchedulerStats()
+        self.next_order = 0
+
+    # -- the plan ------------------------------------------------------------------------------
+
+    def schedule(self, block: bool = False, timeout_s: float | None = None) -> StepPlan:
+        """The next step: every decoding sequence, the chunks of prompts under way (oldest first),
+        then new admissions while places, memory and the token budget last. `block`: wait for a
+        request when nothing runs."""
+        plan = StepPlan()
+        budget = self.limits.step_tokens
+        for sequence in list(self.running):
+            if sequence.status is not Status.RUNNING:
+                continue  # preempted while an older one grew
+            num_tokens = self._tokens_for(sequence, budget)
+            if num_tokens and self._grow(sequence, num_tokens, plan):
+                self._add(plan, sequence, num_tokens)
+                budget -= num_tokens if not sequence.decoding else 0
+        self._admit(plan, budget, block, timeout_s)
+        self.stats.peak_running = max(self.stats.peak_running, len(self.running))
+        return plan
+
+    def _tokens_for(self, sequence: Sequence, budget: int) -> int:
+        """A decoding sequence: its pending token. A prompt: what is left, or the largest whole
+        number of blocks within the budget (at least one block: every prompt moves on each step)."""
+        pending = sequence.num_pending_tokens
+        if sequence.decoding or pending <= budget:
+            return pending
+        block = self.limits.block_tokens
+        return max(block, budget // block * block)
+
+    def _add(self, plan: StepPlan, sequence: Sequence, num_tokens: int) -> None:
+        if sequence.decoding:
+            plan.decode.append(sequence)
+        else:
+            plan.chunks.append((sequence, num_tokens))
+
+    def _grow(self, sequence: Sequence, num_tokens: int, plan: StepPlan) -> bool:
+        """Hold KV for num_tokens more of the sequence, a block at a time, preempting the newest
+        sequences while it does not fit; False if the sequence itself was preempted."""
+        need = sequence.num_computed_tokens + num_tokens - sequence.num_reserved_tokens
+        if need <= 0:
+            return True
+        block = self.limits.block_tokens
+        extra = min(-(-need // block) * block, self._most(sequence) - sequence.num_reserved_tokens)
+        while not self.memory.reserve(extra * self.limits.kv_bytes_per_token):
+            victim = self._newest_running()
+            self._preempt(victim, plan)
+            if victim is sequence:
+                return False
+        sequence.num_reserved_tokens += extra
+        return True
+
+    def _newest_running(self) -> Sequence:
+        return max((s for s in self.running if s.status is Status.RUNNING), key=lambda s: s.order)
+
+    def _preempt(self, sequence: Sequence, plan: StepPlan) -> None:
+        self.executor.preempt(sequence)  # its KV becomes cached blocks before its memory is given up
+        self.release(sequence)
+        sequence.status = Status.PREEMPTED
+        sequence.num_computed_tokens = 0
+        sequence.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.running.remove(sequence)
+        self.preempted.append(sequence)
+        plan.preempted.append(sequence)
+
+    # -- admissions ----------------------------------------------------------------------------
+
+    def _admit(self, plan: StepPlan, budget: int, block: bool, timeout_s: float | None) -> None:
+        while len(self.running) < self.limits.max_num_seqs and budget > 0:
+            sequence = self._next_candidate(block and not self.running and not plan, timeout_s)
+            if sequence is None:
+                return
+            if not self._hold(sequence, min(sequence.num_tokens + self.limits.block_tokens, self._most(sequence))):
+                if self.running:  # they free memory as they end: wait at the head of the line
+                    self.stats.num_memory_waits += sequence is not self.memory_wait
+                    self.memory_wait = sequence
+                    return
+                self.executor.refuse(sequence, "its KV does not fit the memory budget, which blocks in use hold")
+                continue
+            self.memory_wait = None
+            sequence.status = Status.RUNNING
+            sequence.order, self.next_order = self.next_order, self.next_order + 1
+            self.running.append(sequence)
+            if not self.executor.admit(sequence):
+                self.finish(sequence)
+                continue
+            plan.admitted.append(sequence)
+            num_tokens = self._tokens_for(sequence, budget)
+            self._add(plan, sequence, num_tokens)
+            budget -= num_tokens
+
+    def _next_candidate(self, block: bool, timeout_s: float | None) -> Sequence | None:
+        """The request waiting for memory, else a preempted one, else the fair queue's next."""
+        if self.memory_wait is not None:
+            return self.memory_wait
+        if self.preempted:
+            return self.preempted.popleft()
+        return self.waiting.get(
+            block=block, passed_over=self._holds_its_share, allowed=self._may_take_a_place, timeout_s=timeout_s
+        )
+
+    @staticmethod
+    def _most(sequence: Sequence) -> int:
+        """The most KV a sequence can ever hold: its prompt and max_tokens."""
+        return sequence.num_prompt_tokens + sequence.max_tokens
+
+    def _hold(self, sequence: Sequence, num_tokens: int) -> bool:
+        if not self.memory.reserve(num_tokens * self.limits.kv_bytes_per_token):
+            return False
+        sequence.num_reserved_tokens = num_tokens
+        return True
+
+    def _num_running(self, tenant: bytes) -> int:
+        return sum(1 for sequence in self.running if sequence.tenant == tenant)
+
+    def _holds_its_share(self, tenant: bytes) -> bool:
+        return self._num_running(tenant) >= self.batch_share
+
+    def _may_take_a_place(self, tenant: bytes) -> bool:
+        """Once more than one tenant has been served, the last free place is kept for a tenant with
+        nothing running (another tenant's request then starts at the next step instead of waiting
+        for a flooding tenant's sequence to end). A lone tenant may take every place."""
+        if len(self.running) < self.limits.max_num_seqs - 1 or self.waiting.num_tenants_served() < 2:
+            return True
+        return self._num_running(tenant) == 0
+
+    # -- endings -------------------------------------------------------------------------------
+
+    def finish(self, sequence: Sequence) -> None:
+        """The sequence ended (answered, failed or cancelled): its memory is free."""
+        self.release(sequence)
+        sequence.status = Status.FINISHED
+        if sequence in self.running:
+            self.running.remove(sequence)
+
+    def release(self, sequence: Sequence) -> None:
+        """Give the sequence's memory back (it is ending; finish() follows)."""
+        self.memory.release(sequence.num_reserved_tokens * self.limits.kv_bytes_per_token)
+        sequence.num_reserved_tokens = 0
+
+    def held(self) -> list[Sequence]:
+        """Every sequence taken from the queue and not finished: running, preempted, waiting for memory."""
+        waiting_for_memory = [self.memory_wait] if self.memory_wait is not None else []
+        return [*self.running, *self.preempted, *waiting_for_memory]
