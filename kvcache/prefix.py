@@ -454,6 +454,15 @@ class PrefixSession:
             ssd.offer(_spill_request(block, self.cache.block_size))
         return ssd.pin(self.scope, [(b.block_hash.hex(), b.nbytes) for b in blocks], time.time() + ttl_s)
 
+    def write_to_ssd(self) -> int:
+        """Offer every held block to the SSD tier now, past its admission rule: the KV of a preempted
+        sequence, which RAM will likely evict before the sequence resumes. How many were offered
+        (0 without an SSD tier)."""
+        ssd = self.cache.ssd
+        if ssd is None:
+            return 0
+        return sum(ssd.offer(_spill_request(block, self.cache.block_size)) for block in self.held)
+
     def close(self) -> None:
         assert not self.closed, "PrefixSession closed twice"
         self.closed = True

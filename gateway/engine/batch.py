@@ -67,6 +67,28 @@ class DecodeBatch:
         offsets = self.cache[0].offset if self.batched else cache_offset(self.cache, 0)
         return Part(self.cache, ids, positions=decode_positions(offsets, deltas, ids.shape[1]), keep=ids.shape[1])
 
+    def trim(self, num_tokens: list[int]) -> None:
+        """Drop the last num_tokens[i] tokens of row i's KV (draft tokens a verification rejected).
+        The batched cache keeps one write position for all rows: what they share is cut, and each
+        row's remaining extra is rolled out to its left, where it becomes padding (as the library
+        does for right padding), so every row's KV still ends at the shared position."""
+        assert len(num_tokens) == len(self.rows) and min(num_tokens, default=0) >= 0
+        if not self.batched:
+            for layer in self.cache:
+                layer.trim(num_tokens[0])
+            return
+        shared = min(num_tokens)
+        extra = mx.array([n - shared for n in num_tokens])
+        for layer in self.cache:
+            layer.trim(shared)
+            if shared == max(num_tokens):
+                continue
+            end = layer._idx  # the library's own write position (it has no public name)
+            layer.keys[..., :end, :] = _roll_rows(layer.keys[..., :end, :], extra)
+            layer.values[..., :end, :] = _roll_rows(layer.values[..., :end, :], extra)
+            layer.left_padding = layer.left_padding + extra
+            layer.offset = layer.offset - extra
+
     def leave(self, index: int) -> PrefillResult:
         """Remove row `index`; its prefill, with `cache` holding the row's own KV again (for finish())."""
         row = self.rows.pop(index)
@@ -81,6 +103,13 @@ class DecodeBatch:
             self.cache = [layer.extract(0) for layer in self.cache]
             self.batched = False
         return row
+
+
+def _roll_rows(x: mx.array, shifts: mx.array) -> mx.array:
+    """Row i of x (rows, heads, tokens, dim) rolled right by shifts[i] along the token axis."""
+    n = x.shape[2]
+    index = (mx.arange(n)[None, :] - shifts[:, None]) % n
+    return mx.take_along_axis(x, index[:, None, :, None], axis=2)
 
 
 def decode_alone(

@@ -365,9 +365,10 @@ class ModelRunner:
         out = self.lm(ids, **kwargs)
         return getattr(out, "logits", out)[:, -1]
 
-    def finish(self, prefill: PrefillResult, generated: list[int]) -> None:
+    def finish(self, prefill: PrefillResult, generated: list[int], to_ssd: bool = False) -> None:
         """Cache prompt + generated blocks (the next turn reuses the reply), then release the
-        request's blocks. Called once per prefill, also when generation failed or was cancelled."""
+        request's blocks. Called once per prefill, also when generation failed or was cancelled.
+        `to_ssd`: write them to the SSD tier now as well (a preempted sequence resumes from them)."""
         plan = prefill.plan
         if plan is None:
             return
@@ -376,6 +377,8 @@ class ModelRunner:
             kv_tokens = cache_offset(prefill.cache, len(sequence))  # the last sampled token was never fed back
             self.caches.store(plan, sequence, prefill.cache, min(kv_tokens, len(sequence)))
             self.caches.pin(plan)
+            if to_ssd:
+                plan.session.write_to_ssd()
         finally:
             plan.session.close()
 

@@ -57,6 +57,8 @@ class Sequence:
     num_reserved_tokens: int = 0  # KV tokens the memory budget holds for it
     order: int = 0  # admission order: the newest is preempted first
     num_preemptions: int = 0
+    drafts: list[int] = field(default_factory=list)  # tokens proposed to verify in the next step
+    num_real_drafts: int = 0  # of drafts, the proposer's (the rest pad the batch to one width)
     # the worker's own state: the admission under way, the sampler, the text stream, the next
     # token's logits, logprobs not yet sent, when decoding started, the tokens generated before
     # the last resume (already in the prompt the runner saw)
@@ -170,13 +172,15 @@ class Scheduler:
         return plan
 
     def _tokens_for(self, sequence: Sequence, budget: int) -> int:
-        """A decoding sequence: its pending token. A prompt: what is left, or the largest whole
+        """A decoding sequence: its pending token and its drafts. A prompt: what is left, or the largest whole
         number of blocks within the budget (at least one block: every prompt moves on each step)."""
         pending = sequence.num_pending_tokens
-        if sequence.decoding or pending <= budget:
+        if sequence.decoding:
+            return pending + len(sequence.drafts)
+        if pending <= budget:
             return pending
         block = self.limits.block_tokens
-        return max(block, budget // block * block)
+        return min(pending, max(block, budget // block * block))
 
     def _add(self, plan: StepPlan, sequence: Sequence, num_tokens: int) -> None:
         if sequence.decoding:
@@ -204,8 +208,8 @@ class Scheduler:
         return max((s for s in self.running if s.status is Status.RUNNING), key=lambda s: s.order)
 
     def _preempt(self, sequence: Sequence, plan: StepPlan) -> None:
-        self.executor.preempt(sequence)  # its KV becomes cached blocks before its memory is given up
-        self.release(sequence)
+        self.release(sequence)  # first: the room its KV held takes its blocks (its tail is evicted first)
+        self.executor.preempt(sequence)
         sequence.status = Status.PREEMPTED
         sequence.num_computed_tokens = 0
         sequence.num_preemptions += 1
@@ -218,13 +222,12 @@ class Scheduler:
 
     def _admit(self, plan: StepPlan, budget: int, block: bool, timeout_s: float | None) -> None:
         while len(self.running) < self.limits.max_num_seqs and budget > 0:
-            sequence = self._next_candidate(block and not self.running and not plan, timeout_s)
+            sequence = self._next_candidate(plan, block and not self.running and not plan, timeout_s)
             if sequence is None:
                 return
             if not self._hold(sequence, min(sequence.num_tokens + self.limits.block_tokens, self._most(sequence))):
                 if self.running:  # they free memory as they end: wait at the head of the line
-                    self.stats.num_memory_waits += sequence is not self.memory_wait
-                    self.memory_wait = sequence
+                    self._wait_for_memory(sequence)
                     return
                 self.executor.refuse(sequence, "its KV does not fit the memory budget, which blocks in use hold")
                 continue
@@ -240,12 +243,20 @@ class Scheduler:
             self._add(plan, sequence, num_tokens)
             budget -= num_tokens
 
-    def _next_candidate(self, block: bool, timeout_s: float | None) -> Sequence | None:
-        """The request waiting for memory, else a preempted one, else the fair queue's next."""
+    def _wait_for_memory(self, sequence: Sequence) -> None:
+        if sequence.status is Status.PREEMPTED:
+            self.preempted.appendleft(sequence)  # still first in line
+            return
+        self.stats.num_memory_waits += sequence is not self.memory_wait
+        self.memory_wait = sequence
+
+    def _next_candidate(self, plan: StepPlan, block: bool, timeout_s: float | None) -> Sequence | None:
+        """A preempted sequence (it was running; not one preempted by this very plan), else the
+        request waiting for memory at the head of the line, else the fair queue's next."""
+        if self.preempted:
+            return None if self.preempted[0] in plan.preempted else self.preempted.popleft()
         if self.memory_wait is not None:
             return self.memory_wait
-        if self.preempted:
-            return self.preempted.popleft()
         return self.waiting.get(
             block=block, passed_over=self._holds_its_share, allowed=self._may_take_a_place, timeout_s=timeout_s
         )

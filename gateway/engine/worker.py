@@ -43,7 +43,7 @@ from .caching import EngineCaches, PrefixReport, VisionReport
 from .constraint import GrammarError
 from .fair_queue import FairQueue, QueueFull
 from .prompt import PreparedPrompt
-from .runner import Cancelled, ModelRunner, PrefillResult, Sampler, TokenLogprob
+from .runner import Cancelled, ModelRunner, PrefillResult, Sampler, TokenLogprob, as_token
 from .scheduler import Limits, Scheduler, Sequence, StepPlan
 from .text import TextStream
 from .types import Pin, Sampling
@@ -161,6 +161,7 @@ class EngineStats:
     peak_running: int = 0  # most sequences on the model at once (decoding or coming in)
     num_steps: int = 0  # model calls (decode rows and prompt chunks together)
     num_resumed_tokens: int = 0  # tokens preempted sequences got back from the prefix cache
+    num_accepted_drafts: int = 0  # proposed tokens a verification confirmed (see EngineWorker.proposer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +215,9 @@ class EngineWorker:
         # Any thread appends; the worker pops.
         self.calls: deque[tuple[Callable[[], object], Future]] = deque()
         self.last_step = StepShape()
+        # Drafts for greedy rows, verified in the step that feeds them (the speculative-decoding
+        # seam): a sequence -> up to a few tokens it may generate next. None: one token per row.
+        self.proposer: Callable[[Sequence], list[int]] | None = None
         self.next_expiry = 0.0  # time.monotonic() of the next retention sweep of the RAM tiers
         self.thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
         self.ended = threading.Event()  # the loop has ended (the thread itself parks: see _run)
@@ -422,6 +426,7 @@ class EngineWorker:
                 self._embed_one()
             self._sample()
             self._drop_cancelled()
+            self._propose()
             if not self.running:
                 self.last_step = StepShape()  # idle: what shows while the loop waits for a job
             plan = self._admit()
@@ -490,7 +495,7 @@ class EngineWorker:
         index = self.rows.index(sequence)
         prefill = self.batch.leave(index)
         del self.rows[index]
-        self._store(prefill, sequence)
+        self._store(prefill, sequence, to_ssd=True)
         sequence.logits = None
 
     def refuse(self, sequence: Sequence, reason: str) -> None:
@@ -498,10 +503,25 @@ class EngineWorker:
 
     # -- one step ------------------------------------------------------------------------------
 
+    def _propose(self) -> None:
+        """Every row's drafts for the next step, padded to one width (the batched cache feeds each
+        row the same number of tokens): greedy rows only, within their max_tokens."""
+        drafts = [self._drafts(sequence) for sequence in self.rows]
+        width = max(map(len, drafts), default=0)
+        for sequence, own in zip(self.rows, drafts):
+            sequence.drafts = own + [sequence.generated[-1]] * (width - len(own))
+            sequence.num_real_drafts = len(own)
+
+    def _drafts(self, sequence: Sequence) -> list[int]:
+        sampling = sequence.job.sampling
+        if self.proposer is None or sampling.temperature != 0.0 or not sequence.generated:
+            return []
+        return list(self.proposer(sequence))[: sampling.max_tokens - len(sequence.generated)]
+
     def _step(self, plan: StepPlan) -> None:
-        """One model call for the plan: the decode rows' pending tokens and the prompt chunks."""
+        """One model call for the plan: the decode rows' pending tokens (and drafts) and the prompt chunks."""
         assert [id(s) for s in plan.decode] == [id(s) for s in self.rows], "every row decodes in each step"
-        parts = [self.batch.part([[sequence.generated[-1]] for sequence in self.rows])] if self.rows else []
+        parts = [self.batch.part([[s.generated[-1], *s.drafts] for s in self.rows])] if self.rows else []
         for sequence, num_tokens in plan.chunks:
             parts.append(self.runner.chunk_part(sequence.admission, sequence.num_computed_tokens + num_tokens))
         self.stats.num_steps += 1
@@ -513,14 +533,44 @@ class EngineWorker:
         if self.rows:
             self.stats.num_decode_steps += 1
             self.stats.num_decoded_tokens += len(self.rows)
-            for index, sequence in enumerate(self.rows):
-                sequence.logits = logits[0][index]
-                sequence.num_computed_tokens += 1
+            self._take_decode_logits(logits[0])
         for sequence, num_tokens in plan.chunks:
             self._count_chunk(num_tokens)
             sequence.num_computed_tokens += num_tokens
             if sequence.admission.done:
                 self._join(sequence)
+
+    def _take_decode_logits(self, logits: mx.array) -> None:
+        """Each row's next-token logits; with drafts, its logits at every fed position: the drafts
+        the row's own draws confirm are taken as generated tokens (greedy: the tokens plain decoding
+        gives), the KV of the rest is trimmed, and the row samples on from the first it rejected."""
+        width = len(self.rows[0].drafts)
+        rejected, ended = [], []
+        for index, sequence in enumerate(self.rows):
+            own = logits[index * (width + 1) : (index + 1) * (width + 1)]
+            accepted, goes_on = self._accept_drafts(sequence, own) if width else (0, True)
+            sequence.logits = own[accepted]
+            sequence.num_computed_tokens += 1 + accepted
+            sequence.drafts = []
+            rejected.append(width - accepted)
+            if not goes_on:
+                ended.append(index)
+        if width:
+            self.batch.trim(rejected)
+        for index in reversed(ended):
+            self._retire(index)
+
+    def _accept_drafts(self, sequence: Sequence, logits: mx.array) -> tuple[int, bool]:
+        """How many of the row's real drafts its own draws confirm, and whether it goes on."""
+        accepted = 0
+        for draft in sequence.drafts[: sequence.num_real_drafts]:
+            if as_token(sequence.sampler.draw(logits[accepted], sequence.generated)) != draft:
+                break
+            accepted += 1
+            if not self._advance(sequence, draft):
+                return accepted, False
+        self.stats.num_accepted_drafts += accepted
+        return accepted, True
 
     def _count_chunk(self, num_tokens: int) -> None:
         self.stats.num_prefill_chunks += 1
@@ -645,10 +695,10 @@ class EngineWorker:
         finally:
             self._end(sequence)
 
-    def _store(self, prefill: PrefillResult, sequence: Sequence) -> None:
+    def _store(self, prefill: PrefillResult, sequence: Sequence, to_ssd: bool = False) -> None:
         """Cache the sequence's prompt and reply blocks (best effort: the answer was sent already)."""
         try:
-            self.runner.finish(prefill, sequence.generated[sequence.num_resumed_tokens :])
+            self.runner.finish(prefill, sequence.generated[sequence.num_resumed_tokens :], to_ssd)
         except Exception:  # storing blocks is best effort: the answer was sent already
             log.exception("storing the sequence's blocks failed")
 

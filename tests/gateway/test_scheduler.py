@@ -1,0 +1,264 @@
+"""The scheduler's step plans on fake sequences: token budget, batched admissions, memory that grows
+and preempts, fairness across tenants, no starvation. No model: the scheduler imports no MLX."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.engine.fair_queue import FairQueue
+from gateway.engine.scheduler import Limits, Scheduler, Sequence, Status
+
+BLOCK = 16
+
+
+class Memory:
+    """A byte budget; bytes_per_token 1, so bytes are tokens."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.used = capacity, 0
+
+    def reserve(self, nbytes: int) -> bool:
+        if self.used + nbytes > self.capacity:
+            return False
+        self.used += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        self.used -= nbytes
+        assert self.used >= 0, "released more than was reserved"
+
+
+class Executor:
+    """Admits with an optional cached prefix; records preemptions and refusals."""
+
+    def __init__(self, cached: int = 0):
+        self.cached, self.preempted, self.refused = cached, [], []
+
+    def admit(self, sequence: Sequence) -> bool:
+        sequence.admission = object()
+        sequence.num_computed_tokens = self.cached if not sequence.generated else sequence.num_tokens // BLOCK * BLOCK
+        return True
+
+    def preempt(self, sequence: Sequence) -> None:
+        assert sequence.status is Status.RUNNING
+        self.preempted.append(sequence)
+        sequence.admission = None
+        sequence.sampler = None
+
+    def refuse(self, sequence: Sequence, reason: str) -> None:
+        self.refused.append(sequence)
+
+
+def _scheduler(capacity=10**9, max_num_seqs=8, step_tokens=64, cached=0):
+    queue = FairQueue(64, tenant_share=32)
+    executor = Executor(cached)
+    scheduler = Scheduler(Limits(max_num_seqs, step_tokens, BLOCK, 1), Memory(capacity), executor, queue)
+    return scheduler, executor
+
+
+def _submit(scheduler, prompt_tokens, max_tokens=32, tenant=b"a"):
+    sequence = Sequence(tenant, prompt_tokens, max_tokens)
+    scheduler.waiting.put(tenant, sequence)
+    return sequence
+
+
+def _execute(scheduler, plan, token=7):
+    """What the worker does with a plan: feed the tokens, sample one per row that has its logits."""
+    for sequence in plan.decode:
+        sequence.num_computed_tokens += 1
+    for sequence, num_tokens in plan.chunks:
+        sequence.num_computed_tokens += num_tokens
+        if sequence.num_computed_tokens == sequence.num_tokens:
+            sequence.admission, sequence.sampler = None, object()
+    for sequence in list(scheduler.running):
+        if sequence.decoding and sequence.num_pending_tokens == 0:
+            if len(sequence.generated) == sequence.max_tokens:
+                scheduler.finish(sequence)
+            else:
+                sequence.generated.append(token)
+
+
+def _run_until_idle(scheduler, max_steps=10_000):
+    plans = []
+    for _ in range(max_steps):
+        plan = scheduler.schedule()
+        if not plan:
+            return plans
+        _execute(scheduler, plan)
+        plans.append(plan)
+    raise AssertionError("never idle")
+
+
+def test_prompt_chunks_share_the_step_token_budget_in_whole_blocks():
+    scheduler, _ = _scheduler(step_tokens=64)
+    a, b = _submit(scheduler, 100), _submit(scheduler, 40)
+    plan = scheduler.schedule()
+    assert plan.chunks == [(a, 64)]  # a's first 64 tokens use the budget; b waits for the next step
+    _execute(scheduler, plan)
+    plan = scheduler.schedule()
+    assert plan.chunks == [(a, 36), (b, 16)]  # a's rest, then b's first whole block within what is left
+    assert plan.admitted == [b]
+
+
+def test_several_short_prompts_come_in_in_one_step():
+    scheduler, _ = _scheduler(step_tokens=256)
+    sequences = [_submit(scheduler, 50) for _ in range(4)]
+    plan = scheduler.schedule()
+    assert plan.chunks == [(s, 50) for s in sequences] and plan.admitted == sequences
+
+
+def test_decode_rows_run_every_step_beside_a_long_prompt():
+    scheduler, _ = _scheduler(step_tokens=32)
+    short = _submit(scheduler, 10, max_tokens=100)
+    _execute(scheduler, scheduler.schedule())
+    long = _submit(scheduler, 500)
+    for _ in range(10):
+        plan = scheduler.schedule()
+        assert plan.decode == [short] and plan.chunks == [(long, 32)]
+        _execute(scheduler, plan)
+
+
+def test_a_prompt_with_a_cached_prefix_runs_only_the_rest():
+    scheduler, _ = _scheduler(step_tokens=512, cached=96)
+    sequence = _submit(scheduler, 100)
+    assert scheduler.schedule().chunks == [(sequence, 4)]
+
+
+def test_kv_is_held_for_the_prompt_then_grows_a_block_at_a_time():
+    scheduler, _ = _scheduler(step_tokens=512)
+    memory = scheduler.memory
+    sequence = _submit(scheduler, 40, max_tokens=1000)
+    _execute(scheduler, scheduler.schedule())
+    assert sequence.num_reserved_tokens == 40 + BLOCK == memory.used  # not 40 + 1000
+    for _ in range(30):
+        _execute(scheduler, scheduler.schedule())
+    assert sequence.num_computed_tokens == 40 + 30 - 1 + 1
+    needed = sequence.num_computed_tokens + sequence.num_pending_tokens
+    assert 0 <= sequence.num_reserved_tokens - needed < BLOCK == memory.used - sequence.num_reserved_tokens + BLOCK
+    scheduler.finish(sequence)
+    assert memory.used == 0
+
+
+def test_growth_never_holds_more_than_prompt_and_max_tokens():
+    scheduler, _ = _scheduler(step_tokens=512)
+    sequence = _submit(scheduler, 40, max_tokens=5)
+    _run_until_idle(scheduler)
+    assert sequence.status is Status.FINISHED and scheduler.memory.used == 0
+    sequence = _submit(scheduler, 40, max_tokens=5)
+    _execute(scheduler, scheduler.schedule())
+    assert sequence.num_reserved_tokens == 45
+
+
+def test_many_sequences_with_large_max_tokens_run_together_under_a_small_budget():
+    """Worst-case reservations (100 + 4096 tokens each) would let none of these run in 2,000
+    tokens; holding what they use lets all eight run at once."""
+    scheduler, executor = _scheduler(capacity=2000, step_tokens=1024)
+    sequences = [_submit(scheduler, 100, max_tokens=4096) for _ in range(8)]
+    for _ in range(10):
+        _execute(scheduler, scheduler.schedule())
+    assert all(s.status is Status.RUNNING for s in sequences) and not executor.preempted
+    assert scheduler.stats.peak_running == 8
+
+
+def test_when_memory_runs_out_the_newest_sequence_is_preempted_and_resumes_first():
+    scheduler, executor = _scheduler(capacity=240, step_tokens=512)  # one whole sequence (232) fits
+    sequences = [_submit(scheduler, 32, max_tokens=200, tenant=bytes([i])) for i in range(4)]
+    while not executor.preempted:
+        _execute(scheduler, scheduler.schedule())
+        assert scheduler.memory.used <= scheduler.memory.capacity
+    assert executor.preempted == [sequences[-1]]  # the newest goes first
+    late = _submit(scheduler, 8, max_tokens=4, tenant=b"z")
+    while sequences[-1].status is Status.PREEMPTED:
+        plan = scheduler.schedule()
+        assert late not in plan.admitted  # a preempted sequence comes back before anything new
+        _execute(scheduler, plan)
+    _run_until_idle(scheduler)
+    assert all(s.status is Status.FINISHED and len(s.generated) == 200 for s in sequences)
+    assert late.status is Status.FINISHED and scheduler.memory.used == 0
+    assert scheduler.stats.num_preemptions == len(executor.preempted)
+
+
+def test_a_preempted_sequence_resumes_with_its_tokens_so_far():
+    scheduler, executor = _scheduler(capacity=150, step_tokens=512)  # one whole (132), not two
+    first, second = _submit(scheduler, 32, max_tokens=100), _submit(scheduler, 32, max_tokens=100)
+    while not executor.preempted:
+        _execute(scheduler, scheduler.schedule())
+    victim = executor.preempted[0]
+    assert victim is second and victim.status is Status.PREEMPTED and victim.num_reserved_tokens == 0
+    generated = list(victim.generated)
+    while victim not in (plan := scheduler.schedule()).admitted:
+        _execute(scheduler, plan)
+    assert victim.generated == generated  # nothing was lost
+    assert victim.num_computed_tokens == victim.num_tokens // BLOCK * BLOCK  # its cached blocks came back
+    assert (victim, victim.num_tokens % BLOCK) in plan.chunks  # the rest runs as a prompt
+    assert first.status in (Status.RUNNING, Status.FINISHED)
+
+
+def test_a_request_that_does_not_fit_waits_at_the_head_of_the_line():
+    scheduler, executor = _scheduler(capacity=200, step_tokens=512)
+    big = _submit(scheduler, 150, max_tokens=10)
+    blocker = scheduler.schedule().chunks[0][0]
+    assert blocker is big
+    waiting = _submit(scheduler, 100, max_tokens=10)
+    small = _submit(scheduler, 10, max_tokens=10)
+    _execute(scheduler, scheduler.schedule())
+    plan = scheduler.schedule()
+    assert scheduler.memory_wait is waiting and small not in plan.admitted  # nobody overtakes it
+    assert scheduler.stats.num_memory_waits == 1
+    _run_until_idle(scheduler)
+    assert waiting.status is Status.FINISHED and small.status is Status.FINISHED and not executor.refused
+
+
+def test_a_request_that_cannot_fit_with_nothing_running_is_refused():
+    scheduler, executor = _scheduler(capacity=50, step_tokens=512)
+    sequence = _submit(scheduler, 60)
+    assert not scheduler.schedule()
+    assert executor.refused == [sequence] and scheduler.memory.used == 0
+
+
+def test_a_tenant_holds_at_most_half_of_the_places_while_others_wait():
+    scheduler, _ = _scheduler(max_num_seqs=4, step_tokens=4096)
+    flood = [_submit(scheduler, 20, max_tokens=1000, tenant=b"a") for _ in range(6)]
+    other = [_submit(scheduler, 20, max_tokens=1000, tenant=b"b") for _ in range(2)]
+    plan = scheduler.schedule()
+    assert plan.admitted == [flood[0], other[0], flood[1]]  # turns; a stops at its half (2 of 4 places)
+    # the last place is kept for a tenant with nothing running: b has a sequence, so nobody takes it
+    assert len(scheduler.running) == 3
+
+
+@pytest.mark.parametrize("max_num_seqs", [2, 3])
+def test_the_last_place_is_kept_for_a_tenant_with_nothing_running(max_num_seqs):
+    scheduler, _ = _scheduler(max_num_seqs=max_num_seqs, step_tokens=4096)
+    _submit(scheduler, 10, max_tokens=1, tenant=b"b")
+    _run_until_idle(scheduler)  # b has been served
+    for _ in range(6):
+        _submit(scheduler, 10, max_tokens=1000, tenant=b"a")
+    for _ in range(5):
+        _execute(scheduler, scheduler.schedule())
+    assert len(scheduler.running) == max_num_seqs - 1
+    late = _submit(scheduler, 10, max_tokens=1000, tenant=b"b")
+    assert late in scheduler.schedule().admitted
+
+
+def test_no_request_starves_under_a_steady_flood():
+    """Requests keep arriving; every one of them ends, each within a bounded number of steps."""
+    scheduler, _ = _scheduler(capacity=600, max_num_seqs=4, step_tokens=64)
+    submitted: dict[int, Sequence] = {}
+    finished_at: dict[int, int] = {}
+    for step in range(1000):
+        if step % 8 == 0 and step < 600:
+            submitted[step] = _submit(scheduler, 40 + step % 50, max_tokens=20, tenant=bytes([step % 3]))
+        _execute(scheduler, scheduler.schedule())
+        for start, sequence in submitted.items():
+            if sequence.status is Status.FINISHED:
+                finished_at.setdefault(start, step)
+    assert set(finished_at) == set(submitted) and scheduler.memory.used == 0
+    assert all(len(sequence.generated) == 20 for sequence in submitted.values())
+    assert max(end - start for start, end in finished_at.items()) < 200
+
+
+def test_a_prompt_shorter_than_a_block_past_the_budget_takes_what_is_left():
+    scheduler, _ = _scheduler(step_tokens=32)
+    first, second = _submit(scheduler, 30), _submit(scheduler, 10)
+    plan = scheduler.schedule()
+    assert plan.chunks == [(first, 30), (second, 10)]  # the budget left (2) rounds up to a block, cut to 10
