@@ -26,10 +26,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -179,16 +181,23 @@ class Sample:
     ttft_s: float | None = None
     gaps_s: list[float] = field(default_factory=list)
     completion_tokens: int = 0
+    prompt_tokens: int = 0
     text: str = ""
     error: str = ""
 
 
-async def stream(client: httpx.AsyncClient, server: Server, messages: list, api_key: str | None = None) -> Sample:
+async def stream(
+    client: httpx.AsyncClient,
+    server: Server,
+    messages: list,
+    api_key: str | None = None,
+    max_tokens: int = MAX_TOKENS,
+) -> Sample:
     """One streaming chat completion; TTFT is the first content chunk's arrival."""
     body = {
         "model": server.model,
         "messages": messages,
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -208,6 +217,7 @@ async def stream(client: httpx.AsyncClient, server: Server, messages: list, api_
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     sample.completion_tokens = chunk["usage"].get("completion_tokens", 0)
+                    sample.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
                 for choice in chunk.get("choices", []):
                     if content := (choice.get("delta") or {}).get("content"):
                         now = time.perf_counter()
@@ -288,9 +298,27 @@ async def closed_loop(server: Server, num_clients: int, requests_per_client: int
     limits = httpx.Limits(max_connections=num_clients + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         start = time.perf_counter()
+        seen = {"peak_running": -1}
+        watch = asyncio.ensure_future(watch_running(server, seen))
         await asyncio.gather(*(one_client(i, client) for i in range(num_clients)))
         wall = time.perf_counter() - start
-    return summarise(samples, wall)
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+    return summarise(samples, wall) | seen
+
+
+async def watch_running(server: Server, seen: dict) -> None:
+    """seen["peak_running"]: the most sequences the server decoded at once, from its /healthz every
+    50 ms, until cancelled (stays -1 for a server without one: mlx-vlm)."""
+    async with httpx.AsyncClient(timeout=5) as client:
+        while True:
+            try:
+                running = (await client.get(server.url + "/healthz")).json()["engine_running"]
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                return
+            seen["peak_running"] = max(seen["peak_running"], int(running))
+            await asyncio.sleep(0.05)
 
 
 def summarise(samples: list[Sample], wall_s: float) -> dict:
@@ -355,14 +383,16 @@ def _row(row: dict) -> str:
     return (
         f"{row['tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50']:6.2f} s p99 {row['ttft_p99']:6.2f} s  "
         f"ITL p50 {row['itl_p50'] * 1000:6.1f} ms p99 {row['itl_p99'] * 1000:7.1f} ms  "
-        f"errors {row['errors']}/{row['requests']}"
+        f"peak running {row.get('peak_running', -1):3d}  errors {row['errors']}/{row['requests']}"
     )
 
 
 def print_table(workload: str, results: dict, client_counts: list[int]) -> None:
     print(f"\n{workload}: closed-loop streaming clients, max_tokens {MAX_TOKENS}")
-    print("| clients | server | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | errors |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| clients | server | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | ITL p99/p50 | peak running | errors |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     names = list(dict.fromkeys(key.rsplit("@", 1)[0] for key in results))
     for count in client_counts:
         for name in names:
@@ -371,7 +401,7 @@ def print_table(workload: str, results: dict, client_counts: list[int]) -> None:
                 print(
                     f"| {count} | {name} | {row['tok_s']:.1f} | {row['ttft_p50']:.2f} s | {row['ttft_p99']:.2f} s | "
                     f"{row['itl_p50'] * 1000:.0f} ms | {row['itl_p99'] * 1000:.0f} ms | "
-                    f"{row['errors']}/{row['requests']} |"
+                    f"{row['itl_p99'] / row['itl_p50']:.1f}x | {_peak(row)} | {row['errors']}/{row['requests']} |"
                 )
         ours = results.get(f"strata@{count}")
         for name in (n for n in names if n.startswith("mlx-vlm")):
@@ -381,11 +411,68 @@ def print_table(workload: str, results: dict, client_counts: list[int]) -> None:
                     f"| {count} | **strata / {name}** | **{ours['tok_s'] / theirs['tok_s']:.2f}x** | "
                     ""
                     f"**{ours['ttft_p50'] / theirs['ttft_p50']:.2f}x** | {ours['ttft_p99'] / theirs['ttft_p99']:.2f}x | "
-                    f"{ours['itl_p50'] / theirs['itl_p50']:.2f}x | {ours['itl_p99'] / theirs['itl_p99']:.2f}x | |"
+                    f"{ours['itl_p50'] / theirs['itl_p50']:.2f}x | {ours['itl_p99'] / theirs['itl_p99']:.2f}x | | | |"
                 )
     lone, batched = results.get("strata seqs=1@1"), results.get("strata@1")
     if lone and batched:
         print(f"1 client: batching engine / one-at-a-time engine = {batched['tok_s'] / lone['tok_s']:.3f} (tok/s)")
+
+
+def kv_budget(model_dir: Path, work: Path, num_clients: int, budget_bytes: int, max_tokens: int) -> dict:
+    """num_clients distinct requests at once, each with max_tokens, under a KV budget of budget_bytes:
+    how many decode at once, how many a worst-case reservation ((prompt + max_tokens) x KV bytes per
+    token each, as before the scheduler held only what sequences use) would have let in, and the
+    preemptions it took."""
+    admin = "bench-admin"
+    extra = {"STRATA_KV_BUDGET_BYTES": str(budget_bytes), "STRATA_ADMIN_KEY": admin}
+    server = start_strata("strata kv budget", model_dir, work, None, extra)
+
+    async def run() -> tuple[list[Sample], float, int]:
+        async with httpx.AsyncClient(timeout=1200, limits=httpx.Limits(max_connections=num_clients + 4)) as client:
+            seen = {"peak_running": -1}
+            watch = asyncio.ensure_future(watch_running(server, seen))
+            conversations = [distinct_conversations("budget", i) for i in range(num_clients)]
+            start = time.perf_counter()
+            samples = await asyncio.gather(
+                *(stream(client, server, next(c), max_tokens=max_tokens) for c in conversations)
+            )
+            wall = time.perf_counter() - start
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+            return list(samples), wall, seen["peak_running"]
+
+    try:
+        asyncio.run(closed_loop(server, 1, 1, lambda c: distinct_conversations("warm", c)))
+        samples, wall, peak = asyncio.run(run())
+        stats = httpx.get(server.url + "/admin/stats", headers={"Authorization": f"Bearer {admin}"}).json()["engine"]
+    finally:
+        server.stop()
+    prompt_tokens = statistics.median(s.prompt_tokens for s in samples if not s.error)
+    worst_case = budget_bytes // int((prompt_tokens + max_tokens) * stats["kv_bytes_per_token"])
+    out = summarise(samples, wall) | {
+        "peak_running": peak,
+        "engine_peak_running": stats["peak_running"],
+        "worst_case_running": worst_case,
+        "preemptions": stats["num_preemptions"],
+        "resumed_tokens": stats["num_resumed_tokens"],
+        "completion_tokens": sum(s.completion_tokens for s in samples),
+    }
+    print(
+        f"\nkv budget {budget_bytes >> 20} MiB, {num_clients} clients with max_tokens {max_tokens} "
+        f"(~{prompt_tokens:.0f}-token prompts, {stats['kv_bytes_per_token']} B of KV per token):"
+    )
+    print(
+        f"  decoding at once: {peak} (engine's own count {stats['peak_running']}); a worst-case reservation "
+        f"would let {worst_case} run; {stats['num_preemptions']} preemptions, {stats['num_resumed_tokens']} "
+        f"tokens resumed from cached blocks; {out['completion_tokens']} tokens in {wall:.1f} s, "
+        f"errors {out['errors']}/{out['requests']}"
+    )
+    return out
+
+
+def _peak(row: dict) -> str:
+    return str(row["peak_running"]) if row.get("peak_running", -1) >= 0 else "n/a"
 
 
 def fairness(model_dir: Path, work: Path, max_num_seqs: int | None, requests: int) -> dict:
@@ -466,6 +553,13 @@ def main() -> None:
         help="both servers' batch cap (default: each server's own: Strata 16, mlx-vlm none)",
     )
     parser.add_argument("--fairness", action="store_true")
+    parser.add_argument(
+        "--kv-budget-mib",
+        type=int,
+        default=16,
+        help="the KV-budget run's budget (0: skip it); 16 clients, max_tokens 1,024",
+    )
+    parser.add_argument("--only-kv-budget", action="store_true")
     args = parser.parse_args()
     model_dir = resolve_model_path(args.model, args.data_dir)
     work = Path(tempfile.mkdtemp(prefix="strata-bench-load-"))
@@ -474,6 +568,11 @@ def main() -> None:
         print(json.dumps({"fairness": fairness(model_dir, work, args.max_num_seqs, 2 * args.requests)}))
         return
     summary = {}
+    if args.kv_budget_mib:
+        summary["kv_budget"] = kv_budget(model_dir, work, 16, args.kv_budget_mib << 20, 1024)
+    if args.only_kv_budget:
+        print(json.dumps({"model": args.model, "results": summary}))
+        return
     for workload in args.workloads:
         servers: list[tuple[str, Callable[[], Server]]] = [
             ("strata", lambda: start_strata("strata", model_dir, work, args.max_num_seqs)),

@@ -485,6 +485,7 @@ def admin_stats(request: Request) -> dict:
         "queue_depth": engine.queue_depth,
         "num_running": engine.num_running,
         "waiting_for_memory": engine.waiting_for_memory,
+        "kv_bytes_per_token": engine.kv_bytes_per_token,
         "last_step": asdict(engine.last_step),
     }
     return {

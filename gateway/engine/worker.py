@@ -194,6 +194,7 @@ class WorkerSnapshot:
     num_running: int = 0  # sequences in the decode batch
     last_step: StepShape = StepShape()
     waiting_for_memory: bool = False  # the next job waits for running sequences to free KV
+    kv_bytes_per_token: int = 0  # what each token of a running sequence holds of the memory budget
 
 
 class EngineWorker:
@@ -358,6 +359,7 @@ class EngineWorker:
             len(self.rows),
             self.last_step,
             memory_wait,
+            self.runner.kv_bytes_per_token,
         )
 
     def _counters(self) -> EngineStats:

@@ -1,0 +1,165 @@
+"""One engine step, separate calls against one mixed call, and how far a step is from its floor.
+
+    python -m evals.bench_step [--model demo] [--rows 16] [--chunks 64 128 256 512] [--repeats 7]
+
+On the demo model, in one process (the server's BLAS: run under the Makefile's OpenBLAS preload):
+- a decode step of `--rows` sequences alone, and each prompt chunk length alone;
+- the same decode rows and chunk in one packed call (gateway/engine/mixed.py), and two admissions'
+  chunks of half the length each with the decode rows (batched admissions);
+- the floor of each: the time to stream the model's weights once at this machine's measured memory
+  bandwidth, plus the step's matmul FLOPs at its measured GFLOP/s.
+Medians of --repeats; ratios are measured side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from gateway.engine import CacheConfig, ModelRunner, PreparedPrompt, resolve_model_path
+from gateway.engine.batch import DecodeBatch
+from kvcache import TenantSalt
+
+from . import CORPUS
+
+SALT = TenantSalt(b"bench-step")
+
+
+def _median_ms(run, make_parts, repeats: int) -> float:
+    """Median of `run(parts)` over fresh parts each time (building them is not timed)."""
+    times = []
+    for _ in range(repeats):
+        parts = make_parts()
+        start = time.perf_counter()
+        run(parts)
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
+def memory_bandwidth_gb_s() -> float:
+    """Read bandwidth: the sum of a 512 MB array (one pass over memory), best of five."""
+    data = np.ones(64 << 20, dtype=np.float64)
+    best = min(_timed(lambda: data.sum()) for _ in range(5))
+    return data.nbytes / best / 1e9
+
+
+def matmul_gflop_s() -> float:
+    """MLX float32 matmul at a prefill's shape (512 tokens x 512 x 1536), best of five."""
+    a, b = mx.random.normal((512, 512)), mx.random.normal((512, 1536))
+    mx.eval(a, b)
+    best = min(_timed(lambda: mx.eval(a @ b)) for _ in range(5))
+    return 2 * 512 * 512 * 1536 / best / 1e9
+
+
+def _timed(run) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+class Setup:
+    """The demo model, a batch of decoding rows, and prompts to chunk."""
+
+    def __init__(self, runner: ModelRunner, num_rows: int):
+        self.runner = runner
+        ids = runner.tokenizer.encode(CORPUS.read_text(), add_special_tokens=False)
+        self.ids = ids
+        self.batch = DecodeBatch(runner)
+        for row in range(num_rows):
+            start = 300 * row
+            prefill = runner.prefill(PreparedPrompt(tuple(ids[start : start + 200]), ()), SALT, 512, lambda: False)
+            self.batch.join(prefill)
+        flat: list = tree_flatten(runner.lm.parameters())
+        weights = [array for _, array in flat if isinstance(array, mx.array)]
+        self.weight_bytes = sum(array.nbytes for array in weights)
+        self.num_params = sum(array.size for array in weights)
+        self.embed_params = runner.vocab_size * _hidden(runner)
+
+    def decode_part(self):
+        return self.batch.part([[11] for _ in self.batch.rows])
+
+    def chunk_part(self, length: int, offset: int = 0):
+        prompt = PreparedPrompt(tuple(self.ids[offset : offset + length]), ())
+        admission = self.runner.open_prefill(prompt, SALT)
+        return admission, self.runner.chunk_part(admission, length)
+
+    def run(self, parts) -> None:
+        """One call, then the KV it appended trimmed away, so every repeat sees the same state."""
+        self.runner.run_step(parts)
+        if any(part.cache is self.batch.cache for part in parts):
+            self.batch.trim([1] * len(self.batch.rows))
+
+
+def _hidden(runner) -> int:
+    from gateway.engine.runner import token_embedding
+
+    return int(token_embedding(runner.lm).weight.shape[1])
+
+
+def measure(setup: Setup, chunks: list[int], repeats: int, floor: dict) -> list[dict]:
+    decode_ms = _median_ms(setup.run, lambda: [setup.decode_part()], repeats)
+    return [_one_length(setup, length, repeats, decode_ms, floor) for length in chunks]
+
+
+def _one_length(setup: Setup, length: int, repeats: int, decode_ms: float, floor: dict) -> dict:
+    half = length // 2
+    chunk_ms = _median_ms(setup.run, lambda: [setup.chunk_part(length)[1]], repeats)
+    mixed_ms = _median_ms(setup.run, lambda: [setup.decode_part(), setup.chunk_part(length)[1]], repeats)
+    two_ms = _median_ms(
+        setup.run, lambda: [setup.decode_part(), setup.chunk_part(half)[1], setup.chunk_part(half, 5000)[1]], repeats
+    )
+    tokens = len(setup.batch.rows) + length
+    flops = 2 * (setup.num_params - setup.embed_params) * tokens
+    floor_ms = (setup.weight_bytes / floor["bandwidth_gb_s"] / 1e9 + flops / floor["gflop_s"] / 1e9) * 1000
+    return {
+        "chunk_tokens": length,
+        "decode_alone_ms": decode_ms,
+        "chunk_alone_ms": chunk_ms,
+        "separate_ms": decode_ms + chunk_ms,
+        "mixed_ms": mixed_ms,
+        "mixed_two_admissions_ms": two_ms,
+        "floor_ms": floor_ms,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="demo")
+    parser.add_argument("--data-dir", type=Path, default=Path(".strata"))
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[64, 128, 256, 512])
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    runner = ModelRunner(resolve_model_path(args.model, args.data_dir), CacheConfig(0, 0, 16), "bench")
+    runner.warm_up()
+    setup = Setup(runner, args.rows)
+    floor = {"bandwidth_gb_s": memory_bandwidth_gb_s(), "gflop_s": matmul_gflop_s()}
+    print(
+        f"demo model: {setup.weight_bytes / 1e6:.1f} MB of weights; this machine reads {floor['bandwidth_gb_s']:.1f} GB/s "
+        f"and multiplies at {floor['gflop_s']:.0f} GFLOP/s (float32)"
+    )
+    results = measure(setup, args.chunks, args.repeats, floor)
+    print(f"\n{args.rows} decode rows + one prompt chunk, medians of {args.repeats}:")
+    print(
+        "| chunk | decode alone | chunk alone | separate (sum) | mixed, one call | mixed / separate | "
+        "two admissions of half, mixed | floor | mixed / floor |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in results:
+        print(
+            f"| {row['chunk_tokens']} | {row['decode_alone_ms']:.1f} ms | {row['chunk_alone_ms']:.1f} ms | "
+            f"{row['separate_ms']:.1f} ms | {row['mixed_ms']:.1f} ms | {row['mixed_ms'] / row['separate_ms']:.2f}x | "
+            f"{row['mixed_two_admissions_ms']:.1f} ms | {row['floor_ms']:.1f} ms | {row['mixed_ms'] / row['floor_ms']:.1f}x |"
+        )
+    print(json.dumps({"floor": floor, "rows": args.rows, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
