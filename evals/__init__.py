@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-CORPUS = Path(__file__).resolve().parents[1] / "gateway/engine/assets/corpus.txt"
+CORPUS = Path(__file__).resolve().parents[1] / "gateway/checkpoints/assets/corpus.txt"
 
 
 def corpus_lines() -> list[str]:

@@ -31,7 +31,7 @@ from typing import Any
 
 import anthropic
 
-from gateway.engine import resolve_model_path
+from gateway.checkpoints import resolve_model_path
 
 from . import corpus_lines
 from .bench_load import Server, start_mlx_vlm, start_strata

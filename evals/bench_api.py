@@ -19,6 +19,7 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
+from gateway.checkpoints import resolve_model_path
 from gateway.engine import (
     CacheConfig,
     Engine,
@@ -29,7 +30,6 @@ from gateway.engine import (
     TextPart,
     Tool,
     json_schema_grammar,
-    resolve_model_path,
 )
 
 from . import corpus_lines

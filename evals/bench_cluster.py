@@ -33,8 +33,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from gateway.checkpoints import resolve_model_path
 from gateway.cluster import Cluster, free_ports
-from gateway.engine import resolve_model_path
 
 from .bench_layers import start_server
 

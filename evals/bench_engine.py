@@ -26,7 +26,8 @@ DECODE_TOKENS = 64
 
 def _child(model: str, data_dir: Path, lengths: list[int], repeats: int) -> dict:
     from gateway.blas import blas_in_use
-    from gateway.engine import CacheConfig, ModelRunner, PreparedPrompt, Sampling, decode_alone, resolve_model_path
+    from gateway.checkpoints import resolve_model_path
+    from gateway.engine import CacheConfig, ModelRunner, PreparedPrompt, Sampling, decode_alone
     from kvcache import TenantSalt
 
     runner = ModelRunner(resolve_model_path(model, data_dir), CacheConfig(0, 0, 64), "bench")

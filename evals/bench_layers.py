@@ -204,7 +204,7 @@ def main() -> None:
 
 
 def _built_model(name: str, data_dir: Path) -> Path:
-    from gateway.engine import resolve_model_path
+    from gateway.checkpoints import resolve_model_path
 
     return resolve_model_path(name, data_dir)
 

@@ -47,7 +47,7 @@ import numpy as np
 from PIL import Image
 
 from gateway.blas import env_with_openblas
-from gateway.engine import resolve_model_path
+from gateway.checkpoints import resolve_model_path
 
 from . import corpus_lines
 

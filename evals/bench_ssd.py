@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gateway.checkpoints import resolve_model_path
 from gateway.engine import (
     CacheConfig,
     ModelRunner,
@@ -33,7 +34,6 @@ from gateway.engine import (
     Sampling,
     decode_alone,
     model_fingerprint,
-    resolve_model_path,
 )
 from kvcache import PrefixCache, TenantSalt
 from kvcache.quant import QuantConfig

@@ -23,8 +23,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from gateway.engine import CacheConfig, ModelRunner, PreparedPrompt, resolve_model_path
-from gateway.engine.batch import DecodeBatch
+from gateway.checkpoints import resolve_model_path
+from gateway.engine import CacheConfig, DecodeBatch, ModelRunner, PreparedPrompt
 from kvcache import TenantSalt
 
 from . import CORPUS
@@ -76,11 +76,12 @@ class Setup:
             start = 300 * row
             prefill = runner.prefill(PreparedPrompt(tuple(ids[start : start + 200]), ()), SALT, 512, lambda: False)
             self.batch.join(prefill)
-        flat: list = tree_flatten(runner.lm.parameters())
+        flat = list(tree_flatten(runner.lm.parameters()))
         weights = [array for _, array in flat if isinstance(array, mx.array)]
         self.weight_bytes = sum(array.nbytes for array in weights)
         self.num_params = sum(array.size for array in weights)
-        self.embed_params = runner.vocab_size * _hidden(runner)
+        # the token embedding is a lookup, not a matmul (a tied output head is counted once, as the lookup)
+        self.embed_params = sum(array.size for name, array in flat if name.endswith("embed_tokens.weight"))
 
     def decode_part(self):
         return self.batch.part([[11] for _ in self.batch.rows])
@@ -95,12 +96,6 @@ class Setup:
         self.runner.run_step(parts)
         if any(part.cache is self.batch.cache for part in parts):
             self.batch.trim([1] * len(self.batch.rows))
-
-
-def _hidden(runner) -> int:
-    from gateway.engine.runner import token_embedding
-
-    return int(token_embedding(runner.lm).weight.shape[1])
 
 
 def measure(setup: Setup, chunks: list[int], repeats: int, floor: dict) -> list[dict]:

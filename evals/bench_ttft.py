@@ -30,8 +30,8 @@ import mlx.core as mx
 import numpy as np
 from PIL import Image
 
+from gateway.checkpoints import BUILDABLE_FAMILIES, resolve_model_path
 from gateway.engine import (
-    BUILDABLE_FAMILIES,
     VISION_FAMILIES,
     CacheConfig,
     ImagePart,
@@ -42,7 +42,6 @@ from gateway.engine import (
     TextPart,
     decode_alone,
     model_fingerprint,
-    resolve_model_path,
 )
 from kvcache import PrefixCache, TenantSalt, chain_root, hash_blocks
 from vision import DecodedImage, pixel_hash

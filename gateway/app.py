@@ -49,11 +49,12 @@ from .admin import ADMIN_CACHE_ROUTES, end_idle_sessions, purge_announced, requi
 from .auth import Authenticator, load_server_secret
 from .blas import blas_in_use
 from .chat import ChatService
+from .checkpoints import resolve_model_path
 from .conversations import ConversationStore
 from .dashboard import DASHBOARD_ROUTES, History
 from .embeddings import MODEL_NAMES as EMBEDDING_MODELS
 from .embeddings import Embeddings, parse_embeddings_request
-from .engine import CacheConfig, Engine, EngineConfig, resolve_model_path
+from .engine import CacheConfig, Engine, EngineConfig
 from .errors import EXCEPTION_HANDLERS, ApiError, bad_request, echo
 from .files import private_dir, private_file
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from .engine import BUILDABLE_FAMILIES, DEFAULT_FAMILY, DTYPES, SIZES
+from .checkpoints import BUILDABLE_FAMILIES, DEFAULT_FAMILY, DTYPES, SIZES
 from .settings import SETTINGS, add_setting_flags
 
 
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(args.model, args.data_dir, args.port)
     if args.command == "build-model":
-        from .engine import BuildSpec, build_model
+        from .checkpoints import BuildSpec, build_model
 
         print(build_model(BuildSpec(args.family, args.size, args.dtype, args.quantize), args.out))
         return 0

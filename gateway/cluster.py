@@ -80,7 +80,7 @@ class Cluster:
     def _build_once(self) -> None:
         """A built-in model ('demo', ...) is built once under FOLDER/models, not once per replica;
         the replicas serve that folder under the name the client knows."""
-        from .engine import parse_model_name, resolve_model_path
+        from .checkpoints import parse_model_name, resolve_model_path
 
         if parse_model_name(self.model) is not None:
             self.extra_env.setdefault("STRATA_MODEL_NAME", self.model)

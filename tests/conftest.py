@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from gateway.checkpoints import BuildSpec, builder_digest, ensure_model
 from gateway.engine import CacheConfig, Engine, EngineConfig
-from gateway.engine.builder import BuildSpec, builder_digest, ensure_model
 from gateway.settings import Limits, Settings
 
 TINY = "strata-tiny"

@@ -110,3 +110,12 @@ def test_import_walk_detects_a_violation(tmp_path):
 def test_top_level_layout():
     for name in ("pyproject.toml", "gateway", "kvcache", "semantic", "vision", "tests", "evals"):
         assert (ROOT / name).exists(), name
+
+
+def test_the_runtime_engine_holds_no_checkpoint_builder():
+    """The random-init checkpoint builder is a tool (gateway/checkpoints): the engine loads whatever
+    folder it is given and never imports it."""
+    engine = ROOT / "gateway" / "engine"
+    assert not (engine / "builder.py").exists() and not (engine / "assets").exists()
+    imports = [name for path in engine.rglob("*.py") for name in _imported_modules(path)]
+    assert not [name for name in imports if name.startswith("gateway.checkpoints")]

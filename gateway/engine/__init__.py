@@ -24,8 +24,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from .batch import decode_alone
-from .builder import DEFAULT_FAMILY, DTYPES, RECIPES, SIZES, BuildSpec, build_model, ensure_model, parse_model_name
+from .batch import DecodeBatch, decode_alone
 from .caching import CacheConfig, PrefixReport, VisionReport
 from .constraint import CompiledGrammar, GrammarError, json_schema_grammar
 from .families import VISION_FAMILIES, UnsupportedModel, family_of
@@ -51,17 +50,12 @@ from .worker import (
 
 log = logging.getLogger("strata.engine")
 
-BUILDABLE_FAMILIES = tuple(sorted(RECIPES))  # what `strata build-model --family` builds
 
 __all__ = [
-    "BUILDABLE_FAMILIES",
-    "DEFAULT_FAMILY",
-    "DTYPES",
-    "SIZES",
     "VISION_FAMILIES",
-    "BuildSpec",
     "CacheConfig",
     "CompiledGrammar",
+    "DecodeBatch",
     "Delta",
     "EmbedJob",
     "Embedded",
@@ -93,13 +87,10 @@ __all__ = [
     "ToolFormat",
     "UnsupportedModel",
     "VisionReport",
-    "build_model",
     "decode_alone",
     "family_of",
     "json_schema_grammar",
     "model_fingerprint",
-    "parse_model_name",
-    "resolve_model_path",
 ]
 
 
@@ -190,18 +181,6 @@ class Engine:
             self.runner.caches.shutdown(drain_s)
         else:  # the worker still holds the caches: persisting now would race it
             log.warning("engine worker did not stop in time; KV blocks in RAM were not persisted")
-
-
-def resolve_model_path(model: str, data_dir: Path) -> Path:
-    """'demo' and 'tiny' (and '<family>-demo', '<family>-tiny') name the embedded models, built into
-    data_dir on first use; a folder is used as it is; anything else is a hub id fetched by mlx-vlm."""
-    if (spec := parse_model_name(model)) is not None:
-        return ensure_model(spec, Path(data_dir) / "models" / spec.name)
-    if Path(model).exists():
-        return Path(model)
-    from mlx_vlm.utils import get_model_path
-
-    return Path(get_model_path(model))
 
 
 def model_fingerprint(model_path: Path) -> str:

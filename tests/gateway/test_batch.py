@@ -10,9 +10,9 @@ import httpx
 import mlx.core as mx
 import pytest
 
+from gateway.checkpoints import RECIPES, BuildSpec
 from gateway.engine import ImagePart, Message, Sampler, Sampling, TextPart, decode_alone
 from gateway.engine.batch import DecodeBatch
-from gateway.engine.builder import RECIPES, BuildSpec
 from gateway.engine.caching import CacheConfig
 from gateway.engine.runner import ModelRunner
 from kvcache import TenantSalt

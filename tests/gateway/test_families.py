@@ -17,8 +17,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from gateway.checkpoints import RECIPES, SIZES, BuildSpec
 from gateway.engine import ImagePart, Message, PromptError, Sampling, TextPart, decode_alone
-from gateway.engine.builder import RECIPES, SIZES, BuildSpec
 from gateway.engine.caching import CacheConfig
 from gateway.engine.families import VISION_FAMILIES, UnsupportedModel, family_of
 from gateway.engine.runner import Cancelled, ModelRunner, token_embedding

@@ -11,8 +11,7 @@ import pytest
 from litestar.testing import TestClient
 
 from gateway.app import create_app
-from gateway.engine import resolve_model_path
-from gateway.engine.builder import BuildSpec, parse_model_name
+from gateway.checkpoints import BuildSpec, parse_model_name, resolve_model_path
 from tests.conftest import built_model, png_data_url
 
 

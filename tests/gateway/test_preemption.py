@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
+from gateway.checkpoints import BuildSpec
 from gateway.engine import CacheConfig, Engine, EngineConfig, Failed, Finished, Message, Sampling, TextPart
-from gateway.engine.builder import BuildSpec
 from kvcache import TenantSalt
 from kvcache.ssd import SsdConfig
 from tests.conftest import built_model

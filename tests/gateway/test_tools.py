@@ -13,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from gateway.checkpoints import BuildSpec
 from gateway.engine import Engine, EngineConfig, Message, Sampling, TextPart, Tool, ToolCall, json_schema_grammar
-from gateway.engine.builder import BuildSpec
 from gateway.engine.caching import CacheConfig
 from gateway.engine.constraint import Grammars
 from gateway.engine.tools import ToolFormat

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from gateway.auth import Authenticator, load_server_secret
-from gateway.engine.builder import builder_digest
+from gateway.checkpoints import builder_digest
 from gateway.errors import ApiError
 from gateway.schemas import parse_chat_request
 from gateway.settings import SETTINGS, Limits, Settings, parse_api_keys, settings_from_env

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from gateway.checkpoints import BuildSpec
 from gateway.engine import (
     CacheConfig,
     Engine,
@@ -19,7 +20,6 @@ from gateway.engine import (
     TextPart,
     decode_alone,
 )
-from gateway.engine.builder import BuildSpec
 from gateway.engine.runner import ModelRunner
 from kvcache import TenantSalt
 from tests.conftest import built_model

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ASSETS = Path(__file__).parent / "assets"
+CORPUS = ASSETS / "corpus.txt"  # public-domain text: the tokenizers' training text and the benchmarks' prompts
 VOCAB_SIZE = 8192
 SEED = 20261129
 DTYPES = ("float32", "bfloat16", "float16")
