@@ -635,7 +635,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         pin_budget_bytes=int(budget * settings.kv_pin_fraction),
         vision_idle_s=settings.vision_retention_s,
     )
-    return EngineConfig(settings.max_queue, settings.prefill_chunk_tokens, caches, settings.max_num_seqs)
+    return EngineConfig(settings.max_queue, settings.step_prompt_tokens, caches, settings.max_num_seqs)
 
 
 def _log_startup(settings: Settings, engine: Engine) -> None:

@@ -83,7 +83,7 @@ class Settings:
     keep_alive_s: int = 5  # idle keep-alive connections are closed after this
     max_connections: int = 256  # open connections; more are answered 503 (but /health, /healthz, /health/ready)
     max_connections_per_client: int = 32  # open connections from one address; more are answered 429 (0: no cap)
-    prefill_chunk_tokens: int = _default(EngineConfig, "prefill_chunk_tokens")  # a multiple of kv_block_size
+    step_prompt_tokens: int = _default(EngineConfig, "step_prompt_tokens")  # a multiple of kv_block_size
     kv_block_size: int = 32  # tokens per prefix-cache block (README: how it was chosen)
     kv_budget_bytes: int | None = None  # RAM for KV blocks and running sequences; None = 25% of available RAM; 0 = off
     vision_budget_bytes: int = 256 << 20  # RAM for cached image features; 0 = off
@@ -125,6 +125,11 @@ class Settings:
             raise ValueError(f"exact store must be sqlite, memory or off; got {self.exact_store!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"STRATA_MAX_NUM_SEQS must be at least 1; got {self.max_num_seqs}")
+        if self.step_prompt_tokens < self.kv_block_size or self.step_prompt_tokens % self.kv_block_size:
+            raise ValueError(
+                f"STRATA_STEP_PROMPT_TOKENS must be a multiple of STRATA_KV_BLOCK_SIZE ({self.kv_block_size}); "
+                f"got {self.step_prompt_tokens}"
+            )
         # CIDR strings are parsed here, once (ValueError names a bad one); fetches use the networks
         object.__setattr__(self, "remote_image_allow", tuple(_network(c) for c in self.remote_image_allow))
 
@@ -243,7 +248,13 @@ SETTINGS = (
         "how often expired cache entries and conversations are deleted",
     ),
     Setting("max_queue", "STRATA_MAX_QUEUE", int, "requests that may wait for the engine; more answer 429"),
-    Setting("max_num_seqs", "STRATA_MAX_NUM_SEQS", int, "sequences that decode together, one batched step each"),
+    Setting("max_num_seqs", "STRATA_MAX_NUM_SEQS", int, "sequences on the model at once, one model call a step"),
+    Setting(
+        "step_prompt_tokens",
+        "STRATA_STEP_PROMPT_TOKENS",
+        int,
+        "prompt tokens one model call runs beside the decode rows, over every prompt coming in",
+    ),
     Setting(
         "request_timeout_s", "STRATA_REQUEST_TIMEOUT_S", float, "deadline of one request, queue wait included; then 504"
     ),

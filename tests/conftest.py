@@ -39,7 +39,7 @@ def engine(tiny_model_path):
         TINY,
         EngineConfig(
             max_queue=8,
-            prefill_chunk_tokens=64,
+            step_prompt_tokens=64,
             caches=CacheConfig(prefix_budget_bytes=256 << 20, vision_budget_bytes=64 << 20, block_size=16),
         ),
     )

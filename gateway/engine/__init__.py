@@ -97,13 +97,16 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     max_queue: int = 64
-    prefill_chunk_tokens: int = 512  # a multiple of the block size: chunks end on block boundaries
+    # Prompt tokens one model call runs, over every prompt coming in (a multiple of the block size:
+    # chunks end on block boundaries). bench_step: with 16 decode rows, a call carrying 64 prompt
+    # tokens costs about what the decode rows alone do; 512 more than four times that.
+    step_prompt_tokens: int = 256
     caches: CacheConfig = CacheConfig(prefix_budget_bytes=1 << 30, vision_budget_bytes=256 << 20, block_size=32)
-    max_num_seqs: int = 16  # sequences that decode together, one batched forward per step
+    max_num_seqs: int = 16  # sequences on the model at once: decoding, or their prompt coming in
 
     def __post_init__(self):
-        if self.prefill_chunk_tokens % self.caches.block_size:
-            raise ValueError("prefill_chunk_tokens must be a multiple of the KV block size")
+        if self.step_prompt_tokens % self.caches.block_size:
+            raise ValueError("STRATA_STEP_PROMPT_TOKENS must be a multiple of the KV block size")
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +131,7 @@ class Engine:
             max_token_bytes=self.runner.prompts.max_token_bytes,
             vocab_size=self.runner.vocab_size,
         )
-        self.worker = EngineWorker(self.runner, config.max_queue, config.prefill_chunk_tokens, config.max_num_seqs)
+        self.worker = EngineWorker(self.runner, config.max_queue, config.step_prompt_tokens, config.max_num_seqs)
         self.prepare = self.runner.prompts.build
         self.message_at = self.runner.prompts.message_at  # any thread (tokenizer and template only)
         self.tokens_through = self.runner.prompts.tokens_through  # any thread, likewise

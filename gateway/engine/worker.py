@@ -198,11 +198,11 @@ class WorkerSnapshot:
 
 
 class EngineWorker:
-    def __init__(self, runner: ModelRunner, max_queue: int, prefill_chunk_tokens: int, max_num_seqs: int):
+    def __init__(self, runner: ModelRunner, max_queue: int, step_prompt_tokens: int, max_num_seqs: int):
         self.runner = runner
         # Recurrent layers have no batched cache here: such models decode one sequence at a time.
         self.max_num_seqs = max_num_seqs if runner.batchable else 1
-        self.step_tokens = prefill_chunk_tokens
+        self.step_tokens = step_prompt_tokens  # prompt tokens per model call, over every admission
         # a tenant holds at most half of the waiting places
         self.jobs = FairQueue(max_queue, tenant_share=max(1, max_queue // 2))
         self.scheduler: Scheduler | None = None  # built once warm-up measured the KV bytes per token

@@ -53,7 +53,7 @@ def test_a_tiny_ram_budget_is_named_the_bottleneck(tiny_model_path, admin_settin
         TINY,
         EngineConfig(
             max_queue=8,
-            prefill_chunk_tokens=64,
+            step_prompt_tokens=64,
             caches=CacheConfig(prefix_budget_bytes=1536 << 10, vision_budget_bytes=0, block_size=16, prefix_idle_s=0),
         ),
     )

@@ -23,7 +23,7 @@ def _engine(tiny_model_path) -> Engine:
         TINY,
         EngineConfig(
             max_queue=8,
-            prefill_chunk_tokens=64,
+            step_prompt_tokens=64,
             caches=CacheConfig(prefix_budget_bytes=64 << 20, vision_budget_bytes=0, block_size=16),
         ),
     )

@@ -22,7 +22,7 @@ def _engine(model_path, budget_bytes: int) -> Engine:
     engine = Engine(
         model_path,
         TINY,
-        EngineConfig(max_queue=8, prefill_chunk_tokens=64, caches=CacheConfig(budget_bytes, 0, 16), max_num_seqs=8),
+        EngineConfig(max_queue=8, step_prompt_tokens=64, caches=CacheConfig(budget_bytes, 0, 16), max_num_seqs=8),
     )
     return engine
 

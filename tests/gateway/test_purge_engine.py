@@ -30,7 +30,7 @@ def _engine(tiny_model_path, kv_dir) -> Engine:
         TINY,
         EngineConfig(
             max_queue=8,
-            prefill_chunk_tokens=64,
+            step_prompt_tokens=64,
             caches=CacheConfig(prefix_budget_bytes=256 << 20, vision_budget_bytes=64 << 20, block_size=16, ssd=ssd),
         ),
     )

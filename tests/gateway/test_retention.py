@@ -161,7 +161,7 @@ def test_idle_kv_blocks_and_image_features_expire_from_ram(tiny_model_path, monk
 
     monkeypatch.setattr(worker, "EXPIRY_INTERVAL_S", 0.1)
     caches = CacheConfig(64 << 20, 16 << 20, 16, prefix_idle_s=0.5, vision_idle_s=0.5)
-    engine = Engine(tiny_model_path, TINY, EngineConfig(max_queue=4, prefill_chunk_tokens=64, caches=caches))
+    engine = Engine(tiny_model_path, TINY, EngineConfig(max_queue=4, step_prompt_tokens=64, caches=caches))
     engine.start()
     image = decode_data_url(png_data_url(), ImageLimits(1 << 20, 1 << 22))
     messages = (Message("user", (ImagePart("x"), TextPart("Describe this picture in great detail, please. " * 4))),)

@@ -55,7 +55,7 @@ def runner_of():
         if family not in engines:
             config = EngineConfig(
                 max_queue=4,
-                prefill_chunk_tokens=64,
+                step_prompt_tokens=64,
                 caches=CacheConfig(prefix_budget_bytes=32 << 20, vision_budget_bytes=8 << 20, block_size=16),
             )
             engines[family] = Engine(built_model(BuildSpec(family, "tiny")), family, config)

@@ -218,3 +218,9 @@ def test_a_streamed_anthropic_answer_has_the_blocks_of_the_whole_one(text):
     expected = content_blocks(whole, None)
     assert [b.get("text", b.get("thinking")) for b in blocks] == [b.get("text", b.get("thinking")) for b in expected]
     assert [b["type"] for b in blocks] == [b["type"] for b in expected]
+
+
+def test_a_step_prompt_budget_off_the_block_grid_is_refused_at_start(tmp_path):
+    with pytest.raises(ValueError, match="STRATA_STEP_PROMPT_TOKENS must be a multiple of STRATA_KV_BLOCK_SIZE"):
+        settings_from_env("demo", tmp_path, "h", 1, {"STRATA_STEP_PROMPT_TOKENS": "100"})
+    assert settings_from_env("demo", tmp_path, "h", 1, {"STRATA_STEP_PROMPT_TOKENS": "64"}).step_prompt_tokens == 64
