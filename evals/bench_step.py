@@ -76,12 +76,11 @@ class Setup:
             start = 300 * row
             prefill = runner.prefill(PreparedPrompt(tuple(ids[start : start + 200]), ()), SALT, 512, lambda: False)
             self.batch.join(prefill)
-        flat = list(tree_flatten(runner.lm.parameters()))
-        weights = [array for _, array in flat if isinstance(array, mx.array)]
-        self.weight_bytes = sum(array.nbytes for array in weights)
-        self.num_params = sum(array.size for array in weights)
+        weights = {name: array for name, array in tree_flatten(runner.lm.parameters()) if isinstance(array, mx.array)}
+        self.weight_bytes = sum(array.nbytes for array in weights.values())
+        self.num_params = sum(array.size for array in weights.values())
         # the token embedding is a lookup, not a matmul (a tied output head is counted once, as the lookup)
-        self.embed_params = sum(array.size for name, array in flat if name.endswith("embed_tokens.weight"))
+        self.embed_params = sum(array.size for name, array in weights.items() if name.endswith("embed_tokens.weight"))
 
     def decode_part(self):
         return self.batch.part([[11] for _ in self.batch.rows])
