@@ -18,6 +18,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
@@ -76,7 +77,8 @@ class Setup:
             start = 300 * row
             prefill = runner.prefill(PreparedPrompt(tuple(ids[start : start + 200]), ()), SALT, 512, lambda: False)
             self.batch.join(prefill)
-        weights = {name: array for name, array in tree_flatten(runner.lm.parameters()) if isinstance(array, mx.array)}
+        flat = cast(list[tuple[str, object]], tree_flatten(runner.lm.parameters()))
+        weights = {name: array for name, array in flat if isinstance(array, mx.array)}
         self.weight_bytes = sum(array.nbytes for array in weights.values())
         self.num_params = sum(array.size for array in weights.values())
         # the token embedding is a lookup, not a matmul (a tied output head is counted once, as the lookup)
