@@ -53,6 +53,7 @@ from . import corpus_lines
 
 SENTENCES = corpus_lines()
 MAX_TOKENS = 48
+ADMIN_KEY = "bench-admin"  # the Strata servers' admin key: /healthz and /admin/stats for the reports
 
 
 # -- servers -------------------------------------------------------------------------------------
@@ -64,6 +65,7 @@ class Server:
     def __init__(self, name: str, command: list[str], env: dict[str, str], log_dir: Path, api_key: str | None = None):
         self.name = name
         self.api_key = api_key
+        self.admin_key = env.get("STRATA_ADMIN_KEY")  # Strata's: /healthz then shows the engine's state
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = (log_dir / f"{name.replace(' ', '_').replace('=', '')}-{self.port}.log").open("w")
@@ -126,6 +128,7 @@ def start_strata(
             "STRATA_SEMANTIC": "0",
             "STRATA_EXACT_STORE": "off",
             "STRATA_MODEL_NAME": str(model_dir),
+            "STRATA_ADMIN_KEY": ADMIN_KEY,
         }
         | (extra_env or {})
     )  # (the CLI finds OpenBLAS itself)
@@ -311,10 +314,13 @@ async def closed_loop(server: Server, num_clients: int, requests_per_client: int
 async def watch_running(server: Server, seen: dict) -> None:
     """seen["peak_running"]: the most sequences the server decoded at once, from its /healthz every
     50 ms, until cancelled (stays -1 for a server without one: mlx-vlm)."""
+    if server.admin_key is None:
+        return
+    headers = {"Authorization": f"Bearer {server.admin_key}"}
     async with httpx.AsyncClient(timeout=5) as client:
         while True:
             try:
-                running = (await client.get(server.url + "/healthz")).json()["engine_running"]
+                running = (await client.get(server.url + "/healthz", headers=headers)).json()["engine_running"]
             except (httpx.HTTPError, ValueError, KeyError, TypeError):
                 return
             seen["peak_running"] = max(seen["peak_running"], int(running))
@@ -423,9 +429,7 @@ def kv_budget(model_dir: Path, work: Path, num_clients: int, budget_bytes: int, 
     how many decode at once, how many a worst-case reservation ((prompt + max_tokens) x KV bytes per
     token each, as before the scheduler held only what sequences use) would have let in, and the
     preemptions it took."""
-    admin = "bench-admin"
-    extra = {"STRATA_KV_BUDGET_BYTES": str(budget_bytes), "STRATA_ADMIN_KEY": admin}
-    server = start_strata("strata kv budget", model_dir, work, None, extra)
+    server = start_strata("strata kv budget", model_dir, work, None, {"STRATA_KV_BUDGET_BYTES": str(budget_bytes)})
 
     async def run() -> tuple[list[Sample], float, int]:
         async with httpx.AsyncClient(timeout=1200, limits=httpx.Limits(max_connections=num_clients + 4)) as client:
@@ -445,7 +449,9 @@ def kv_budget(model_dir: Path, work: Path, num_clients: int, budget_bytes: int, 
     try:
         asyncio.run(closed_loop(server, 1, 1, lambda c: distinct_conversations("warm", c)))
         samples, wall, peak = asyncio.run(run())
-        stats = httpx.get(server.url + "/admin/stats", headers={"Authorization": f"Bearer {admin}"}).json()["engine"]
+        stats = httpx.get(server.url + "/admin/stats", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()[
+            "engine"
+        ]
     finally:
         server.stop()
     prompt_tokens = statistics.median(s.prompt_tokens for s in samples if not s.error)

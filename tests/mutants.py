@@ -292,6 +292,13 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "a request waiting for memory dropped when a preempted one resumes",
+        "gateway/engine/scheduler.py",
+        "            if sequence is self.memory_wait:\n",
+        "            if True:\n",
+        ("tests/gateway/test_scheduler.py",),
+    ),
+    Mutant(
         "a prompt chunk past the step's token budget",
         "gateway/engine/scheduler.py",
         "return min(pending, max(block, budget // block * block))",

@@ -307,7 +307,9 @@ class ModelRunner:
         (gateway/engine/mixed.py). Chunks' admissions then store the blocks they completed."""
         start = time.perf_counter()
         logits = self._call_one(parts[0]) if len(parts) == 1 else self._call_packed(parts)
-        mx.eval(logits + [array for part in parts if part.admission for array in _state_arrays(part.cache)])
+        chunks = [part for part in parts if part.admission is not None]
+        if chunks:  # their blocks are stored now; decode logits alone stay lazy until the draws (one sync a step)
+            mx.eval(logits + [array for part in chunks for array in _state_arrays(part.cache)])
         spent = time.perf_counter() - start
         for part, part_logits in zip(parts, logits):
             if part.admission is not None:

@@ -34,6 +34,10 @@ from typing import Any, Protocol
 
 from .fair_queue import FairQueue
 
+# With no decode row to stall, prompts run in chunks up to this size: the engine's chunk length
+# before steps were mixed (a longer chunk's attention costs more than the calls it saves).
+ALONE_STEP_TOKENS = 512
+
 
 class Status(Enum):
     WAITING = "waiting"
@@ -55,7 +59,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # of prompt + generated, the tokens whose KV is in the sequence's cache
     num_reserved_tokens: int = 0  # KV tokens the memory budget holds for it
-    order: int = 0  # admission order: the newest is preempted first
+    order: int = 0  # first admission's order: the newest is preempted first, a resumed one keeps its place
     num_preemptions: int = 0
     drafts: list[int] = field(default_factory=list)  # tokens proposed to verify in the next step
     num_real_drafts: int = 0  # of drafts, the proposer's (the rest pad the batch to one width)
@@ -159,7 +163,8 @@ class Scheduler:
         then new admissions while places, memory and the token budget last. `block`: wait for a
         request when nothing runs."""
         plan = StepPlan()
-        budget = self.limits.step_tokens
+        decoding = any(sequence.decoding for sequence in self.running)
+        budget = self.limits.step_tokens if decoding else max(self.limits.step_tokens, ALONE_STEP_TOKENS)
         for sequence in list(self.running):
             if sequence.status is not Status.RUNNING:
                 continue  # preempted while an older one grew
@@ -225,15 +230,19 @@ class Scheduler:
             sequence = self._next_candidate(plan, block and not self.running and not plan, timeout_s)
             if sequence is None:
                 return
-            if not self._hold(sequence, min(sequence.num_tokens + self.limits.block_tokens, self._most(sequence))):
+            if not self._hold(
+                sequence, min(sequence.num_tokens + self.limits.block_tokens, self._most(sequence)), plan
+            ):
                 if self.running:  # they free memory as they end: wait at the head of the line
                     self._wait_for_memory(sequence)
                     return
                 self.executor.refuse(sequence, "its KV does not fit the memory budget, which blocks in use hold")
                 continue
-            self.memory_wait = None
+            if sequence is self.memory_wait:
+                self.memory_wait = None
             sequence.status = Status.RUNNING
-            sequence.order, self.next_order = self.next_order, self.next_order + 1
+            if not sequence.num_preemptions:  # its place in line is its first admission's
+                sequence.order, self.next_order = self.next_order, self.next_order + 1
             self.running.append(sequence)
             if not self.executor.admit(sequence):
                 self.finish(sequence)
@@ -266,9 +275,15 @@ class Scheduler:
         """The most KV a sequence can ever hold: its prompt and max_tokens."""
         return sequence.num_prompt_tokens + sequence.max_tokens
 
-    def _hold(self, sequence: Sequence, num_tokens: int) -> bool:
-        if not self.memory.reserve(num_tokens * self.limits.kv_bytes_per_token):
+    def _hold(self, sequence: Sequence, num_tokens: int, plan: StepPlan) -> bool:
+        """Reserve the sequence's first KV, leaving a block of room for each running sequence to
+        grow into (admitting into the last free bytes only to preempt the newcomer a few steps
+        later wastes its prefill); a sequence preempted this step is not let back in."""
+        per_token = self.limits.kv_bytes_per_token
+        room = len(self.running) * self.limits.block_tokens * per_token
+        if not self.memory.reserve(num_tokens * per_token + room):
             return False
+        self.memory.release(room)
         sequence.num_reserved_tokens = num_tokens
         return True
 

@@ -476,7 +476,7 @@ class EngineWorker:
         prompt = job.prompt
         if sequence.generated:
             prompt = dataclasses.replace(prompt, token_ids=prompt.token_ids + tuple(sequence.generated))
-        else:
+        if not sequence.num_preemptions:  # its first admission
             self.stats.num_requests += 1
             job.queue_ms = (time.perf_counter() - job.enqueued_at) * 1000
         try:

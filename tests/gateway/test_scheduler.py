@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.engine.fair_queue import FairQueue
-from gateway.engine.scheduler import Limits, Scheduler, Sequence, Status
+from gateway.engine.scheduler import ALONE_STEP_TOKENS, Limits, Scheduler, Sequence, Status
 
 BLOCK = 16
 
@@ -91,13 +91,21 @@ def _run_until_idle(scheduler, max_steps=10_000):
 
 def test_prompt_chunks_share_the_step_token_budget_in_whole_blocks():
     scheduler, _ = _scheduler(step_tokens=64)
+    decoding = _submit(scheduler, 10, max_tokens=100)
+    _execute(scheduler, scheduler.schedule())
     a, b = _submit(scheduler, 100), _submit(scheduler, 40)
     plan = scheduler.schedule()
-    assert plan.chunks == [(a, 64)]  # a's first 64 tokens use the budget; b waits for the next step
+    assert plan.decode == [decoding] and plan.chunks == [(a, 64)]  # a's first 64 tokens use the budget
     _execute(scheduler, plan)
     plan = scheduler.schedule()
     assert plan.chunks == [(a, 36), (b, 16)]  # a's rest, then b's first whole block within what is left
     assert plan.admitted == [b]
+
+
+def test_with_no_stream_to_stall_a_prompt_runs_in_long_chunks():
+    scheduler, _ = _scheduler(step_tokens=64)
+    sequence = _submit(scheduler, 1000)
+    assert scheduler.schedule().chunks == [(sequence, ALONE_STEP_TOKENS)]
 
 
 def test_several_short_prompts_come_in_in_one_step():
@@ -262,3 +270,14 @@ def test_a_prompt_shorter_than_a_block_past_the_budget_takes_what_is_left():
     first, second = _submit(scheduler, 30), _submit(scheduler, 10)
     plan = scheduler.schedule()
     assert plan.chunks == [(first, 30), (second, 10)]  # the budget left (2) rounds up to a block, cut to 10
+
+
+def test_a_request_waiting_for_memory_keeps_its_place_while_a_preempted_one_resumes():
+    scheduler, executor = _scheduler(capacity=240, step_tokens=512)
+    sequences = [_submit(scheduler, 32, max_tokens=200, tenant=bytes([i])) for i in range(4)]
+    late = _submit(scheduler, 150, max_tokens=4, tenant=b"z")
+    while not executor.preempted:
+        _execute(scheduler, scheduler.schedule())
+    assert scheduler.memory_wait is late
+    _run_until_idle(scheduler)
+    assert late.status is Status.FINISHED and all(s.status is Status.FINISHED for s in sequences)
