@@ -313,7 +313,7 @@ async def closed_loop(server: Server, num_clients: int, requests_per_client: int
 
 async def watch_running(server: Server, seen: dict) -> None:
     """seen["peak_running"]: the most sequences the server decoded at once, from its /healthz every
-    50 ms, until cancelled (stays -1 for a server without one: mlx-vlm)."""
+    100 ms, until cancelled (stays -1 for a server without one: mlx-vlm)."""
     if server.admin_key is None:
         return
     headers = {"Authorization": f"Bearer {server.admin_key}"}
@@ -324,7 +324,7 @@ async def watch_running(server: Server, seen: dict) -> None:
             except (httpx.HTTPError, ValueError, KeyError, TypeError):
                 return
             seen["peak_running"] = max(seen["peak_running"], int(running))
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.1)
 
 
 def summarise(samples: list[Sample], wall_s: float) -> dict:

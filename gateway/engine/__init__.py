@@ -98,9 +98,9 @@ __all__ = [
 class EngineConfig:
     max_queue: int = 64
     # Prompt tokens one model call runs, over every prompt coming in (a multiple of the block size:
-    # chunks end on block boundaries). bench_step: with 16 decode rows, a call carrying 64 prompt
-    # tokens costs about what the decode rows alone do; 512 more than four times that.
-    step_prompt_tokens: int = 256
+    # chunks end on block boundaries). Measured on the demo model, 16 closed-loop clients: 128 keeps
+    # the inter-token p99 at 1.8x its median (256: 5.3x, 64: 2.1x) at the same throughput.
+    step_prompt_tokens: int = 128
     caches: CacheConfig = CacheConfig(prefix_budget_bytes=1 << 30, vision_budget_bytes=256 << 20, block_size=32)
     max_num_seqs: int = 16  # sequences on the model at once: decoding, or their prompt coming in
 

@@ -522,7 +522,7 @@ class EngineWorker:
 
     def _step(self, plan: StepPlan) -> None:
         """One model call for the plan: the decode rows' pending tokens (and drafts) and the prompt chunks."""
-        assert [id(s) for s in plan.decode] == [id(s) for s in self.rows], "every row decodes in each step"
+        assert {id(s) for s in plan.decode} == {id(s) for s in self.rows}, "every row decodes in each step"
         parts = [self.batch.part([[s.generated[-1], *s.drafts] for s in self.rows])] if self.rows else []
         for sequence, num_tokens in plan.chunks:
             parts.append(self.runner.chunk_part(sequence.admission, sequence.num_computed_tokens + num_tokens))
