@@ -6,8 +6,8 @@ the process starts, is 10-30x faster. macOS uses Accelerate and needs none of th
 
 from __future__ import annotations
 
-import os
 import functools
+import os
 import sys
 from pathlib import Path
 
