@@ -165,7 +165,7 @@ class Scheduler:
         plan = StepPlan()
         decoding = any(sequence.decoding for sequence in self.running)
         budget = self.limits.step_tokens if decoding else max(self.limits.step_tokens, ALONE_STEP_TOKENS)
-        for sequence in list(self.running):
+        for sequence in sorted(self.running, key=lambda s: s.order):  # oldest first: victims come later
             if sequence.status is not Status.RUNNING:
                 continue  # preempted while an older one grew
             num_tokens = self._tokens_for(sequence, budget)

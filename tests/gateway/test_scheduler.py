@@ -281,3 +281,20 @@ def test_a_request_waiting_for_memory_keeps_its_place_while_a_preempted_one_resu
     assert scheduler.memory_wait is late
     _run_until_idle(scheduler)
     assert late.status is Status.FINISHED and all(s.status is Status.FINISHED for s in sequences)
+
+
+def test_a_resumed_sequence_growing_never_preempts_one_already_in_the_plan():
+    """Every sequence a plan feeds is still running when the plan is returned (a resumed sequence
+    keeps its old place in line, so the newest is still the last one planned)."""
+    scheduler, executor = _scheduler(capacity=300, step_tokens=512)  # two preempted at once, resumed in turn
+    for i in range(6):
+        _submit(scheduler, 32, max_tokens=200, tenant=bytes([i]))
+    for _ in range(3000):
+        plan = scheduler.schedule()
+        if not plan:
+            break
+        fed = plan.decode + [sequence for sequence, _ in plan.chunks]
+        assert all(sequence.status is Status.RUNNING for sequence in fed)
+        assert not set(fed) & set(plan.preempted)
+        _execute(scheduler, plan)
+    assert len(executor.preempted) >= 3
