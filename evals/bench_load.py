@@ -129,6 +129,8 @@ def start_strata(
             "STRATA_EXACT_STORE": "off",
             "STRATA_MODEL_NAME": str(model_dir),
             "STRATA_ADMIN_KEY": ADMIN_KEY,
+            # one load generator stands for many clients: its connections are not one client's
+            "STRATA_MAX_CONNECTIONS_PER_CLIENT": "0",
         }
         | (extra_env or {})
     )  # (the CLI finds OpenBLAS itself)
