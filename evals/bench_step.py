@@ -94,7 +94,7 @@ class Setup:
 
     def run(self, parts) -> None:
         """One call, then the KV it appended trimmed away, so every repeat sees the same state."""
-        self.runner.run_step(parts)
+        mx.eval(self.runner.run_step(parts))  # a decode-only call's logits stay lazy until evaluated
         if any(part.cache is self.batch.cache for part in parts):
             self.batch.trim([1] * len(self.batch.rows))
 
