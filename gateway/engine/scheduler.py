@@ -149,7 +149,7 @@ class Scheduler:
         self.memory = memory
         self.executor = executor
         self.waiting = queue
-        self.preempted: deque[Sequence] = deque()  # resumed before anything waiting, oldest first
+        self.preempted: deque[Sequence] = deque()  # resumed before anything waiting, oldest (by order) first
         self.memory_wait: Sequence | None = None  # the head of the line, until its KV fits
         self.running: list[Sequence] = []  # admission order (oldest first)
         self.batch_share = max(1, limits.max_num_seqs // 2)
@@ -260,10 +260,14 @@ class Scheduler:
         self.memory_wait = sequence
 
     def _next_candidate(self, plan: StepPlan, block: bool, timeout_s: float | None) -> Sequence | None:
-        """A preempted sequence (it was running; not one preempted by this very plan), else the
+        """The oldest preempted sequence (it was running; not one preempted by this very plan), else the
         request waiting for memory at the head of the line, else the fair queue's next."""
         if self.preempted:
-            return None if self.preempted[0] in plan.preempted else self.preempted.popleft()
+            oldest = min(self.preempted, key=lambda s: s.order)
+            if oldest in plan.preempted:
+                return None
+            self.preempted.remove(oldest)
+            return oldest
         if self.memory_wait is not None:
             return self.memory_wait
         return self.waiting.get(

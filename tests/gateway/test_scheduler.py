@@ -176,10 +176,12 @@ def test_when_memory_runs_out_the_newest_sequence_is_preempted_and_resumes_first
         assert scheduler.memory.used <= scheduler.memory.capacity
     assert executor.preempted == [sequences[-1]]  # the newest goes first
     late = _submit(scheduler, 8, max_tokens=4, tenant=b"z")
-    while sequences[-1].status is Status.PREEMPTED:
+    while late.status is Status.WAITING:
         plan = scheduler.schedule()
-        assert late not in plan.admitted  # a preempted sequence comes back before anything new
+        if late in plan.admitted:  # only once every preempted sequence is back, and after them
+            assert not scheduler.preempted and plan.admitted[-1] is late
         _execute(scheduler, plan)
+    assert sequences[-1].status is not Status.PREEMPTED
     _run_until_idle(scheduler)
     assert all(s.status is Status.FINISHED and len(s.generated) == 200 for s in sequences)
     assert late.status is Status.FINISHED and scheduler.memory.used == 0
@@ -285,14 +287,18 @@ def test_a_request_waiting_for_memory_keeps_its_place_while_a_preempted_one_resu
 
 def test_a_resumed_sequence_growing_never_preempts_one_already_in_the_plan():
     """Every sequence a plan feeds is still running when the plan is returned (a resumed sequence
-    keeps its old place in line, so the newest is still the last one planned)."""
+    keeps its old place in line, so the newest is still the last one planned), and preempted
+    sequences come back oldest first."""
     scheduler, executor = _scheduler(capacity=300, step_tokens=512)  # two preempted at once, resumed in turn
     for i in range(6):
         _submit(scheduler, 32, max_tokens=200, tenant=bytes([i]))
     for _ in range(3000):
+        in_line = sorted(sequence.order for sequence in scheduler.preempted)
         plan = scheduler.schedule()
         if not plan:
             break
+        resumed = [sequence.order for sequence in plan.admitted if sequence.num_preemptions]
+        assert resumed == in_line[: len(resumed)]  # the oldest preempted come back first
         fed = plan.decode + [sequence for sequence, _ in plan.chunks]
         assert all(sequence.status is Status.RUNNING for sequence in fed)
         assert not set(fed) & set(plan.preempted)
