@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import math
 import os
 import time
@@ -39,6 +40,7 @@ from .mixed import install as install_packed_calls
 from .prompt import PreparedPrompt, PromptBuilder, PromptImage
 from .types import Pin, Sampling
 
+log = logging.getLogger("strata.engine")
 CLOSING_CHECK_TOKENS = 8  # how often a grammar's distance to closing is measured (and the margin kept)
 LAST_TOKEN_POOLING = ("qwen3",)  # model types whose mlx-vlm embedding model pools the last token
 
@@ -170,6 +172,9 @@ class ModelRunner:
         # Families whose embedding checkpoints mlx-vlm runs by pooling the same decoder (qwen3 ->
         # qwen3_embedding: the final hidden state of the last token, L2-normalised).
         self.poolable = config.get("model_type") in LAST_TOKEN_POOLING and hasattr(self.lm, "model")
+        # Whether several parts can share one model call (gateway/engine/mixed.py); a family whose
+        # attention takes an argument a packed call cannot cut per segment runs its parts one by one.
+        self.packable = True
 
     def embed(self, token_ids: Sequence[int]) -> np.ndarray:
         """The text's embedding as mlx-vlm's embedding model of this family computes it (poolable only)."""
@@ -306,7 +311,7 @@ class ModelRunner:
         keep, vocab), in order. One part runs as the library's plain call; several are packed
         (gateway/engine/mixed.py). Chunks' admissions then store the blocks they completed."""
         start = time.perf_counter()
-        logits = self._call_one(parts[0]) if len(parts) == 1 else self._call_packed(parts)
+        logits = self._call_one(parts[0]) if len(parts) == 1 else self._call_parts(parts)
         chunks = [part for part in parts if part.admission is not None]
         if chunks:  # their blocks are stored now; decode logits alone stay lazy until the draws (one sync a step)
             mx.eval(logits + [array for part in chunks for array in _state_arrays(part.cache)])
@@ -315,6 +320,17 @@ class ModelRunner:
             if part.admission is not None:
                 part.admission.advance(self.caches, part.ids.shape[1], part_logits[-1], spent)
         return logits
+
+    def _call_parts(self, parts: list[Part]) -> list[mx.array]:
+        """Several parts in one packed call; one call each for a family that cannot pack. The packed
+        call finds that out at its first layer's first segment, before any cache has changed."""
+        if self.packable:
+            try:
+                return self._call_packed(parts)
+            except NotImplementedError as exc:
+                log.warning("this model's calls cannot be packed (%s): its steps run one call per part", exc)
+                self.packable = False
+        return [self._call_one(part)[0] for part in parts]
 
     def _call_one(self, part: Part) -> list[mx.array]:
         kwargs = {"cache": part.cache} | part.extra

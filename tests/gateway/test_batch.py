@@ -125,6 +125,20 @@ def test_mixed_steps_and_batched_admissions_give_each_sequence_its_lone_tokens(f
     assert _mixed(runner, prompts) == alone
 
 
+def test_a_family_whose_calls_cannot_be_packed_runs_each_part_alone(monkeypatch):
+    """A packed call that meets an attention argument it cannot cut (NotImplementedError, raised
+    before any cache changes) falls back to one call per part, for good, with the same tokens."""
+    runner = ModelRunner(built_model(BuildSpec("llama", "tiny")), CacheConfig(0, 0, 16), "fp")
+    prompts = _prompts(runner, 4)
+    alone = [_alone(runner, p) for p in prompts]
+
+    def cannot_pack(parts):
+        raise NotImplementedError("a packed call cannot cut this layer's mask per segment")
+
+    monkeypatch.setattr(runner, "_call_packed", cannot_pack)
+    assert _mixed(runner, prompts) == alone and runner.packable is False
+
+
 def test_a_row_that_leaves_stores_its_prompt_and_reply_blocks():
     runner = ModelRunner(built_model(BuildSpec("llama", "tiny")), CacheConfig(64 << 20, 0, 16), "fp")
     prompts = _prompts(runner, 3)
