@@ -192,7 +192,7 @@ class ModelRunner:
         ids = mx.array([self.tokenizer.encode("warm up " * 8, add_special_tokens=False)], dtype=mx.int32)
         positions = _plain_mrope(ids.shape[1]) if self.family.positions == "mrope" else None
         cache = self.new_cache()
-        mx.eval(self.forward(ids, None, cache, positions))
+        mx.eval(self._call_one(Part(cache, ids, positions=positions)))
         self.kv_bytes_per_token = kv_bytes_per_token(cache)
         if self.family.image_placeholder:
             from PIL import Image
@@ -369,19 +369,6 @@ class ModelRunner:
         sizes = [part.ids.shape[0] * part.keep for part in parts]
         bounds = np.cumsum([0, *sizes]).tolist()
         return [logits[bounds[i] : bounds[i + 1]] for i in range(len(parts))]
-
-    def forward(
-        self, ids: mx.array, embeds: mx.array | None, cache: list, positions: mx.array | None, extra: dict | None = None
-    ) -> mx.array:
-        """One language-model call through the library's own entry point: each row's logits at its
-        last position, (rows, vocab)."""
-        kwargs = {"cache": cache} | (extra or {})
-        if embeds is not None:
-            kwargs["inputs_embeds"] = embeds
-        if positions is not None:
-            kwargs["position_ids"] = positions
-        out = self.lm(ids, **kwargs)
-        return getattr(out, "logits", out)[:, -1]
 
     def finish(self, prefill: PrefillResult, generated: list[int], to_ssd: bool = False) -> None:
         """Cache prompt + generated blocks (the next turn reuses the reply), then release the
