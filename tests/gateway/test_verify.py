@@ -4,8 +4,6 @@ per row), and in both cases every answer equals plain decoding, rows of differen
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from gateway.checkpoints import BuildSpec
@@ -13,8 +11,6 @@ from gateway.engine import (
     CacheConfig,
     Engine,
     EngineConfig,
-    Failed,
-    Finished,
     Message,
     Sampling,
     TextPart,
@@ -23,9 +19,11 @@ from gateway.engine import (
 from gateway.engine.runner import ModelRunner
 from kvcache import TenantSalt
 from tests.conftest import built_model
+from tests.gateway.test_preemption import _answers
 
 SALT = TenantSalt(b"V" * 32)
 STEPS = 40
+GREEDY = Sampling(STEPS, 0.0, 1.0, None, ())
 DRAFTS = 4
 
 
@@ -45,21 +43,6 @@ def _greedy_tokens(path, prompts) -> dict[tuple[int, ...], list[int]]:
             decode_alone(runner, prefill, Sampling(STEPS, 0.0, 1.0, None, ()), lambda: False)
         )
     return expected
-
-
-def _answers(engine, prompts) -> list[tuple[str, int]]:
-    async def one(prompt):
-        text = ""
-        async for event in engine.events(engine.submit(prompt, Sampling(STEPS, 0.0, 1.0, None, ()), SALT)):
-            assert not isinstance(event, Failed), event.message
-            if isinstance(event, Finished):
-                return text, event.num_completion_tokens
-            text += getattr(event, "text", "")
-
-    async def all_of_them():
-        return await asyncio.gather(*(one(p) for p in prompts))
-
-    return asyncio.run(all_of_them())
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "qwen2_5_vl"])
@@ -83,16 +66,16 @@ def test_drafts_all_accepted_or_all_rejected_leave_every_answer_as_plain_decodin
             right = sequence.job.prompt.token_ids in {p.token_ids for p in prompts[::2]}
             return own_tokens(sequence) if right else wrong_tokens(sequence)
 
-        plain = _answers(engine, prompts)
+        plain = _answers(engine, prompts, [GREEDY] * len(prompts))
         plain_steps = engine.snapshot().counters.num_decode_steps
         engine.worker.proposer = own_tokens
-        right = _answers(engine, prompts)
+        right = _answers(engine, prompts, [GREEDY] * len(prompts))
         after_right = engine.snapshot().counters
         engine.worker.proposer = wrong_tokens
-        wrong = _answers(engine, prompts)
+        wrong = _answers(engine, prompts, [GREEDY] * len(prompts))
         after_wrong = engine.snapshot().counters
         engine.worker.proposer = every_other_row_right
-        half = _answers(engine, prompts)
+        half = _answers(engine, prompts, [GREEDY] * len(prompts))
     finally:
         engine.stop()
     assert [n for _, n in plain] == [len(expected[p.token_ids]) for p in prompts]
