@@ -301,16 +301,25 @@ async def closed_loop(server: Server, num_clients: int, requests_per_client: int
                 messages.append({"role": "assistant", "content": sample.text})
 
     limits = httpx.Limits(max_connections=num_clients + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client, watching(server) as seen:
         start = time.perf_counter()
-        seen = {"peak_running": -1}
-        watch = asyncio.ensure_future(watch_running(server, seen))
         await asyncio.gather(*(one_client(i, client) for i in range(num_clients)))
         wall = time.perf_counter() - start
+    return summarise(samples, wall) | seen
+
+
+@contextlib.asynccontextmanager
+async def watching(server: Server):
+    """Within the block, watch_running() keeps the server's peak number of decoding sequences in
+    the dict it yields."""
+    seen = {"peak_running": -1}
+    watch = asyncio.ensure_future(watch_running(server, seen))
+    try:
+        yield seen
+    finally:
         watch.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watch
-    return summarise(samples, wall) | seen
 
 
 async def watch_running(server: Server, seen: dict) -> None:
@@ -435,17 +444,13 @@ def kv_budget(model_dir: Path, work: Path, num_clients: int, budget_bytes: int, 
 
     async def run() -> tuple[list[Sample], float, int]:
         async with httpx.AsyncClient(timeout=1200, limits=httpx.Limits(max_connections=num_clients + 4)) as client:
-            seen = {"peak_running": -1}
-            watch = asyncio.ensure_future(watch_running(server, seen))
             conversations = [distinct_conversations("budget", i) for i in range(num_clients)]
-            start = time.perf_counter()
-            samples = await asyncio.gather(
-                *(stream(client, server, next(c), max_tokens=max_tokens) for c in conversations)
-            )
-            wall = time.perf_counter() - start
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
+            async with watching(server) as seen:
+                start = time.perf_counter()
+                samples = await asyncio.gather(
+                    *(stream(client, server, next(c), max_tokens=max_tokens) for c in conversations)
+                )
+                wall = time.perf_counter() - start
             return list(samples), wall, seen["peak_running"]
 
     try:
