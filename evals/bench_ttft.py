@@ -306,8 +306,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=10)
     args = parser.parse_args()
     if args.family:
-        # qwen3_next is the hybrid test model: it runs without prefix reuse by design
-        families = [f for f in BUILDABLE_FAMILIES if f != "qwen3_next"] if args.family == "all" else [args.family]
+        families = list(BUILDABLE_FAMILIES) if args.family == "all" else [args.family]
         rows = [row for family in families for row in family_rows(family, args.data_dir, args.turns, args.runs)]
         family_table(rows, args.turns)
         print(json.dumps({"families": rows}))

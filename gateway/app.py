@@ -634,6 +634,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         prefix_idle_s=settings.kv_ram_retention_s,
         pin_budget_bytes=int(budget * settings.kv_pin_fraction),
         vision_idle_s=settings.vision_retention_s,
+        snapshot_blocks=settings.kv_snapshot_blocks,
     )
     return EngineConfig(settings.max_queue, settings.step_prompt_tokens, caches, settings.max_num_seqs)
 

@@ -17,7 +17,7 @@ from kvcache.quant import QuantConfig
 from kvcache.ssd import AdmissionPolicy, SsdConfig
 from semantic import SemanticSettings
 
-from .engine import EngineConfig
+from .engine import CacheConfig, EngineConfig
 
 EXACT_STORES = ("sqlite", "memory", "off")
 LOG_FORMATS = ("text", "json")
@@ -85,6 +85,7 @@ class Settings:
     max_connections_per_client: int = 32  # open connections from one address; more are answered 429 (0: no cap)
     step_prompt_tokens: int = _default(EngineConfig, "step_prompt_tokens")  # a multiple of kv_block_size
     kv_block_size: int = 32  # tokens per prefix-cache block (README: how it was chosen)
+    kv_snapshot_blocks: int = _default(CacheConfig, "snapshot_blocks")  # hybrid models: a state snapshot every N blocks
     kv_budget_bytes: int | None = None  # RAM for KV blocks and running sequences; None = 25% of available RAM; 0 = off
     vision_budget_bytes: int = 256 << 20  # RAM for cached image features; 0 = off
     kv_ram_retention_s: float = 86400.0  # prefix KV blocks in RAM nobody used for this long are dropped (0: never)
@@ -130,6 +131,8 @@ class Settings:
                 f"STRATA_STEP_PROMPT_TOKENS must be a multiple of STRATA_KV_BLOCK_SIZE ({self.kv_block_size}); "
                 f"got {self.step_prompt_tokens}"
             )
+        if self.kv_snapshot_blocks < 0:
+            raise ValueError(f"STRATA_KV_SNAPSHOT_BLOCKS must be 0 or more; got {self.kv_snapshot_blocks}")
         # CIDR strings are parsed here, once (ValueError names a bad one); fetches use the networks
         object.__setattr__(self, "remote_image_allow", tuple(_network(c) for c in self.remote_image_allow))
 
@@ -290,6 +293,12 @@ SETTINGS = (
         "open connections from one client address; more are answered 429 (0: none, as behind a proxy)",
     ),
     Setting("kv_block_size", "STRATA_KV_BLOCK_SIZE", int, "tokens per prefix KV block"),
+    Setting(
+        "kv_snapshot_blocks",
+        "STRATA_KV_SNAPSHOT_BLOCKS",
+        int,
+        "hybrid models: snapshot the recurrent state every this many blocks of a prompt (0: only at its end)",
+    ),
     Setting(
         "kv_budget_bytes",
         "STRATA_KV_BUDGET_BYTES",

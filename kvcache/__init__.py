@@ -16,6 +16,7 @@ from .prefix import (
     PrefixSnapshot,
     cacheability,
     default_budget_bytes,
+    is_recurrent,
 )
 
 __all__ = [
@@ -37,5 +38,6 @@ __all__ = [
     "chain_root",
     "default_budget_bytes",
     "hash_blocks",
+    "is_recurrent",
     "tenant_salt",
 ]

@@ -38,7 +38,7 @@ K = TypeVar("K", bound=Hashable)
 class Block:
     block_hash: BlockHash
     kv: tuple = ()  # per layer: (keys, values), each (1, kv_heads, block_size, head_dim) or Quantized
-    nbytes: int = 0
+    nbytes: int = 0  # kv and state
     ref_count: int = 0
     parent_hash: BlockHash | None = None
     end_token: int = 0  # the block covers tokens [end_token - block_size, end_token) of its chain
@@ -49,6 +49,9 @@ class Block:
     stored_at: float = 0.0  # time.monotonic() when it entered the pool (miss diagnosis: how long it lived)
     owners: set[str] = field(default_factory=set)
     purged: bool = False  # no owner left, but in use: it goes when released
+    # A hybrid model's recurrent layers' state after the block's last token (per recurrent layer, its
+    # arrays), or () when no snapshot was taken here: a prefix is restorable only up to a block with one.
+    state: tuple = ()
     # intrusive links of the free queue; None while the block is in use
     prev: Block | None = field(default=None, repr=False)
     next: Block | None = field(default=None, repr=False)
@@ -216,6 +219,18 @@ class BlockPool:
         self.counters.num_inserted += 1
         return block
 
+    def add_state(self, block: Block, state: tuple, nbytes: int) -> bool:
+        """Give a cached block in use a recurrent-state snapshot of nbytes (it had none), within the
+        budget; False, changing nothing, when it does not fit or the block is pinned (its pin budget
+        was spent on its size without one)."""
+        assert block.ref_count > 0 and not block.state, "a snapshot joins a held block that has none"
+        if block.block_hash in self.pins or not self.make_room(nbytes):
+            return False
+        block.state = state
+        block.nbytes += nbytes
+        self.num_bytes += nbytes
+        return True
+
     def pin(self, block: Block, ttl_s: float) -> bool:
         """Keep a cached block from LRU eviction for ttl_s (a pinned block pinned again keeps the later
         end); False, pinning nothing, past its scope's pin budget."""
@@ -343,7 +358,7 @@ class BlockPool:
         if not siblings:
             del self.children[block.parent_hash]
         self.num_bytes -= block.nbytes
-        block.kv = ()
+        block.kv, block.state = (), ()
         if self.on_discard is not None:
             self.on_discard(block, reason)
 

@@ -5,8 +5,15 @@
     session.gather(num_tokens) -> [(keys, values)]   per layer, ready to seed a KV cache
     session.pin(num_tokens, ttl_s) -> int           keep its first blocks from LRU for a while
     session.pin_on_ssd(num_tokens, ttl_s) -> int    the same on the SSD tier (written there now)
-    session.store(token_ids, layer_states, num_tokens)   cache the full blocks of the first num_tokens
+    session.store(token_ids, layer_states, num_tokens, snapshot)   cache the full blocks of the first num_tokens
+    session.state_at(num_tokens) -> state            a hybrid model's recurrent-state snapshot there
     PrefixCache.purge_owned(selects) -> Purged       take owners off blocks (RAM; the SSD tier has its own)
+
+A hybrid model (attention layers and recurrent layers: gated delta, Mamba, short convolutions) keeps
+its attention layers' KV in blocks as any model, and its recurrent layers' state as snapshots taken
+at chosen block boundaries, each held by the block it ends (so salts, owners, purges, retention and
+the SSD tier treat it as the block's own data). A recurrent state sums the whole prefix and cannot be
+cut: such a session (`snapshots=True`) reuses its prefix up to the deepest held block with a snapshot.
 
 The session owns its chain: it derives the tenant-salted root and the block hashes from the tokens,
 and extends the chain itself when `store` is given more tokens (the prompt plus the reply).
@@ -31,12 +38,12 @@ import mlx.core as mx
 from .chain import ExtraSpan, hash_blocks
 from .keys import BlockHash, TenantSalt, chain_root
 from .pool import Block, BlockPool, Ghost, Ghosts, PoolStats, Purged
-from .quant import QuantConfig, from_tensors, quantize, restore, to_tensors
+from .quant import QuantConfig, from_tensors, quantize, restore, state_from_tensors, to_tensors
 from .ssd import SpillRequest, SsdTier
 
 SLICEABLE_CACHE_TYPES = ("KVCache",)  # caches whose state is (keys, values) along a token axis
-# Recurrent layers (Mamba, gated delta) carry one state for the whole prefix: it cannot be cut at a
-# block boundary, so models with them run without prefix reuse.
+# Recurrent layers (Mamba, gated delta, short convolutions) carry one state for the whole prefix, a
+# list of arrays: it cannot be cut at a block boundary, only snapshotted there.
 RECURRENT_CACHE_TYPES = ("ArraysCache", "MambaCache")
 
 
@@ -44,17 +51,22 @@ RECURRENT_CACHE_TYPES = ("ArraysCache", "MambaCache")
 class Cacheability:
     ok: bool
     reason: str = ""
+    snapshots: bool = False  # recurrent layers: reuse needs a state snapshot where it ends
+
+
+def is_recurrent(cache_layer: object) -> bool:
+    """Whether a layer's cache is a recurrent state (snapshotted) rather than KV (cut into blocks)."""
+    return type(cache_layer).__name__ in RECURRENT_CACHE_TYPES
 
 
 def cacheability(cache_layers: Sequence[object]) -> Cacheability:
-    """Rotating/sliding-window or SSM caches cannot be cut into blocks: report, never guess."""
+    """Plain KV is cut into blocks, recurrent layers are snapshotted at block boundaries; any other
+    cache (a rotating window's ring buffer) cannot be reused: report, never guess."""
     kinds = {type(c).__name__ for c in cache_layers}
-    if kinds.intersection(RECURRENT_CACHE_TYPES):
-        return Cacheability(False, "recurrent_state")
-    unsupported = kinds.difference(SLICEABLE_CACHE_TYPES)
+    unsupported = kinds.difference(SLICEABLE_CACHE_TYPES, RECURRENT_CACHE_TYPES)
     if unsupported:
         return Cacheability(False, "uncacheable:" + "+".join(sorted(unsupported)))
-    return Cacheability(True)
+    return Cacheability(True, snapshots=bool(kinds.intersection(RECURRENT_CACHE_TYPES)))
 
 
 Tier = Literal["", "ram", "ssd", "ram+ssd"]
@@ -213,10 +225,12 @@ class PrefixCache:
         token_ids: Sequence[int],
         spans: Sequence[ExtraSpan] = (),
         owner: str | None = None,
+        snapshots: bool = False,
     ) -> PrefixSession:
-        """`owner`: who the request is (an opaque label purges select by); None records nobody."""
+        """`owner`: who the request is (an opaque label purges select by); None records nobody.
+        `snapshots`: the model has recurrent layers (reuse ends at a block with a state snapshot)."""
         root = chain_root(salt, f"{model_fingerprint}|block={self.block_size}")
-        return PrefixSession(self, root, tuple(token_ids), tuple(spans), owner)
+        return PrefixSession(self, root, tuple(token_ids), tuple(spans), owner, snapshots)
 
 
 class PrefixSession:
@@ -230,9 +244,11 @@ class PrefixSession:
         token_ids: tuple[int, ...],
         spans: tuple[ExtraSpan, ...],
         owner: str | None = None,
+        snapshots: bool = False,
     ):
         self.cache = cache
         self.owner = owner
+        self.snapshots = snapshots
         self.pool = cache.pool
         self.root = root
         self.spans = spans
@@ -263,7 +279,7 @@ class PrefixSession:
             self._promote_from_ssd()
         size = self.cache.block_size
         matched = len(self.held) * size
-        cached = min(matched, num_prompt_tokens - 1)  # the last prompt token is always recomputed
+        cached = self._reusable(num_prompt_tokens - 1)  # the last prompt token is always recomputed
         stats = self.cache.counters
         stats.num_lookups += 1
         stats.num_hits += cached > 0
@@ -285,6 +301,17 @@ class PrefixSession:
             miss.lived_s,
             miss.in_image,
         )
+
+    def _reusable(self, limit: int) -> int:
+        """Tokens of the held blocks that can be reused, at most `limit`: any count for plain KV; for a
+        hybrid model, the end of the deepest held block within it that has a state snapshot."""
+        matched = min(len(self.held) * self.cache.block_size, limit)
+        if not self.snapshots:
+            return matched
+        for index in reversed(range(matched // self.cache.block_size)):
+            if self.held[index].state:
+                return self.held[index].end_token
+        return 0
 
     def _why_missed(self, num_prompt_tokens: int) -> Miss | None:
         """Why the match stopped before the prompt's last full block that could be reused (None: it
@@ -325,7 +352,8 @@ class PrefixSession:
             self.cache.counters.num_promotion_failures += 1
             return
         for offset, tensors in enumerate(ssd.read_chain(run)):
-            block = self._new_block(start + offset, from_tensors(tensors, self.cache.quant))
+            kv, state = from_tensors(tensors, self.cache.quant), state_from_tensors(tensors)
+            block = self._new_block(start + offset, kv, state)
             block.owners |= ssd.owners_of(run[offset])
             stored = self.pool.insert(block)
             if stored is None:
@@ -349,9 +377,9 @@ class PrefixSession:
             sizes.append(size)
         return run, sizes
 
-    def _new_block(self, index: int, kv: tuple) -> Block:
+    def _new_block(self, index: int, kv: tuple, state: tuple = ()) -> Block:
         parent = self.hashes[index - 1] if index else self.root
-        nbytes = sum(k.nbytes + v.nbytes for k, v in kv)  # from shape and dtype: nothing is evaluated
+        nbytes = sum(k.nbytes + v.nbytes for k, v in kv) + _state_nbytes(state)  # from shapes: nothing is evaluated
         size = self.cache.block_size
         return Block(
             self.hashes[index],
@@ -362,6 +390,7 @@ class PrefixSession:
             scope=self.scope,
             token_ids=self.token_ids[index * size : (index + 1) * size],
             owners={self.owner} if self.owner is not None else set(),
+            state=state,
         )
 
     def gather(self, num_tokens: int) -> list[tuple[mx.array, mx.array]]:
@@ -376,22 +405,30 @@ class PrefixSession:
         return layers
 
     def store(
-        self, token_ids: Sequence[int], layer_states: Sequence[tuple[mx.array, mx.array]], num_tokens: int
+        self,
+        token_ids: Sequence[int],
+        layer_states: Sequence[tuple[mx.array, mx.array]],
+        num_tokens: int,
+        snapshot: tuple[int, tuple] | None = None,
     ) -> int:
         """Cache every full block of the first `num_tokens` of `token_ids` that this session does not
-        hold. `token_ids` is the session's tokens or a continuation of them (the prompt and the reply)."""
+        hold. `token_ids` is the session's tokens or a continuation of them (the prompt and the reply).
+        `snapshot`: (tokens, state), the recurrent layers' state after that many tokens (a block
+        boundary within num_tokens), kept by the block it ends."""
         self._extend(tuple(token_ids[:num_tokens]))
         size = self.cache.block_size
         num_blocks = min(num_tokens // size, len(self.hashes))
         new_arrays, new_blocks = [], []
         for index in range(len(self.held), num_blocks):
-            block, created = self._block_for(index, layer_states)
+            block, created = self._block_for(index, layer_states, snapshot)
             if block is None:
                 break  # budget full of blocks in use: the chain cannot grow past here
             self.held.append(block)
             if created:
                 new_arrays += [getattr(a, "data", a) for pair in block.kv for a in pair]
+                new_arrays += [array for arrays in block.state for array in arrays]
                 new_blocks.append(block)
+        new_arrays += self._add_snapshot(snapshot)
         mx.eval(new_arrays)  # copy the new blocks out now, so the request's cache buffers can be freed
         ssd = self.cache.ssd
         if self.cache.write_through and ssd is not None:  # write_through implies an SSD tier
@@ -410,7 +447,7 @@ class PrefixSession:
         self.hashes += hash_blocks(token_ids, self.cache.block_size, parent, self.spans, first_block=known)
         self.token_ids = token_ids
 
-    def _block_for(self, index: int, layer_states) -> tuple[Block | None, bool]:
+    def _block_for(self, index: int, layer_states, snapshot: tuple[int, tuple] | None) -> tuple[Block | None, bool]:
         existing = self.pool.get(self.hashes[index])
         if existing is not None:
             self.pool.acquire(existing, self.owner)
@@ -419,10 +456,33 @@ class PrefixSession:
         kv = tuple(
             (self._keep(k[:, :, begin:end, :], end), self._keep(v[:, :, begin:end, :], end)) for k, v in layer_states
         )
-        block = self.pool.insert(self._new_block(index, kv))
+        state = _own_state(snapshot[1]) if snapshot is not None and snapshot[0] == end else ()
+        block = self.pool.insert(self._new_block(index, kv, state))
         if block is not None:
             self.cache.counters.num_blocks_stored += 1
         return block, block is not None
+
+    def _add_snapshot(self, snapshot: tuple[int, tuple] | None) -> list[mx.array]:
+        """A held block that ends where the snapshot was taken and has none gets it (the block was
+        cached before, without one); the arrays to evaluate."""
+        if snapshot is None or not self.snapshots:
+            return []
+        num_tokens, state = snapshot
+        size = self.cache.block_size
+        assert num_tokens % size == 0, "snapshots are taken at block boundaries"
+        index = num_tokens // size - 1
+        if index < 0 or index >= len(self.held) or self.held[index].state:
+            return []
+        own = _own_state(state)
+        if not self.pool.add_state(self.held[index], own, _state_nbytes(own)):
+            return []
+        return [array for arrays in own for array in arrays]
+
+    def state_at(self, num_tokens: int) -> tuple:
+        """The recurrent-state snapshot after the first num_tokens (a reusable count from match())."""
+        block = self.held[num_tokens // self.cache.block_size - 1]
+        assert block.end_token == num_tokens and block.state, "match() reuses up to a block with a snapshot"
+        return block.state
 
     def _keep(self, x: mx.array, end_token: int):
         """A copy the block owns (never a view pinning the request's buffer), quantised if configured."""
@@ -477,9 +537,19 @@ def _spill_request(block: Block, block_size: int) -> SpillRequest:
         block.parent_hash or b"",
         block_size,
         block.scope,
-        to_tensors(block.kv),
+        to_tensors(block.kv, block.state),
         tuple(sorted(block.owners)),
     )
+
+
+def _own_state(state: tuple) -> tuple:
+    """A snapshot the block owns: contiguous copies (a row of a batched state is a view that would
+    pin the whole batch's buffer). Never quantised: a recurrent state compounds every rounding."""
+    return tuple(tuple(mx.contiguous(array) for array in arrays) for arrays in state)
+
+
+def _state_nbytes(state: tuple) -> int:
+    return sum(array.nbytes for arrays in state for array in arrays)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -48,10 +48,17 @@ def restore(x) -> mx.array:
     return x
 
 
-def to_tensors(kv: tuple) -> dict[str, np.ndarray]:
-    """A block's per-layer (keys, values) as named numpy tensors for a safetensors file. numpy has no
-    bfloat16: such a tensor is stored as its raw 16-bit words under the name + BF16_SUFFIX."""
+STATE_PREFIX = "state."  # a recurrent-state snapshot's tensors: "state.<layer>.<array>"
+
+
+def to_tensors(kv: tuple, state: tuple = ()) -> dict[str, np.ndarray]:
+    """A block's per-layer (keys, values), and its recurrent-state snapshot if it has one (per
+    recurrent layer, that layer's arrays), as named numpy tensors for a safetensors file. numpy has
+    no bfloat16: such a tensor is stored as its raw 16-bit words under the name + BF16_SUFFIX."""
     tensors = {}
+    for layer, arrays in enumerate(state):
+        for index, array in enumerate(arrays):
+            tensors.update(_numpy(f"{STATE_PREFIX}{layer}.{index}", array))
     for layer, pair in enumerate(kv):
         for name, value in zip(("k", "v"), pair):
             if isinstance(value, Quantized):
@@ -63,11 +70,26 @@ def to_tensors(kv: tuple) -> dict[str, np.ndarray]:
 
 
 def from_tensors(tensors: dict[str, np.ndarray], config: QuantConfig | None) -> tuple:
-    num_layers = 1 + max(int(name.split(".")[0]) for name in tensors)
+    """The per-layer (keys, values) of to_tensors() (a snapshot's tensors are left to state_from_tensors)."""
+    num_layers = 1 + max(int(name.split(".")[0]) for name in tensors if not name.startswith(STATE_PREFIX))
     layers = []
     for layer in range(num_layers):
         layers.append(tuple(_load_one(tensors, f"{layer}.{name}", config) for name in ("k", "v")))
     return tuple(layers)
+
+
+def state_from_tensors(tensors: dict[str, np.ndarray]) -> tuple:
+    """The recurrent-state snapshot of to_tensors(): per layer, its arrays in order; () without one.
+    Snapshots are never quantised (a recurrent state compounds every rounding into what follows)."""
+    names = [name.removesuffix(BF16_SUFFIX) for name in tensors if name.startswith(STATE_PREFIX)]
+    shape: dict[int, int] = {}
+    for name in names:
+        layer, index = (int(part) for part in name[len(STATE_PREFIX) :].split("."))
+        shape[layer] = max(shape.get(layer, 0), index + 1)
+    return tuple(
+        tuple(_required(tensors, f"{STATE_PREFIX}{layer}.{index}") for index in range(shape[layer]))
+        for layer in range(len(shape))
+    )
 
 
 BF16_SUFFIX = "@bf16"

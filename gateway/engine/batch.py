@@ -1,12 +1,13 @@
-"""Sequences that decode together: one batched forward per step over the library's BatchKVCache.
+"""Sequences that decode together: one batched forward per step over the library's batched caches.
 
 Each sequence is prefilled on its own (with every cache: prefix reuse, image features, the save
 moments), then joins the batch: its per-layer KVCache is merged into one left-padded BatchKVCache
-per layer (mlx-vlm's / mlx-lm's own class: `merge`, `extend`, `filter`, `extract`). A step feeds
-every row its last sampled token; positions come from each row's own offset (plus its mRoPE delta
-for the Qwen VL line), and masks from the cache (left padding, and a sliding window where the model
-asks for one). A leaving row's KV is extracted back into a plain KVCache, so the runner's finish()
-stores its blocks as it would for a lone request.
+per layer (mlx-vlm's / mlx-lm's own class: `merge`, `extend`, `filter`, `extract`); a hybrid model's
+recurrent layers stack their rows' states in the library's ArraysCache (the same four calls). A step
+feeds every row its last sampled token; positions come from each row's own offset (plus its mRoPE
+delta for the Qwen VL line), and masks from the cache (left padding, and a sliding window where the
+model asks for one). A leaving row's cache is extracted back into plain per-layer caches, so the
+runner's finish() stores its blocks (and a hybrid row's last snapshot) as for a lone request.
 
 Invariant: `rows[i]` is row i of every layer's BatchKVCache when `batched`; otherwise there is at most
 one row and `cache` is its own. Only the engine's worker thread calls in.
@@ -20,7 +21,19 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 
-from .runner import Cancelled, ModelRunner, Part, PrefillResult, Sampler, as_token, cache_offset, decode_positions
+from kvcache import is_recurrent
+
+from .runner import (
+    Cancelled,
+    ModelRunner,
+    Part,
+    PrefillResult,
+    Sampler,
+    as_token,
+    cache_offset,
+    decode_positions,
+    recurrent_state,
+)
 from .types import Sampling
 
 
@@ -32,6 +45,7 @@ class DecodeBatch:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.rows: list[PrefillResult] = []  # each row's prefill: its prompt, plan and mRoPE delta
+        self.lengths: list[int] = []  # tokens in each row's cache, as of the last part() fed
         self.cache: list = []  # per layer: the lone row's KVCache, or a BatchKVCache when batched; [] with no rows
         self.batched = False
 
@@ -39,32 +53,56 @@ class DecodeBatch:
         return len(self.rows)
 
     def join(self, prefill: PrefillResult) -> None:
-        """Add a prefilled sequence as the last row. A model with recurrent layers (no batched cache
-        for them here) runs one row at a time."""
+        """Add a prefilled sequence as the last row. KV layers merge into the library's
+        BatchKVCache, a hybrid model's recurrent layers into its ArraysCache (stacked states)."""
         if not self.rows:
             self.cache = prefill.cache
         else:
             assert self.runner.batchable, "a model without a batched cache decodes one sequence at a time"
-            merge = self.runner.cache_classes.BatchKVCache.merge
             if self.batched:
                 for layer, own in zip(self.cache, prefill.cache):
-                    layer.extend(merge([own]))
+                    layer.extend(self._merge([own]))
             else:
-                self.cache = [merge([lone, own]) for lone, own in zip(self.cache, prefill.cache)]
+                self.cache = [self._merge([lone, own]) for lone, own in zip(self.cache, prefill.cache)]
                 self.batched = True
         self.rows.append(prefill)
+        self.lengths.append(prefill.prompt.num_tokens)
+
+    def _merge(self, layers: list):
+        if is_recurrent(layers[0]):
+            return type(layers[0]).merge(layers)
+        return self.runner.cache_classes.BatchKVCache.merge(layers)
+
+    def took_step(self) -> None:
+        """The step of the last part() ran. A hybrid model's rows whose cache now ends on a block
+        boundary keep their recurrent state there (finish() stores it with the block it ends, so the
+        next turn resumes past the reply): a copy, evaluated now, since a row of the batched state
+        would keep the whole batch's buffer alive."""
+        if not self.runner.recurrent:
+            return
+        block = self.runner.caches.config.block_size
+        for index, length in enumerate(self.lengths):
+            if length % block == 0:
+                state = recurrent_state(self.cache, self.runner.recurrent, index if self.batched else None)
+                state = tuple(tuple(mx.contiguous(array) for array in arrays) for arrays in state)
+                mx.eval([array for arrays in state for array in arrays])
+                self.rows[index].snapshot = (length, state)
 
     def step(self, tokens: list[int]) -> mx.array:
         """Feed row i the token tokens[i]; the next-token logits, one row each: (rows, vocab)."""
-        return self.runner.run_step([self.part([[token] for token in tokens])])[0]
+        logits = self.runner.run_step([self.part([[token] for token in tokens])])[0]
+        self.took_step()
+        return logits
 
     def part(self, tokens: list[list[int]]) -> Part:
         """Row i fed tokens[i] (the same count per row), as one part of a step: logits come back
         for every token fed, row-major."""
         ids = mx.array(tokens, dtype=mx.int32)
+        self.lengths = [length + ids.shape[1] for length in self.lengths]
         # mRoPE families give every row a delta, plain-RoPE families none
         deltas = [row.rope_delta for row in self.rows if row.rope_delta is not None] or None
-        offsets = self.cache[0].offset if self.batched else cache_offset(self.cache, 0)
+        kv_layer = next(layer for layer in self.cache if not is_recurrent(layer))
+        offsets = kv_layer.offset if self.batched else cache_offset(self.cache, 0)
         return Part(self.cache, ids, positions=decode_positions(offsets, deltas, ids.shape[1]), keep=ids.shape[1])
 
     def trim(self, num_tokens: list[int]) -> None:
@@ -73,6 +111,8 @@ class DecodeBatch:
         row's remaining extra is rolled out to its left, where it becomes padding (as the library
         does for right padding), so every row's KV still ends at the shared position."""
         assert len(num_tokens) == len(self.rows) and min(num_tokens, default=0) >= 0
+        assert not self.runner.recurrent or not any(num_tokens), "a recurrent state cannot be trimmed"
+        self.lengths = [length - n for length, n in zip(self.lengths, num_tokens)]
         if not self.batched:
             for layer in self.cache:
                 layer.trim(num_tokens[0])
@@ -92,6 +132,7 @@ class DecodeBatch:
     def leave(self, index: int) -> PrefillResult:
         """Remove row `index`; its prefill, with `cache` holding the row's own KV again (for finish())."""
         row = self.rows.pop(index)
+        del self.lengths[index]
         if not self.batched:
             row.cache, self.cache = self.cache, []
             return row

@@ -5,7 +5,8 @@ so a decode step (one token per row) and a prompt chunk (hundreds of tokens of o
 be two calls, each streaming every weight. Here they are packed into one sequence of N tokens,
 (1, N, hidden), and run through the library's own model code once: embeddings, norms, MLPs and the
 output head see the packed tokens as one sequence (one matmul per weight). Only attention must keep
-the sequences apart, so each layer's attention module gets, instead of a cache, a `SegmentCache`:
+the sequences apart (and a hybrid model's recurrent state, per sequence as KV is), so each layer's
+attention module or recurrent mixer gets, instead of a cache, a `SegmentCache`:
 the packed tokens' segments in order, each with its own cache (the decode rows' BatchKVCache, a
 prompt's own KVCache). The attention module (a subclass swapped onto this instance, see `install`)
 then runs its own unchanged code once per segment, with that segment's cache, mask and positions,
@@ -55,14 +56,11 @@ class SegmentCache:
     def __init__(self, segments: list[Segment]):
         self.segments = segments
 
-    def make_mask(self, num_tokens: int, window_size: int | None = None, return_array: bool = False) -> SegmentMasks:
+    def make_mask(self, num_tokens: int, **options) -> SegmentMasks:
+        """Each segment's cache makes its own mask with the model's options (an attention layer's
+        window; a recurrent layer's cache takes none)."""
         assert num_tokens == self.segments[-1].end, "the packed call's length"
-        return SegmentMasks(
-            tuple(
-                segment.cache.make_mask(segment.tokens, window_size=window_size, return_array=return_array)  # type: ignore[attr-defined]
-                for segment in self.segments
-            )
-        )
+        return SegmentMasks(tuple(segment.cache.make_mask(segment.tokens, **options) for segment in self.segments))  # type: ignore[attr-defined]
 
     def run(self, module, call, bound: inspect.BoundArguments) -> mx.array:
         """`call` (the attention module's own __call__) once per segment; outputs packed again."""
@@ -92,12 +90,17 @@ def _unsupported(name: str, value):
     raise NotImplementedError(f"a packed call cannot cut this layer's {name} per segment: {type(value).__name__}")
 
 
+# The modules that hold a cache: attention, and the recurrent mixers of hybrid models (qwen3_next's
+# gated delta; a recurrent state is per sequence just as KV is, so it runs per segment the same way).
+CACHED_MODULES = ("self_attn", "linear_attn")
+
+
 def install(language_model) -> int:
-    """Let each attention layer of this instance run packed calls: its class gets a subclass whose
+    """Let each cached module of this instance run packed calls: its class gets a subclass whose
     __call__ hands a SegmentCache its own code, and runs as before for any other cache."""
     from .attention import swap_layer_classes
 
-    return swap_layer_classes(language_model, "self_attn", _segmented_class)
+    return sum(swap_layer_classes(language_model, name, _segmented_class) for name in CACHED_MODULES)
 
 
 @cache

@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from kvcache import TenantSalt
+from kvcache import TenantSalt, is_recurrent
 from vision import DecodedImage, pixel_hash, processor_fingerprint
 
 from .activations import install_cpu_prefill_activations
@@ -41,6 +41,7 @@ from .prompt import PreparedPrompt, PromptBuilder, PromptImage
 from .types import Pin, Sampling
 
 log = logging.getLogger("strata.engine")
+BATCHED_CACHE_TYPES = ("KVCache", "ArraysCache")  # per-layer caches the libraries can batch
 CLOSING_CHECK_TOKENS = 8  # how often a grammar's distance to closing is measured (and the margin kept)
 LAST_TOKEN_POOLING = ("qwen3",)  # model types whose mlx-vlm embedding model pools the last token
 
@@ -90,6 +91,10 @@ class Admission:
     inputs: ModelInputs
     rope_delta: int | None
     first: int  # the first token not reused from the prefix cache
+    # A hybrid model's recurrent layers (indices into cache) and the prompt positions after which
+    # their state is snapshotted into the block ending there; chunks end at them. Empty otherwise.
+    recurrent: tuple[int, ...] = ()
+    snapshot_points: frozenset[int] = frozenset()
     computed: int = -1
     spent_s: float = 0.0  # time in this prompt's setup and steps (a step's whole time counts)
     logits: mx.array | None = None
@@ -101,12 +106,20 @@ class Admission:
     def done(self) -> bool:
         return self.computed == self.prompt.num_tokens
 
+    def chunk_end(self, end: int) -> int:
+        """Where a chunk planned to run to `end` stops: at the first snapshot point before it."""
+        return min((point for point in self.snapshot_points if self.computed < point < end), default=end)
+
     def advance(self, caches: EngineCaches, num_tokens: int, last_logits: mx.array, spent_s: float) -> None:
-        """A step ran num_tokens more of the prompt: store the blocks they completed."""
+        """A step ran num_tokens more of the prompt: store the blocks they completed (and at a
+        snapshot point, the recurrent state with the block it ends)."""
         self.computed += num_tokens
         self.spent_s += spent_s
         if self.plan:
-            caches.store(self.plan, self.prompt.token_ids, self.cache, self.computed)
+            snapshot = None
+            if self.computed in self.snapshot_points:
+                snapshot = (self.computed, recurrent_state(self.cache, self.recurrent))
+            caches.store(self.plan, self.prompt.token_ids, self.cache, self.computed, snapshot)
         if self.done:
             self.logits = last_logits
 
@@ -141,6 +154,9 @@ class PrefillResult:
     vision: VisionReport
     prefill_ms: float
     vision_ms: float
+    # A hybrid model's recurrent state at the latest block boundary its decoding passed (tokens,
+    # state): finish() stores it with the block it ends, so the next turn resumes from there.
+    snapshot: tuple[int, tuple] | None = None
 
 
 class ModelRunner:
@@ -148,11 +164,15 @@ class ModelRunner:
         self.family = family_of(Path(model_path))  # UnsupportedModel before anything loads
         config = read_config(Path(model_path))
         self.model, self.processor, self.lm, self.cache_classes = _load(self.family, Path(model_path))
-        # Every layer holds plain KV (sliding windows included): sequences can decode in one batch.
-        self.batchable = all(type(layer).__name__ == "KVCache" for layer in self.new_cache())
+        layers = self.new_cache()
+        # A hybrid model's recurrent layers (their state is snapshotted at block boundaries).
+        self.recurrent = tuple(index for index, layer in enumerate(layers) if is_recurrent(layer))
+        # Every layer holds plain KV (sliding windows included) or a recurrent state: the library's
+        # batched classes (BatchKVCache, ArraysCache) let sequences decode in one batch.
+        self.batchable = all(type(layer).__name__ in BATCHED_CACHE_TYPES for layer in layers)
         install_cpu_prefill_attention(self.lm)
         install_cpu_prefill_activations(self.lm)
-        install_packed_calls(self.lm)
+        num_packable = install_packed_calls(self.lm)
         keep_last_position_logits(self.lm)
         self.prompts = PromptBuilder(self.processor, self.family)
         # The token the model's own code treats as an image row (deepstack rows go there).
@@ -169,12 +189,14 @@ class ModelRunner:
         self.caches = EngineCaches(cache_config, model_fingerprint, fingerprint)
         self.num_encoder_calls = 0
         self.kv_bytes_per_token = 0  # measured by warm_up(): the worker reserves running KV by it
+        self.state_bytes = 0  # ... and a hybrid model's recurrent state, fixed per sequence
         # Families whose embedding checkpoints mlx-vlm runs by pooling the same decoder (qwen3 ->
         # qwen3_embedding: the final hidden state of the last token, L2-normalised).
         self.poolable = config.get("model_type") in LAST_TOKEN_POOLING and hasattr(self.lm, "model")
-        # Whether several parts can share one model call (gateway/engine/mixed.py); a family whose
-        # attention takes an argument a packed call cannot cut per segment runs its parts one by one.
-        self.packable = True
+        # Whether several parts can share one model call (gateway/engine/mixed.py): every cached
+        # layer's module runs per segment. A family with other cached modules (Nemotron-H's Mamba
+        # "mixer"), or whose attention takes an argument a packed call cannot cut, runs its parts one by one.
+        self.packable = num_packable == len(layers)
 
     def embed(self, token_ids: Sequence[int]) -> np.ndarray:
         """The text's embedding as mlx-vlm's embedding model of this family computes it (poolable only)."""
@@ -194,6 +216,7 @@ class ModelRunner:
         cache = self.new_cache()
         mx.eval(self._call_one(Part(cache, ids, positions=positions)))
         self.kv_bytes_per_token = kv_bytes_per_token(cache)
+        self.state_bytes = sum(array.nbytes for arrays in recurrent_state(cache, self.recurrent) for array in arrays)
         if self.family.image_placeholder:
             from PIL import Image
 
@@ -248,7 +271,7 @@ class ModelRunner:
             while admission.computed < prompt.num_tokens:
                 if cancelled():
                     raise Cancelled()
-                end = min(admission.computed + chunk_tokens, prompt.num_tokens)
+                end = admission.chunk_end(min(admission.computed + chunk_tokens, prompt.num_tokens))
                 num_tokens = end - admission.computed
                 self.run_step([self.chunk_part(admission, end)])
                 if end < prompt.num_tokens:
@@ -280,8 +303,7 @@ class ModelRunner:
             deepstack, visual = self._deepstack(prompt, features, cached)
             positions, rope_delta = self._positions(ids, prompt)
             if plan is not None and cached:
-                for layer, (keys, values) in zip(cache, plan.session.gather(cached)):
-                    layer.update_and_fetch(keys, values)  # the libraries' KVCache append: offset follows
+                self._restore(cache, plan, cached)
         except BaseException:
             if plan:
                 plan.session.close()
@@ -289,8 +311,32 @@ class ModelRunner:
         first = cache_offset(cache, 0)  # the first uncached token: the reused prefix ends here
         inputs = ModelInputs(ids, embeds, positions, deepstack, visual)
         admission = Admission(prompt, cache, plan, prefix_report, vision_report, vision_ms, inputs, rope_delta, first)
+        if self.recurrent and plan is not None:
+            admission.recurrent = self.recurrent
+            admission.snapshot_points = self._snapshot_points(prompt.num_tokens, pins)
         admission.spent_s = time.perf_counter() - start - vision_ms / 1000
         return admission
+
+    def _restore(self, cache: list, plan: PrefixPlan, num_tokens: int) -> None:
+        """Copy the reused prefix into a new cache: KV layers get its blocks' keys and values, a
+        hybrid model's recurrent layers the state snapshotted where it ends."""
+        kv_layers = [layer for layer in cache if not is_recurrent(layer)]
+        for layer, (keys, values) in zip(kv_layers, plan.session.gather(num_tokens)):
+            layer.update_and_fetch(keys, values)  # the libraries' KVCache append: offset follows
+        if self.recurrent:
+            for index, arrays in zip(self.recurrent, plan.session.state_at(num_tokens)):
+                cache[index].cache = list(arrays)  # MLX arrays are never written in place: sharing is safe
+
+    def _snapshot_points(self, num_tokens: int, pins: tuple[Pin, ...] = ()) -> frozenset[int]:
+        """Where a hybrid prompt's recurrent state is snapshotted: every snapshot interval, the last
+        block boundary of each cache breakpoint (a prefix the client will send again), and the last
+        block boundaries before its end (where the same prompt, and one that continues it, resume)."""
+        block = self.caches.config.block_size
+        every = self.caches.config.snapshot_blocks * block
+        points = set(range(every, num_tokens + 1, every)) if every else set()
+        points |= {min(pin.num_tokens, num_tokens) // block * block for pin in pins}
+        points |= {(num_tokens - 1) // block * block, num_tokens // block * block}
+        return frozenset(point for point in points if point > 0)
 
     def chunk_part(self, admission: Admission, end: int) -> Part:
         """The admission's prompt tokens [computed, end) as one part of a step; the blocks it
@@ -380,7 +426,7 @@ class ModelRunner:
         try:
             sequence = prefill.prompt.token_ids + tuple(generated)
             kv_tokens = cache_offset(prefill.cache, len(sequence))  # the last sampled token was never fed back
-            self.caches.store(plan, sequence, prefill.cache, min(kv_tokens, len(sequence)))
+            self.caches.store(plan, sequence, prefill.cache, min(kv_tokens, len(sequence)), prefill.snapshot)
             self.caches.pin(plan)
             if to_ssd:
                 plan.session.write_to_ssd()
@@ -690,9 +736,25 @@ def kv_bytes_per_token(cache: list) -> int:
 
 
 def _state_arrays(cache: list) -> list[mx.array]:
-    """Every array a cache holds (mlx-lm's KVCache.state also carries its offset, an int)."""
-    states = (c.state if isinstance(c.state, (tuple, list)) else (c.state,) for c in cache)
-    return [x for state in states for x in state if isinstance(x, mx.array)]
+    """Every array a cache holds (mlx-lm's KVCache.state also carries its offset, an int; an
+    ArraysCache's is (its list of arrays, padding, lengths))."""
+    found: list[mx.array] = []
+    stack = [layer.state for layer in cache]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, mx.array):
+            found.append(item)
+        elif isinstance(item, (tuple, list)):
+            stack.extend(item)
+    return found
+
+
+def recurrent_state(cache: list, recurrent: Sequence[int], row: int | None = None) -> tuple:
+    """The recurrent layers' state (per layer, its arrays), of one row of a batched cache if asked."""
+    layers = (cache[index].cache for index in recurrent)
+    if row is None:
+        return tuple(tuple(arrays) for arrays in layers)
+    return tuple(tuple(array[row : row + 1] for array in arrays) for arrays in layers)
 
 
 def _text_setting(config: dict, name: str):

@@ -117,6 +117,7 @@ class Limits:
     step_tokens: int  # prompt tokens per model call, over every admission
     block_tokens: int  # chunks end on block boundaries (blocks are stored as chunks complete them)
     kv_bytes_per_token: int
+    state_bytes: int = 0  # a hybrid model's recurrent state: held by each sequence from admission on
 
 
 @dataclass(slots=True)
@@ -285,7 +286,7 @@ class Scheduler:
         later wastes its prefill); a sequence preempted this step is not let back in."""
         per_token = self.limits.kv_bytes_per_token
         room = len(self.running) * self.limits.block_tokens * per_token
-        if not self.memory.reserve(num_tokens * per_token + room):
+        if not self.memory.reserve(num_tokens * per_token + self.limits.state_bytes + room):
             return False
         self.memory.release(room)
         sequence.num_reserved_tokens = num_tokens
@@ -315,8 +316,10 @@ class Scheduler:
             self.running.remove(sequence)
 
     def release(self, sequence: Sequence) -> None:
-        """Give the sequence's memory back (it is ending; finish() follows)."""
-        self.memory.release(sequence.num_reserved_tokens * self.limits.kv_bytes_per_token)
+        """Give the sequence's memory back (it is ending; finish() follows). Its recurrent state was
+        held with its first tokens (num_reserved_tokens > 0 from _hold on)."""
+        if sequence.num_reserved_tokens:
+            self.memory.release(sequence.num_reserved_tokens * self.limits.kv_bytes_per_token + self.limits.state_bytes)
         sequence.num_reserved_tokens = 0
 
     def held(self) -> list[Sequence]:

@@ -347,8 +347,9 @@ class EngineWorker:
         return bool(self.running)
 
     def kv_bytes(self, prompt: PreparedPrompt, sampling: Sampling) -> int:
-        """The most KV the job's own cache can grow to: every prompt token and max_tokens more."""
-        return (prompt.num_tokens + sampling.max_tokens) * self.runner.kv_bytes_per_token
+        """The most KV the job's own cache can grow to: every prompt token and max_tokens more (and
+        a hybrid model's recurrent state)."""
+        return (prompt.num_tokens + sampling.max_tokens) * self.runner.kv_bytes_per_token + self.runner.state_bytes
 
     def snapshot(self) -> WorkerSnapshot:
         memory_wait = self.scheduler is not None and self.scheduler.memory_wait is not None
@@ -443,7 +444,7 @@ class EngineWorker:
     def _limits(self) -> Limits:
         block = self.runner.caches.config.block_size
         step_tokens = max(block, self.step_tokens // block * block)
-        return Limits(self.max_num_seqs, step_tokens, block, self.runner.kv_bytes_per_token)
+        return Limits(self.max_num_seqs, step_tokens, block, self.runner.kv_bytes_per_token, self.runner.state_bytes)
 
     def _admit(self) -> StepPlan | None:
         """The scheduler's next step plan (waiting for a job when nothing runs); None once stop()
@@ -516,15 +517,16 @@ class EngineWorker:
 
     def _drafts(self, sequence: Sequence) -> list[int]:
         sampling = sequence.job.sampling
-        if self.proposer is None or sampling.temperature != 0.0 or not sequence.generated:
-            return []
+        if self.proposer is None or sampling.temperature != 0.0 or not sequence.generated or self.runner.recurrent:
+            return []  # a recurrent state cannot be trimmed back past a rejected draft
         return list(self.proposer(sequence))[: sampling.max_tokens - len(sequence.generated)]
 
     def _step(self, plan: StepPlan) -> None:
         """One model call for the plan: the decode rows' pending tokens (and drafts) and the prompt chunks."""
         assert {id(s) for s in plan.decode} == {id(s) for s in self.rows}, "every row decodes in each step"
         parts = [self.batch.part([[s.generated[-1], *s.drafts] for s in self.rows])] if self.rows else []
-        for sequence, num_tokens in plan.chunks:
+        chunks = [(s, s.admission.chunk_end(s.num_computed_tokens + n) - s.num_computed_tokens) for s, n in plan.chunks]
+        for sequence, num_tokens in chunks:
             parts.append(self.runner.chunk_part(sequence.admission, sequence.num_computed_tokens + num_tokens))
         self.stats.num_steps += 1
         try:
@@ -536,7 +538,7 @@ class EngineWorker:
             self.stats.num_decode_steps += 1
             self.stats.num_decoded_tokens += len(self.rows)
             self._take_decode_logits(logits[0])
-        for sequence, num_tokens in plan.chunks:
+        for sequence, num_tokens in chunks:  # a hybrid's chunk may stop short, at a snapshot point
             self._count_chunk(num_tokens)
             sequence.num_computed_tokens += num_tokens
             if sequence.admission.done:
@@ -559,6 +561,7 @@ class EngineWorker:
                 ended.append(index)
         if width:
             self.batch.trim(rejected)
+        self.batch.took_step()
         for index in reversed(ended):
             self._retire(index)
 

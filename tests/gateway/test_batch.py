@@ -66,7 +66,7 @@ def _until_eos(tokens, eos):
     return tokens
 
 
-@pytest.mark.parametrize("family", sorted(set(RECIPES) - {"qwen3_next"}))
+@pytest.mark.parametrize("family", sorted(RECIPES))
 def test_eight_sequences_decoded_together_equal_each_decoded_alone(family):
     runner = ModelRunner(built_model(BuildSpec(family, "tiny")), CacheConfig(0, 0, 16), "fp")
     prompts = _prompts(runner)
@@ -91,9 +91,8 @@ def _mixed(runner, prompts, chunk_tokens=32, admit_per_step=2) -> list[list[int]
                 live.pop(row)
         parts = [batch.part([[tokens[p][-1]] for p in live])] if live else []
         for admission in admitting.values():
-            parts.append(
-                runner.chunk_part(admission, min(admission.computed + chunk_tokens, admission.prompt.num_tokens))
-            )
+            end = admission.chunk_end(min(admission.computed + chunk_tokens, admission.prompt.num_tokens))
+            parts.append(runner.chunk_part(admission, end))
         if not parts:
             continue
         logits = runner.run_step(parts)
@@ -109,7 +108,7 @@ def _mixed(runner, prompts, chunk_tokens=32, admit_per_step=2) -> list[list[int]
     return [_until_eos(t, runner.eos_ids) for t in tokens]
 
 
-@pytest.mark.parametrize("family", sorted(set(RECIPES) - {"qwen3_next"}))
+@pytest.mark.parametrize("family", sorted(RECIPES))
 def test_mixed_steps_and_batched_admissions_give_each_sequence_its_lone_tokens(family):
     """Prompt chunks of two admissions ride in the decode rows' model call (one packed call per
     step): every sequence gets the greedy tokens it gets alone."""
@@ -148,11 +147,19 @@ def test_a_row_that_leaves_stores_its_prompt_and_reply_blocks():
     runner.finish(again, [])
 
 
-def test_a_recurrent_model_decodes_one_sequence_at_a_time():
-    runner = ModelRunner(built_model(BuildSpec("qwen3_next", "tiny")), CacheConfig(0, 0, 16), "fp")
-    assert not runner.batchable
-    prompt = _prompts(runner, 1)[0]
-    assert _together(runner, [prompt]) == [_alone(runner, prompt)]
+def test_a_hybrid_model_batches_rows_that_resume_from_snapshots():
+    """qwen3_next's recurrent rows decode together and take chunks in mixed steps, with the prefix
+    cache on: the second round resumes every prompt from its state snapshots, stores replies'
+    snapshots as rows leave the batch, and each sequence still gets its lone greedy tokens."""
+    cold = ModelRunner(built_model(BuildSpec("qwen3_next", "tiny")), CacheConfig(0, 0, 16), "fp")
+    warm = ModelRunner(built_model(BuildSpec("qwen3_next", "tiny")), CacheConfig(64 << 20, 0, 16), "fp")
+    assert warm.batchable and warm.recurrent
+    prompts = _prompts(warm, 5)
+    alone = [_alone(cold, p) for p in prompts]
+    assert _mixed(warm, prompts) == alone
+    reused = warm.caches.prefix.counters.num_cached_tokens
+    assert _mixed(warm, prompts) == alone and _together(warm, prompts) == alone
+    assert warm.caches.prefix.counters.num_cached_tokens - reused >= sum((p.num_tokens - 1) // 16 * 16 for p in prompts)
 
 
 def test_the_server_runs_requests_together_and_each_gets_its_lone_answer(tiny_model_path, tmp_path):

@@ -61,12 +61,19 @@ def test_a_text_model_answers_text_and_refuses_images_with_a_400(settings):
     assert error["type"] == "invalid_request_error" and "does not take images" in error["message"]
 
 
-def test_a_hybrid_model_bypasses_the_prefix_cache_with_its_reason(settings):
+def test_a_hybrid_model_reuses_its_prefix_from_a_state_snapshot(settings):
+    """qwen3_next (gated-delta layers): the same question with another max_tokens (another exact key)
+    resumes from the recurrent state snapshotted at the prompt's last block boundary."""
+    question = "Tell me about the ferry across the river, the tide tables and the winter timetable. " * 3
     with _client(settings, "qwen3_next") as client:
-        responses = [_chat(client, "qwen3_next", "Tell me about the ferry across the river.") for _ in range(2)]
-    for response in responses:
-        assert response.status_code == 200
-        assert response.headers["x-cache-prefix"] == "bypass; reason=recurrent_state"
+        first = _chat(client, "qwen3_next", question)
+        second = _chat(client, "qwen3_next", question, max_tokens=5)
+    assert first.status_code == second.status_code == 200, first.text
+    assert first.headers["x-cache-prefix"].startswith("miss")
+    assert second.headers["x-cache-prefix"].startswith("hit")
+    assert second.json()["choices"][0]["message"]["content"].startswith(
+        first.json()["choices"][0]["message"]["content"]
+    )
 
 
 def test_built_in_model_names_resolve_to_their_family(tmp_path):

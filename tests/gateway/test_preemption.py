@@ -48,12 +48,13 @@ def _answers(engine, prompts, samplings) -> list[tuple[str, int]]:
     return asyncio.run(all_of_them())
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_next"])
 def test_a_preempted_sequence_resumes_with_the_tokens_it_would_have_drawn(family, tmp_path):
     """Three long answers under a budget that holds one whole sequence: they start together, the
     newest are preempted as the others grow, come back from their blocks (written to the SSD tier
-    at preemption: RAM this tight evicts them while the others grow), and every answer (greedy,
-    seeded sampling) equals the one it gets alone."""
+    at preemption: RAM this tight evicts them while the others grow; a hybrid model's recurrent
+    state from the snapshot its decoding took last), and every answer (greedy, seeded sampling)
+    equals the one it gets alone."""
     path = built_model(BuildSpec(family, "tiny"))
     samplings = [
         Sampling(160, 0.0, 1.0, None, ()),
@@ -64,12 +65,13 @@ def test_a_preempted_sequence_resumes_with_the_tokens_it_would_have_drawn(family
     try:
         prompts = _prompts(roomy, 3)
         alone = [_answers(roomy, [p], [s])[0] for p, s in zip(prompts, samplings)]
-        per_token = roomy.runner.kv_bytes_per_token
+        per_token, state_bytes = roomy.runner.kv_bytes_per_token, roomy.runner.state_bytes
     finally:
         roomy.stop()
     assert all(tokens == 160 for _, tokens in alone), alone  # long enough to need growing
 
-    tight = _engine(path, (prompts[0].num_tokens + 160 + 40) * per_token, tmp_path / "kv")
+    # a hybrid's sequences each hold their recurrent state besides (70 tokens' KV on the tiny model)
+    tight = _engine(path, (prompts[0].num_tokens + 160 + 40) * per_token + 3 * state_bytes, tmp_path / "kv")
     try:
         together = _answers(tight, prompts, samplings)
         counters = tight.snapshot().counters

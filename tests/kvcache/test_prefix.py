@@ -111,7 +111,80 @@ def test_caches_that_cannot_be_cut_into_blocks_are_reported():
     assert cacheability([KVCache(), KVCache()]).ok
     verdict = cacheability([KVCache(), RotatingKVCache(max_size=128)])
     assert not verdict.ok and "RotatingKVCache" in verdict.reason
-    assert not cacheability([ArraysCache(size=2)]).ok
+    hybrid = cacheability([ArraysCache(size=2), KVCache()])
+    assert hybrid.ok and hybrid.snapshots and not cacheability([KVCache()]).snapshots
+
+
+def _state(value: float):
+    """A recurrent layer's arrays, as a gated-delta layer holds them (a conv window and a state)."""
+    return ((mx.full((1, 3, 4), value), mx.full((1, 2, 4, 4), value)),)
+
+
+def _store_with_snapshots(cache, salt, tokens, at: list[int], owner=None):
+    with cache.open(salt, "model", tokens, owner=owner, snapshots=True) as session:
+        session.match(len(tokens))
+        for point in at:  # the session stores as chunks end, each at a snapshot point
+            session.store(tokens, _kv_for(tokens), point, (point, _state(point)))
+        session.store(tokens, _kv_for(tokens), len(tokens))
+
+
+def test_a_hybrid_prefix_is_reused_up_to_the_deepest_block_with_a_snapshot(cache):
+    tokens = list(range(100))
+    _store_with_snapshots(cache, SALT_A, tokens, [32, 64])
+    for query, reused in ((tokens, 64), (tokens[:64], 32), (tokens[:40], 32), (tokens[:30], 0)):
+        with cache.open(SALT_A, "model", query, snapshots=True) as session:
+            match = session.match(len(query))
+            assert match.num_cached_tokens == reused, (len(query), match)
+            if reused:
+                ((conv, state),) = session.state_at(reused)
+                assert float(conv[0, 0, 0]) == reused and float(state.sum()) == reused * 32
+    with cache.open(SALT_A, "model", tokens) as plain:  # a plain-KV model reads the same blocks to the end
+        assert plain.match(len(tokens)).num_cached_tokens == 96
+    with cache.open(TenantSalt(b"b" * 32), "model", tokens, snapshots=True) as other:
+        assert other.match(len(tokens)).num_cached_tokens == 0
+    cache.pool.check()
+
+
+def test_a_snapshot_joins_a_block_cached_without_one_and_counts_in_the_budget(cache):
+    tokens = list(range(64))
+    _store(cache, SALT_A, tokens)
+    before = cache.pool.num_bytes
+    _store_with_snapshots(cache, SALT_A, tokens, [32])
+    snapshot_bytes = sum(a.nbytes for arrays in _state(0) for a in arrays)
+    assert cache.pool.num_bytes == before + snapshot_bytes
+    with cache.open(SALT_A, "model", tokens, snapshots=True) as session:
+        assert session.match(len(tokens)).num_cached_tokens == 32
+    cache.pool.check()
+
+
+def test_purging_an_owner_frees_its_snapshots_with_its_blocks(cache):
+    tokens = list(range(64))
+    _store_with_snapshots(cache, SALT_A, tokens, [32, 48], owner="session-1")
+    purged = cache.purge_owned(lambda owner: owner == "session-1")
+    assert purged.num_entries == 4 and cache.pool.num_bytes == 0
+    with cache.open(SALT_A, "model", tokens, snapshots=True) as session:
+        assert session.match(len(tokens)).num_cached_tokens == 0
+    cache.pool.check()
+
+
+def test_snapshots_go_to_ssd_and_come_back_with_their_blocks(tmp_path):
+    from kvcache.ssd import AdmissionPolicy, SsdConfig, SsdTier
+
+    ssd = SsdTier(SsdConfig(tmp_path / "kv", admission=AdmissionPolicy(min_hits=0)), "ns")
+    writer = PrefixCache(1 << 30, BS, ssd)
+    tokens = list(range(80))
+    _store_with_snapshots(writer, SALT_A, tokens, [48])
+    writer.persist()
+    ssd.close(10)
+    reader_ssd = SsdTier(SsdConfig(tmp_path / "kv", admission=AdmissionPolicy(min_hits=0)), "ns")
+    reader = PrefixCache(1 << 30, BS, reader_ssd)
+    with reader.open(SALT_A, "model", tokens, snapshots=True) as session:
+        match = session.match(len(tokens))
+        assert (match.num_cached_tokens, match.tier) == (48, "ssd")
+        ((conv, _),) = session.state_at(48)
+        assert float(conv[0, 0, 0]) == 48.0
+    reader.pool.check()
+    reader_ssd.close(10)
 
 
 def test_promotion_that_cannot_reserve_ram_recomputes_and_counts(tmp_path):
