@@ -676,6 +676,37 @@ MUTANTS = (
         ("tests/kvcache/test_pool.py::test_each_tenant_pins_within_its_own_budget",),
     ),
     Mutant(
+        "a snapshot kept by a block it does not end (restored at the wrong block)",
+        "kvcache/prefix.py",
+        "if snapshot is not None and snapshot[0] == end else ()",
+        "if snapshot is not None and snapshot[0] >= end else ()",
+        (
+            f"{FAMILIES}::test_a_snapshot_stored_under_another_block_is_never_restored",
+            "tests/kvcache/test_prefix.py::test_a_hybrid_prefix_is_reused_up_to_the_deepest_block_with_a_snapshot",
+        ),
+    ),
+    Mutant(
+        "a purged block's snapshot bytes stay held",
+        "kvcache/pool.py",
+        "        block.state = state\n        block.nbytes += nbytes\n",
+        "        block.state = state\n",
+        ("tests/kvcache/test_prefix.py::test_a_snapshot_joins_a_block_cached_without_one_and_counts_in_the_budget",),
+    ),
+    Mutant(
+        "a batched row's snapshot taken from another row's state (another sequence, another tenant)",
+        "gateway/engine/batch.py",
+        "state = recurrent_state(self.cache, self.runner.recurrent, index if self.batched else None)",
+        "state = recurrent_state(self.cache, self.runner.recurrent, 0 if self.batched else None)",
+        ("tests/gateway/test_batch.py::test_a_hybrid_model_batches_rows_that_resume_from_snapshots",),
+    ),
+    Mutant(
+        "a hybrid's prefill chunks run past its snapshot points",
+        "gateway/engine/runner.py",
+        "        return min((point for point in self.snapshot_points if self.computed < point < end), default=end)",
+        "        return end",
+        (f"{FAMILIES}::test_a_snapshot_stored_under_another_block_is_never_restored",),
+    ),
+    Mutant(
         "anthropic usage fields do not add up",
         "gateway/anthropic_api.py",
         '"input_tokens": prompt - read - creation,',

@@ -11,6 +11,7 @@ output is an ordinary model folder (config.json, model.safetensors, tokenizer fi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -159,6 +160,55 @@ def _qwen3_vl_config(size: ModelSize, ids: dict[str, int]) -> dict:
             "deepstack_visual_indexes": [0],
             "in_channels": 3,
         },
+    }
+
+
+def _qwen3_5_config(size: ModelSize, ids: dict[str, int], moe: bool = False) -> dict:
+    """Qwen3.5: Qwen3-VL's 16-px vision tower (no deepstack) on a hybrid language model, gated-delta
+    (recurrent) layers with a full-attention layer every second layer here (every fourth in the real
+    checkpoints), partial mRoPE on a quarter of each head; `moe`: Qwen3.5-MoE's experts."""
+    head_dim = size.hidden_size // size.num_heads
+    half = head_dim // 4 // 2  # rotary half-width: a quarter of the head rotates
+    text = _text_fields(size) | {
+        "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
+        "head_dim": head_dim,
+        "tie_word_embeddings": True,
+        "full_attention_interval": 2,
+        "linear_num_value_heads": size.num_heads,
+        "linear_num_key_heads": size.num_kv_heads,
+        "linear_key_head_dim": head_dim,
+        "linear_value_head_dim": head_dim,
+        "linear_conv_kernel_dim": 4,
+        "rope_parameters": {
+            "type": "default",
+            "mrope_section": [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8],
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_interleaved": True,
+        },
+    }
+    if moe:
+        text |= {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": size.intermediate_size // 4,
+            "shared_expert_intermediate_size": size.intermediate_size // 4,
+            "norm_topk_prob": True,
+        }
+    vision = _qwen3_vl_config(size, ids)["vision_config"] | {"model_type": "qwen3_5", "deepstack_visual_indexes": []}
+    return {
+        "model_type": "qwen3_5_moe" if moe else "qwen3_5",
+        "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
+        "torch_dtype": "float32",
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+        "vocab_size": VOCAB_SIZE,
+        "tie_word_embeddings": True,
+        "text_config": text,
+        "vision_config": vision,
     }
 
 
@@ -395,6 +445,57 @@ def _qwen3_next_config(size: ModelSize, ids: dict[str, int]) -> dict:
     }
 
 
+def _nemotron_h_config(size: ModelSize, ids: dict[str, int]) -> dict:
+    """Nemotron-H: Mamba-2 layers (recurrent: a convolution window and an SSM state) with attention
+    and MLP blocks between them, "M*M-" repeated; no positional encoding (the Mamba layers order)."""
+    head_dim = size.hidden_size // size.num_heads
+    return {
+        "model_type": "nemotron_h",
+        "architectures": ["NemotronHForCausalLM"],
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": size.hidden_size,
+        "intermediate_size": size.intermediate_size,
+        "max_position_embeddings": 32768,
+        "num_attention_heads": size.num_heads,
+        "num_key_value_heads": size.num_kv_heads,
+        "head_dim": head_dim,
+        "attention_bias": False,
+        "mamba_num_heads": size.num_heads,
+        "mamba_head_dim": head_dim,
+        "mamba_proj_bias": False,
+        "ssm_state_size": 16,
+        "conv_kernel": 4,
+        "n_groups": 1,
+        "mlp_bias": False,
+        "layer_norm_epsilon": 1e-5,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "hybrid_override_pattern": ["M", "*", "M", "-"] * (size.num_layers // 2),
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": ids["<s>"],
+        "eos_token_id": [ids["</s>"], ids["<extra_id_1>"]],
+    }
+
+
+def _gpt_oss_config(size: ModelSize, ids: dict[str, int]) -> dict:
+    """gpt-oss: a mixture of experts whose attention alternates sliding-window and full layers, each
+    head with a learned attention sink (a logit every query also attends to)."""
+    return _text_fields(size) | {
+        "model_type": "gpt_oss",
+        "architectures": ["GptOssForCausalLM"],
+        "head_dim": size.hidden_size // size.num_heads,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": size.sliding_window,
+        "layer_types": ["sliding_attention", "full_attention"] * (size.num_layers // 2),
+        "rope_theta": 150000,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "eos_token_id": [ids["<|return|>"], ids["<|end|>"]],
+    }
+
+
 def _siglip_vision(size: ModelSize, model_type: str, image_size: int) -> dict:
     """A SigLIP-style vision tower (Gemma 3, SmolVLM, LLaVA-OneVision) of 14-px patches."""
     return {
@@ -455,6 +556,16 @@ RECIPES = {
     ),
     "qwen3_vl": Recipe(
         "mlx_vlm", QWEN_VL_TOKENS, *QWEN_ENDS, _qwen3_vl_config, _qwen_vl_processor("Qwen3VLProcessor", 16, HALF)
+    ),
+    "qwen3_5": Recipe(
+        "mlx_vlm", QWEN_VL_TOKENS, *QWEN_ENDS, _qwen3_5_config, _qwen_vl_processor("Qwen3VLProcessor", 16, HALF)
+    ),
+    "qwen3_5_moe": Recipe(
+        "mlx_vlm",
+        QWEN_VL_TOKENS,
+        *QWEN_ENDS,
+        functools.partial(_qwen3_5_config, moe=True),
+        _qwen_vl_processor("Qwen3VLProcessor", 16, HALF),
     ),
     "gemma3": Recipe(
         "mlx_vlm",
@@ -517,6 +628,17 @@ RECIPES = {
     ),
     "qwen3": Recipe("mlx_lm", QWEN_TOKENS, *QWEN_ENDS, _qwen3_config, added_tokens=("<think>", "</think>")),
     "qwen3_next": Recipe("mlx_lm", QWEN_TOKENS, *QWEN_ENDS, _qwen3_next_config),
+    "nemotron_h": Recipe(
+        "mlx_lm", ("<s>", "</s>", "<extra_id_0>", "<extra_id_1>"), "</s>", "<s>", "</s>", _nemotron_h_config
+    ),
+    "gpt_oss": Recipe(
+        "mlx_lm",
+        ("<|startoftext|>", "<|endoftext|>", "<|start|>", "<|message|>", "<|end|>", "<|return|>", "<|channel|>"),
+        "<|return|>",
+        None,
+        "<|endoftext|>",
+        _gpt_oss_config,
+    ),
 }
 # Tokens the family's processor reads as tokenizer attributes (Gemma 3: tokenizer.boi_token ...).
 NAMED_TOKENS = {

@@ -63,7 +63,9 @@ def install_cpu_prefill_attention(language_model) -> int:
     if mx.default_device().type != mx.DeviceType.cpu:
         return 0
     _limit_numpy_blas_threads()
-    return swap_layer_classes(language_model, "self_attn", _cpu_attention_class)
+    # Nemotron-H keeps its attention (and its Mamba and MLP blocks) under "mixer"; those others do
+    # not call the name and keep their class.
+    return sum(swap_layer_classes(language_model, name, _cpu_attention_class) for name in ("self_attn", "mixer"))
 
 
 def swap_layer_classes(language_model, attribute: str, cpu_class_of) -> int:

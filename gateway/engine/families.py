@@ -38,11 +38,23 @@ VISION_FAMILIES = {
         Family("qwen2_5_vl", "mlx_vlm", "<|image_pad|>", positions="mrope"),
         Family("qwen2_vl", "mlx_vlm", "<|image_pad|>", positions="mrope"),
         Family("qwen3_vl", "mlx_vlm", "<|image_pad|>", positions="mrope"),
+        Family("qwen3_5", "mlx_vlm", "<|image_pad|>", positions="mrope"),
+        Family("qwen3_5_moe", "mlx_vlm", "<|image_pad|>", positions="mrope"),
         Family("gemma3", "mlx_vlm", "<start_of_image>", window_as_mask=True),
         Family("smolvlm", "mlx_vlm", "<image>"),
         Family("idefics3", "mlx_vlm", "<image>"),
         Family("mistral3", "mlx_vlm", "[IMG]"),
         Family("llava_onevision", "mlx_vlm", "<image>"),
+    )
+}
+
+
+# Text families that need data too (any other text model mlx-lm loads takes the generic path).
+TEXT_FAMILIES = {
+    f.model_type: f
+    for f in (
+        # gpt-oss alternates sliding-window and full layers: the window as a mask, as for Gemma 3
+        Family("gpt_oss", "mlx_lm", window_as_mask=True),
     )
 }
 
@@ -57,6 +69,8 @@ def family_of(model_path: Path) -> Family:
     model_type = str(config.get("model_type", ""))
     if model_type in VISION_FAMILIES:
         return VISION_FAMILIES[model_type]
+    if model_type in TEXT_FAMILIES:
+        return TEXT_FAMILIES[model_type]
     if "vision_config" in config:
         raise UnsupportedModel(
             f"model type {model_type!r} is a vision model Strata has no family data for (the image "

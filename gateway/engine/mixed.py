@@ -90,23 +90,27 @@ def _unsupported(name: str, value):
     raise NotImplementedError(f"a packed call cannot cut this layer's {name} per segment: {type(value).__name__}")
 
 
-# The modules that hold a cache: attention, and the recurrent mixers of hybrid models (qwen3_next's
-# gated delta; a recurrent state is per sequence just as KV is, so it runs per segment the same way).
-CACHED_MODULES = ("self_attn", "linear_attn")
+# Where a layer keeps the module that takes its cache: attention, and the recurrent mixers of hybrid
+# models (qwen3_next's and Qwen3.5's gated delta under `linear_attn`, Nemotron-H's Mamba or attention
+# under `mixer`). A recurrent state is per sequence just as KV is, so it runs per segment the same way.
+CACHED_MODULES = ("self_attn", "linear_attn", "mixer")
 
 
 def install(language_model) -> int:
-    """Let each cached module of this instance run packed calls: its class gets a subclass whose
-    __call__ hands a SegmentCache its own code, and runs as before for any other cache."""
+    """Let each module of this instance that takes a cache run packed calls: its class gets a
+    subclass whose __call__ hands a SegmentCache its own code, and runs as before for any other
+    cache. Returns how many modules take a cache (the runner packs only if that is every layer's)."""
     from .attention import swap_layer_classes
 
     return sum(swap_layer_classes(language_model, name, _segmented_class) for name in CACHED_MODULES)
 
 
 @cache
-def _segmented_class(base: type) -> type:
+def _segmented_class(base: type) -> type | None:
     call = base.__call__
     signature = inspect.signature(call)
+    if "cache" not in signature.parameters:
+        return None  # a module under the same name that takes no cache (Nemotron-H's MLP "mixer")
 
     def __call__(self, *args, **kwargs):
         cache_arg = kwargs.get("cache")

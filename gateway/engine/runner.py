@@ -123,9 +123,17 @@ class Admission:
         if self.done:
             self.logits = last_logits
 
-    def close(self) -> None:
-        """Give up the prompt (cancelled, failed, preempted): blocks stored so far stay cached."""
-        if self.plan:
+    def close(self, caches: EngineCaches | None = None) -> None:
+        """Give up the prompt (cancelled, failed, preempted): blocks stored so far stay cached. With
+        `caches` (cancelled or preempted between steps, so the cache holds exactly `computed` tokens),
+        a hybrid model's recurrent state is snapshotted there too, so a retry resumes where it stopped."""
+        if not self.plan:
+            return
+        try:
+            if caches is not None and self.recurrent and self.computed % caches.config.block_size == 0:
+                snapshot = (self.computed, recurrent_state(self.cache, self.recurrent))
+                caches.store(self.plan, self.prompt.token_ids, self.cache, self.computed, snapshot)
+        finally:
             self.plan.session.close()
 
     def result(self) -> PrefillResult:
@@ -276,7 +284,10 @@ class ModelRunner:
                 self.run_step([self.chunk_part(admission, end)])
                 if end < prompt.num_tokens:
                     yield num_tokens
-        except BaseException:  # failed, cancelled, or closed before the end: the blocks are released
+        except Cancelled:  # between steps: what ran is kept, a hybrid's state with it
+            admission.close(self.caches)
+            raise
+        except BaseException:  # failed, or closed before the end: the blocks are released
             admission.close()
             raise
         return admission.result()
@@ -718,9 +729,13 @@ def _deepstack_kwargs(inputs: ModelInputs, begin: int, end: int) -> dict:
 
 
 def token_embedding(language_model) -> nn.Module:
-    """The token embedding table: under `.model` in most families, on the language model itself in Idefics3's."""
-    inner = getattr(language_model, "model", language_model)
-    return inner.embed_tokens if hasattr(inner, "embed_tokens") else language_model.embed_tokens
+    """The token embedding table: under `.model` in most families, on the language model itself in
+    Idefics3's, `backbone.embeddings` in Nemotron-H's."""
+    inner = getattr(language_model, "model", None) or getattr(language_model, "backbone", None) or language_model
+    for name in ("embed_tokens", "embeddings"):
+        if hasattr(inner, name):
+            return getattr(inner, name)
+    return language_model.embed_tokens
 
 
 def kv_bytes_per_token(cache: list) -> int:

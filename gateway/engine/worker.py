@@ -460,7 +460,7 @@ class EngineWorker:
         """Stopped: the sequences still running store what they computed and release their blocks."""
         for sequence in list(self.running):
             if sequence.admission is not None:
-                sequence.admission.close()
+                sequence.admission.close(self.runner.caches)
                 self._end(sequence)
         for index in reversed(range(len(self.rows))):
             self._retire(index)
@@ -492,7 +492,7 @@ class EngineWorker:
     def preempt(self, sequence: Sequence) -> None:
         """Store the sequence's KV as cached blocks (its resumption finds them) and drop its cache."""
         if sequence.admission is not None:
-            sequence.admission.close()
+            sequence.admission.close(self.runner.caches)
             sequence.admission = None
             return
         index = self.rows.index(sequence)
@@ -649,7 +649,7 @@ class EngineWorker:
         """Prompts whose client went away stop coming in (their stored blocks stay cached)."""
         for sequence in self.prefilling:
             if sequence.job.cancelled.is_set():
-                sequence.admission.close()
+                sequence.admission.close(self.runner.caches)
                 sequence.admission = None
                 self.stats.num_cancelled += 1
                 self._end(sequence)

@@ -4,6 +4,7 @@ gets alone: greedy output must not depend on what else is in the batch. Every fa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import httpx
@@ -56,6 +57,8 @@ def _together(runner, prompts) -> list[list[int]]:
         logits = batch.step([tokens[p][-1] for p in live])
         for row, prompt_index in enumerate(live):
             tokens[prompt_index].append(int(mx.argmax(logits[row]).item()))
+    for row in reversed(range(len(live))):  # the rows still decoding store their blocks as they leave
+        runner.finish(batch.leave(row), tokens[live[row]])
     return [_until_eos(t, runner.eos_ids) for t in tokens]
 
 
@@ -96,6 +99,8 @@ def _mixed(runner, prompts, chunk_tokens=32, admit_per_step=2) -> list[list[int]
         if not parts:
             continue
         logits = runner.run_step(parts)
+        if live:
+            batch.took_step()  # as the worker does after each step (a hybrid row's snapshots)
         for row, prompt_index in enumerate(live):
             tokens[prompt_index].append(int(mx.argmax(logits[0][row]).item()))
         for index, admission in list(admitting.items()):
@@ -160,6 +165,13 @@ def test_a_hybrid_model_batches_rows_that_resume_from_snapshots():
     reused = warm.caches.prefix.counters.num_cached_tokens
     assert _mixed(warm, prompts) == alone and _together(warm, prompts) == alone
     assert warm.caches.prefix.counters.num_cached_tokens - reused >= sum((p.num_tokens - 1) // 16 * 16 for p in prompts)
+    # the next turns continue each reply: they resume from the snapshot each row took as it decoded
+    more = tuple(warm.tokenizer.encode(" And then?", add_special_tokens=False))
+    turns = [dataclasses.replace(p, token_ids=p.token_ids + tuple(a) + more) for p, a in zip(prompts, alone)]
+    reused = warm.caches.prefix.counters.num_cached_tokens
+    assert _together(warm, turns) == [_alone(cold, t) for t in turns]
+    past_prompts = sum((t.num_tokens - len(more) - 1) // 16 * 16 for t in turns)
+    assert warm.caches.prefix.counters.num_cached_tokens - reused >= past_prompts
 
 
 def test_the_server_runs_requests_together_and_each_gets_its_lone_answer(tiny_model_path, tmp_path):

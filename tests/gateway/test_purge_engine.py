@@ -192,3 +192,55 @@ def test_a_session_idle_past_its_ttl_ends_by_itself(engine, settings):
         again = _ask(client, "idle-1", "ida", question).headers
         assert again["x-cache-exact"].startswith("miss") and "why=purged" in again["x-cache-prefix"]
         assert _ask(client, "", "kim", "Who donated the lighthouse lens?").headers["x-cache-exact"].startswith("hit")
+
+
+def test_a_purged_sessions_snapshots_leave_ram_and_ssd_on_a_hybrid_model(tmp_path, settings):
+    """qwen3_next keeps recurrent-state snapshots with its blocks: purging session A takes A's
+    snapshots (RAM and SSD) with its blocks, so A's turn misses past the shared system prompt even
+    after a restart from the SSD tier, while B still resumes from the system prompt's snapshot."""
+    from gateway.checkpoints import BuildSpec
+    from tests.conftest import built_model
+
+    path, kv_dir = built_model(BuildSpec("qwen3_next", "tiny")), tmp_path / "kv"
+    ssd = SsdConfig(kv_dir, admission=AdmissionPolicy(min_hits=0))
+    caches = CacheConfig(prefix_budget_bytes=256 << 20, vision_budget_bytes=0, block_size=16, ssd=ssd)
+
+    def start() -> Engine:
+        engine = Engine(path, "qwen3_next", EngineConfig(max_queue=8, step_prompt_tokens=64, caches=caches))
+        engine.start()
+        return engine
+
+    live = dataclasses.replace(settings, model=str(path), model_name="qwen3_next", admin_key="admin-key")
+    question = "Which shelf holds the 1911 harbour ledger, and who catalogued it first?"
+
+    def ask(client, session, text, max_tokens=4):
+        body = {
+            "model": "qwen3_next",
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
+        }
+        response = client.post("/v1/chat/completions", json=body, headers={"X-Strata-Session": session})
+        assert response.status_code == 200, response.text
+        return response.headers["x-cache-prefix"]
+
+    engine = start()
+    with TestClient(create_app(live, engine=engine)) as client:
+        ask(client, "A", question)
+        system = _cached(ask(client, "B", "Who donated the lighthouse lens?"))  # the system prompt's snapshot
+        assert _cached(ask(client, "A", question, max_tokens=5)) > system  # A's own snapshot, before the purge
+        _to_ssd(engine)
+        removed = client.post("/admin/purge", json={"tenant": "default", "session": "A"}, headers=ADMIN).json()
+        assert removed["removed"]["prefix"]["blocks"] > 0 and removed["removed"]["ssd"]["blocks"] > 0
+        again = ask(client, "A", question, max_tokens=6)
+        assert _cached(again) <= system and "why=purged" in again
+        client.post("/admin/sessions/A/end?tenant=default", headers=ADMIN)  # what A stored since
+        _to_ssd(engine)
+    engine.stop()
+    restarted = start()
+    try:
+        with TestClient(create_app(live, engine=restarted)) as client:
+            after = ask(client, "C", question, max_tokens=7)
+            assert "tier=ssd" in after and _cached(after) <= system
+    finally:
+        restarted.stop()
