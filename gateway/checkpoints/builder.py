@@ -212,6 +212,80 @@ def _qwen3_5_config(size: ModelSize, ids: dict[str, int], moe: bool = False) -> 
     }
 
 
+GEMMA4_SOFT_TOKENS = 64  # image soft tokens at most: 16-px patches pooled 3x3
+
+
+def _gemma4_config(size: ModelSize, ids: dict[str, int]) -> dict:
+    """Gemma 4 (the 26B/31B layout: no per-layer inputs, no KV shared across layers): sliding-window
+    and full layers, the full ones with wider heads and proportional RoPE on a quarter of them; a
+    vision tower of 16-px patches pooled 3x3 into soft tokens."""
+    head_dim = size.hidden_size // size.num_heads
+    text = _text_fields(size) | {
+        "model_type": "gemma4_text",
+        "head_dim": head_dim,
+        "global_head_dim": 2 * head_dim,
+        "num_global_key_value_heads": size.num_kv_heads,
+        "hidden_size_per_layer_input": 0,
+        "num_kv_shared_layers": 0,
+        "sliding_window": size.sliding_window,
+        "layer_types": ["sliding_attention", "full_attention"] * (size.num_layers // 2),
+        "final_logit_softcapping": 30.0,
+        "use_double_wide_mlp": False,
+        "tie_word_embeddings": True,
+    }
+    vision = {
+        "model_type": "gemma4_vision",
+        "hidden_size": size.vision_hidden_size,
+        "intermediate_size": size.vision_hidden_size * 2,
+        "num_hidden_layers": size.vision_depth,
+        "num_attention_heads": size.vision_heads,
+        "num_key_value_heads": size.vision_heads,
+        "head_dim": size.vision_hidden_size // size.vision_heads,
+        "global_head_dim": size.vision_hidden_size // size.vision_heads,
+        "patch_size": 16,
+        "pooling_kernel_size": 3,
+        "default_output_length": GEMMA4_SOFT_TOKENS,
+        "position_embedding_size": 1024,
+    }
+    return {
+        "model_type": "gemma4",
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "torch_dtype": "float32",
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": size.hidden_size,
+        "image_token_id": ids["<|image|>"],
+        "audio_token_id": ids["<|audio|>"],
+        "boi_token_id": ids["<|image>"],
+        "eoi_token_id": ids["<image|>"],
+        "boa_token_id": ids["<|audio>"],
+        "eoa_token_id": ids["<audio|>"],
+        "pad_token_id": ids["<pad>"],
+        "vision_soft_tokens_per_image": GEMMA4_SOFT_TOKENS,
+        "eos_token_id": [ids["<turn|>"], ids["<eos>"]],
+        "tie_word_embeddings": True,
+        "text_config": text,
+        "vision_config": vision,
+    }
+
+
+def _gemma4_processor(size: ModelSize) -> dict[str, dict]:
+    return {
+        "processor_config.json": {"processor_class": "Gemma4Processor", "image_seq_length": GEMMA4_SOFT_TOKENS},
+        "preprocessor_config.json": {
+            "image_processor_type": "Gemma4ImageProcessor",
+            "processor_class": "Gemma4Processor",
+            "patch_size": 16,
+            "max_soft_tokens": GEMMA4_SOFT_TOKENS,
+            "pooling_kernel_size": 3,
+            "do_normalize": False,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_resize": True,
+            "do_convert_rgb": True,
+        },
+    }
+
+
 GEMMA3_IMAGE_SIZE, GEMMA3_IMAGE_TOKENS = 224, 64  # 16x16 patches of 14 px, pooled 2x2
 
 
@@ -585,6 +659,16 @@ RECIPES = {
         _gemma3_config,
         _gemma3_processor,
     ),
+    "gemma4": Recipe(
+        "mlx_vlm",
+        ("<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>")
+        + ("<|audio>", "<audio|>", "<|audio|>", "<|video|>"),
+        "<turn|>",
+        "<bos>",
+        "<pad>",
+        _gemma4_config,
+        _gemma4_processor,
+    ),
     "smolvlm": Recipe(
         "mlx_vlm",
         ("<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>", "<global-img>")
@@ -642,6 +726,15 @@ RECIPES = {
 }
 # Tokens the family's processor reads as tokenizer attributes (Gemma 3: tokenizer.boi_token ...).
 NAMED_TOKENS = {
+    "gemma4": {
+        "boi_token": "<|image>",
+        "eoi_token": "<image|>",
+        "image_token": "<|image|>",
+        "boa_token": "<|audio>",
+        "eoa_token": "<audio|>",
+        "audio_token": "<|audio|>",
+        "video_token": "<|video|>",
+    },
     "gemma3": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
     "smolvlm": {
         "fake_image_token": "<fake_token_around_image>",

@@ -30,6 +30,10 @@ class Family:
     # attention mask (the library's KVCache.make_mask does so in prefill and decode). Blocks then hold
     # every layer's KV, so a reused prefix longer than the window is exact.
     window_as_mask: bool = False
+    # The model scales token embeddings by its `embed_scale` when given token ids, but takes
+    # `inputs_embeds` as they are (Gemma 4; Gemma 3 scales both): text rows spliced around an
+    # image's features must carry the scale.
+    scaled_embeds: bool = False
 
 
 VISION_FAMILIES = {
@@ -41,6 +45,7 @@ VISION_FAMILIES = {
         Family("qwen3_5", "mlx_vlm", "<|image_pad|>", positions="mrope"),
         Family("qwen3_5_moe", "mlx_vlm", "<|image_pad|>", positions="mrope"),
         Family("gemma3", "mlx_vlm", "<start_of_image>", window_as_mask=True),
+        Family("gemma4", "mlx_vlm", "<|image|>", window_as_mask=True, scaled_embeds=True),
         Family("smolvlm", "mlx_vlm", "<image>"),
         Family("idefics3", "mlx_vlm", "<image>"),
         Family("mistral3", "mlx_vlm", "[IMG]"),

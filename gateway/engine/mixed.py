@@ -105,12 +105,27 @@ def install(language_model) -> int:
     return sum(swap_layer_classes(language_model, name, _segmented_class) for name in CACHED_MODULES)
 
 
+# What a packed call can cut per segment: the hidden states, the cache, the mask (each segment's
+# cache makes its own), and positions. A module that takes more (Gemma 4's attention passes KV and
+# offsets on to the layers that share them) keeps its class, and the runner then calls parts one by one.
+SEGMENTABLE_PARAMETERS = {
+    "self",
+    "x",
+    "hidden_states",
+    "inputs",
+    "mask",
+    "cache",
+    "position_ids",
+    "position_embeddings",
+}
+
+
 @cache
 def _segmented_class(base: type) -> type | None:
     call = base.__call__
     signature = inspect.signature(call)
-    if "cache" not in signature.parameters:
-        return None  # a module under the same name that takes no cache (Nemotron-H's MLP "mixer")
+    if "cache" not in signature.parameters or set(signature.parameters) - SEGMENTABLE_PARAMETERS:
+        return None  # takes no cache (Nemotron-H's MLP "mixer"), or what cannot be cut per segment
 
     def __call__(self, *args, **kwargs):
         cache_arg = kwargs.get("cache")

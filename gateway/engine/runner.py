@@ -413,9 +413,8 @@ class ModelRunner:
         ]
         kwargs: dict = {"cache": layers} | _packed_deepstack(parts, cursor)
         if any(part.embeds is not None for part in parts):
-            embed = token_embedding(self.lm)
             kwargs["inputs_embeds"] = mx.concatenate(
-                [_flat(embed(p.ids) if p.embeds is None else p.embeds) for p in parts], axis=1
+                [_flat(self._text_embeds(p.ids) if p.embeds is None else p.embeds) for p in parts], axis=1
             )
         if parts[0].positions is not None:
             kwargs["position_ids"] = mx.concatenate([p.positions.reshape(3, 1, -1) for p in parts], axis=2)  # type: ignore[union-attr]
@@ -465,7 +464,7 @@ class ModelRunner:
 
     def _embed(self, ids: mx.array, prompt: PreparedPrompt, features: dict[int, mx.array], start: int) -> mx.array:
         """Input embeddings of tokens [start, L): token embeddings with each image's rows spliced in."""
-        text = token_embedding(self.lm)(ids[:, start:])[0]
+        text = self._text_embeds(ids[:, start:])[0]
         pieces, cursor = [], start
         for index, image in enumerate(prompt.images):
             end = image.token_start + image.num_tokens
@@ -479,6 +478,14 @@ class ModelRunner:
             cursor = end
         pieces.append(text[cursor - start :])
         return mx.concatenate(pieces, axis=0)[None]
+
+    def _text_embeds(self, ids: mx.array) -> mx.array:
+        """Input embeddings of text tokens, as the model takes them with `inputs_embeds`: the table's
+        rows, times the embedding scale where the model applies it to token ids only (Gemma 4)."""
+        rows = token_embedding(self.lm)(ids)
+        if self.family.scaled_embeds:
+            rows = rows * getattr(self.lm, "model", self.lm).embed_scale
+        return rows
 
     def _deepstack(
         self, prompt: PreparedPrompt, features: dict[int, mx.array], start: int
