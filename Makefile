@@ -18,6 +18,13 @@ $(STAMP): requirements.lock constraints.txt pyproject.toml
 		echo "installing OpenBLAS (libopenblas0-pthread)"; \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libopenblas0-pthread; \
 	fi
+	@# OpenCV's wheel (video_url parts, and mlx-vlm's video paths) loads these system libraries
+	@if [ "$$(uname -s)" = Linux ] && ! (ldconfig -p | grep -q libGL.so.1 && ldconfig -p | grep -q libgthread-2.0.so.0 \
+			&& ldconfig -p | grep -q libxcb.so.1); then \
+		echo "installing the libraries OpenCV loads (libgl1, libglib2.0-0, libxcb1)"; \
+		$(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			--no-install-recommends libgl1 libglib2.0-0 libxcb1; \
+	fi
 	[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt torch==2.13.0

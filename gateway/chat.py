@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import anyio
 
 from semantic import Owner, StoredResponse, owner_label
-from vision import DecodedImage
+from vision import DecodedImage, DecodedVideo
 
 from .auth import Caller
 from .engine import (
@@ -45,7 +45,7 @@ from .engine import (
     json_schema_grammar,
 )
 from .errors import ENGINE_REFUSALS, ApiError, bad_request, echo, engine_refusal, refuse_unless_serving
-from .images import load_image
+from .images import load_image, load_video
 from .openai_format import Completion
 from .schemas import ChatRequest
 from .settings import Settings
@@ -85,21 +85,23 @@ class ChatService:
                 "model",
             )
 
-    async def load_images(self, request: ChatRequest) -> list[DecodedImage]:
-        """Decode every image part (CPU work, off the event loop); none: no thread hop."""
+    async def load_images(self, request: ChatRequest) -> list[DecodedImage | DecodedVideo]:
+        """Decode every image and video part (CPU work, off the event loop); none: no thread hop."""
         if not request.num_images:
             return []
         return await anyio.to_thread.run_sync(self._load_images_sync, request)
 
-    def _load_images_sync(self, request: ChatRequest) -> list[DecodedImage]:
+    def _load_images_sync(self, request: ChatRequest) -> list[DecodedImage | DecodedVideo]:
         return [
-            load_image(part.url, self.settings, f"messages[{i}].content[{j}]")
+            (load_video if part.video else load_image)(part.url, self.settings, f"messages[{i}].content[{j}]")
             for i, message in enumerate(request.messages)
             for j, part in enumerate(message.parts)
             if isinstance(part, ImagePart)
         ]
 
-    async def prepare(self, request: ChatRequest, images: list[DecodedImage]) -> tuple[PreparedPrompt, Sampling]:
+    async def prepare(
+        self, request: ChatRequest, images: list[DecodedImage | DecodedVideo]
+    ) -> tuple[PreparedPrompt, Sampling]:
         """Tokenise and compile the output's grammar (off the event loop), after a free bound: a token
         holds at most max_token_bytes bytes, so text that cannot fit whatever its tokens is refused
         before the tokenizer runs."""
@@ -123,7 +125,7 @@ class ChatService:
         grammar = await self._compiled_grammar(request) if _constrained(request) else None
         return prompt, replace(request.sampling, grammar=grammar, max_tokens=max_tokens)
 
-    async def _prompt(self, request: ChatRequest, images: list[DecodedImage]) -> PreparedPrompt:
+    async def _prompt(self, request: ChatRequest, images: list[DecodedImage | DecodedVideo]) -> PreparedPrompt:
         """The request's prompt, rendered and tokenised off the event loop; 400 when the model cannot take it."""
         try:
             return await anyio.to_thread.run_sync(

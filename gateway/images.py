@@ -13,7 +13,17 @@ from urllib.parse import unquote, urlparse
 
 import httpx
 
-from vision import DecodedImage, ImageError, ImageLimits, decode_data_url, decode_image_bytes
+from vision import (
+    DecodedImage,
+    DecodedVideo,
+    ImageError,
+    ImageLimits,
+    VideoLimits,
+    decode_data_url,
+    decode_image_bytes,
+    decode_video_bytes,
+    decode_video_data_url,
+)
 
 from .errors import bad_request
 from .fetch import FetchFailed, FetchPolicy, fetch_image
@@ -31,10 +41,32 @@ def load_image(url: str, settings: Settings, param: str) -> DecodedImage:
         if scheme in ("http", "https"):
             return decode_image_bytes(_fetch_http(url, settings, param), limits)
         if scheme == "file":
-            return decode_image_bytes(_read_file(url, settings, param), limits)
+            return decode_image_bytes(_read_file(url, settings, param, limits.max_bytes, "image_too_large"), limits)
     except ImageError as exc:
         raise bad_request(f"{param}: {exc}", exc.code, param) from None
     raise bad_request(f"{param}: unsupported image URL scheme", "invalid_image_url", param)
+
+
+def load_video(url: str, settings: Settings, param: str) -> DecodedVideo:
+    """A video_url part: data: URLs always, file URLs under the allowed folder (as images); frames
+    sampled at the settings' rate and bounded in count, duration, pixels and bytes."""
+    bounds = settings.limits
+    limits = VideoLimits(
+        bounds.max_video_bytes,
+        bounds.max_image_pixels,
+        bounds.max_video_frames,
+        bounds.max_video_seconds,
+        bounds.video_sample_fps,
+    )
+    try:
+        if url.startswith("data:"):
+            return decode_video_data_url(url, limits)
+        if urlparse(url).scheme.lower() == "file":
+            raw = _read_file(url, settings, param, bounds.max_video_bytes, "video_too_large")
+            return decode_video_bytes(raw, limits)
+    except ImageError as exc:  # VideoError is one
+        raise bad_request(f"{param}: {exc}", exc.code, param) from None
+    raise bad_request(f"{param}: a video_url must be a data: URL or an allowed file URL", "invalid_video_url", param)
 
 
 def _fetch_http(url: str, settings: Settings, param: str) -> bytes:
@@ -60,7 +92,7 @@ def _fetch_http(url: str, settings: Settings, param: str) -> bytes:
         ) from None
 
 
-def _read_file(url: str, settings: Settings, param: str) -> bytes:
+def _read_file(url: str, settings: Settings, param: str, max_bytes: int, too_large: str) -> bytes:
     root = settings.allow_file_images_under
     if root is None:
         raise bad_request(f"{param}: file image URLs are disabled on this server", "image_url_not_allowed", param)
@@ -72,8 +104,8 @@ def _read_file(url: str, settings: Settings, param: str) -> bytes:
         path = Path(raw_path).resolve()  # symlinks resolved: a link inside the folder to outside is outside
         if not path.is_relative_to(Path(root).resolve()) or not path.is_file():
             raise refused
-        if path.stat().st_size > settings.limits.max_image_bytes:
-            raise ImageError("image_too_large", f"image exceeds {settings.limits.max_image_bytes} bytes")
+        if path.stat().st_size > max_bytes:
+            raise ImageError(too_large, f"the file exceeds {max_bytes} bytes")
         return path.read_bytes()
     except ImageError:  # a ValueError too, but the client's to see
         raise

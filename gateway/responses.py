@@ -65,7 +65,7 @@ from semantic import (
 )
 from semantic.risk import DEFAULT_PATTERNS_FILE, PERSONAL_DATA
 from semantic.scope import VERSION_FIELDS
-from vision import DecodedImage
+from vision import DecodedImage, DecodedVideo
 
 from .auth import Caller
 from .engine import Sampling, TextPart
@@ -157,7 +157,9 @@ class ResponseCaches:
 
     # -- per request -------------------------------------------------------------------------
 
-    def context(self, request: ChatRequest, caller: Caller, headers, images: list[DecodedImage]) -> RequestContext:
+    def context(
+        self, request: ChatRequest, caller: Caller, headers, images: list[DecodedImage | DecodedVideo]
+    ) -> RequestContext:
         """CPU work (canonical JSON, SHA-256, RE2 risk rules): large requests call this off the event loop."""
         scope = Scope(caller.tenant, self.model_fingerprint, **_versions(request.metadata, headers))
         hashes = iter(image.pixel_hash for image in images)
@@ -172,7 +174,7 @@ class ResponseCaches:
         if category == PERSONAL_DATA and end_user is not None:
             decoding["end_user"] = end_user  # an answer about one user's own data is that user's alone
         key = exact_key(scope, messages, decoding)
-        image_keys = [c["image"] for m in messages for c in m["content"] if "image" in c]
+        image_keys = [c.get("image") or c["video"] for m in messages for c in m["content"] if "text" not in c]
         context = context_fingerprint(messages[:-1] + [decoding], image_keys)
         sampling = request.sampling
         return RequestContext(
@@ -368,13 +370,19 @@ def _canonical(message, hashes) -> dict:
     so plain messages keep the keys they always had."""
     canonical = {
         "role": message.role,
-        "content": [{"text": p.text} if isinstance(p, TextPart) else {"image": next(hashes)} for p in message.parts],
+        "content": [_canonical_part(p, hashes) for p in message.parts],
     }
     if message.tool_calls:
         canonical["tool_calls"] = [[call.id, call.name, call.arguments] for call in message.tool_calls]
     if message.tool_call_id is not None:
         canonical["tool_call_id"] = message.tool_call_id
     return canonical
+
+
+def _canonical_part(part, hashes) -> dict:
+    if isinstance(part, TextPart):
+        return {"text": part.text}
+    return {"video" if part.video else "image": next(hashes)}
 
 
 def _output_shape(request: ChatRequest) -> dict:

@@ -429,14 +429,16 @@ def _parse_part(param: str, part: Any) -> TextPart | ImagePart:
         if not isinstance(part.get("text"), str):
             raise bad_request(f"{param}.text must be a string", "invalid_type", param)
         return TextPart(part["text"])
-    if kind == "image_url":
-        ref = part.get("image_url")
+    if kind in ("image_url", "video_url"):
+        ref = part.get(kind)
         url = ref.get("url") if isinstance(ref, dict) else ref
         if not isinstance(url, str) or not url:
-            raise bad_request(f"{param}.image_url.url must be a string", "invalid_type", param)
-        return ImagePart(url)
+            raise bad_request(f"{param}.{kind}.url must be a string", "invalid_type", param)
+        return ImagePart(url, video=kind == "video_url")
     raise bad_request(
-        f"{param}.type {echo(kind)} is not supported (use 'text' or 'image_url')", "unsupported_content_type", param
+        f"{param}.type {echo(kind)} is not supported (use 'text', 'image_url' or 'video_url')",
+        "unsupported_content_type",
+        param,
     )
 
 

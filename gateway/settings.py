@@ -41,7 +41,11 @@ class Limits:
     max_user_chars: int = 256  # the OpenAI `user` field and session ids
     max_image_bytes: int = 10 * 1024 * 1024
     max_image_pixels: int = 4096 * 4096  # checked from the header, before decoding (bombs)
-    max_images: int = 8
+    max_images: int = 8  # image and video parts together
+    max_video_bytes: int = 16 * 1024 * 1024  # one video's encoded bytes
+    max_video_seconds: float = 120.0  # from the container's header, before any frame is decoded
+    max_video_frames: int = 32  # frames sampled at video_sample_fps; a longer clip is refused, never cut
+    video_sample_fps: float = 2.0  # frames taken per second of video (Qwen's processors assume 2)
     max_context_tokens: int = 16384
     max_output_tokens: int = 4096
     default_max_tokens: int = 256

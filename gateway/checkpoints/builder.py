@@ -286,6 +286,76 @@ def _gemma4_processor(size: ModelSize) -> dict[str, dict]:
     }
 
 
+LFM2_TILE, LFM2_MAX_IMAGE_TOKENS = 128, 16  # 16-px patches, 2x2 pixel-unshuffled: 16 tokens per tile
+
+
+def _lfm2_vl_config(size: ModelSize, ids: dict[str, int]) -> dict:
+    """LFM2-VL: a SigLIP2 (NaFlex) tower whose patches are pixel-unshuffled 2x2 into the language
+    model, LFM2, a hybrid of gated short-convolution layers (recurrent: a 3-token window) and
+    attention layers; large images are split into tiles plus a thumbnail."""
+    return {
+        "model_type": "lfm2_vl",
+        "architectures": ["Lfm2VlForConditionalGeneration"],
+        "torch_dtype": "float32",
+        "image_token_id": ids["<image>"],
+        "image_token_index": ids["<image>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "downsample_factor": 2,
+        "encoder_patch_size": 16,
+        "max_image_tokens": LFM2_MAX_IMAGE_TOKENS,
+        "min_image_tokens": 4,
+        "tile_size": LFM2_TILE,
+        "max_num_patches": LFM2_MAX_IMAGE_TOKENS * 4,
+        "projector_hidden_size": size.hidden_size,
+        "text_config": {
+            "model_type": "lfm2",
+            "hidden_size": size.hidden_size,
+            "block_dim": size.hidden_size,
+            "conv_dim": size.hidden_size,
+            "conv_dim_out": size.hidden_size,
+            "num_hidden_layers": size.num_layers,
+            "intermediate_size": size.intermediate_size,
+            "block_ff_dim": size.intermediate_size,
+            "block_auto_adjust_ff_dim": False,
+            "num_attention_heads": size.num_heads,
+            "num_heads": size.num_heads,
+            "num_key_value_heads": size.num_kv_heads,
+            "vocab_size": VOCAB_SIZE,
+            "max_position_embeddings": 32768,
+            "eos_token_id": ids["<|im_end|>"],
+            "layer_types": ["conv", "full_attention"] * (size.num_layers // 2),
+            "tie_word_embeddings": True,
+        },
+        "vision_config": {
+            "model_type": "lfm2_vl",
+            "hidden_size": size.vision_hidden_size,
+            "intermediate_size": size.vision_hidden_size * 2,
+            "num_hidden_layers": size.vision_depth,
+            "num_attention_heads": size.vision_heads,
+            "patch_size": 16,
+            "num_patches": LFM2_MAX_IMAGE_TOKENS * 4,
+            "vision_use_head": False,
+        },
+    }
+
+
+def _lfm2_vl_processor(size: ModelSize) -> dict[str, dict]:
+    image = {
+        "image_processor_type": "Lfm2VlImageProcessor",
+        "processor_class": "Lfm2VlProcessor",
+        "downsample_factor": 2,
+        "encoder_patch_size": 16,
+        "min_image_tokens": 4,
+        "max_image_tokens": LFM2_MAX_IMAGE_TOKENS,
+        "tile_size": LFM2_TILE,
+        "max_num_patches": LFM2_MAX_IMAGE_TOKENS * 4,
+    } | _normalised(HALF)
+    return {
+        "preprocessor_config.json": image,
+        "processor_config.json": {"processor_class": "Lfm2VlProcessor", "use_image_special_tokens": True},
+    }
+
+
 GEMMA3_IMAGE_SIZE, GEMMA3_IMAGE_TOKENS = 224, 64  # 16x16 patches of 14 px, pooled 2x2
 
 
@@ -698,6 +768,17 @@ RECIPES = {
         "<unk>",
         _mistral3_config,
         _mistral3_processor,
+    ),
+    "lfm2_vl": Recipe(
+        "mlx_vlm",
+        ("<|pad|>", "<|startoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<|image_start|>", "<|image_end|>")
+        + ("<|img_thumbnail|>",)
+        + tuple(f"<|img_row_{r}_col_{c}|>" for r in range(1, 11) for c in range(1, 11)),
+        "<|im_end|>",
+        "<|startoftext|>",
+        "<|pad|>",
+        _lfm2_vl_config,
+        _lfm2_vl_processor,
     ),
     "llava_onevision": Recipe(
         "mlx_vlm", QWEN_TOKENS + ("<image>", "<video>"), *QWEN_ENDS, _llava_onevision_config, _llava_onevision_processor

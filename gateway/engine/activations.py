@@ -91,7 +91,8 @@ def install_cpu_prefill_activations(language_model) -> int:
     many MLPs were swapped (0 on a GPU, or for MLPs that name no activation we know)."""
     if mx.default_device().type != mx.DeviceType.cpu:
         return 0
-    return swap_layer_classes(language_model, "mlp", _cpu_mlp_class)
+    # LFM2 names its MLP "feed_forward"
+    return sum(swap_layer_classes(language_model, name, _cpu_mlp_class) for name in ("mlp", "feed_forward"))
 
 
 @cache

@@ -23,6 +23,11 @@ class Family:
     # The token the chat template writes for one image part; the family's processor expands it into
     # the image's tokens (placeholders, and for some families row breaks or begin/end markers).
     image_placeholder: str | None = None
+    # ... for one video part, in families whose processor takes videos (None: videos refused)
+    video_placeholder: str | None = None
+    # The tokens the template writes around a video's placeholder, which the processor expands with
+    # it (Qwen3-VL repeats them per pair of frames, each group after its "<t seconds>" timestamp).
+    video_markers: tuple[str, str] | None = None
     # "mrope": the Qwen VL line's 3-axis positions, computed once per prompt from the image grids.
     # "offset": plain RoPE from the cache offset, which chunked and cached prefill already get right.
     positions: Literal["offset", "mrope"] = "offset"
@@ -36,20 +41,22 @@ class Family:
     scaled_embeds: bool = False
 
 
+QWEN_VIDEO = ("<|vision_start|>", "<|vision_end|>")
 VISION_FAMILIES = {
     f.model_type: f
     for f in (
-        Family("qwen2_5_vl", "mlx_vlm", "<|image_pad|>", positions="mrope"),
-        Family("qwen2_vl", "mlx_vlm", "<|image_pad|>", positions="mrope"),
-        Family("qwen3_vl", "mlx_vlm", "<|image_pad|>", positions="mrope"),
-        Family("qwen3_5", "mlx_vlm", "<|image_pad|>", positions="mrope"),
-        Family("qwen3_5_moe", "mlx_vlm", "<|image_pad|>", positions="mrope"),
+        Family("qwen2_5_vl", "mlx_vlm", "<|image_pad|>", "<|video_pad|>", QWEN_VIDEO, positions="mrope"),
+        Family("qwen2_vl", "mlx_vlm", "<|image_pad|>", "<|video_pad|>", QWEN_VIDEO, positions="mrope"),
+        Family("qwen3_vl", "mlx_vlm", "<|image_pad|>", "<|video_pad|>", QWEN_VIDEO, positions="mrope"),
+        Family("qwen3_5", "mlx_vlm", "<|image_pad|>", "<|video_pad|>", QWEN_VIDEO, positions="mrope"),
+        Family("qwen3_5_moe", "mlx_vlm", "<|image_pad|>", "<|video_pad|>", QWEN_VIDEO, positions="mrope"),
         Family("gemma3", "mlx_vlm", "<start_of_image>", window_as_mask=True),
         Family("gemma4", "mlx_vlm", "<|image|>", window_as_mask=True, scaled_embeds=True),
         Family("smolvlm", "mlx_vlm", "<image>"),
         Family("idefics3", "mlx_vlm", "<image>"),
         Family("mistral3", "mlx_vlm", "[IMG]"),
         Family("llava_onevision", "mlx_vlm", "<image>"),
+        Family("lfm2_vl", "mlx_vlm", "<image>"),
     )
 }
 

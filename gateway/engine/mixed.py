@@ -65,6 +65,9 @@ class SegmentCache:
     def run(self, module, call, bound: inspect.BoundArguments) -> mx.array:
         """`call` (the attention module's own __call__) once per segment; outputs packed again."""
         arguments = dict(bound.arguments)
+        for name in UNUSED_PARAMETERS.intersection(arguments):
+            if arguments[name] is not None:
+                _unsupported(name, arguments[name])
         x_name = list(arguments)[1]  # after self
         packed = arguments[x_name]
         outputs = []
@@ -93,7 +96,7 @@ def _unsupported(name: str, value):
 # Where a layer keeps the module that takes its cache: attention, and the recurrent mixers of hybrid
 # models (qwen3_next's and Qwen3.5's gated delta under `linear_attn`, Nemotron-H's Mamba or attention
 # under `mixer`). A recurrent state is per sequence just as KV is, so it runs per segment the same way.
-CACHED_MODULES = ("self_attn", "linear_attn", "mixer")
+CACHED_MODULES = ("self_attn", "linear_attn", "mixer", "conv")
 
 
 def install(language_model) -> int:
@@ -118,13 +121,16 @@ SEGMENTABLE_PARAMETERS = {
     "position_ids",
     "position_embeddings",
 }
+# Hooks a packed call can pass through only while unused (LFM2's short convolution takes a list that
+# collects states for speculative decoding): checked per call, before any segment runs.
+UNUSED_PARAMETERS = {"gdn_sink"}
 
 
 @cache
 def _segmented_class(base: type) -> type | None:
     call = base.__call__
     signature = inspect.signature(call)
-    if "cache" not in signature.parameters or set(signature.parameters) - SEGMENTABLE_PARAMETERS:
+    if "cache" not in signature.parameters or set(signature.parameters) - SEGMENTABLE_PARAMETERS - UNUSED_PARAMETERS:
         return None  # takes no cache (Nemotron-H's MLP "mixer"), or what cannot be cut per segment
 
     def __call__(self, *args, **kwargs):

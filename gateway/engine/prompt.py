@@ -9,11 +9,12 @@ from __future__ import annotations
 import bisect
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from vision import DecodedImage, PixelHash
+from vision import DecodedImage, DecodedVideo, PixelHash
 
 from .families import Family
 from .tools import ToolFormat, call_spec
@@ -28,15 +29,20 @@ class PromptImage:
     inputs: dict[str, np.ndarray]
     token_ids: tuple[int, ...]  # the image's expansion: placeholders and the family's markers around them
     token_start: int  # index of the expansion's first token in the prompt's token_ids
+    num_slot_tokens: int = 1  # the template's tokens it replaces: its placeholder (and a video's markers)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
+    def is_video(self) -> bool:
+        return "pixel_values_videos" in self.inputs
+
+    @property
     def grid_thw(self) -> tuple[int, int, int] | None:
         """The Qwen VL line's (temporal, height, width) patch grid; None for other families."""
-        grid = self.inputs.get("image_grid_thw")
+        grid = self.inputs.get("video_grid_thw" if self.is_video else "image_grid_thw")
         if grid is None:
             return None
         temporal, height, width = (int(v) for v in grid[0])
@@ -83,6 +89,16 @@ class PromptBuilder:
         self.placeholder = family.image_placeholder
         self.tool_format = ToolFormat(getattr(self.tokenizer, "chat_template", None))
         self.placeholder_id = self.tokenizer.convert_tokens_to_ids(self.placeholder) if self.placeholder else None
+        self.video_placeholder = family.video_placeholder
+        self.video_placeholder_id = (
+            self.tokenizer.convert_tokens_to_ids(self.video_placeholder) if self.video_placeholder else None
+        )
+        self.video_markers = family.video_markers
+        self.video_marker_ids = (
+            tuple(self.tokenizer.convert_tokens_to_ids(m) for m in family.video_markers)
+            if family.video_markers
+            else None
+        )
         # Processors tokenise with the tokenizer's defaults (some cannot be told otherwise): the tokens it
         # adds around a lone placeholder (a BOS, say) are cut from each image's expansion.
         alone = self.tokenizer.encode(self.placeholder) if self.placeholder else []
@@ -103,20 +119,25 @@ class PromptBuilder:
     def build(
         self,
         messages: tuple[Message, ...],
-        images: list[DecodedImage],
+        images: Sequence[DecodedImage | DecodedVideo],
         tools: tuple[Tool, ...] = (),
         thinking: bool | None = None,
     ) -> PreparedPrompt:
-        """`thinking`: the template's enable_thinking switch (templates without one ignore it)."""
+        """`images`: the decoded image and video parts, in order. `thinking`: the template's
+        enable_thinking switch (templates without one ignore it)."""
         if images and self.placeholder is None:
             raise PromptError("images_unsupported", "this model is a text model: it does not take images")
+        if self.video_placeholder is None and any(isinstance(item, DecodedVideo) for item in images):
+            raise PromptError("videos_unsupported", "this model's processor does not take videos")
         rendered, specs = self.tool_format.template_messages(
             [self._template_message(m) for m in messages], tuple(_marked_tool(tool) for tool in tools)
         )
         extra = _template_options(specs, thinking)
         marked = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **extra)
         ids = self.tokenizer.encode(self._neutralise(marked), add_special_tokens=False)
-        processed = [self.process_image(image) for image in images]
+        processed = [
+            self.process_video(item) if isinstance(item, DecodedVideo) else self.process_image(item) for item in images
+        ]
         prompt = self._expand_image_tokens(ids, processed)
         return replace(prompt, messages=messages, tools=tools, thinking=thinking)
 
@@ -163,13 +184,15 @@ class PromptBuilder:
         extra = _template_options(specs, prompt.thinking)
         marked = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=False, **extra)
         num_images = sum(isinstance(part, ImagePart) for m in messages for part in m.parts)
-        expansion = sum(image.num_tokens - 1 for image in prompt.images[:num_images])
+        expansion = sum(image.num_tokens - image.num_slot_tokens for image in prompt.images[:num_images])
         return len(self.tokenizer.encode(self._neutralise(marked), add_special_tokens=False)) + expansion
 
     def _template_message(self, message: Message) -> dict:
         role = "system" if message.role == "developer" else message.role
         parts = [
-            {"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": _mark_client_text(p.text)}
+            {"type": "video" if p.video else "image"}
+            if isinstance(p, ImagePart)
+            else {"type": "text", "text": _mark_client_text(p.text)}
             for p in message.parts
         ]
         rendered = {"role": role, "content": parts}
@@ -226,18 +249,41 @@ class PromptBuilder:
         inputs = {k: np.asarray(v) for k, v in out.items() if k not in _TEXT_OUTPUTS}
         return PromptImage(image.pixel_hash, inputs, tuple(ids[self.added_before : len(ids) - self.added_after]), 0)
 
+    def process_video(self, video: DecodedVideo) -> PromptImage:
+        """The video's sampled frames through the family's own video processor: its token expansion
+        (frames merged in pairs by the Qwen VL line) and pixel inputs, keyed by the frames' pixels."""
+        frames = [np.asarray(frame) for frame in video.frames]
+        start, end = self.video_markers or ("", "")
+        try:
+            out = self.processor(text=[start + str(self.video_placeholder) + end], videos=[frames], return_tensors="np")
+        except Exception as exc:  # noqa: BLE001 - library code refusing a client's video, whatever it raises
+            raise PromptError(
+                "invalid_video", f"the model cannot take a {video.width}x{video.height} video: {exc}"
+            ) from None
+        ids = [int(t) for t in out["input_ids"][0]]
+        inputs = {k: np.asarray(v) for k, v in out.items() if k not in _TEXT_OUTPUTS}
+        expansion = tuple(ids[self.added_before : len(ids) - self.added_after])
+        return PromptImage(video.pixel_hash, inputs, expansion, 0, 3 if self.video_markers else 1)
+
     def _expand_image_tokens(self, ids: list[int], processed: list[PromptImage]) -> PreparedPrompt:
-        slots = [i for i, tok in enumerate(ids) if tok == self.placeholder_id]
+        """Each image or video slot of the rendered template replaced by its expansion, in order."""
+        placeholders = {self.placeholder_id, self.video_placeholder_id} - {None}
+        slots = [i for i, tok in enumerate(ids) if tok in placeholders]
         if len(slots) != len(processed):
             raise ValueError(f"template produced {len(slots)} image slots for {len(processed)} images")
+        if any((ids[slot] == self.video_placeholder_id) != item.is_video for slot, item in zip(slots, processed)):
+            raise ValueError("the template's image and video slots are not in the parts' order")
         out: list[int] = []
         images: list[PromptImage] = []
         previous = 0
         for slot, image in zip(slots, processed):
-            out.extend(ids[previous:slot])
+            first = slot - (image.num_slot_tokens > 1)  # a video's markers go with its placeholder
+            if image.num_slot_tokens > 1 and (ids[first], ids[slot + 1]) != self.video_marker_ids:
+                raise ValueError("the template's video placeholder is not between the family's video markers")
+            out.extend(ids[previous:first])
             images.append(replace(image, token_start=len(out)))
             out.extend(image.token_ids)
-            previous = slot + 1
+            previous = first + image.num_slot_tokens
         out.extend(ids[previous:])
         return PreparedPrompt(tuple(out), tuple(images))
 

@@ -188,6 +188,8 @@ class ModelRunner:
         self.image_token_id = getattr(model_config, "image_token_index", None) or getattr(
             model_config, "image_token_id", None
         )
+        # ... and a video frame's row (Qwen3-VL's deepstack rows go at both)
+        self.video_token_id = getattr(model_config, "video_token_id", None)
         self.tokenizer = self.prompts.tokenizer
         self.eos_ids = eos_ids(Path(model_path), config, self.tokenizer)
         self.max_positions = int(_text_setting(config, "max_position_embeddings") or 32768)
@@ -503,8 +505,8 @@ class ModelRunner:
             first = max(image.token_start, start)
             end = image.token_start + image.num_tokens
             deep[:, first - start : end - start] = features[index][1:, first - image.token_start :]
-            visual[first - start : end - start] = (
-                np.asarray(image.token_ids[first - image.token_start :]) == self.image_token_id
+            visual[first - start : end - start] = np.asarray(image.token_ids[first - image.token_start :]) == (
+                self.video_token_id if image.is_video else self.image_token_id
             )
         return deep, visual
 
@@ -513,8 +515,13 @@ class ModelRunner:
             return None, None
         if not prompt.images:
             return _plain_mrope(prompt.num_tokens), 0
-        grids = mx.array([image.grid_thw for image in prompt.images])
-        positions, deltas = self.lm.get_rope_index(ids, image_grid_thw=grids)
+        images = [image.grid_thw for image in prompt.images if not image.is_video]
+        videos = [image.grid_thw for image in prompt.images if image.is_video]
+        positions, deltas = self.lm.get_rope_index(
+            ids,
+            image_grid_thw=mx.array(images) if images else None,
+            video_grid_thw=mx.array(videos) if videos else None,
+        )
         return positions, int(deltas.reshape(-1)[0].item())
 
     # -- decode ------------------------------------------------------------------------------

@@ -15,10 +15,11 @@ class TextPart:
 
 @dataclass(frozen=True, slots=True)
 class ImagePart:
-    """Where an image stands in a message. The engine takes the decoded images separately, in order;
-    `url` is the client's reference, kept for the edge that loads it."""
+    """Where an image (or a video) stands in a message. The engine takes the decoded images and
+    videos separately, in order; `url` is the client's reference, kept for the edge that loads it."""
 
     url: str
+    video: bool = False  # a video_url part: its frames go through the family's video processing
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,7 @@ from vision import ImageLimits, decode_data_url
 TENANT_A, TENANT_B = TenantSalt(b"A" * 32), TenantSalt(b"B" * 32)
 GREEDY = Sampling(12, 0.0, 1.0, None, ())
 CHUNK, BLOCK = 64, 16
-HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h")  # recurrent layers: reuse ends at a snapshot
+HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "lfm2_vl")  # recurrent layers: reuse ends at a snapshot
 FAMILIES = sorted(RECIPES)
 VISION = sorted(set(FAMILIES) & set(VISION_FAMILIES))
 LONG = (
