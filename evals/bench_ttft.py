@@ -75,8 +75,13 @@ class StrataMode:
     def __init__(self, name: str, model_path: Path, caches: CacheConfig):
         self.name = name
         self.runner = ModelRunner(model_path, caches, model_fingerprint(model_path))
+        self.runner.warm_up()  # as `strata serve` does before it takes requests (touches no cache)
         self.cached_tokens: list[int] = []
         self.prompt_tokens: list[int] = []
+
+    def held_bytes(self) -> int:
+        prefix = self.runner.caches.prefix
+        return prefix.pool.num_bytes if prefix is not None else 0
 
     def turn(self, history: list[Message], image: Image.Image | None) -> tuple[float, str]:
         start = time.perf_counter()
@@ -106,6 +111,12 @@ class ApcMode:
         loaded: Any = mlx_vlm.load(str(model_path))  # its annotations name fewer processor kinds than it loads
         self.model, self.processor = loaded
         self.manager = apc.from_env(overrides={"enabled": True, "disk_enabled": False})
+        # the same first-call warm-up Strata's runner gets, outside the prefix cache
+        mlx_vlm.generate(self.model, self.processor, "warm up " * 8, max_tokens=2, verbose=False)
+
+    def held_bytes(self) -> int:
+        assert self.manager is not None, "from_env was asked for an enabled manager"
+        return self.manager.resident_bytes()
 
     def turn(self, history: list[Message], image: Image.Image | None) -> tuple[float, str]:
         import mlx_vlm
@@ -252,9 +263,9 @@ def family_rows(family: str, data_dir: Path, num_turns: int, runs: int) -> list[
             continue
         on_runs, apc_runs = [], []
         for _ in range(runs):
-            on = StrataMode("strata on", model_path, on_config)
+            on, apc = StrataMode("strata on", model_path, on_config), ApcMode(model_path)
             on_runs.append(run_chat(on, turns, picture))
-            apc_runs.append(run_chat(ApcMode(model_path), turns, picture))
+            apc_runs.append(run_chat(apc, turns, picture))
         on_ms = [statistics.median(run[t] for run in on_runs) * 1000 for t in range(num_turns)]
         apc_ms = [statistics.median(run[t] for run in apc_runs) * 1000 for t in range(num_turns)]
         rows.append(
@@ -268,6 +279,10 @@ def family_rows(family: str, data_dir: Path, num_turns: int, runs: int) -> list[
                 "max_on_over_apc": max(o / a for o, a in zip(on_ms, apc_ms)),
                 "reused_at_last_turn": on.cached_tokens[-1] / on.prompt_tokens[-1],
                 "prompt_tokens_last_turn": on.prompt_tokens[-1],
+                # what each holds in RAM for the one conversation: KV blocks (and a hybrid's state
+                # snapshots) against APC's resident blocks and checkpoints
+                "held_bytes": on.held_bytes(),
+                "apc_held_bytes": apc.held_bytes(),
             }
         )
     return rows
@@ -280,14 +295,14 @@ def family_table(rows: list[dict], num_turns: int) -> None:
     )
     print(
         f"{'family':<16} {'chat':<5} | {'on t1':>7} {'on tN':>7} | {'APC t1':>7} {'APC tN':>7} | "
-        f"{'tN/t1 on':>8} | {'max on/APC':>10} | {'reused tN':>9} | {'prompt tN':>9}"
+        f"{'tN/t1 on':>8} | {'max on/APC':>10} | {'reused tN':>9} | {'prompt tN':>9} | {'held MB':>7} {'APC MB':>7}"
     )
     for row in rows:
         on, apc = row["on_ms"], row["apc_ms"]
         print(
             f"{row['family']:<16} {row['chat']:<5} | {on[0]:7.1f} {on[-1]:7.1f} | {apc[0]:7.1f} {apc[-1]:7.1f} | "
             f"{row['turn10_over_turn1']:8.2f} | {row['max_on_over_apc']:10.2f} | {row['reused_at_last_turn']:8.1%} | "
-            f"{row['prompt_tokens_last_turn']:9d}"
+            f"{row['prompt_tokens_last_turn']:9d} | {row['held_bytes'] / 1e6:7.2f} {row['apc_held_bytes'] / 1e6:7.2f}"
         )
     print("targets: text tN/t1 <= 2.5; text max on/APC <= 1.0; image reused at tN >= 80%")
 

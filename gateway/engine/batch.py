@@ -78,8 +78,8 @@ class DecodeBatch:
         boundary keep their recurrent state there (finish() stores it with the block it ends, so the
         next turn resumes past the reply): a copy, evaluated now, since a row of the batched state
         would keep the whole batch's buffer alive."""
-        if not self.runner.recurrent:
-            return
+        if not self.runner.recurrent or self.runner.caches.prefix is None:
+            return  # no recurrent state, or nowhere to keep it
         block = self.runner.caches.config.block_size
         for index, length in enumerate(self.lengths):
             if length % block == 0:
