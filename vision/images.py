@@ -49,14 +49,18 @@ def decode_data_url(url: str, limits: ImageLimits) -> DecodedImage:
     match = _DATA_URL.match(url)
     if not match or not match.group("b64"):
         raise ImageError("invalid_image_url", "image_url must be a data: URL with base64 content")
-    payload = url[match.end() :]
-    if len(payload) * 3 // 4 > limits.max_bytes:
-        raise ImageError("image_too_large", f"image payload exceeds {limits.max_bytes} bytes")
+    return decode_image_bytes(data_url_payload(url[match.end() :], limits.max_bytes, "image"), limits)
+
+
+def data_url_payload(payload: str, max_bytes: int, kind: str, error: type[ImageError] = ImageError) -> bytes:
+    """The bytes of a data: URL's base64 payload (whitespace allowed), bounded before decoding;
+    `error` `<kind>_too_large` or `invalid_base64`."""
+    if len(payload) * 3 // 4 > max_bytes:
+        raise error(f"{kind}_too_large", f"{kind} payload exceeds {max_bytes} bytes")
     try:
-        raw = base64.b64decode(re.sub(r"\s+", "", payload), validate=True)
+        return base64.b64decode(re.sub(r"\s+", "", payload), validate=True)
     except (binascii.Error, ValueError):
-        raise ImageError("invalid_base64", "image_url data is not valid base64") from None
-    return decode_image_bytes(raw, limits)
+        raise error("invalid_base64", f"{kind}_url data is not valid base64") from None
 
 
 def decode_image_bytes(raw: bytes, limits: ImageLimits) -> DecodedImage:

@@ -10,8 +10,6 @@ untrusted bytes is a VideoError with a reason code, never a server error.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import math
 import os
@@ -21,7 +19,7 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from .images import ImageError, PixelHash, pixel_hash
+from .images import ImageError, PixelHash, data_url_payload, pixel_hash
 
 _DATA_URL = re.compile(r"^data:video/[\w.+-]+(;[\w.+-]+=[\w.+-]+)*;base64,", re.I)
 
@@ -55,14 +53,7 @@ def decode_video_data_url(url: str, limits: VideoLimits) -> DecodedVideo:
     match = _DATA_URL.match(url)
     if not match:
         raise VideoError("invalid_video_url", "video_url must be a data:video/... URL with base64 content")
-    payload = url[match.end() :]
-    if len(payload) * 3 // 4 > limits.max_bytes:
-        raise VideoError("video_too_large", f"video payload exceeds {limits.max_bytes} bytes")
-    try:
-        raw = base64.b64decode(re.sub(r"\s+", "", payload), validate=True)
-    except (binascii.Error, ValueError):
-        raise VideoError("invalid_base64", "video_url data is not valid base64") from None
-    return decode_video_bytes(raw, limits)
+    return decode_video_bytes(data_url_payload(url[match.end() :], limits.max_bytes, "video", VideoError), limits)
 
 
 def decode_video_bytes(raw: bytes, limits: VideoLimits) -> DecodedVideo:

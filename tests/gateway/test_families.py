@@ -281,7 +281,7 @@ def library(model_path) -> Library:
     return Library.load(model_path)
 
 
-def _library_logits(library, content: list[dict], images=()) -> np.ndarray:
+def _library_logits(library, content: list[dict], images=(), videos=()) -> np.ndarray:
     """The last-position logits of the library's own one-shot forward, as mlx-vlm's generate runs it:
     its processor expands the whole rendered prompt (text and images at once), get_input_embeddings
     embeds it (and for the Qwen VL line computes positions), one language-model call runs it, and the
@@ -289,11 +289,14 @@ def _library_logits(library, content: list[dict], images=()) -> np.ndarray:
     text = library.tokenizer.apply_chat_template(
         [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
     )
-    if not images:
+    if not images and not videos:
         ids = mx.array([library.tokenizer.encode(text, add_special_tokens=False)])
         out = library.lm(ids, cache=library.cache_classes.make_prompt_cache(library.lm))
         return ids, np.array(getattr(out, "logits", out)[0, -1].astype(mx.float32))
-    inputs = library.processor(text=[text], images=[i.image for i in images], return_tensors="np")
+    visual = {"images": [i.image for i in images]} if images else {}
+    if videos:  # each video as its sampled frames
+        visual["videos"] = [[np.asarray(frame) for frame in video.frames] for video in videos]
+    inputs = library.processor(text=[text], **visual, return_tensors="np")
     ids = mx.array(inputs.pop("input_ids"))
     extra = {k: mx.array(v) for k, v in inputs.items() if k not in ("attention_mask", "token_type_ids")}
     embedded = library.model.get_input_embeddings(ids, mask=mx.ones_like(ids), **extra).to_dict()

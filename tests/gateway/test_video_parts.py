@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 
-import mlx.core as mx
 import numpy as np
 import pytest
 from litestar.testing import TestClient
@@ -19,7 +18,7 @@ from gateway.engine import ImagePart, Message, PromptError, TextPart
 from gateway.engine.caching import CacheConfig
 from gateway.engine.runner import ModelRunner
 from tests.conftest import built_model
-from tests.gateway.test_families import TENANT_A, TENANT_B, Library, _assert_same, _run
+from tests.gateway.test_families import TENANT_A, TENANT_B, Library, _assert_same, _library_logits, _run
 from vision import VideoLimits, decode_video_data_url
 from vision.video import encode_test_video
 
@@ -51,20 +50,10 @@ def test_a_video_prompt_equals_the_library_one_shot_forward(family):
     video = decode_video_data_url(_clip_url(1), LIMITS)
     library = Library.load(built_model(BuildSpec(family, "tiny")))
     content = [{"type": "video"}, {"type": "text", "text": "What happens in this clip?"}]
-    text = library.tokenizer.apply_chat_template(
-        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
-    )
-    frames = [np.asarray(frame) for frame in video.frames]
-    inputs = library.processor(text=[text], videos=[frames], return_tensors="np")
-    ids = mx.array(inputs.pop("input_ids"))
-    extra = {k: mx.array(v) for k, v in inputs.items() if k not in ("attention_mask", "token_type_ids")}
-    embedded = library.model.get_input_embeddings(ids, mask=mx.ones_like(ids), **extra).to_dict()
-    embeds = embedded.pop("inputs_embeds")
-    kwargs = {k: v for k, v in embedded.items() if v is not None}
-    out = library.lm(ids, inputs_embeds=embeds, cache=library.cache_classes.make_prompt_cache(library.lm), **kwargs)
+    ids, expected = _library_logits(library, content, videos=[video])
     result = _run(_runner(family, 0, 0), [_ask("What happens in this clip?")], [video])
     assert result[2].prompt.token_ids == tuple(ids[0].tolist()) and result[2].prompt.images[0].is_video
-    np.testing.assert_allclose(result[0], np.array(out.logits[0, -1].astype(mx.float32)), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(result[0], expected, atol=1e-4, rtol=0)
 
 
 def test_a_second_question_about_the_same_clip_reuses_its_prefix_and_skips_the_encoder(family):
