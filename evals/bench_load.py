@@ -48,6 +48,7 @@ from PIL import Image
 
 from gateway.blas import env_with_openblas
 from gateway.checkpoints import resolve_model_path
+from gateway.engine import family_of
 
 from . import corpus_lines
 
@@ -249,13 +250,14 @@ def distinct_conversations(tag: str, client: int):
         index += 1
 
 
-def mix_conversations(tag: str, client: int, system_prompt: str):
-    """Sessions of three turns under the shared system prompt; every 4th session opens with an image.
-    Each turn yields the session's history list itself: the caller appends the reply to it."""
+def mix_conversations(tag: str, client: int, system_prompt: str, images: bool = True):
+    """Sessions of three turns under the shared system prompt; every 4th session opens with an image
+    (`images`: the model takes them). Each turn yields the session's history list itself: the caller
+    appends the reply to it."""
     session = 0
     while True:
         history: list[dict] = [{"role": "system", "content": system_prompt}]
-        with_image = (client + session) % 4 == 0
+        with_image = images and (client + session) % 4 == 0
         for turn in range(3):
             start = _seed(tag, client, session, turn) % (len(SENTENCES) - 6)
             text = f"Session {tag}-{client}-{session}, turn {turn}: " + " ".join(SENTENCES[start : start + 4])
@@ -375,6 +377,7 @@ def run_workload(
 ) -> dict:
     """Each server in turn, started fresh, through every client count; a row per (server, count)."""
     system = system_prompt_text()
+    images = family_of(args.model_dir).image_placeholder is not None  # text models get text sessions
     results = {}
     for name, start in servers:
         counts = [1] if name == "strata seqs=1" else client_counts
@@ -386,7 +389,7 @@ def run_workload(
                 make = (
                     (lambda c, tag=tag: distinct_conversations(tag, c))
                     if workload == "distinct"
-                    else (lambda c, tag=tag: mix_conversations(tag, c, system))
+                    else (lambda c, tag=tag: mix_conversations(tag, c, system, images))
                 )
                 row = asyncio.run(closed_loop(server, count, requests_per_client(workload, count, args.requests), make))
                 results[f"{name}@{count}"] = row
@@ -574,7 +577,7 @@ def main() -> None:
     )
     parser.add_argument("--only-kv-budget", action="store_true")
     args = parser.parse_args()
-    model_dir = resolve_model_path(args.model, args.data_dir)
+    model_dir = args.model_dir = resolve_model_path(args.model, args.data_dir)
     work = Path(tempfile.mkdtemp(prefix="strata-bench-load-"))
     print(f"model {model_dir}  max_num_seqs {args.max_num_seqs or 'each server default'}  logs in {work}", flush=True)
     if args.fairness:
