@@ -533,6 +533,14 @@ def _llava_onevision_processor(size: ModelSize) -> dict[str, dict]:
             "do_pad": True,
         }
         | _normalised(HALF),
+        # frames at the tile size the tiny tower takes (real checkpoints: 384 px, as the image tiles)
+        "video_preprocessor_config.json": {
+            "video_processor_type": "LlavaOnevisionVideoProcessor",
+            "processor_class": "LlavaOnevisionProcessor",
+            "size": {"height": ONEVISION_TILE, "width": ONEVISION_TILE},
+            "resample": 3,
+        }
+        | _normalised(HALF),
         "processor_config.json": {
             "processor_class": "LlavaOnevisionProcessor",
             "num_image_tokens": (ONEVISION_TILE // 14) ** 2,

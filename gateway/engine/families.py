@@ -55,7 +55,7 @@ VISION_FAMILIES = {
         Family("smolvlm", "mlx_vlm", "<image>"),
         Family("idefics3", "mlx_vlm", "<image>"),
         Family("mistral3", "mlx_vlm", "[IMG]"),
-        Family("llava_onevision", "mlx_vlm", "<image>"),
+        Family("llava_onevision", "mlx_vlm", "<image>", "<video>"),
         Family("lfm2_vl", "mlx_vlm", "<image>"),
     )
 }

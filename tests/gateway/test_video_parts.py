@@ -22,7 +22,7 @@ from tests.gateway.test_families import TENANT_A, TENANT_B, Library, _assert_sam
 from vision import VideoLimits, decode_video_data_url
 from vision.video import encode_test_video
 
-VIDEO_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
+VIDEO_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava_onevision")
 LIMITS = VideoLimits(10**7, 10**6, 32, 60.0)
 
 
