@@ -101,8 +101,8 @@ class DecodeBatch:
         self.lengths = [length + ids.shape[1] for length in self.lengths]
         # mRoPE families give every row a delta, plain-RoPE families none
         deltas = [row.rope_delta for row in self.rows if row.rope_delta is not None] or None
-        kv_layer = next(layer for layer in self.cache if not is_recurrent(layer))
-        offsets = kv_layer.offset if self.batched else cache_offset(self.cache, 0)
+        kv_layer = next((layer for layer in self.cache if not is_recurrent(layer)), None)  # none: all recurrent
+        offsets = kv_layer.offset if self.batched and kv_layer is not None else cache_offset(self.cache, 0)
         return Part(self.cache, ids, positions=decode_positions(offsets, deltas, ids.shape[1]), keep=ids.shape[1])
 
     def trim(self, num_tokens: list[int]) -> None:

@@ -321,7 +321,7 @@ class ModelRunner:
             if plan:
                 plan.session.close()
             raise
-        first = cache_offset(cache, 0)  # the first uncached token: the reused prefix ends here
+        first = cached  # the first uncached token: the reused prefix ends here (a model with no KV layer has no offset)
         inputs = ModelInputs(ids, embeds, positions, deepstack, visual)
         admission = Admission(prompt, cache, plan, prefix_report, vision_report, vision_ms, inputs, rope_delta, first)
         if self.recurrent and plan is not None:
