@@ -9,8 +9,8 @@ delta for the Qwen VL line), and masks from the cache (left padding, and a slidi
 model asks for one). A leaving row's cache is extracted back into plain per-layer caches, so the
 runner's finish() stores its blocks (and a hybrid row's last snapshot) as for a lone request.
 
-Invariant: `rows[i]` is row i of every layer's BatchKVCache when `batched`; otherwise there is at most
-one row and `cache` is its own. Only the engine's worker thread calls in.
+Invariant: `rows[i]` is row i of every layer's batched cache when `batched`, and `lengths[i]` the
+tokens its cache holds; otherwise there is at most one row and `cache` is its own. Only the engine's worker thread calls in.
 Measured on the tiny models of Qwen2.5-VL, Gemma 3 and Llama: greedy tokens of 8 sequences decoded
 together equal each decoded alone (tests/gateway/test_batch.py keeps that true for every family).
 """

@@ -304,3 +304,17 @@ def test_a_resumed_sequence_growing_never_preempts_one_already_in_the_plan():
         assert not set(fed) & set(plan.preempted)
         _execute(scheduler, plan)
     assert len(executor.preempted) >= 3
+
+
+def test_each_running_sequence_holds_its_recurrent_state_until_it_ends():
+    """A hybrid model's sequences hold a fixed state besides their KV: admission reserves it (so fewer
+    fit), and finishing or preemption gives it back exactly once."""
+    queue = FairQueue(64, tenant_share=32)
+    memory, executor = Memory(2 * (36 + 100) + 100), Executor()  # KV for 36 tokens (32 + 4) each
+    scheduler = Scheduler(Limits(8, 64, BLOCK, 1, state_bytes=100), memory, executor, queue)
+    sequences = [_submit(scheduler, 32, max_tokens=4) for _ in range(3)]
+    plan = scheduler.schedule()
+    assert plan.admitted == sequences[:2]  # a third state does not fit beside two (its KV alone would)
+    assert memory.used == 2 * (36 + 100)
+    _run_until_idle(scheduler)
+    assert all(s.status is Status.FINISHED for s in sequences) and memory.used == 0
