@@ -95,7 +95,8 @@ def _unsupported(name: str, value):
 
 # Where a layer keeps the module that takes its cache: attention, and the recurrent mixers of hybrid
 # models (qwen3_next's and Qwen3.5's gated delta under `linear_attn`, Nemotron-H's Mamba or attention
-# under `mixer`). A recurrent state is per sequence just as KV is, so it runs per segment the same way.
+# under `mixer`, LFM2's short convolution under `conv`). A recurrent state is per sequence just as KV
+# is, so it runs per segment the same way.
 CACHED_MODULES = ("self_attn", "linear_attn", "mixer", "conv")
 
 
