@@ -238,32 +238,33 @@ class PromptBuilder:
     def process_image(self, image: DecodedImage) -> PromptImage:
         """The image through the family's own processor: its token expansion and pixel inputs
         (token_start is filled in when the expansion takes its place in the prompt)."""
-        try:
-            out = self.processor(text=[self.placeholder], images=[image.image], return_tensors="np")
-        except Exception as exc:  # noqa: BLE001 - library code refusing a client's image, whatever it raises:
-            # e.g. Qwen's "absolute aspect ratio must be smaller than 200", Pixtral's "height and width must be > 0"
-            raise PromptError(
-                "invalid_image", f"the model cannot take a {image.width}x{image.height} image: {exc}"
-            ) from None
-        ids = [int(t) for t in out["input_ids"][0]]
-        inputs = {k: np.asarray(v) for k, v in out.items() if k not in _TEXT_OUTPUTS}
-        return PromptImage(image.pixel_hash, inputs, tuple(ids[self.added_before : len(ids) - self.added_after]), 0)
+        # the processor refuses some images, e.g. Qwen's "absolute aspect ratio must be smaller than
+        # 200", Pixtral's "height and width must be > 0"
+        refused = f"the model cannot take a {image.width}x{image.height} image"
+        return self._processed(
+            image.pixel_hash, str(self.placeholder), {"images": [image.image]}, "invalid_image", refused
+        )
 
     def process_video(self, video: DecodedVideo) -> PromptImage:
         """The video's sampled frames through the family's own video processor: its token expansion
-        (frames merged in pairs by the Qwen VL line) and pixel inputs, keyed by the frames' pixels."""
-        frames = [np.asarray(frame) for frame in video.frames]
+        (frames merged in pairs by the Qwen VL line; with the family's markers around the placeholder,
+        which Qwen3-VL repeats per pair after a timestamp) and pixel inputs, keyed by the frames' pixels."""
         start, end = self.video_markers or ("", "")
+        frames = [np.asarray(frame) for frame in video.frames]
+        refused = f"the model cannot take a {video.width}x{video.height} video"
+        text = start + str(self.video_placeholder) + end
+        processed = self._processed(video.pixel_hash, text, {"videos": [frames]}, "invalid_video", refused)
+        return replace(processed, num_slot_tokens=3 if self.video_markers else 1)
+
+    def _processed(self, key: PixelHash, text: str, visual: dict, code: str, refused: str) -> PromptImage:
+        """`text` (a placeholder, with its markers) and the pixels through the family's processor."""
         try:
-            out = self.processor(text=[start + str(self.video_placeholder) + end], videos=[frames], return_tensors="np")
-        except Exception as exc:  # noqa: BLE001 - library code refusing a client's video, whatever it raises
-            raise PromptError(
-                "invalid_video", f"the model cannot take a {video.width}x{video.height} video: {exc}"
-            ) from None
+            out = self.processor(text=[text], **visual, return_tensors="np")
+        except Exception as exc:  # noqa: BLE001 - library code refusing a client's pixels, whatever it raises
+            raise PromptError(code, f"{refused}: {exc}") from None
         ids = [int(t) for t in out["input_ids"][0]]
         inputs = {k: np.asarray(v) for k, v in out.items() if k not in _TEXT_OUTPUTS}
-        expansion = tuple(ids[self.added_before : len(ids) - self.added_after])
-        return PromptImage(video.pixel_hash, inputs, expansion, 0, 3 if self.video_markers else 1)
+        return PromptImage(key, inputs, tuple(ids[self.added_before : len(ids) - self.added_after]), 0)
 
     def _expand_image_tokens(self, ids: list[int], processed: list[PromptImage]) -> PreparedPrompt:
         """Each image or video slot of the rendered template replaced by its expansion, in order."""

@@ -116,9 +116,7 @@ class Admission:
         self.computed += num_tokens
         self.spent_s += spent_s
         if self.plan:
-            snapshot = None
-            if self.computed in self.snapshot_points:
-                snapshot = (self.computed, recurrent_state(self.cache, self.recurrent))
+            snapshot = self._snapshot() if self.computed in self.snapshot_points else None
             caches.store(self.plan, self.prompt.token_ids, self.cache, self.computed, snapshot)
         if self.done:
             self.logits = last_logits
@@ -131,10 +129,13 @@ class Admission:
             return
         try:
             if caches is not None and self.recurrent and self.computed % caches.config.block_size == 0:
-                snapshot = (self.computed, recurrent_state(self.cache, self.recurrent))
-                caches.store(self.plan, self.prompt.token_ids, self.cache, self.computed, snapshot)
+                caches.store(self.plan, self.prompt.token_ids, self.cache, self.computed, self._snapshot())
         finally:
             self.plan.session.close()
+
+    def _snapshot(self) -> tuple[int, tuple]:
+        """The recurrent layers' state now, labelled with the tokens it follows (a block boundary)."""
+        return self.computed, recurrent_state(self.cache, self.recurrent)
 
     def result(self) -> PrefillResult:
         assert self.logits is not None, "every prompt token has run"
