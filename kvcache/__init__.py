@@ -17,6 +17,7 @@ from .prefix import (
     cacheability,
     default_budget_bytes,
     is_recurrent,
+    state_nbytes,
 )
 
 __all__ = [
@@ -39,5 +40,6 @@ __all__ = [
     "default_budget_bytes",
     "hash_blocks",
     "is_recurrent",
+    "state_nbytes",
     "tenant_salt",
 ]

@@ -379,7 +379,7 @@ class PrefixSession:
 
     def _new_block(self, index: int, kv: tuple, state: tuple = ()) -> Block:
         parent = self.hashes[index - 1] if index else self.root
-        nbytes = sum(k.nbytes + v.nbytes for k, v in kv) + _state_nbytes(state)  # from shapes: nothing is evaluated
+        nbytes = sum(k.nbytes + v.nbytes for k, v in kv) + state_nbytes(state)  # from shapes: nothing is evaluated
         size = self.cache.block_size
         return Block(
             self.hashes[index],
@@ -474,7 +474,7 @@ class PrefixSession:
         if index < 0 or index >= len(self.held) or self.held[index].state:
             return []
         own = _own_state(state)
-        if not self.pool.add_state(self.held[index], own, _state_nbytes(own)):
+        if not self.pool.add_state(self.held[index], own, state_nbytes(own)):
             return []
         return [array for arrays in own for array in arrays]
 
@@ -548,7 +548,8 @@ def _own_state(state: tuple) -> tuple:
     return tuple(tuple(mx.contiguous(array) for array in arrays) for arrays in state)
 
 
-def _state_nbytes(state: tuple) -> int:
+def state_nbytes(state: tuple) -> int:
+    """Bytes of a recurrent-state snapshot (per layer, its arrays), from shapes: nothing is evaluated."""
     return sum(array.nbytes for arrays in state for array in arrays)
 
 

@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from kvcache import TenantSalt, is_recurrent
+from kvcache import TenantSalt, is_recurrent, state_nbytes
 from vision import DecodedImage, pixel_hash, processor_fingerprint
 
 from .activations import install_cpu_prefill_activations
@@ -227,7 +227,7 @@ class ModelRunner:
         cache = self.new_cache()
         mx.eval(self._call_one(Part(cache, ids, positions=positions)))
         self.kv_bytes_per_token = kv_bytes_per_token(cache)
-        self.state_bytes = sum(array.nbytes for arrays in recurrent_state(cache, self.recurrent) for array in arrays)
+        self.state_bytes = state_nbytes(recurrent_state(cache, self.recurrent))
         if self.family.image_placeholder:
             from PIL import Image
 
