@@ -327,7 +327,7 @@ class ModelRunner:
         admission = Admission(prompt, cache, plan, prefix_report, vision_report, vision_ms, inputs, rope_delta, first)
         if self.recurrent and plan is not None:
             admission.recurrent = self.recurrent
-            admission.snapshot_points = self._snapshot_points(prompt.num_tokens, pins)
+            admission.snapshot_points = self._snapshot_points(prompt, pins)
         admission.spent_s = time.perf_counter() - start - vision_ms / 1000
         return admission
 
@@ -341,14 +341,16 @@ class ModelRunner:
             for index, arrays in zip(self.recurrent, plan.session.state_at(num_tokens)):
                 cache[index].cache = list(arrays)  # MLX arrays are never written in place: sharing is safe
 
-    def _snapshot_points(self, num_tokens: int, pins: tuple[Pin, ...] = ()) -> frozenset[int]:
+    def _snapshot_points(self, prompt: PreparedPrompt, pins: tuple[Pin, ...] = ()) -> frozenset[int]:
         """Where a hybrid prompt's recurrent state is snapshotted: every snapshot interval, the last
-        block boundary of each cache breakpoint (a prefix the client will send again), and the last
-        block boundaries before its end (where the same prompt, and one that continues it, resume)."""
-        block = self.caches.config.block_size
+        block boundary of each cache breakpoint (a prefix the client will send again) and of each
+        image or video (another question about it follows), and the last block boundaries before its
+        end (where the same prompt, and one that continues it, resume)."""
+        block, num_tokens = self.caches.config.block_size, prompt.num_tokens
         every = self.caches.config.snapshot_blocks * block
         points = set(range(every, num_tokens + 1, every)) if every else set()
         points |= {min(pin.num_tokens, num_tokens) // block * block for pin in pins}
+        points |= {(image.token_start + image.num_tokens) // block * block for image in prompt.images}
         points |= {(num_tokens - 1) // block * block, num_tokens // block * block}
         return frozenset(point for point in points if point > 0)
 

@@ -69,6 +69,11 @@ def test_a_second_question_about_the_same_clip_reuses_its_prefix_and_skips_the_e
     assert second[2].prefix.num_cached_tokens >= span.token_start + span.num_tokens
     _assert_same(_run(cold, first_turn, [video]), first)
     _assert_same(_run(cold, turns, [video]), second)
+    # another question about the clip: its prefix is reused through the video (a hybrid's state was
+    # snapshotted at the video's last block boundary)
+    again = _run(warm, [_ask("Describe the colours in it, please.")], [video])
+    assert again[2].prefix.num_cached_tokens >= (span.token_start + span.num_tokens) // 16 * 16
+    assert warm.num_encoder_calls == calls
     # another tenant: nothing of the clip is reused, and the encoder runs again
     assert _run(warm, first_turn, [video], TENANT_B)[2].prefix.num_cached_tokens == 0
     assert warm.num_encoder_calls == calls + 1
