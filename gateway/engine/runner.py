@@ -542,6 +542,9 @@ class TokenLogprob:
 Generated = list[int] | tuple[int, ...]  # the tokens a sequence has generated so far
 
 
+KEY_STRIDE = 0x9E3779B97F4A7C15  # 2**64 / the golden ratio: token indices spread over the key space
+
+
 class Sampler:
     """Greedy at temperature 0; otherwise temperature, then top-k, min-p and nucleus sampling, seeded
     when asked. Penalties, logit bias and the grammar's mask apply first, in both cases. Log
@@ -550,7 +553,7 @@ class Sampler:
     def __init__(self, sampling: Sampling, grammars: Grammars | None = None):
         self.sampling = sampling
         seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
-        self.key = mx.random.key(seed % 2**64)  # negative seeds are valid in the API
+        self.seed = seed % 2**64  # negative seeds are valid in the API
         self.bias = None
         if sampling.logit_bias:
             ids, values = zip(*sampling.logit_bias)
@@ -574,16 +577,18 @@ class Sampler:
         logits = self._adjusted(logits, generated)
         if self.matcher is not None:
             logits = self.matcher.mask(logits, closing=self._closing(len(generated)))
-        token = self._choose(logits)
+        token = self._choose(logits, len(generated))
         if sampling.top_logprobs is not None:
             self.last_logprobs = _logprobs(logits, token, sampling.top_logprobs)
         return token
 
-    def _choose(self, logits: mx.array) -> mx.array:
+    def _choose(self, logits: mx.array, index: int) -> mx.array:
+        """Token `index` of the reply. Its random key is the seed's and the index's alone, so a
+        token is the same draw however many positions a step verified (speculative decoding)."""
         sampling = self.sampling
         if sampling.temperature == 0.0:
             return mx.argmax(logits)
-        self.key, step_key = mx.random.split(self.key)
+        step_key = mx.random.key((self.seed + index * KEY_STRIDE) % 2**64)
         scaled = logits.astype(mx.float32) / sampling.temperature
         if sampling.top_k:
             scaled = _top_k(scaled, sampling.top_k)

@@ -326,18 +326,20 @@ def test_a_seeded_sampled_sequence_draws_the_same_tokens_alone_and_in_a_batch():
     seeded = Sampling(STEPS, 0.9, 0.95, 1234, ())
     prefill = runner.prefill(prompts[2], SALT, 64, lambda: False)
     alone = list(decode_alone(runner, prefill, seeded, lambda: False))
-    batch, samplers, logits, drawn = DecodeBatch(runner), [], [], []
+    batch, samplers, logits = DecodeBatch(runner), [], []
+    generated: list[list[int]] = [[] for _ in prompts]
     for index, prompt in enumerate(prompts):
         prefill = runner.prefill(prompt, SALT, 64, lambda: False)
         batch.join(prefill)
         samplers.append(Sampler(seeded if index == 2 else Sampling(STEPS, 0.9, 0.95, index, ())))
         logits.append(prefill.logits)
     for _ in range(len(alone)):
-        tokens = [sampler(row_logits) for sampler, row_logits in zip(samplers, logits)]
-        drawn.append(tokens[2])
+        tokens = [sampler(row_logits, row) for sampler, row_logits, row in zip(samplers, logits, generated)]
+        for row, token in zip(generated, tokens):
+            row.append(token)
         step = batch.step(tokens)
         logits = [step[row] for row in range(len(tokens))]
-    assert drawn == alone
+    assert generated[2] == alone
 
 
 def test_stopping_the_engine_mid_batch_retires_the_rows_and_releases_their_blocks(tiny_model_path):
