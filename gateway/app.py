@@ -636,7 +636,9 @@ def engine_config(settings: Settings) -> EngineConfig:
         vision_idle_s=settings.vision_retention_s,
         snapshot_blocks=settings.kv_snapshot_blocks,
     )
-    return EngineConfig(settings.max_queue, settings.step_prompt_tokens, caches, settings.max_num_seqs)
+    return EngineConfig(
+        settings.max_queue, settings.step_prompt_tokens, caches, settings.max_num_seqs, settings.max_verify_tokens
+    )
 
 
 def _log_startup(settings: Settings, engine: Engine) -> None:

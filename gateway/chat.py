@@ -63,6 +63,16 @@ class Run:
     deadline: float | None
 
 
+@dataclass(frozen=True, slots=True)
+class Drafts:
+    """What the response layers hold for a question they could not answer: drafts the engine verifies
+    (speculative decoding). `token_ids`: an answer as generated (the same prompt under other decoding
+    parameters); `texts`: answers as text (a refused near-hit, the same question earlier on)."""
+
+    token_ids: tuple[int, ...] = ()
+    texts: tuple[str, ...] = ()
+
+
 def deadline_error(timeout_s: float) -> ApiError:
     return ApiError(504, f"the request did not finish within the server's {timeout_s:g} s deadline", "timeout")
 
@@ -218,12 +228,14 @@ class ChatService:
         trace: Trace,
         deadline: float,
         pins: tuple[Pin, ...] = (),
+        drafts: Drafts | None = None,
     ) -> Run:
         """Queue the job and wait until its prefill is done (or it failed, or the deadline passed).
         The engine's caches record `owner` (with the tenant) on what the job stores or reuses."""
         refuse_unless_serving(self.engine, self.settings.stuck_after_s)
+        references = await self._references(drafts) if drafts else ()
         try:
-            job = self.engine.submit(prompt, sampling, caller.salt, owner_label(caller.tenant, owner), pins)
+            job = self.engine.submit(prompt, sampling, caller.salt, owner_label(caller.tenant, owner), pins, references)
         except ENGINE_REFUSALS as refused:
             raise engine_refusal(refused) from None
         events = self.engine.events(job)
@@ -250,6 +262,11 @@ class ChatService:
             logprobs=[] if sampling.top_logprobs is not None else None,
         )
         return Run(events, completion, deadline)
+
+    async def _references(self, drafts: Drafts) -> tuple[tuple[int, ...], ...]:
+        """The drafts as token ids (texts tokenised off the event loop), the generated ids first."""
+        texts = await anyio.to_thread.run_sync(self.engine.reference_tokens, drafts.texts) if drafts.texts else ()
+        return ((drafts.token_ids,) if drafts.token_ids else ()) + texts
 
     async def _prefix_facts(self, prompt: PreparedPrompt, report: PrefixReport) -> PrefixFacts | None:
         if report.status == BYPASS:
@@ -315,6 +332,7 @@ def _apply(event, completion: Completion) -> None:
         completion.completion_tokens = event.num_completion_tokens
         completion.finish_reason = event.finish_reason
         completion.stop_sequence = event.stop_sequence
+        completion.token_ids = event.token_ids
         completion.whole = True
     elif isinstance(event, Failed):
         raise ApiError(event.status, event.message, event.code)

@@ -76,6 +76,18 @@ class RequestMetrics:
             ["reason"],
             registry=registry,
         )
+        self.draft_tokens = Counter(
+            "strata:spec_decode_draft_tokens",
+            "Draft tokens the engine verified, by proposer",
+            ["proposer"],
+            registry=registry,
+        )
+        self.accepted_tokens = Counter(
+            "strata:spec_decode_accepted_tokens",
+            "Draft tokens the model's own draws confirmed, by proposer",
+            ["proposer"],
+            registry=registry,
+        )
         self.prompt_tokens = Counter("strata:prompt_tokens", "Prompt tokens of finished requests", registry=registry)
         self.generation_tokens = Counter("strata:generation_tokens", "Tokens generated or replayed", registry=registry)
         self.ttft = Histogram(
@@ -118,6 +130,9 @@ class RequestMetrics:
                     self.semantic_refusals.labels(reason or "unknown").inc()
         if trace.prefix is not None:
             self._observe_prefix(trace.prefix, who)
+        for proposer, drafted, accepted in trace.speculative.counts if trace.speculative else ():
+            self.draft_tokens.labels(proposer).inc(drafted)
+            self.accepted_tokens.labels(proposer).inc(accepted)
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
         if trace.first_token_s is not None:

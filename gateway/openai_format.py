@@ -27,6 +27,7 @@ class Completion:
     whole: bool = False  # Finished arrived: the text is the complete answer
     logprobs: list[dict] | None = None  # OpenAI `logprobs.content` entries, when the request asked for them
     stop_sequence: str | None = None  # the client's stop sequence that ended the answer (the engine's)
+    token_ids: tuple[int, ...] = ()  # the engine's answer as generated (none for a replay)
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ import anyio
 from semantic import Answer, StoredResponse
 
 from .auth import Caller
-from .chat import ChatService, Run
+from .chat import ChatService, Drafts, Run
 from .engine import Delta, Finished, Pin, Sampling
 from .metrics import RequestMetrics
 from .normalize import Normalizer
@@ -75,6 +75,7 @@ class Turn:
                         self.trace.token(from_engine=not self.cached)
                     if isinstance(event, Finished) and not self.cached and index == 0:
                         self.trace.time("decode", event.decode_ms)
+                        self.trace.speculative = event.speculative
                     yield index, event
         finally:
             for run in self.runs:
@@ -93,6 +94,7 @@ class Turn:
                 self.completion.finish_reason,
                 self.completion.completion_tokens,
                 self.completion.prompt_tokens,
+                self.completion.token_ids,
             )
             for layer in self.pipeline.responses.layers:
                 await layer.store(self.ctx, answer)
@@ -144,7 +146,8 @@ class Pipeline:
         with trace.timed("tokenize"):
             prompt, sampling = await self.chat.prepare(request, images)
             pins = await self.chat.pins(request, prompt)
-        runs = [await self.chat.start(prompt, sampling, caller, ctx.owner, trace, deadline, pins)]
+        drafts = Drafts(ctx.draft, tuple(ctx.references))
+        runs = [await self.chat.start(prompt, sampling, caller, ctx.owner, trace, deadline, pins, drafts)]
         try:
             for index in range(1, request.n):
                 runs.append(

@@ -32,7 +32,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TypeVar
 
 import anyio
@@ -40,6 +40,7 @@ import anyio
 from semantic import (
     Answer,
     CacheControl,
+    Draft,
     Embedder,
     EntryStore,
     ExactCache,
@@ -60,6 +61,7 @@ from semantic import (
     StoredResponse,
     StoreUnavailable,
     context_fingerprint,
+    draft_key,
     exact_key,
     load_risk_patterns,
 )
@@ -110,6 +112,11 @@ class RequestContext:
     bypass: str | None = None
     exact_bypass: str | None = None  # why the exact layer alone may not (a personal question, unscoped)
     owner: Owner = Owner()  # the session and end user whose request this is (purges select by them)
+    draft_key: str = ""  # the key of this question's answer under any decoding parameters (semantic.draft_key)
+    draft: tuple[int, ...] = ()  # the token ids kept under it (looked up by the exact layer)
+    # Answers the layers hold for this question that may not answer it (another max_tokens, a refused
+    # near-hit, the reply to the same question earlier in the conversation): drafts the engine verifies.
+    references: list[str] = field(default_factory=list)
 
 
 class ResponseCaches:
@@ -146,7 +153,7 @@ class ResponseCaches:
         """layer -> its purge_expired(now), for the sweep."""
         stores = {}
         if self.exact is not None:
-            stores["exact"] = self.exact.store.purge_expired
+            stores["exact"] = self.exact.purge_expired
         if self.semantic is not None:
             stores["semantic"] = self.semantic.purge_expired
         return stores
@@ -170,9 +177,10 @@ class ResponseCaches:
         end_user = request.user or owner.session or None
         category = self.risk.category(query) if query else None
         bypass = self._semantic_bypass(request, query, category, end_user is not None)
-        decoding = _decoding(request.sampling) | _output_shape(request)
+        output = _output_shape(request)
         if category == PERSONAL_DATA and end_user is not None:
-            decoding["end_user"] = end_user  # an answer about one user's own data is that user's alone
+            output["end_user"] = end_user  # an answer about one user's own data is that user's alone
+        decoding = _decoding(request.sampling) | output
         key = exact_key(scope, messages, decoding)
         image_keys = [c.get("image") or c["video"] for m in messages for c in m["content"] if "text" not in c]
         context = context_fingerprint(messages[:-1] + [decoding], image_keys)
@@ -190,6 +198,8 @@ class ResponseCaches:
             bypass=_response_bypass(request),
             exact_bypass="personal_unscoped" if category == PERSONAL_DATA and end_user is None else None,
             owner=owner,
+            draft_key=draft_key(scope, messages, output),
+            references=_earlier_answers(request),
         )
 
     def _semantic_bypass(
@@ -229,10 +239,13 @@ class ExactLayer:
         return result.response
 
     def _looked_up(self, ctx: RequestContext, now: float) -> ExactLookup:
-        """The lookup, and on a hit the entry made the hitting owner's too: one trip to the store lane."""
+        """The lookup, and on a hit the entry made the hitting owner's too; otherwise the answer kept
+        under the draft key (a sampled request's too): one trip to the store lane."""
         result = self.cache.lookup(ctx.exact_key, ctx.control, ctx.deterministic, now)
         if result.status == HIT:
             _guarded(self.store_errors, "exact", self.cache.own, ctx.exact_key, ctx.owner)
+        elif (draft := self.cache.draft(ctx.draft_key, now)) is not None:
+            ctx.draft = draft
         return result
 
     async def store(self, ctx: RequestContext, answer: Answer) -> None:
@@ -247,11 +260,16 @@ class ExactLayer:
             now,
             self.cache.expiry(ctx.control, now),
         )
-        await self.lane.run(
-            _guarded,
-            self.store_errors,
+        draft = Draft(answer.token_ids, answer.finish_reason, now, response.expires_at)
+        await self.lane.run(self._stored, ctx, response, draft)
+
+    def _stored(self, ctx: RequestContext, response: StoredResponse, draft: Draft) -> None:
+        """The answer under its exact key (when deterministic), its token ids under its draft key."""
+        cache, errors = self.cache, self.store_errors
+        _guarded(
+            errors,
             "exact",
-            self.cache.store_response,
+            cache.store_response,
             ctx.exact_key,
             ctx.tenant,
             response,
@@ -259,6 +277,7 @@ class ExactLayer:
             ctx.deterministic,
             ctx.owner,
         )
+        _guarded(errors, "exact", cache.store_draft, ctx.draft_key, ctx.tenant, draft, ctx.control, ctx.owner)
 
 
 class SemanticLayer:
@@ -281,6 +300,8 @@ class SemanticLayer:
             trace.record("semantic", LayerOutcome.of(BYPASS, reason="store_unavailable"))
             return None
         ctx.semantic_vector = result.vector
+        if result.candidate is not None:
+            ctx.references.append(result.candidate.answer)
         trace.record("semantic", _semantic_outcome(result))
         entry = result.entry
         if result.status != HIT or entry is None:
@@ -400,6 +421,19 @@ def _output_shape(request: ChatRequest) -> dict:
     return shape
 
 
+def _earlier_answers(request: ChatRequest) -> list[str]:
+    """The assistant's replies to earlier user messages with the same text as the last one."""
+    last = request.messages[-1]
+    if last.role != "user":
+        return []
+    text = [part for part in last.parts if isinstance(part, TextPart)]
+    return [
+        " ".join(p.text for p in after.parts if isinstance(p, TextPart))
+        for before, after in zip(request.messages[:-1], request.messages[1:-1])
+        if before.role == "user" and after.role == "assistant" and before.parts == last.parts and text
+    ]
+
+
 def _response_bypass(request: ChatRequest) -> str | None:
     if request.sampling.top_logprobs is not None:
         return "logprobs"  # a stored answer has no log probabilities
@@ -456,13 +490,15 @@ def _exact_cache(settings: Settings) -> ExactCache | None:
     if settings.exact_store == "off":
         return None
     store: ResponseStore
+    drafts: ResponseStore  # answers' token ids (speculative decoding's drafts), beside the answers
     if settings.redis_url:  # shared by every replica pointing at the same Redis
-        store = RedisStore(settings.redis_url)
+        store, drafts = RedisStore(settings.redis_url), RedisStore(settings.redis_url, "strata:draft:")
     elif settings.exact_store == "memory":
-        store = MemoryStore()
+        store, drafts = MemoryStore(), MemoryStore()
     else:
         store = SqliteStore(private_file(settings.data_dir / "responses.db"))
-    return ExactCache(store, settings.exact_ttl_s, settings.cache_nondeterministic)
+        drafts = SqliteStore(private_file(settings.data_dir / "drafts.db"))
+    return ExactCache(store, settings.exact_ttl_s, settings.cache_nondeterministic, drafts)
 
 
 def _semantic_cache(settings: Settings, embedder: Embedder | None) -> SemanticCache | None:

@@ -88,6 +88,7 @@ class Settings:
     max_connections: int = 256  # open connections; more are answered 503 (but /health, /healthz, /health/ready)
     max_connections_per_client: int = 32  # open connections from one address; more are answered 429 (0: no cap)
     step_prompt_tokens: int = _default(EngineConfig, "step_prompt_tokens")  # a multiple of kv_block_size
+    max_verify_tokens: int = _default(EngineConfig, "max_verify_tokens")  # speculative decoding; 0 = off
     kv_block_size: int = 32  # tokens per prefix-cache block (README: how it was chosen)
     kv_snapshot_blocks: int = _default(CacheConfig, "snapshot_blocks")  # hybrid models: a state snapshot every N blocks
     kv_budget_bytes: int | None = None  # RAM for KV blocks and running sequences; None = 25% of available RAM; 0 = off
@@ -135,6 +136,8 @@ class Settings:
                 f"STRATA_STEP_PROMPT_TOKENS must be a multiple of STRATA_KV_BLOCK_SIZE ({self.kv_block_size}); "
                 f"got {self.step_prompt_tokens}"
             )
+        if self.max_verify_tokens < 0:
+            raise ValueError(f"STRATA_MAX_VERIFY_TOKENS must be 0 or more; got {self.max_verify_tokens}")
         if self.kv_snapshot_blocks < 0:
             raise ValueError(f"STRATA_KV_SNAPSHOT_BLOCKS must be 0 or more; got {self.kv_snapshot_blocks}")
         # CIDR strings are parsed here, once (ValueError names a bad one); fetches use the networks
@@ -261,6 +264,12 @@ SETTINGS = (
         "STRATA_STEP_PROMPT_TOKENS",
         int,
         "prompt tokens one model call runs beside the decode rows, over every prompt coming in",
+    ),
+    Setting(
+        "max_verify_tokens",
+        "STRATA_MAX_VERIFY_TOKENS",
+        int,
+        "tokens a decode step feeds at most, drafts for speculative decoding included (0: no drafts)",
     ),
     Setting(
         "request_timeout_s", "STRATA_REQUEST_TIMEOUT_S", float, "deadline of one request, queue wait included; then 504"

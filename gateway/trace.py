@@ -5,6 +5,7 @@ Layers record typed outcomes; only `headers()` knows how they look on the wire:
     X-Cache-Prefix: hit; cached=3072; prompt=3100; tier=ram
     Cache-Status: strata-prefix; fwd=partial; detail="cached=3072; prompt=3100; tier=ram", ...  (RFC 9211)
     Server-Timing: exact;dur=0.1, semantic;dur=6.2, prefill;dur=80.5
+    X-Strata-Speculative: proposer=cache,prompt; drafted=40; accepted=36   (an engine answer, when whole)
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Final, Literal
+
+from .engine import SpeculativeReport
 
 LAYERS = ("exact", "semantic", "vision", "prefix")
 Status = Literal["hit", "miss", "bypass"]
@@ -64,6 +67,7 @@ class Trace:
     token_gaps_s: list[float] = field(default_factory=list)  # between the engine's pieces (inter-token latency)
     last_token_at: float = 0.0
     normalized: bool = False  # a normalisation rule changed the prompt (X-Cache-Prefix says normalized=1)
+    speculative: SpeculativeReport | None = None  # an engine answer's drafts, once it finished
 
     def token(self, from_engine: bool) -> None:
         """A piece of the answer left (a stored answer's pieces count for the first token only)."""
@@ -116,12 +120,23 @@ class Trace:
             headers["X-Cache-Prefix"] += "; normalized=1"
         if self.timings_ms:
             headers["Server-Timing"] = self.server_timing()
+        if self.speculative is not None:
+            headers["X-Strata-Speculative"] = speculative_value(self.speculative)
         return headers
 
     def summary(self) -> dict:
         """The trace as JSON, for the `usage.strata` field (streams put their late facts there)."""
-        return {
+        summary = {
             "layer": self.served_by,
             "cache": {name: self.outcomes[name].header_value() for name in LAYERS},
             "server_timing": self.server_timing(),
         }
+        if self.speculative is not None:
+            summary["speculative"] = speculative_value(self.speculative)
+        return summary
+
+
+def speculative_value(report: SpeculativeReport) -> str:
+    """`proposer=cache,prompt; drafted=N; accepted=M` (proposer=none when no row drafted)."""
+    names = ",".join(name for name, _, _ in report.counts) or "none"
+    return f"proposer={names}; drafted={report.num_drafted}; accepted={report.num_accepted}"

@@ -7,7 +7,7 @@ A library: never imports `gateway`, never reads HTTP headers; returns typed resu
 from .cache import Screening, SemanticCache, SemanticEntry, SemanticLookup, SemanticSettings, SemanticSnapshot
 from .embedder import Embedder, MiniLMEmbedder
 from .entries import EntryStore, SqliteEntries
-from .exact import CacheControl, ExactCache, ExactLookup, ExactSnapshot, exact_key
+from .exact import CacheControl, Draft, ExactCache, ExactLookup, ExactSnapshot, draft_key, exact_key
 from .guards import Verdict, check
 from .index import PartitionedIndex
 from .owners import Owner, Selector, owner_label
@@ -21,6 +21,7 @@ __all__ = [
     "PERSONAL_DATA",
     "Answer",
     "CacheControl",
+    "Draft",
     "Embedder",
     "EntryStore",
     "ExactCache",
@@ -51,6 +52,7 @@ __all__ = [
     "Verdict",
     "check",
     "context_fingerprint",
+    "draft_key",
     "exact_key",
     "load_risk_patterns",
     "owner_label",

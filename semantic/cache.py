@@ -56,6 +56,10 @@ class SemanticLookup:
     entry: SemanticEntry | None = None
     verdict: Verdict | None = None
     vector: np.ndarray | None = field(default=None, repr=False)  # the query's, reused on insert
+    # A miss: the best-scored candidate within the threshold that the guards (or the verifier)
+    # refused. Never served; its answer may still be the text the model gives (a draft for
+    # speculative decoding).
+    candidate: SemanticEntry | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +141,9 @@ class SemanticCache:
             if verdict.accept:
                 self.store.count_hit(entry.id)
                 return SemanticLookup("hit", score=score, entry=entry, verdict=verdict, vector=vector)
-            best = best or SemanticLookup("miss", ",".join(verdict.reasons), score, verdict=verdict, vector=vector)
+            near = entry if score >= self.settings.threshold else None  # refused by a guard, not by distance
+            reasons = ",".join(verdict.reasons)
+            best = best or SemanticLookup("miss", reasons, score, verdict=verdict, vector=vector, candidate=near)
         return best or SemanticLookup("miss", "no_candidate", vector=vector)
 
     def _candidates(self, partition: str, vector: np.ndarray) -> list[tuple[SemanticEntry, float]]:

@@ -34,6 +34,7 @@ class Answer:
     finish_reason: str = "stop"  # "stop" or "length": a replay ends the way the original did
     completion_tokens: int = 0
     prompt_tokens: int = 0  # replayed as usage, so a hit never runs the tokenizer
+    token_ids: tuple[int, ...] = ()  # as the model generated it, when it did: kept as a draft (exact layer)
 
 
 @dataclass(frozen=True, slots=True)

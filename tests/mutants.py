@@ -40,6 +40,7 @@ BREADTH = "tests/gateway/test_api_breadth.py"
 VERIFIER = "tests/semantic/test_verifier.py"
 ROUND_TWO = "tests/gateway/test_hardening_round_two.py"
 LIVE_HARDENING = "tests/gateway/test_live_hardening.py"
+VERIFY = "tests/gateway/test_verify.py"
 # semantic/guards.py's GUARDS, in order: each mutant takes one out
 GUARD_NAMES = (
     "numbers",
@@ -60,8 +61,8 @@ MUTANTS = (
     Mutant(
         "tenant out of the exact key",
         "semantic/exact.py",
-        '{"scope": scope.as_dict(), "messages"',
-        '{"scope": {**scope.as_dict(), "tenant": ""}, "messages"',
+        'digest("exact", {"scope": scope.as_dict(), "messages"',
+        'digest("exact", {"scope": {**scope.as_dict(), "tenant": ""}, "messages"',
         (f"{HARDENING}::test_tenants_never_share_response_layers",),
     ),
     Mutant(
@@ -94,7 +95,7 @@ MUTANTS = (
     Mutant(
         "end user out of personal keys",
         "gateway/responses.py",
-        'decoding["end_user"] = end_user',
+        'output["end_user"] = end_user',
         "pass",
         (f"{HARDENING}::test_personal_questions_are_scoped_to_the_named_end_user",),
     ),
@@ -249,8 +250,8 @@ MUTANTS = (
     Mutant(
         "a row samples another row's logits",
         "gateway/engine/worker.py",
-        "own = logits[index * (width + 1) : (index + 1) * (width + 1)]",
-        "own = logits[0 : width + 1]",
+        "sequence.logits = logits[index * (width + 1) : (index + 1) * (width + 1)]",
+        "sequence.logits = logits[0 : width + 1]",
         ("tests/gateway/test_batch.py::test_the_server_runs_requests_together_and_each_gets_its_lone_answer",),
     ),
     Mutant(
@@ -310,7 +311,31 @@ MUTANTS = (
         "gateway/engine/worker.py",
         "            self.batch.trim(rejected)\n",
         "            pass\n",
-        ("tests/gateway/test_verify.py",),
+        (f"{VERIFY}::test_drafts_right_wrong_or_half_right_leave_every_answer_as_plain_decoding[llama]",),
+    ),
+    Mutant(
+        "drafts verified against the wrong position's logits",
+        "gateway/engine/worker.py",
+        "token = sampler.draw(logits[position], sequence.generated + sequence.drafts[:position])",
+        "token = sampler.draw(logits[0], sequence.generated + sequence.drafts[:position])",
+        (f"{VERIFY}::test_drafts_right_wrong_or_half_right_leave_every_answer_as_plain_decoding[llama]",),
+    ),
+    Mutant(
+        "every draft kept, whatever the model draws",
+        "gateway/engine/worker.py",
+        "and tokens[accepted][0] == sequence.drafts[accepted]:",
+        "and True:",
+        (f"{VERIFY}::test_sampled_rows_with_drafts_draw_from_the_model_distribution_and_seeded_rows_draw_the_same",),
+    ),
+    Mutant(
+        "a draft kept under a key without the tenant (another tenant drafts from it)",
+        "semantic/exact.py",
+        'return digest("draft", {"scope": scope.as_dict(), "messages": messages, "output": output})',
+        'return digest("draft", {"scope": {}, "messages": messages, "output": output})',
+        (
+            "tests/semantic/test_exact_drafts.py",
+            "tests/gateway/test_speculative_api.py::test_the_same_question_under_another_max_tokens_drafts_its_kept_answer_within_the_tenant",
+        ),
     ),
     Mutant(
         "the grammar's mask left off the logits",
@@ -421,8 +446,8 @@ MUTANTS = (
     Mutant(
         "tools out of the exact key",
         "gateway/responses.py",
-        "decoding = _decoding(request.sampling) | _output_shape(request)",
-        "decoding = _decoding(request.sampling)",
+        "output = _output_shape(request)",
+        "output = {}",
         (f"{BREADTH}::test_tools_are_in_the_exact_key_and_a_replay_parses_the_call_again",),
     ),
     Mutant(
@@ -537,8 +562,8 @@ MUTANTS = (
     Mutant(
         "exact stores back on the event loop",
         "gateway/responses.py",
-        '        await self.lane.run(\n            _guarded,\n            self.store_errors,\n            "exact",\n',
-        '        _guarded(\n            self.store_errors,\n            "exact",\n',
+        "        await self.lane.run(self._stored, ctx, response, draft)",
+        "        self._stored(ctx, response, draft)",
         ("tests/gateway/test_slow_stores.py::test_slow_sqlite_writes_stall_neither_streams_nor_health",),
     ),
     Mutant(
@@ -603,8 +628,8 @@ MUTANTS = (
     Mutant(
         "requests queue while the engine is stuck",
         "gateway/chat.py",
-        "        refuse_unless_serving(self.engine, self.settings.stuck_after_s)\n        try:\n            job = self.engine.submit(",
-        "        try:\n            job = self.engine.submit(",
+        "        refuse_unless_serving(self.engine, self.settings.stuck_after_s)\n        references",
+        "        references",
         (f"{ROUND_TWO}::test_new_requests_fail_fast_while_the_engine_is_stuck",),
     ),
     Mutant(

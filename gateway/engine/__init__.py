@@ -30,6 +30,7 @@ from .constraint import CompiledGrammar, GrammarError, json_schema_grammar
 from .families import VISION_FAMILIES, UnsupportedModel, family_of
 from .prompt import PreparedPrompt, PromptError
 from .runner import ModelRunner, Sampler, TokenLogprob
+from .speculative import SpeculativeReport
 from .tools import ParsedCall, ToolFormat
 from .types import ImagePart, Message, Pin, Sampling, TextPart, Tool, ToolCall
 from .worker import (
@@ -79,6 +80,7 @@ __all__ = [
     "QueueFull",
     "Sampler",
     "Sampling",
+    "SpeculativeReport",
     "Started",
     "TextPart",
     "TokenLogprob",
@@ -103,6 +105,9 @@ class EngineConfig:
     step_prompt_tokens: int = 128
     caches: CacheConfig = CacheConfig(prefix_budget_bytes=1 << 30, vision_budget_bytes=256 << 20, block_size=32)
     max_num_seqs: int = 16  # sequences on the model at once: decoding, or their prompt coming in
+    # Speculative decoding (gateway/engine/speculative.py): the tokens a decode step feeds at most,
+    # drafts included; 0 turns it off.
+    max_verify_tokens: int = 64
 
     def __post_init__(self):
         if self.step_prompt_tokens % self.caches.block_size:
@@ -131,7 +136,9 @@ class Engine:
             max_token_bytes=self.runner.prompts.max_token_bytes,
             vocab_size=self.runner.vocab_size,
         )
-        self.worker = EngineWorker(self.runner, config.max_queue, config.step_prompt_tokens, config.max_num_seqs)
+        self.worker = EngineWorker(
+            self.runner, config.max_queue, config.step_prompt_tokens, config.max_num_seqs, config.max_verify_tokens
+        )
         self.prepare = self.runner.prompts.build
         self.message_at = self.runner.prompts.message_at  # any thread (tokenizer and template only)
         self.tokens_through = self.runner.prompts.tokens_through  # any thread, likewise
@@ -151,6 +158,10 @@ class Engine:
         tokenizer = self.runner.tokenizer
         ids = tokenizer.encode(text)
         return tuple(ids if ids and ids[-1] == tokenizer.eos_token_id else [*ids, tokenizer.eos_token_id])
+
+    def reference_tokens(self, texts: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Answers as the model would have generated them (no special tokens): drafts. Any thread."""
+        return tuple(tuple(self.runner.tokenizer.encode(text, add_special_tokens=False)) for text in texts if text)
 
     def token_bytes(self, token: int) -> bytes:
         return self.runner.grammars.token_bytes(token)

@@ -48,6 +48,9 @@ class DecodeBatch:
         self.lengths: list[int] = []  # tokens in each row's cache, as of the last part() fed
         self.cache: list = []  # per layer: the lone row's KVCache, or a BatchKVCache when batched; [] with no rows
         self.batched = False
+        self.num_fed = 0  # tokens each row was fed by the last part(); 0 once took_step() saw them
+        # The lone row's recurrent states before the last part() (keep_state()), for roll_back()
+        self.kept_state: list | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -78,8 +81,9 @@ class DecodeBatch:
         boundary keep their recurrent state there (finish() stores it with the block it ends, so the
         next turn resumes past the reply): a copy, evaluated now, since a row of the batched state
         would keep the whole batch's buffer alive."""
-        if not self.runner.recurrent or self.runner.caches.prefix is None:
-            return  # no recurrent state, or nowhere to keep it
+        fed, self.num_fed = self.num_fed, 0
+        if not fed or not self.runner.recurrent or self.runner.caches.prefix is None:
+            return  # no step since the last call, no recurrent state, or nowhere to keep it
         block = self.runner.caches.config.block_size
         for index, length in enumerate(self.lengths):
             if length % block == 0:
@@ -99,6 +103,7 @@ class DecodeBatch:
         for every token fed, row-major."""
         ids = mx.array(tokens, dtype=mx.int32)
         self.lengths = [length + ids.shape[1] for length in self.lengths]
+        self.num_fed = ids.shape[1]
         # mRoPE families give every row a delta, plain-RoPE families none
         deltas = [row.rope_delta for row in self.rows if row.rope_delta is not None] or None
         kv_layer = next((layer for layer in self.cache if not is_recurrent(layer)), None)  # none: all recurrent
@@ -129,10 +134,29 @@ class DecodeBatch:
             layer.left_padding = layer.left_padding + extra
             layer.offset = layer.offset - extra
 
+    def keep_state(self) -> None:
+        """Before a step whose drafts the lone row may reject: keep its recurrent states (the arrays
+        themselves: a step replaces them, never writes into them)."""
+        assert not self.batched, "a batch cannot run one row's tokens again"
+        self.kept_state = [list(layer.cache) if is_recurrent(layer) else None for layer in self.cache]
+
+    def roll_back(self) -> None:
+        """Undo the last part() of the lone row: its KV trimmed by what was fed, its recurrent states
+        those keep_state() kept (the row then feeds the tokens it keeps again)."""
+        assert self.kept_state is not None and not self.batched
+        for layer, kept in zip(self.cache, self.kept_state):
+            if kept is None:
+                layer.trim(self.num_fed)
+            else:
+                layer.cache = kept
+        self.lengths = [length - self.num_fed for length in self.lengths]
+        self.kept_state, self.num_fed = None, 0
+
     def leave(self, index: int) -> PrefillResult:
         """Remove row `index`; its prefill, with `cache` holding the row's own KV again (for finish())."""
         row = self.rows.pop(index)
         del self.lengths[index]
+        self.kept_state = None
         if not self.batched:
             row.cache, self.cache = self.cache, []
             return row

@@ -63,11 +63,12 @@ class Sequence:
     num_preemptions: int = 0
     drafts: list[int] = field(default_factory=list)  # tokens proposed to verify in the next step
     num_real_drafts: int = 0  # of drafts, the proposer's (the rest pad the batch to one width)
-    # the worker's own state: the admission under way, the sampler, the text stream, the next
-    # token's logits, logprobs not yet sent, when decoding started, the tokens generated before
+    # the worker's own state: the admission under way, the sampler, the drafter (speculative
+    # decoding), the text stream, the logits of the positions fed last, logprobs not yet sent, when decoding started, the tokens generated before
     # the last resume (already in the prompt the runner saw)
     admission: Any = None
     sampler: Any = None
+    drafter: Any = None
     text: Any = None
     logits: Any = None
     logprobs: list = field(default_factory=list)

@@ -4,12 +4,14 @@
          ^                                                    |        ModelRunner, DecodeBatch
          +---- asyncio.Queue <-- loop.call_soon_threadsafe(event) +
 
-Each pass of the loop: sample every decoding sequence's next token (one evaluation for the batch)
-and send its text; retire the sequences that ended (their prompt and reply blocks are stored for the
-next turn); ask the scheduler (gateway/engine/scheduler.py: fair queue, memory budget, token budget)
-for the next step; run it as one model call: the decode rows' tokens and the chunks of prompts
-coming in (several at once) packed together (gateway/engine/mixed.py). A prompt whose last chunk ran
-joins the decode batch. A full queue raises QueueFull at once (the gateway answers 429). A job whose
+Each pass of the loop: give each decoding row its drafts (speculative decoding,
+gateway/engine/speculative.py); ask the scheduler (gateway/engine/scheduler.py: fair queue, memory
+budget, token budget) for the next step; run it as one model call: the decode rows' tokens (and
+drafts) and the chunks of prompts coming in (several at once) packed together
+(gateway/engine/mixed.py); then draw every row's next tokens (one evaluation for the batch), keeping
+the drafts the draws confirm, send their text and retire the sequences that ended (their prompt and
+reply blocks are stored for the next turn). A prompt whose last chunk ran joins the decode batch; its
+first token is drawn at the start of the next pass. A full queue raises QueueFull at once (the gateway answers 429). A job whose
 client went away is cancelled: skipped if still queued, dropped at the next step if running.
 
 Memory: a sequence holds KV for its prompt and grows a block at a time; when the budget runs out the
@@ -45,6 +47,7 @@ from .fair_queue import FairQueue, QueueFull
 from .prompt import PreparedPrompt
 from .runner import Cancelled, ModelRunner, PrefillResult, Sampler, TokenLogprob, as_token
 from .scheduler import Limits, Scheduler, Sequence, StepPlan
+from .speculative import Acceptance, Drafter, Proposer, SpeculativeReport, batch_width, default_proposers
 from .text import TextStream
 from .types import Pin, Sampling
 
@@ -77,6 +80,9 @@ class Finished:
     num_completion_tokens: int
     decode_ms: float
     stop_sequence: str | None = None  # the client's stop sequence that ended the answer, if one did
+    # drafts verified and accepted, per proposer
+    speculative: SpeculativeReport = field(default_factory=SpeculativeReport)
+    token_ids: tuple[int, ...] = ()  # the reply as generated (a draft for the same question asked again)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +118,8 @@ class Job:
     loop: asyncio.AbstractEventLoop
     owner: str | None = None  # the label of who asks (tenant, session, end user): cache purges select by it
     pins: tuple[Pin, ...] = ()  # prompt prefixes to keep cached for a while once the job ends
+    # Answers the caches hold for this question (token ids, the tenant's own): drafts to verify
+    references: tuple[tuple[int, ...], ...] = ()
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.perf_counter)
@@ -161,7 +169,8 @@ class EngineStats:
     peak_running: int = 0  # most sequences on the model at once (decoding or coming in)
     num_steps: int = 0  # model calls (decode rows and prompt chunks together)
     num_resumed_tokens: int = 0  # tokens preempted sequences got back from the prefix cache
-    num_accepted_drafts: int = 0  # proposed tokens a verification confirmed (see EngineWorker.proposer)
+    num_drafted_tokens: int = 0  # proposed tokens verified (gateway/engine/speculative.py)
+    num_accepted_drafts: int = 0  # of them, those a verification confirmed
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +207,14 @@ class WorkerSnapshot:
 
 
 class EngineWorker:
-    def __init__(self, runner: ModelRunner, max_queue: int, step_prompt_tokens: int, max_num_seqs: int):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_queue: int,
+        step_prompt_tokens: int,
+        max_num_seqs: int,
+        max_verify_tokens: int = 0,
+    ):
         self.runner = runner
         # Recurrent layers have no batched cache here: such models decode one sequence at a time.
         self.max_num_seqs = max_num_seqs if runner.batchable else 1
@@ -216,9 +232,13 @@ class EngineWorker:
         # Any thread appends; the worker pops.
         self.calls: deque[tuple[Callable[[], object], Future]] = deque()
         self.last_step = StepShape()
-        # Drafts for greedy rows, verified in the step that feeds them (the speculative-decoding
-        # seam): a sequence -> up to a few tokens it may generate next. None: one token per row.
-        self.proposer: Callable[[Sequence], list[int]] | None = None
+        # Speculative decoding: a sequence -> the proposers of its drafts, verified in the step that
+        # feeds them (gateway/engine/speculative.py). None: one token per row and step.
+        self.proposers: Callable[[Sequence], list[Proposer]] | None = _proposers if max_verify_tokens else None
+        # Tokens a decode step feeds at most over its rows, drafts included (the rows' pending tokens
+        # always go): a wide batch verifies narrower drafts.
+        self.max_verify_tokens = max_verify_tokens
+        self.acceptance = Acceptance()  # each proposer's rate over every row: where a new row's starts
         self.next_expiry = 0.0  # time.monotonic() of the next retention sweep of the RAM tiers
         self.thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
         self.ended = threading.Event()  # the loop has ended (the thread itself parks: see _run)
@@ -300,16 +320,18 @@ class EngineWorker:
         salt: TenantSalt,
         owner: str | None = None,
         pins: tuple[Pin, ...] = (),
+        references: tuple[tuple[int, ...], ...] = (),
     ) -> Job:
         """Queue a job; QueueFull when there is no place for it, OverBudget when it can never fit,
-        EngineStopped when the worker's loop has ended."""
+        EngineStopped when the worker's loop has ended. `references`: answers the caller's caches
+        hold for this question, as token ids (drafts for speculative decoding)."""
         if self.ended.is_set():
             raise EngineStopped(self.health(0).reason)
         budget = self.runner.caches.running_budget_bytes()
         need = self.kv_bytes(prompt, sampling)
         if budget is not None and need > budget:
             raise OverBudget(need, budget)
-        job = Job(prompt, sampling, salt, asyncio.get_running_loop(), owner, pins)
+        job = Job(prompt, sampling, salt, asyncio.get_running_loop(), owner, pins, references)
         try:
             self.jobs.put(salt, Sequence(salt, prompt.num_tokens, sampling.max_tokens, job))
         except QueueFull:
@@ -508,22 +530,54 @@ class EngineWorker:
 
     def _propose(self) -> None:
         """Every row's drafts for the next step, padded to one width (the batched cache feeds each
-        row the same number of tokens): greedy rows only, within their max_tokens."""
-        drafts = [self._drafts(sequence) for sequence in self.rows]
-        width = max(map(len, drafts), default=0)
+        row the same number of tokens). The width keeps every row within its max_tokens (the KV it
+        may hold) and the step within max_verify_tokens."""
+        if not self.rows:
+            return
+        self.acceptance.fade()
+        room = min(s.job.sampling.max_tokens - len(s.generated) for s in self.rows)
+        room = min(room, self.max_verify_tokens // len(self.rows) - 1)
+        if self.runner.recurrent:
+            room = self._recurrent_room(room)
+        rates = [s.drafter.rate if s.drafter else 0.0 for s in self.rows]
+        replay = bool(self.runner.recurrent)
+        if not batch_width([[0] * room] * len(self.rows), rates, room, replay):
+            room = 0  # not even drafts of every row at full length would pay: the proposers are not asked
+        drafts = [self._draft(s, room) if s.drafter and room > 0 else [] for s in self.rows]
+        width = batch_width(drafts, rates, room, replay)
         for sequence, own in zip(self.rows, drafts):
+            own = own[:width]
             sequence.drafts = own + [sequence.generated[-1]] * (width - len(own))
             sequence.num_real_drafts = len(own)
 
-    def _drafts(self, sequence: Sequence) -> list[int]:
-        sampling = sequence.job.sampling
-        if self.proposer is None or sampling.temperature != 0.0 or not sequence.generated or self.runner.recurrent:
-            return []  # a recurrent state cannot be trimmed back past a rejected draft
-        return list(self.proposer(sequence))[: sampling.max_tokens - len(sequence.generated)]
+    def _recurrent_room(self, room: int) -> int:
+        """A hybrid model drafts for a lone row only (a rejection runs the row's kept tokens again,
+        which a batch cannot do for one row), and never past the next block boundary, where the
+        row's state is snapshotted."""
+        if len(self.rows) > 1:
+            return 0
+        return min(room, -(self.batch.lengths[0] + 1) % self.runner.caches.config.block_size)
+
+    def _draft(self, sequence: Sequence, room: int) -> list[int]:
+        try:
+            return sequence.drafter.draft(sequence.generated, room)
+        except Exception:  # a draft is only ever a guess: a proposer that fails leaves the row without one
+            log.exception("a proposer failed; the row decodes on without drafts")
+            sequence.drafter = None
+            return []
+
+    def _drafter(self, sequence: Sequence) -> Drafter | None:
+        """The row's drafter: none without proposers or under an output grammar (its matcher moves one
+        token at a time)."""
+        if self.proposers is None or sequence.job.sampling.grammar:
+            return None
+        return Drafter(self.proposers(sequence), shared=self.acceptance)
 
     def _step(self, plan: StepPlan) -> None:
         """One model call for the plan: the decode rows' pending tokens (and drafts) and the prompt chunks."""
         assert {id(s) for s in plan.decode} == {id(s) for s in self.rows}, "every row decodes in each step"
+        if self.runner.recurrent and self.rows and self.rows[0].drafts:
+            self.batch.keep_state()  # a rejected draft rolls the lone row back to here
         parts = [self.batch.part([[s.generated[-1], *s.drafts] for s in self.rows])] if self.rows else []
         chunks = [(s, s.admission.chunk_end(s.num_computed_tokens + n) - s.num_computed_tokens) for s, n in plan.chunks]
         for sequence, num_tokens in chunks:
@@ -538,6 +592,7 @@ class EngineWorker:
             self.stats.num_decode_steps += 1
             self.stats.num_decoded_tokens += len(self.rows)
             self._take_decode_logits(logits[0])
+            self._sample()  # before rows join: a hybrid row's roll-back runs on its own cache
         for sequence, num_tokens in chunks:  # a hybrid's chunk may stop short, at a snapshot point
             self._count_chunk(num_tokens)
             sequence.num_computed_tokens += num_tokens
@@ -545,37 +600,12 @@ class EngineWorker:
                 self._join(sequence)
 
     def _take_decode_logits(self, logits: mx.array) -> None:
-        """Each row's next-token logits; with drafts, its logits at every fed position: the drafts
-        the row's own draws confirm are taken as generated tokens (greedy: the tokens plain decoding
-        gives), the KV of the rest is trimmed, and the row samples on from the first it rejected."""
+        """Each row's logits at every position it was fed (its pending token, then its drafts), for
+        _sample() to draw and verify."""
         width = len(self.rows[0].drafts)
-        rejected, ended = [], []
         for index, sequence in enumerate(self.rows):
-            own = logits[index * (width + 1) : (index + 1) * (width + 1)]
-            accepted, goes_on = self._accept_drafts(sequence, own) if width else (0, True)
-            sequence.logits = own[accepted]
-            sequence.num_computed_tokens += 1 + accepted
-            sequence.drafts = []
-            rejected.append(width - accepted)
-            if not goes_on:
-                ended.append(index)
-        if width:
-            self.batch.trim(rejected)
-        self.batch.took_step()
-        for index in reversed(ended):
-            self._retire(index)
-
-    def _accept_drafts(self, sequence: Sequence, logits: mx.array) -> tuple[int, bool]:
-        """How many of the row's real drafts its own draws confirm, and whether it goes on."""
-        accepted = 0
-        for draft in sequence.drafts[: sequence.num_real_drafts]:
-            if as_token(sequence.sampler.draw(logits[accepted], sequence.generated)) != draft:
-                break
-            accepted += 1
-            if not self._advance(sequence, draft):
-                return accepted, False
-        self.stats.num_accepted_drafts += accepted
-        return accepted, True
+            sequence.logits = logits[index * (width + 1) : (index + 1) * (width + 1)]
+            sequence.num_computed_tokens += 1 + width
 
     def _count_chunk(self, num_tokens: int) -> None:
         self.stats.num_prefill_chunks += 1
@@ -612,6 +642,7 @@ class EngineWorker:
                 sequence.sampler = Sampler(job.sampling, grammars)
                 sequence.text = TextStream(self.runner.tokenizer, job.sampling.stop)
                 sequence.started_at = time.perf_counter()
+                sequence.drafter = self._drafter(sequence)
             else:
                 self.stats.num_resumed_tokens += prefill.prefix.num_cached_tokens
             self.batch.join(prefill)
@@ -620,30 +651,83 @@ class EngineWorker:
             self._fail(job, exc)
             self._end(sequence)
             return
-        sequence.logits = prefill.logits
+        sequence.logits = prefill.logits[None]  # one position: the prompt's last
         self.rows.append(sequence)
 
     def _sample(self) -> None:
-        """Sample every row's next token (one evaluation for the whole batch), send its text, retire
-        the rows that ended."""
-        if not self.rows:
+        """Draw the next tokens of every row with logits (one evaluation for them all), send their
+        text and retire the rows that ended. A row that was fed drafts draws at each of their
+        positions as plain decoding would, keeps the drafts while they equal its draws and takes the
+        draw where they first differ (gateway/engine/speculative.py); the KV of the drafts it did not
+        keep is trimmed."""
+        ready = [sequence.logits is not None for sequence in self.rows]
+        if not any(ready):
             return
         try:
-            draws = mx.stack([s.sampler.draw(s.logits, s.generated) for s in self.rows])
-            mx.eval(draws, *[array for s in self.rows for array in s.sampler.lazy_logprobs()])
-            tokens: list[int] = draws.tolist()  # type: ignore[assignment]  # mlx types tolist() as any nesting
+            draws = [self._draws(sequence) if now else [] for sequence, now in zip(self.rows, ready)]
+            mx.eval(*[token for row in draws for token, _ in row], *[a for row in draws for _, lp in row for a in lp])
+            taken = [self._verified(sequence, row) if row else [] for sequence, row in zip(self.rows, draws)]
+            rejected = [len(sequence.drafts) - max(len(tokens) - 1, 0) for sequence, tokens in zip(self.rows, taken)]
+            if any(rejected):
+                self._drop_rejected(rejected, taken)
+            self.batch.took_step()
         except Exception as exc:  # noqa: BLE001 - the evaluation failed: its rows fail, not the worker
             self._fail_all(exc)
             return
         for index in reversed(range(len(self.rows))):
             sequence = self.rows[index]
+            sequence.num_computed_tokens -= rejected[index]
+            sequence.logits, sequence.drafts = None, []
+            if ready[index] and not self._take(sequence, taken[index]):
+                self._retire(index)
+
+    def _drop_rejected(self, rejected: list[int], taken: list[list[tuple[int, tuple]]]) -> None:
+        """Trim the KV of the drafts each row rejected. A hybrid model's lone row instead goes back to
+        its state before the step and runs the tokens it keeps again (the next token it took is
+        already drawn; the replay's logits are never evaluated)."""
+        if not self.runner.recurrent:
+            self.batch.trim(rejected)
+            return
+        assert len(self.rows) == 1, "a hybrid model drafts for a lone row only"
+        sequence = self.rows[0]
+        kept = [sequence.generated[-1], *(token for token, _ in taken[0][:-1])]
+        self.batch.roll_back()
+        self.runner.run_step([self.batch.part([kept])])
+
+    def _draws(self, sequence: Sequence) -> list[tuple[mx.array, tuple[mx.array, ...]]]:
+        """The row's lazy draws (with their logprobs, when asked) at its pending position and after
+        each of its drafts, as if the drafts before were taken."""
+        sampler, logits = sequence.sampler, sequence.logits
+        draws = []
+        for position in range(sequence.num_real_drafts + 1):
+            token = sampler.draw(logits[position], sequence.generated + sequence.drafts[:position])
+            draws.append((token, sampler.lazy_logprobs()))
+        return draws
+
+    def _verified(self, sequence: Sequence, draws: list) -> list[tuple[int, tuple]]:
+        """The tokens the row takes: its drafts while they equal its draws, then the draw where they
+        first differ (or the draw after the last draft), each with its logprobs."""
+        tokens = [(as_token(token), logprobs) for token, logprobs in draws]
+        accepted = 0
+        while accepted < sequence.num_real_drafts and tokens[accepted][0] == sequence.drafts[accepted]:
+            accepted += 1
+        if sequence.drafter is not None:
+            sequence.drafter.verified(sequence.num_real_drafts, accepted)
+        self.stats.num_drafted_tokens += sequence.num_real_drafts
+        self.stats.num_accepted_drafts += accepted
+        return tokens[: accepted + 1]
+
+    def _take(self, sequence: Sequence, tokens: list[tuple[int, tuple]]) -> bool:
+        """Advance the row by its tokens; False once it ended (or failed)."""
+        for token, logprobs in tokens:
+            sequence.sampler.last_logprobs = logprobs or None
             try:
-                goes_on = self._advance(sequence, tokens[index])
+                if not self._advance(sequence, token):
+                    return False
             except Exception as exc:  # noqa: BLE001 - one row's grammar or logprobs failed: that row fails, not the batch
                 self._fail(sequence.job, exc)
-                goes_on = False
-            if not goes_on:
-                self._retire(index)
+                return False
+        return True
 
     def _drop_cancelled(self) -> None:
         """Prompts whose client went away stop coming in (their stored blocks stay cached)."""
@@ -677,7 +761,11 @@ class EngineWorker:
         cut = sequence.text.num_tokens >= sampling.max_tokens or sequence.sampler.closed_early
         reason = "stop" if sequence.text.stopped or not cut else "length"
         decode_ms = (time.perf_counter() - sequence.started_at) * 1000
-        job.send(Finished(reason, sequence.text.num_tokens, decode_ms, sequence.text.matched_stop))
+        speculative = SpeculativeReport.of(sequence.drafter)
+        ended = Finished(
+            reason, sequence.text.num_tokens, decode_ms, sequence.text.matched_stop, speculative, tuple(generated)
+        )
+        job.send(ended)
         return False
 
     def _fail_all(self, exc: Exception) -> None:
@@ -746,6 +834,10 @@ class EngineWorker:
             job.send(Failed(f"the output grammar could not be followed: {exc}", "invalid_schema", 400))
         else:
             job.send(Failed(f"generation failed: {type(exc).__name__}"))
+
+
+def _proposers(sequence: Sequence) -> list[Proposer]:
+    return default_proposers(sequence.job.prompt.token_ids, sequence.job.references)
 
 
 def _delta(sequence: Sequence, text: str) -> Delta:

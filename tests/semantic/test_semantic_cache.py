@@ -27,6 +27,13 @@ def test_lookalike_misses_with_the_guard_reason(cache):
     cache.insert("How do I enable dark mode?", Answer("Settings > Appearance."), SCOPE, CONTEXT, now=0)
     result = cache.lookup("Why can't I enable dark mode?", SCOPE, CONTEXT, now=1)
     assert result.status == "miss" and result.reason == "negation" and result.score > 0.8
+    assert result.entry is None and result.candidate.answer == "Settings > Appearance."  # a draft, never served
+
+
+def test_a_distant_miss_names_no_candidate(cache):
+    cache.insert("How do I enable dark mode?", Answer("Settings > Appearance."), SCOPE, CONTEXT, now=0)
+    result = cache.lookup("What does the lighthouse keeper log each night?", SCOPE, CONTEXT, now=1)
+    assert result.status == "miss" and result.score < 0.8 and result.candidate is None
 
 
 def test_other_scope_or_context_never_sees_the_entry(cache):
