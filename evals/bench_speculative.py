@@ -35,7 +35,7 @@ from .bench_layers import start_server
 DEV_SET = Path(__file__).resolve().parent / "data" / "dev.jsonl"
 # After each answer: the server's work after the response (storing it in the exact and semantic layers,
 # MiniLM's embedding) ends before the other server's next request is timed.
-SETTLE_S = 0.5
+SETTLE_S = 1.0
 
 
 class Server:
@@ -191,7 +191,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="demo")
     parser.add_argument("--tokens", type=int, default=200)
-    parser.add_argument("--questions", type=int, default=6)
+    parser.add_argument("--questions", type=int, default=10)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()

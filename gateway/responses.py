@@ -244,9 +244,18 @@ class ExactLayer:
         result = self.cache.lookup(ctx.exact_key, ctx.control, ctx.deterministic, now)
         if result.status == HIT:
             _guarded(self.store_errors, "exact", self.cache.own, ctx.exact_key, ctx.owner)
-        elif (draft := self.cache.draft(ctx.draft_key, now)) is not None:
-            ctx.draft = draft
+        else:
+            ctx.draft = self._kept_draft(ctx.draft_key, now)
         return result
+
+    def _kept_draft(self, key: str, now: float) -> tuple[int, ...]:
+        """The draft kept under the key, if any; a drafts store that fails costs the draft only."""
+        try:
+            return self.cache.draft(key, now) or ()
+        except Exception as exc:  # noqa: BLE001 - a draft only ever makes an answer faster
+            self.store_errors["exact"] += 1
+            log.warning("exact draft read failed: %s: %s", type(exc).__name__, exc)
+            return ()
 
     async def store(self, ctx: RequestContext, answer: Answer) -> None:
         if ctx.bypass or ctx.exact_bypass:

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
+import anyio
 from litestar.testing import TestClient
 
 from gateway.app import create_app
+from gateway.responses import ExactLayer, RequestContext, StoreLane
+from gateway.trace import Trace
+from semantic import Answer, CacheControl, ExactCache, MemoryStore, Owner, Scope
 from tests.conftest import TINY, png_data_url
 
 ADMIN = {"Authorization": "Bearer admin-key"}
@@ -209,3 +214,32 @@ def test_response_caches_survive_a_restart(cached_settings, engine, embedder):
         semantic = ask(second, "What is the way to brew good coffee?")
     assert exact.headers["x-cache-layer"] == "exact" and answer(exact) == original
     assert semantic.headers["x-cache-layer"] == "semantic" and answer(semantic) == original
+
+
+class BrokenDrafts(MemoryStore):
+    """A drafts store whose disk fails."""
+
+    def get(self, key, now):
+        raise OSError("disk I/O error")
+
+    def put(self, key, tenant, response, owner=Owner()):
+        raise OSError("disk I/O error")
+
+
+def test_a_failing_drafts_store_costs_the_draft_only_never_the_exact_answer():
+    """The exact layer reads the draft on a miss and writes it with each answer: a drafts store that
+    fails (a full disk, a lost Redis) is counted and the answers keep coming from the exact store."""
+    errors: Counter = Counter()
+    layer = ExactLayer(ExactCache(MemoryStore(), 3600.0, drafts=BrokenDrafts()), errors, StoreLane())
+    ctx = RequestContext("tenant-a", Scope("tenant-a", "m"), CacheControl(), True, True, "exact-1", None, "", None)
+    ctx.draft_key = "draft-1"
+
+    async def turn():
+        missed = await layer.lookup(ctx, Trace())
+        await layer.store(ctx, Answer("hello", token_ids=(1, 2)))
+        return missed, await layer.lookup(ctx, Trace())
+
+    missed, hit = anyio.run(turn)
+    assert missed is None and ctx.draft == ()
+    assert hit is not None and hit.text == "hello"
+    assert errors["exact"] == 2  # the draft's read and its write
