@@ -116,14 +116,15 @@ class ExactCache:
 
     def store_draft(self, key: str, tenant: str, draft: Draft, control: CacheControl, owner: Owner) -> None:
         """Keep an answer's token ids under its draft key (draft_key()), whatever its decoding: the
-        latest wins, but for an answer cut by max_tokens that begins the one kept. A draft is stored
-        as an entry whose text is the ids, space-separated, in the drafts' own store."""
+        latest wins, but for an answer that begins the one kept (cut by max_tokens or a stop
+        sequence), which leaves the longer one kept (and the owner's too). A draft is stored as an
+        entry whose text is the ids, space-separated, in the drafts' own store."""
         if self.drafts is None or control.no_store or not draft.token_ids:
             return
-        if draft.finish_reason == "length":
-            kept = self.draft(key, draft.created_at)
-            if kept is not None and kept[: len(draft.token_ids)] == draft.token_ids:
-                return
+        kept = self.draft(key, draft.created_at)
+        if kept is not None and kept[: len(draft.token_ids)] == draft.token_ids:
+            self.drafts.own(key, owner)
+            return
         text = " ".join(map(str, draft.token_ids))
         self.drafts.put(
             key, tenant, StoredResponse(text, draft.finish_reason, 0, 0, draft.created_at, draft.expires_at), owner

@@ -28,9 +28,10 @@ def test_a_draft_is_read_back_as_token_ids_and_is_not_an_answer(cache):
     assert cache.draft(KEY, 13.0) == (5, 6, 7)  # no_store keeps drafts out too
 
 
-def test_an_answer_cut_by_max_tokens_keeps_the_longer_draft_it_begins(cache):
+def test_an_answer_cut_by_max_tokens_or_a_stop_keeps_the_longer_draft_it_begins(cache):
     cache.store_draft(KEY, "tenant-a", Draft((5, 6, 7, 8), "length", 10.0, None), CacheControl(), Owner())
     cache.store_draft(KEY, "tenant-a", Draft((5, 6), "length", 11.0, None), CacheControl(), Owner())
+    cache.store_draft(KEY, "tenant-a", Draft((5, 6, 7), "stop", 11.0, None), CacheControl(), Owner())
     assert cache.draft(KEY, 12.0) == (5, 6, 7, 8)
     cache.store_draft(KEY, "tenant-a", Draft((5, 9), "length", 13.0, None), CacheControl(), Owner())
     assert cache.draft(KEY, 14.0) == (5, 9)  # it does not begin the kept one: the latest wins
