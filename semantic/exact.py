@@ -46,7 +46,7 @@ def exact_key(scope: Scope, messages: list[dict[str, Any]], sampling: dict[str, 
 def draft_key(scope: Scope, messages: list[dict[str, Any]], output: dict[str, Any]) -> str:
     """The key of a request's answer under any decoding parameters (max_tokens, stop, temperature,
     seed, ...): only the output's shape (a schema, tools) stays in it. Such an answer is kept as a
-    draft (its text is verified, never served), for the engine's speculative decoding."""
+    draft (its token ids are verified by the model, never served), for the engine's speculative decoding."""
     return digest("draft", {"scope": scope.as_dict(), "messages": messages, "output": output})
 
 
