@@ -111,11 +111,15 @@ class ReferenceLookup:
     def __init__(self, reference: Sequence[int]):
         self.index = NgramIndex((4, 3, 2, 1))
         self.index.extend(reference)
+        self.num_followed = 0  # the reply's first tokens, checked equal to the reference's
+        self.diverged = False  # the reply left the reference (it never follows it from the start again)
 
     def propose(self, generated: Sequence[int], k: int) -> list[int]:
-        reference = self.index.tokens
-        done = len(generated)
-        if reference[:done] == list(generated):
+        reference, done = self.index.tokens, len(generated)
+        if not self.diverged:  # only the tokens generated since the last call are compared
+            self.diverged = reference[self.num_followed : done] != list(generated[self.num_followed :])
+            self.num_followed = done
+        if not self.diverged:
             return reference[done : done + k]
         return self.index.continuation(generated[-4:], k)
 
@@ -162,7 +166,8 @@ class Drafter:
     the ones before it were, from the row's recent drafts (each verification weighs RATE_MEMORY of
     the ones before) and, weighing PRIOR_WEIGHT tokens, the engine's rate for the proposer (shared;
     for the row's first draft, the proposer's first_rate, so that every row tries once): batch_width()
-    feeds drafts only where the tokens they are expected to save pay for verifying them. A draft with nothing kept pauses the row's drafting for 1, 3, 7, ... steps (up to
+    feeds drafts only where the tokens they are expected to save pay for verifying them. A draft with
+    nothing kept pauses the row's drafting for its next 1, 3, 7, ... chances to draft (up to
     MAX_PAUSE_STEPS), doubling with each such draft in a row; the row then starts again from the
     engine's rate. On text no proposer predicts, a row soon costs what plain decoding does."""
 
@@ -171,7 +176,7 @@ class Drafter:
     num_seen: float = 0.0  # draft tokens judged lately (weighed): kept ones and first rejections
     num_kept: float = 0.0  # of them, kept
     num_misses: int = 0  # drafts in a row with nothing kept
-    num_paused_steps: int = 0  # steps left before the row drafts again
+    num_paused_steps: int = 0  # chances to draft the row lets pass before it drafts again
     last: Proposer | None = None  # the proposer of the draft being verified
     counts: dict[str, ProposerCounts] = field(default_factory=dict)
     shared: Acceptance = field(default_factory=Acceptance)  # the engine's, over all rows
