@@ -69,7 +69,7 @@ format: setup
 	$(BIN)/ruff format .
 
 test: lint test-tools
-	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest -q --durations=20 $(PYTEST_ARGS)
 
 # Each critical one-line breakage applied to a copy of the checkout must fail its tests (tests/mutants.py).
 mutants: setup

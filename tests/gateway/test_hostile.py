@@ -404,7 +404,9 @@ def server(tiny_model_path, tmp_path_factory):
             "STRATA_MAX_QUEUE": "64",
         },
     )
-    with httpx.Client(base_url=live.url, timeout=30) as client:
+    # 120 s: the Anthropic route clamps max_tokens to 4096 and the tiny model decodes them all (~25 s
+    # on a 2-core machine); a hang still fails on it
+    with httpx.Client(base_url=live.url, timeout=120) as client:
         live.client = client
         yield live
     assert live.stop()

@@ -10,6 +10,7 @@ stalled every stream on the replica and every health check for its whole duratio
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
 import sqlite3
@@ -165,6 +166,17 @@ def _probing_health(url: str) -> Iterator[list[float]]:
         thread.join(10)
 
 
+@contextmanager
+def _no_collection() -> Iterator[None]:
+    """No garbage collection in this process while the block runs: a collection stops every thread
+    of the test (the stream reader, the /health probe) and its pause would be read as the server's."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _measure(url: str, slow_on: Callable[[], None], slow_off: Callable[[], None]) -> dict:
     """Start a stream, make the store slow, send the slow requests while probing /health."""
     arrivals: list[float] = []
@@ -173,7 +185,7 @@ def _measure(url: str, slow_on: Callable[[], None], slow_off: Callable[[], None]
     stream.start()
     assert started.wait(30), "the stream did not start"
     slow_on()
-    with _probing_health(url) as health:
+    with _probing_health(url) as health, _no_collection():
         window_start = time.perf_counter()
         durations = _slow_requests(url)
         window_end = time.perf_counter()
