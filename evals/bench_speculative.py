@@ -1,7 +1,7 @@
 """Speculative decoding, on against off, side by side in one run: two `strata serve` processes on the
 demo model (one with STRATA_MAX_VERIFY_TOKENS=0), the same requests to each, taking turns.
 
-    python -m evals.bench_speculative [--model demo] [--tokens 200] [--questions 6] [--clients 16]
+    python -m evals.bench_speculative [--model demo] [--tokens 200] [--questions 6] [--clients 16] [--cases abcde]
 
 (a) a request repeated with another max_tokens (its exact key differs; the answer kept under its
     draft key is the draft);
@@ -194,26 +194,28 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=10)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cases", default="abcde", help="which cases to run, e.g. 'ad'")
     args = parser.parse_args()
     servers = [Server("on", args.model, {}), Server("off", args.model, {"STRATA_MAX_VERIFY_TOKENS": "0"})]
+    questions, tokens = args.questions, args.tokens
+    cases = {
+        "a": lambda: summarise(
+            "(a) repeated, other max_tokens", case_repeated(servers, corpus_lines()[100 : 100 + questions], tokens)
+        ),
+        "b": lambda: summarise("(b) refused near-hit", case_near_hits(servers, questions, tokens)),
+        "c": lambda: summarise("(c) reply copies the prompt", case_copy(servers, questions, tokens)),
+        "d": lambda: summarise("(d) distinct, one client", case_distinct(servers, questions, tokens)),
+        "e": lambda: concurrent_rounds(servers, args.clients, tokens, args.rounds),
+    }
     try:
         for server in servers:  # warm both alike (first-call costs out of the way)
             server.ask(_user("Hello there."), 16)
-        lines = corpus_lines()
-        rows = [
-            summarise(
-                "(a) repeated, other max_tokens", case_repeated(servers, lines[100 : 100 + args.questions], args.tokens)
-            ),
-            summarise("(b) refused near-hit", case_near_hits(servers, args.questions, args.tokens)),
-            summarise("(c) reply copies the prompt", case_copy(servers, args.questions, args.tokens)),
-            summarise("(d) distinct, one client", case_distinct(servers, args.questions, args.tokens)),
-            concurrent_rounds(servers, args.clients, args.tokens, args.rounds),
-        ]
+        rows = [cases[name]() for name in args.cases]
     finally:
         for server in servers:
             server.close()
     print(
-        f"demo model, greedy, max_tokens {args.tokens}; medians; on = drafts verified, off = STRATA_MAX_VERIFY_TOKENS=0"
+        f"{args.model} model, greedy, max_tokens {tokens}; medians; on = drafts verified, off = STRATA_MAX_VERIFY_TOKENS=0"
     )
     print("| case | on tok/s | off tok/s | on / off | drafted | accepted | acceptance | same answers |")
     print("|---|---|---|---|---|---|---|---|")

@@ -328,6 +328,22 @@ MUTANTS = (
         (f"{VERIFY}::test_sampled_rows_with_drafts_draw_from_the_model_distribution_and_seeded_rows_draw_the_same",),
     ),
     Mutant(
+        "the MTP heads keep their draft steps' cache entries",
+        "gateway/engine/mtp.py",
+        "                layer.trim(self.num_speculative)",
+        "                pass",
+        ("tests/gateway/test_mtp.py::test_heads_fed_step_by_step_draft_what_heads_fed_at_once_draft[qwen3_next]",),
+    ),
+    Mutant(
+        "the MTP heads fed the hidden state of the position after",
+        "gateway/engine/worker.py",
+        "heads.follow(hidden[: len(tokens)],",
+        "heads.follow(hidden[1 : len(tokens) + 1],",
+        (
+            "tests/gateway/test_mtp.py::test_a_lone_hybrid_row_drafts_with_the_heads_and_answers_as_plain_decoding[qwen3_5]",
+        ),
+    ),
+    Mutant(
         "a draft kept under a key without the tenant (another tenant drafts from it)",
         "semantic/exact.py",
         'return digest("draft", {"scope": scope.as_dict(), "messages": messages, "output": output})',

@@ -61,6 +61,9 @@ class Recipe:
     # Whole tokens that are not special (decoded into the text like any word): Qwen3's <think> and
     # </think>, by which mlx-lm knows the template has a thinking switch that is on by default.
     added_tokens: tuple[str, ...] = ()
+    # Multi-token-prediction layers beside the model, as the real checkpoints ship them (Qwen3.5 and
+    # Qwen3-Next: `mtp.*`, one decoder layer): the engine drafts with them (speculative decoding).
+    mtp_layers: int = 0
 
 
 def _qwen2_5_vl_config(size: ModelSize, ids: dict[str, int]) -> dict:
@@ -710,7 +713,12 @@ RECIPES = {
         "mlx_vlm", QWEN_VL_TOKENS, *QWEN_ENDS, _qwen3_vl_config, _qwen_vl_processor("Qwen3VLProcessor", 16, HALF)
     ),
     "qwen3_5": Recipe(
-        "mlx_vlm", QWEN_VL_TOKENS, *QWEN_ENDS, _qwen3_5_config, _qwen_vl_processor("Qwen3VLProcessor", 16, HALF)
+        "mlx_vlm",
+        QWEN_VL_TOKENS,
+        *QWEN_ENDS,
+        _qwen3_5_config,
+        _qwen_vl_processor("Qwen3VLProcessor", 16, HALF),
+        mtp_layers=1,
     ),
     "qwen3_5_moe": Recipe(
         "mlx_vlm",
@@ -718,6 +726,7 @@ RECIPES = {
         *QWEN_ENDS,
         functools.partial(_qwen3_5_config, moe=True),
         _qwen_vl_processor("Qwen3VLProcessor", 16, HALF),
+        mtp_layers=1,
     ),
     "gemma3": Recipe(
         "mlx_vlm",
@@ -800,7 +809,7 @@ RECIPES = {
         _llama_config,
     ),
     "qwen3": Recipe("mlx_lm", QWEN_TOKENS, *QWEN_ENDS, _qwen3_config, added_tokens=("<think>", "</think>")),
-    "qwen3_next": Recipe("mlx_lm", QWEN_TOKENS, *QWEN_ENDS, _qwen3_next_config),
+    "qwen3_next": Recipe("mlx_lm", QWEN_TOKENS, *QWEN_ENDS, _qwen3_next_config, mtp_layers=1),
     "nemotron_h": Recipe(
         "mlx_lm", ("<s>", "</s>", "<extra_id_0>", "<extra_id_1>"), "</s>", "<s>", "</s>", _nemotron_h_config
     ),
@@ -977,9 +986,35 @@ def _write_weights(config: dict, out_dir: Path, spec: BuildSpec, recipe: Recipe)
             class_predicate=lambda path, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % QUANT_GROUP_SIZE == 0,
         )
         config["quantization"] = {"group_size": QUANT_GROUP_SIZE, "bits": spec.quantize}
+    if recipe.mtp_layers:
+        _write_mtp(config, out_dir, spec, recipe.mtp_layers)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+
+
+def _write_mtp(config: dict, out_dir: Path, spec: BuildSpec, num_layers: int) -> None:
+    """The MTP layers in `mtp.safetensors`, in mlx-vlm's drafter layout (`mtp.` + its parameter
+    names), built by mlx-vlm's own splitter and drafter classes. A file of its own: mlx-lm loads
+    `model*.safetensors` only and would refuse the extra keys; mlx-vlm drops `mtp.*` itself. The
+    config gains `mtp_num_hidden_layers`, as the real checkpoints have it. Never quantised."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map_with_path
+    from mlx_vlm.speculative.drafters.mtp_split import get_mtp_splitter
+    from mlx_vlm.utils import get_model_and_args
+
+    text = config.get("text_config", config)
+    text["mtp_num_hidden_layers"] = num_layers
+    splitter = get_mtp_splitter(source_config=config)
+    assert splitter is not None, f"mlx-vlm has no MTP drafter for {spec.family}"
+    draft_config = {"model_type": splitter.output_model_type, "text_config": splitter.read_text_config(config)}
+    arch, _ = get_model_and_args(draft_config)
+    drafter = arch.Model(arch.ModelConfig.from_dict(draft_config))
+    params = tree_map_with_path(_reinit, drafter.parameters())
+    if spec.dtype != "float32":
+        params = tree_map_with_path(lambda path, p: p.astype(getattr(mx, spec.dtype)), params)
+    weights: dict[str, mx.array] = {f"mtp.{key}": value for key, value in dict(tree_flatten(params)).items()}
+    mx.save_safetensors(str(out_dir / "mtp.safetensors"), weights, metadata={"format": "mlx"})
 
 
 def _library_config(module, config: dict, library: str):

@@ -37,6 +37,7 @@ from .constraint import MAX_CLOSING_TOKENS, Grammars
 from .families import Family, family_of, read_config
 from .mixed import Segment, SegmentCache
 from .mixed import install as install_packed_calls
+from .mtp import load_heads
 from .prompt import PreparedPrompt, PromptBuilder, PromptImage
 from .types import Pin, Sampling
 
@@ -183,6 +184,13 @@ class ModelRunner:
         install_cpu_prefill_activations(self.lm)
         num_packable = install_packed_calls(self.lm)
         keep_last_position_logits(self.lm)
+        # The checkpoint's MTP layers (gateway/engine/mtp.py), or None. With them, each step keeps the
+        # decode rows' last hidden states (decode_hidden: the final norm's input at the positions
+        # whose logits come back, rows x kept, as the logits are laid out).
+        self.heads = load_heads(Path(model_path), self.model)
+        self.decode_hidden: mx.array | None = None
+        if self.heads is not None:
+            tap_final_hidden(self.lm)
         self.prompts = PromptBuilder(self.processor, self.family)
         # The token the model's own code treats as an image row (deepstack rows go there).
         model_config = getattr(self.model, "config", None)
@@ -403,7 +411,18 @@ class ModelRunner:
         with keep_positions(self.lm, part.keep):
             out = self.lm(part.ids, **kwargs)
         logits = getattr(out, "logits", out)
+        if part.admission is None:
+            self._keep_decode_hidden(part)
         return [logits.reshape(-1, logits.shape[-1])]
+
+    def _keep_decode_hidden(self, part: Part) -> None:
+        """The decode part's hidden states at its kept positions (it is the call's first part)."""
+        if self.heads is None:
+            return
+        tapped = self.lm.model.norm.__dict__.pop("tapped")
+        rows, tokens = part.ids.shape
+        hidden = tapped.reshape(-1, tapped.shape[-1])[: rows * tokens].reshape(rows, tokens, -1)
+        self.decode_hidden = hidden[:, tokens - part.keep :].reshape(rows * part.keep, -1)
 
     def _call_packed(self, parts: list[Part]) -> list[mx.array]:
         segments, cursor, keep = [], 0, []
@@ -427,6 +446,8 @@ class ModelRunner:
         with keep_positions(self.lm, keep):
             out = self.lm(ids, **kwargs)
         logits = getattr(out, "logits", out)[0]
+        if parts[0].admission is None:
+            self._keep_decode_hidden(parts[0])
         sizes = [part.ids.shape[0] * part.keep for part in parts]
         bounds = np.cumsum([0, *sizes]).tolist()
         return [logits[bounds[i] : bounds[i + 1]] for i in range(len(parts))]
@@ -846,6 +867,27 @@ def keep_positions(language_model, keep: int | list[int]):
         yield
     finally:
         object.__setattr__(head, "kept", 1)
+
+
+def tap_final_hidden(language_model) -> None:
+    """Make this model instance's final norm keep its input (`tapped`: the last hidden states of
+    the latest call, every position), for the MTP layers."""
+    norm = language_model.model.norm
+    norm.__class__ = _tapped_class(type(norm))
+
+
+_TAPPED_CLASSES: dict = {}
+
+
+def _tapped_class(base: type) -> type:
+    if base not in _TAPPED_CLASSES:
+
+        def tapped(self, x, *args, **kwargs):
+            object.__setattr__(self, "tapped", x)  # a plain attribute: an array here would become a parameter
+            return base.__call__(self, x, *args, **kwargs)
+
+        _TAPPED_CLASSES[base] = type(f"Tapped{base.__name__}", (base,), {"__call__": tapped})
+    return _TAPPED_CLASSES[base]
 
 
 _LAST_POSITION_CLASSES: dict = {}

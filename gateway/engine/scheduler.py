@@ -64,13 +64,14 @@ class Sequence:
     drafts: list[int] = field(default_factory=list)  # tokens proposed to verify in the next step
     num_real_drafts: int = 0  # of drafts, the proposer's (the rest pad the batch to one width)
     # the worker's own state: the admission under way, the sampler, the drafter (speculative
-    # decoding), the text stream, the logits of the positions fed last, logprobs not yet sent, when decoding started, the tokens generated before
+    # decoding), the text stream, the logits (and hidden states) of the positions fed last, logprobs not yet sent, when decoding started, the tokens generated before
     # the last resume (already in the prompt the runner saw)
     admission: Any = None
     sampler: Any = None
     drafter: Any = None
     text: Any = None
     logits: Any = None
+    hidden: Any = None  # (position, hidden states) of the positions fed last, for the MTP layers
     logprobs: list = field(default_factory=list)
     started_at: float = 0.0
     num_resumed_tokens: int = 0

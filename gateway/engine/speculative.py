@@ -226,10 +226,10 @@ def batch_width(drafts: list[list[int]], rates: list[float], max_width: int, rep
     """How many draft tokens each row of the step is fed (rows with fewer are padded): the width whose
     expected kept tokens, less what verifying, the step's extra tokens and a batch's trim cost, is the
     largest; 0 when no width pays. A draft's j-th token is expected to be kept with probability rate^j.
-    `replay`: a rejection runs the kept tokens again (a hybrid model's lone row): about a step."""
+    `replay`: a rejection runs the kept tokens again (a hybrid model's lone row): about a step, paid
+    unless the whole draft is kept."""
     rows, longest = len(drafts), max(0, min(max(map(len, drafts), default=0), max_width))
-    trim = REPLAY_COST if replay else TRIM_COST * rows if rows > 1 else 0.0
-    fixed = VERIFY_COST * rows + trim
+    fixed = VERIFY_COST * rows + (TRIM_COST * rows if rows > 1 and not replay else 0.0)
     kept = [0.0] * (longest + 1)  # kept[w]: expected tokens kept over the rows at width w
     for own, rate in zip(drafts, rates):
         expected = 0.0
@@ -237,7 +237,8 @@ def batch_width(drafts: list[list[int]], rates: list[float], max_width: int, rep
             if width <= len(own):
                 expected += rate**width
             kept[width] += expected
-    gains = [kept[width] - FED_TOKEN_COST * rows * width - fixed for width in range(longest + 1)]
+    replays = [REPLAY_COST * (1 - min(rates, default=0.0) ** width) if replay else 0.0 for width in range(longest + 1)]
+    gains = [kept[width] - FED_TOKEN_COST * rows * width - fixed - replays[width] for width in range(longest + 1)]
     best = max(range(longest + 1), key=gains.__getitem__)
     return best if gains[best] > 0 else 0
 

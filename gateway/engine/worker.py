@@ -44,6 +44,7 @@ from .batch import DecodeBatch
 from .caching import EngineCaches, PrefixReport, VisionReport
 from .constraint import GrammarError
 from .fair_queue import FairQueue, QueueFull
+from .mtp import ModelHeads
 from .prompt import PreparedPrompt
 from .runner import Cancelled, ModelRunner, PrefillResult, Sampler, TokenLogprob, as_token
 from .scheduler import Limits, Scheduler, Sequence, StepPlan
@@ -234,7 +235,7 @@ class EngineWorker:
         self.last_step = StepShape()
         # Speculative decoding: a sequence -> the proposers of its drafts, verified in the step that
         # feeds them (gateway/engine/speculative.py). None: one token per row and step.
-        self.proposers: Callable[[Sequence], list[Proposer]] | None = _proposers if max_verify_tokens else None
+        self.proposers: Callable[[Sequence], list[Proposer]] | None = self._proposers if max_verify_tokens else None
         # Tokens a decode step feeds at most over its rows, drafts included (the rows' pending tokens
         # always go): a wide batch verifies narrower drafts.
         self.max_verify_tokens = max_verify_tokens
@@ -566,6 +567,13 @@ class EngineWorker:
             sequence.drafter = None
             return []
 
+    def _proposers(self, sequence: Sequence) -> list[Proposer]:
+        """References, prompt lookup, then the model's MTP layers if it has them (they always guess)."""
+        found = default_proposers(sequence.job.prompt.token_ids, sequence.job.references)
+        if self.runner.heads is not None:
+            found.append(ModelHeads(self.runner.heads))
+        return found
+
     def _drafter(self, sequence: Sequence) -> Drafter | None:
         """The row's drafter: none without proposers or under an output grammar (its matcher moves one
         token at a time)."""
@@ -602,9 +610,11 @@ class EngineWorker:
     def _take_decode_logits(self, logits: mx.array) -> None:
         """Each row's logits at every position it was fed (its pending token, then its drafts), for
         _sample() to draw and verify."""
-        width = len(self.rows[0].drafts)
+        width, hidden = len(self.rows[0].drafts), self.runner.decode_hidden
         for index, sequence in enumerate(self.rows):
-            sequence.logits = logits[index * (width + 1) : (index + 1) * (width + 1)]
+            fed = slice(index * (width + 1), (index + 1) * (width + 1))
+            sequence.logits = logits[fed]
+            sequence.hidden = (sequence.num_computed_tokens, hidden[fed]) if hidden is not None else None
             sequence.num_computed_tokens += 1 + width
 
     def _count_chunk(self, num_tokens: int) -> None:
@@ -667,6 +677,8 @@ class EngineWorker:
             draws = [self._draws(sequence) if now else [] for sequence, now in zip(self.rows, ready)]
             mx.eval(*[token for row in draws for token, _ in row], *[a for row in draws for _, lp in row for a in lp])
             taken = [self._verified(sequence, row) if row else [] for sequence, row in zip(self.rows, draws)]
+            for sequence, tokens in zip(self.rows, taken):
+                self._follow(sequence, tokens)
             rejected = [len(sequence.drafts) - max(len(tokens) - 1, 0) for sequence, tokens in zip(self.rows, taken)]
             if any(rejected):
                 self._drop_rejected(rejected, taken)
@@ -680,6 +692,27 @@ class EngineWorker:
             sequence.logits, sequence.drafts = None, []
             if ready[index] and not self._take(sequence, taken[index]):
                 self._retire(index)
+
+    def _follow(self, sequence: Sequence, tokens: list[tuple[int, tuple]]) -> None:
+        """The row's MTP layers follow the positions it just verified. A lone row's only: a row in a
+        batch, or whose drafting pauses, has them start over once it drafts again (a batch of one
+        row's calls would cost more than its drafts save)."""
+        heads = (
+            next((p for p in sequence.drafter.proposers if isinstance(p, ModelHeads)), None)
+            if sequence.drafter
+            else None
+        )
+        if heads is None or not tokens or sequence.hidden is None:
+            return
+        if len(self.rows) > 1 or sequence.drafter.num_paused_steps:
+            heads.reset()
+            return
+        position, hidden = sequence.hidden
+        try:
+            heads.follow(hidden[: len(tokens)], [t for t, _ in tokens], position, len(sequence.generated) + len(tokens))
+        except Exception:  # a draft is only ever a guess: heads that fail leave the row without them
+            log.exception("the MTP layers failed; the row decodes on without drafts")
+            sequence.drafter = None
 
     def _drop_rejected(self, rejected: list[int], taken: list[list[tuple[int, tuple]]]) -> None:
         """Trim the KV of the drafts each row rejected. A hybrid model's lone row instead goes back to
@@ -834,10 +867,6 @@ class EngineWorker:
             job.send(Failed(f"the output grammar could not be followed: {exc}", "invalid_schema", 400))
         else:
             job.send(Failed(f"generation failed: {type(exc).__name__}"))
-
-
-def _proposers(sequence: Sequence) -> list[Proposer]:
-    return default_proposers(sequence.job.prompt.token_ids, sequence.job.references)
 
 
 def _delta(sequence: Sequence, text: str) -> Delta:
