@@ -250,7 +250,7 @@ MUTANTS = (
     Mutant(
         "a row samples another row's logits",
         "gateway/engine/worker.py",
-        "sequence.logits = logits[index * (width + 1) : (index + 1) * (width + 1)]",
+        "sequence.logits = logits[fed]",
         "sequence.logits = logits[0 : width + 1]",
         ("tests/gateway/test_batch.py::test_the_server_runs_requests_together_and_each_gets_its_lone_answer",),
     ),
@@ -342,6 +342,20 @@ MUTANTS = (
         (
             "tests/gateway/test_mtp.py::test_a_lone_hybrid_row_drafts_with_the_heads_and_answers_as_plain_decoding[qwen3_5]",
         ),
+    ),
+    Mutant(
+        "an isolated end user's prefix cached under the tenant's salt (another end user reuses it)",
+        "gateway/engine/worker.py",
+        "self.runner.open_prefill(prompt, job.cache_salt or job.salt, job.owner, job.pins)",
+        "self.runner.open_prefill(prompt, job.salt, job.owner, job.pins)",
+        ("tests/gateway/test_end_users_apart.py::test_end_users_of_an_isolating_tenant_share_no_prefix_and_no_answer",),
+    ),
+    Mutant(
+        "an isolated end user's answers keyed without the end user",
+        "gateway/responses.py",
+        '            output["end_user"] = owner.end_user  # the tenant keeps its end users apart',
+        "            pass",
+        ("tests/gateway/test_end_users_apart.py::test_end_users_of_an_isolating_tenant_share_no_prefix_and_no_answer",),
     ),
     Mutant(
         "a draft kept under a key without the tenant (another tenant drafts from it)",
