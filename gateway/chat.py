@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import anyio
 
+from kvcache import TenantSalt, end_user_salt
 from semantic import Owner, StoredResponse, owner_label
 from vision import DecodedImage, DecodedVideo
 
@@ -219,6 +220,13 @@ class ChatService:
 
         return Run(events(), completion, None)
 
+    def _cache_salt(self, caller: Caller, owner: Owner) -> TenantSalt | None:
+        """An end user's own prefix and vision salt, when the tenant keeps its end users apart and
+        the request names one; None: the tenant's."""
+        if owner.end_user and self.settings.isolates_end_users(caller.tenant):
+            return end_user_salt(caller.salt, owner.end_user)
+        return None
+
     async def start(
         self,
         prompt: PreparedPrompt,
@@ -235,7 +243,10 @@ class ChatService:
         refuse_unless_serving(self.engine, self.settings.stuck_after_s)
         references = await self._references(drafts) if drafts else ()
         try:
-            job = self.engine.submit(prompt, sampling, caller.salt, owner_label(caller.tenant, owner), pins, references)
+            label = owner_label(caller.tenant, owner)
+            job = self.engine.submit(
+                prompt, sampling, caller.salt, label, pins, references, self._cache_salt(caller, owner)
+            )
         except ENGINE_REFUSALS as refused:
             raise engine_refusal(refused) from None
         events = self.engine.events(job)

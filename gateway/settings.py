@@ -119,12 +119,19 @@ class Settings:
     risk_patterns_file: Path | None = None  # None: semantic/risk_patterns.json
     normalize_rules_file: Path | None = None  # None: gateway/normalize_rules.json (prompts kept cacheable)
     normalize_off_tenants: tuple[str, ...] = ()  # tenants whose system prompts are left exactly as sent
+    # tenants ("*": every tenant) whose end users (`user`, Anthropic's metadata.user_id) keep their own
+    # caches: prefix and vision salts, exact keys and semantic contexts carry the end user
+    isolated_end_user_tenants: tuple[str, ...] = ()
     allow_remote_images: bool = False  # http(s) image_url parts
     remote_image_allow: tuple[Network, ...] = ()  # networks that may be fetched although not public (10.1.0.0/16)
     remote_image_timeout_s: float = 10.0  # total deadline of one fetch: DNS, connect, redirects, body
     remote_image_max_redirects: int = 3
     allow_file_images_under: Path | None = None  # file:// image_url parts below this folder
     limits: Limits = field(default_factory=Limits)
+
+    def isolates_end_users(self, tenant: str) -> bool:
+        """Whether the tenant's end users keep their own caches (STRATA_ISOLATE_END_USERS)."""
+        return "*" in self.isolated_end_user_tenants or tenant in self.isolated_end_user_tenants
 
     def __post_init__(self):
         if self.exact_store not in EXACT_STORES:
@@ -408,6 +415,12 @@ SETTINGS = (
         "STRATA_NORMALIZE_OFF_TENANTS",
         _names,
         "tenants (comma-separated) whose system prompts are never normalised",
+    ),
+    Setting(
+        "isolated_end_user_tenants",
+        "STRATA_ISOLATE_END_USERS",
+        _names,
+        "tenants (comma-separated; * for all) whose end users never share cached prefixes or answers",
     ),
     Setting("allow_remote_images", "STRATA_ALLOW_REMOTE_IMAGES", parse_flag, "accept http(s) image URLs"),
     Setting("remote_image_allow", "STRATA_REMOTE_IMAGE_ALLOW", _cidrs, "CIDRs that may be fetched although not public"),

@@ -5,7 +5,7 @@ See README.md in this folder for the architecture and invariants.
 """
 
 from .chain import ExtraSpan, hash_blocks
-from .keys import BlockHash, TenantSalt, block_hash, chain_root, tenant_salt
+from .keys import BlockHash, TenantSalt, block_hash, chain_root, end_user_salt, tenant_salt
 from .pool import Block, BlockPool, FreeBlockQueue, Purged
 from .prefix import (
     Cacheability,
@@ -38,6 +38,7 @@ __all__ = [
     "cacheability",
     "chain_root",
     "default_budget_bytes",
+    "end_user_salt",
     "hash_blocks",
     "is_recurrent",
     "state_nbytes",

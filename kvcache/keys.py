@@ -18,6 +18,12 @@ def tenant_salt(server_secret: bytes, tenant: str) -> TenantSalt:
     return TenantSalt(hmac.new(server_secret, b"strata-tenant-salt|" + tenant.encode(), hashlib.sha256).digest())
 
 
+def end_user_salt(tenant: TenantSalt, end_user: str) -> TenantSalt:
+    """HMAC-SHA256(tenant salt, end user id): the salt of one end user's own caches within a tenant
+    that keeps its end users apart."""
+    return TenantSalt(hmac.new(tenant, b"strata-end-user-salt|" + end_user.encode(), hashlib.sha256).digest())
+
+
 def chain_root(salt: TenantSalt, namespace: str) -> BlockHash:
     """The parent of a prompt's first block. The tenant salt enters here, so the whole chain is
     tenant-specific; `namespace` (model fingerprint, block size) keeps other models' blocks apart."""

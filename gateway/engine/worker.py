@@ -115,12 +115,13 @@ class OverBudget(Exception):
 class Job:
     prompt: PreparedPrompt
     sampling: Sampling
-    salt: TenantSalt
+    salt: TenantSalt  # the tenant's: the fair queue takes turns by it
     loop: asyncio.AbstractEventLoop
     owner: str | None = None  # the label of who asks (tenant, session, end user): cache purges select by it
     pins: tuple[Pin, ...] = ()  # prompt prefixes to keep cached for a while once the job ends
     # Answers the caches hold for this question (token ids, the tenant's own): drafts to verify
     references: tuple[tuple[int, ...], ...] = ()
+    cache_salt: TenantSalt | None = None  # the prefix and vision caches' salt (an end user's); None: salt
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.perf_counter)
@@ -322,17 +323,20 @@ class EngineWorker:
         owner: str | None = None,
         pins: tuple[Pin, ...] = (),
         references: tuple[tuple[int, ...], ...] = (),
+        cache_salt: TenantSalt | None = None,
     ) -> Job:
         """Queue a job; QueueFull when there is no place for it, OverBudget when it can never fit,
         EngineStopped when the worker's loop has ended. `references`: answers the caller's caches
-        hold for this question, as token ids (drafts for speculative decoding)."""
+        hold for this question, as token ids (drafts for speculative decoding). `cache_salt` salts
+        the job's prefix and vision caches instead of `salt` (which still names its tenant in the
+        fair queue)."""
         if self.ended.is_set():
             raise EngineStopped(self.health(0).reason)
         budget = self.runner.caches.running_budget_bytes()
         need = self.kv_bytes(prompt, sampling)
         if budget is not None and need > budget:
             raise OverBudget(need, budget)
-        job = Job(prompt, sampling, salt, asyncio.get_running_loop(), owner, pins, references)
+        job = Job(prompt, sampling, salt, asyncio.get_running_loop(), owner, pins, references, cache_salt)
         try:
             self.jobs.put(salt, Sequence(salt, prompt.num_tokens, sampling.max_tokens, job))
         except QueueFull:
@@ -504,7 +508,7 @@ class EngineWorker:
             self.stats.num_requests += 1
             job.queue_ms = (time.perf_counter() - job.enqueued_at) * 1000
         try:
-            sequence.admission = self.runner.open_prefill(prompt, job.salt, job.owner, job.pins)
+            sequence.admission = self.runner.open_prefill(prompt, job.cache_salt or job.salt, job.owner, job.pins)
         except Exception as exc:  # noqa: BLE001 - the worker must survive any one request
             self._fail(job, exc)
             return False

@@ -17,6 +17,10 @@ import pytest
         "bench_cluster",
         "bench_observability",
         "bench_verifier",
+        "bench_agent",
+        "bench_step",
+        "bench_speculative",
+        "bench_timing_channel",
         "false_hits",
         "train_verifier",
     ],
@@ -24,6 +28,15 @@ import pytest
 def test_benchmark_module_loads(name):
     module = importlib.import_module(f"evals.{name}")
     assert callable(module.main)
+
+
+def test_the_timing_channel_auc_is_the_chance_an_unsent_trial_took_longer():
+    from evals.bench_timing_channel import auc
+
+    assert auc([1.0, 2.0], [3.0, 4.0]) == 1.0  # every unsent trial slower: the time tells
+    assert auc([3.0, 4.0], [1.0, 2.0]) == 0.0
+    assert auc([1.0, 3.0], [2.0, 2.0]) == 0.5
+    assert auc([2.0], [2.0]) == 0.5  # a tie counts half
 
 
 def test_the_load_benchmark_counts_what_it_claims():
