@@ -223,8 +223,8 @@ class ChatService:
     def _cache_salt(self, caller: Caller, owner: Owner) -> TenantSalt | None:
         """An end user's own prefix and vision salt, when the tenant keeps its end users apart and
         the request names one; None: the tenant's."""
-        if owner.end_user and self.settings.isolates_end_users(caller.tenant):
-            return end_user_salt(caller.salt, owner.end_user)
+        if apart := self.settings.end_user_apart(caller.tenant, owner.end_user):
+            return end_user_salt(caller.salt, apart)
         return None
 
     async def start(

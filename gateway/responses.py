@@ -180,8 +180,8 @@ class ResponseCaches:
         output = _output_shape(request)
         if category == PERSONAL_DATA and end_user is not None:
             output["end_user"] = end_user  # an answer about one user's own data is that user's alone
-        elif owner.end_user and self.settings.isolates_end_users(caller.tenant):
-            output["end_user"] = owner.end_user  # the tenant keeps its end users apart
+        elif apart := self.settings.end_user_apart(caller.tenant, owner.end_user):
+            output["end_user"] = apart  # the tenant keeps its end users apart
         decoding = _decoding(request.sampling) | output
         key = exact_key(scope, messages, decoding)
         image_keys = [c.get("image") or c["video"] for m in messages for c in m["content"] if "text" not in c]

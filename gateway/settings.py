@@ -129,9 +129,11 @@ class Settings:
     allow_file_images_under: Path | None = None  # file:// image_url parts below this folder
     limits: Limits = field(default_factory=Limits)
 
-    def isolates_end_users(self, tenant: str) -> bool:
-        """Whether the tenant's end users keep their own caches (STRATA_ISOLATE_END_USERS)."""
-        return "*" in self.isolated_end_user_tenants or tenant in self.isolated_end_user_tenants
+    def end_user_apart(self, tenant: str, end_user: str) -> str:
+        """The end user whose caches a request keeps apart from the tenant's other end users: the
+        one it names when the tenant is in STRATA_ISOLATE_END_USERS; "" otherwise (the tenant's)."""
+        isolating = "*" in self.isolated_end_user_tenants or tenant in self.isolated_end_user_tenants
+        return end_user if isolating else ""
 
     def __post_init__(self):
         if self.exact_store not in EXACT_STORES:

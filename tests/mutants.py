@@ -353,7 +353,7 @@ MUTANTS = (
     Mutant(
         "an isolated end user's answers keyed without the end user",
         "gateway/responses.py",
-        '            output["end_user"] = owner.end_user  # the tenant keeps its end users apart',
+        '            output["end_user"] = apart  # the tenant keeps its end users apart',
         "            pass",
         ("tests/gateway/test_end_users_apart.py::test_end_users_of_an_isolating_tenant_share_no_prefix_and_no_answer",),
     ),

@@ -701,6 +701,8 @@ class EngineWorker:
         """The row's MTP layers follow the positions it just verified. A lone row's only: a row in a
         batch, or whose drafting pauses, has them start over once it drafts again (a batch of one
         row's calls would cost more than its drafts save)."""
+        if self.runner.heads is None:
+            return
         heads = (
             next((p for p in sequence.drafter.proposers if isinstance(p, ModelHeads)), None)
             if sequence.drafter
