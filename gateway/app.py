@@ -57,6 +57,7 @@ from .embeddings import Embeddings, parse_embeddings_request
 from .engine import CacheConfig, Engine, EngineConfig
 from .errors import EXCEPTION_HANDLERS, ApiError, bad_request, echo
 from .files import private_dir, private_file
+from .keyring import keyring_for
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import RequestMetrics, StateCollector
 from .normalize import DEFAULT_RULES_FILE, Normalizer, load_rules
@@ -536,7 +537,7 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
         pipeline = Pipeline(ChatService(settings, live), responses, counters, sessions, request_metrics, normalizer)
         stamp = ModelStamp(live.info.name, live.info.fingerprint)
         conversations = ConversationStore(
-            private_file(settings.data_dir / "conversations.db"), settings.conversation_ttl_s
+            private_file(settings.data_dir / "conversations.db"), settings.conversation_ttl_s, keyring_for(settings)
         )
         embeddings = Embeddings(live, settings)
         app.state.services = Services(
@@ -621,6 +622,7 @@ def engine_config(settings: Settings) -> EngineConfig:
             admission=admission,
             writer=settings.ssd_writer,
             pin_budget_bytes=int(settings.ssd_capacity_bytes * settings.kv_pin_fraction),
+            sealer=keyring_for(settings) if settings.encrypt_at_rest else None,
         )
     quant = (
         QuantConfig(settings.kv_quant_bits, min_tokens=settings.kv_quant_min_tokens) if settings.kv_quant_bits else None

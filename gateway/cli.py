@@ -1,4 +1,4 @@
-"""`strata serve`, `strata build-model` and `strata cluster up`."""
+"""`strata serve`, `strata build-model`, `strata cluster up` and `strata keys rotate`."""
 
 from __future__ import annotations
 
@@ -45,6 +45,10 @@ def _parser() -> argparse.ArgumentParser:
     cluster.add_argument("--model", default="demo")
     cluster.add_argument("--port", type=int, default=8000, help="the proxy's; the replicas take the next two")
     cluster.add_argument("--data-dir", type=Path, default=Path("strata-data") / "cluster")
+    keys = commands.add_parser("keys", help="the data keys of encryption at rest")
+    keys.add_argument("action", choices=["rotate"], help="rotate: wrap every tenant's data key under a new key file")
+    keys.add_argument("--new-key-file", type=Path, required=True, help="32 random bytes, raw or as 64 hex digits")
+    keys.add_argument("--data-dir", type=Path, default=Path(os.environ.get("STRATA_DATA_DIR", "strata-data")))
     return parser
 
 
@@ -55,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         from .cluster import run
 
         return run(args.model, args.data_dir, args.port)
+    if args.command == "keys":
+        return _rotate_keys(args.data_dir, args.new_key_file)
     if args.command == "build-model":
         from .checkpoints import BuildSpec, build_model
 
@@ -77,6 +83,24 @@ def _configure_logging(level: str, log_format: str) -> None:
         logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def _rotate_keys(data_dir: Path, new_key_file: Path) -> int:
+    """Wrap the data keys of the key store the environment names (STRATA_KEY_FILE, STRATA_REDIS_URL,
+    STRATA_SECRET_FILE, as the servers see them) under the new key; then restart the servers with
+    STRATA_KEY_FILE pointing at it."""
+    from semantic.store import StoreUnavailable
+
+    from .keyring import rotate
+    from .settings import settings_from_env
+
+    try:
+        count = rotate(settings_from_env("demo", data_dir, "127.0.0.1", 0), new_key_file)
+    except (RuntimeError, ValueError, StoreUnavailable) as exc:
+        print(f"strata: keys not rotated: {exc}", file=sys.stderr)
+        return 2
+    print(f"{count} tenant keys wrapped under {new_key_file}; restart the servers with STRATA_KEY_FILE={new_key_file}")
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from .app import create_app
     from .server import serve
@@ -90,6 +114,13 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"strata: {exc}", file=sys.stderr)
         return 2
     _configure_logging(args.log_level, settings.log_format)
+    from .keyring import keyring_for
+
+    try:
+        keyring_for(settings)
+    except RuntimeError as exc:
+        print(f"strata: cannot open the data keys: {exc}", file=sys.stderr)
+        return 2
     if Path(settings.model).is_dir():  # a local folder: refuse an unsupported family before anything loads
         from .engine import UnsupportedModel, family_of
 

@@ -12,9 +12,13 @@ Each turn is stored once. A response's row holds only what it added (the new inp
 output, as chat messages: the shape the chat-completions pipeline takes) and the id of the response
 it continued; load() walks that chain back to its start, so a follow-up renders the same prompt and
 reuses the earlier turns from the prefix cache. Images (data: URLs) are kept apart, once per tenant
-and content (by SHA-256 of the URL), however many turns and branches send them: in the messages they
+and content (by a keyed digest of the URL), however many turns and branches send them: in the messages they
 become `strata-blob:<hash>` and are put back on load. An 8-turn chain with a 1 MB image per turn
 plus 8 branches from its end stores about what was sent, not the history again with every turn.
+
+At rest a turn's messages and response, and every image, are sealed under the tenant's key, bound
+to the row (or image) they belong to; an image's reference is a keyed digest under the same key. A
+tenant whose key was shredded has nothing that loads: its rows read as not found.
 
 Invariants: a row is visible (load, response) while `expires_at > now` and it is not deleted; it
 stays stored while a later turn needs it: `keep_until` is the latest expiry of the rows that
@@ -25,13 +29,15 @@ them: a continuation of a purged turn can no longer be loaded (404), never with 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sqlite3
 import threading
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from kvcache.sealing import NO_SEALING, Sealer, Unreadable
 from semantic import Purged, Selector
 
 BLOB_PREFIX = "strata-blob:"
@@ -46,8 +52,8 @@ CREATE TABLE IF NOT EXISTS responses (
     session TEXT,
     end_user TEXT,
     parent TEXT,             -- the response this one continued (previous_response_id), or NULL
-    messages TEXT NOT NULL,  -- JSON: the chat messages this turn added, its output last; images as blob refs
-    response TEXT NOT NULL,  -- JSON: the response object as the client got it
+    messages BLOB NOT NULL,  -- sealed JSON: the chat messages this turn added, its output last; images as blob refs
+    response BLOB NOT NULL,  -- sealed JSON: the response object as the client got it
     num_bytes INTEGER NOT NULL,
     created_at REAL NOT NULL,
     expires_at REAL NOT NULL,  -- visible until then
@@ -60,7 +66,7 @@ CREATE INDEX IF NOT EXISTS responses_tenant ON responses (tenant);
 CREATE TABLE IF NOT EXISTS blobs (
     tenant TEXT NOT NULL,
     hash TEXT NOT NULL,
-    data TEXT NOT NULL,
+    data BLOB NOT NULL,  -- sealed: the data: URL
     num_bytes INTEGER NOT NULL,
     PRIMARY KEY (tenant, hash)
 );
@@ -75,8 +81,9 @@ CREATE INDEX IF NOT EXISTS blob_refs_blob ON blob_refs (tenant, hash);
 
 
 class ConversationStore:
-    def __init__(self, path: Path | str, retention_s: float):
+    def __init__(self, path: Path | str, retention_s: float, sealer: Sealer = NO_SEALING):
         self.retention_s = retention_s
+        self.sealer = sealer
         self.db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.executescript(SCHEMA)
@@ -98,8 +105,12 @@ class ConversationStore:
     ) -> None:
         """Store a turn: `messages` are the ones it added (its new input and its output)."""
         blobs: dict[str, str] = {}
-        stored = json.dumps(_externalised(messages, blobs), ensure_ascii=False)
+        digest = partial(self.sealer.digest, tenant)
+        stored = json.dumps(_externalised(messages, blobs, digest), ensure_ascii=False)
         body = json.dumps(response, ensure_ascii=False)
+        num_bytes = len(stored) + len(body)
+        sealed_stored = self._seal(tenant, f"turn|{response_id}|messages", stored)
+        sealed_body = self._seal(tenant, f"turn|{response_id}|response", body)
         expires_at = now + self.retention_s
         with self.lock:
             self.db.execute("BEGIN")
@@ -112,18 +123,19 @@ class ConversationStore:
                     session,
                     user,
                     parent,
-                    stored,
-                    body,
-                    len(stored) + len(body),
+                    sealed_stored,
+                    sealed_body,
+                    num_bytes,
                     now,
                     expires_at,
                     expires_at,
                 ),
             )
             self._keep_chain(parent, tenant, expires_at)
-            for digest, data in blobs.items():
-                self.db.execute("INSERT OR IGNORE INTO blobs VALUES (?, ?, ?, ?)", (tenant, digest, data, len(data)))
-                self.db.execute("INSERT OR IGNORE INTO blob_refs VALUES (?, ?, ?)", (response_id, tenant, digest))
+            for blob, data in blobs.items():
+                sealed = self._seal(tenant, f"blob|{blob}", data)
+                self.db.execute("INSERT OR IGNORE INTO blobs VALUES (?, ?, ?, ?)", (tenant, blob, sealed, len(data)))
+                self.db.execute("INSERT OR IGNORE INTO blob_refs VALUES (?, ?, ?)", (response_id, tenant, blob))
             self.db.execute("COMMIT")
 
     def _keep_chain(self, parent: str | None, tenant: str, until: float) -> None:
@@ -157,7 +169,8 @@ class ConversationStore:
     def response(self, response_id: str, tenant: str, now: float) -> dict | None:
         with self.lock:
             row = self._visible(response_id, tenant, now)
-        return json.loads(row[0]) if row else None
+        opened = self._open(tenant, f"turn|{response_id}|response", row[0]) if row else None
+        return json.loads(opened) if opened is not None else None
 
     def used_bytes(self, tenant: str) -> int:
         """What the tenant's stored turns and images hold (its storage quota counts this)."""
@@ -182,9 +195,10 @@ class ConversationStore:
         current: str | None = response_id
         while current is not None and len(turns) < MAX_CHAIN:
             row = self.db.execute(f"SELECT parent, messages FROM responses WHERE {BY_ID}", (current, tenant)).fetchone()
-            if row is None:
+            messages = self._open(tenant, f"turn|{current}|messages", row[1]) if row is not None else None
+            if messages is None:
                 return None
-            current, messages = row
+            current = row[0]
             turns.append(messages)
         return turns[::-1] if current is None else None
 
@@ -192,9 +206,20 @@ class ConversationStore:
         found: dict[str, str] = {}
         for digest in dict.fromkeys(digests):
             row = self.db.execute("SELECT data FROM blobs WHERE tenant = ? AND hash = ?", (tenant, digest)).fetchone()
-            if row is not None:
-                found[digest] = row[0]
+            data = self._open(tenant, f"blob|{digest}", row[0]) if row is not None else None
+            if data is not None:
+                found[digest] = data
         return found
+
+    def _seal(self, tenant: str, place: str, text: str) -> bytes:
+        return self.sealer.seal(tenant, place.encode(), text.encode())
+
+    def _open(self, tenant: str, place: str, sealed: bytes) -> str | None:
+        """The text sealed there; None when it does not open (the tenant's key was shredded)."""
+        try:
+            return self.sealer.open(tenant, place.encode(), sealed).decode()
+        except Unreadable:
+            return None
 
     # -- removing ----------------------------------------------------------------------------
 
@@ -279,7 +304,7 @@ class ConversationStore:
             if old.fetchone() is None:
                 return
             rows = self.db.execute("SELECT * FROM conversations").fetchall()
-        for response_id, tenant, session, user, messages, response, created_at, expires_at in rows:
+        for response_id, tenant, session, user, messages, response, created_at, expires_at in rows:  # plain text
             self.save(response_id, tenant, session, user, json.loads(messages), json.loads(response), created_at)
             with self.lock:
                 self.db.execute(
@@ -294,9 +319,10 @@ class ConversationStore:
             self.db.close()
 
 
-def _externalised(messages: list[dict], blobs: dict[str, str]) -> list[dict]:
-    """The messages with every large data: URL replaced by a blob reference (collected in `blobs`)."""
-    return [_with_parts(message, lambda part: _part_out(part, blobs)) for message in messages]
+def _externalised(messages: list[dict], blobs: dict[str, str], digest: Callable[[bytes], str]) -> list[dict]:
+    """The messages with every large data: URL replaced by a blob reference (collected in `blobs`),
+    named by `digest` (keyed: a reference does not tell which image it is)."""
+    return [_with_parts(message, lambda part: _part_out(part, blobs, digest)) for message in messages]
 
 
 def _restored(messages: list[dict], blobs: dict[str, str]) -> list[dict]:
@@ -310,13 +336,13 @@ def _with_parts(message: dict, change) -> dict:
     return {**message, "content": [change(part) for part in content]}
 
 
-def _part_out(part: Any, blobs: dict[str, str]) -> Any:
+def _part_out(part: Any, blobs: dict[str, str], digest: Callable[[bytes], str]) -> Any:
     url = _image_url(part)
     if url is None or not url.startswith("data:") or len(url) < MIN_BLOB_CHARS:
         return part
-    digest = hashlib.sha256(url.encode()).hexdigest()
-    blobs[digest] = url
-    return {**part, "image_url": {**part["image_url"], "url": BLOB_PREFIX + digest}}
+    name = digest(url.encode())
+    blobs[name] = url
+    return {**part, "image_url": {**part["image_url"], "url": BLOB_PREFIX + name}}
 
 
 def _part_in(part: Any, blobs: dict[str, str]) -> Any:

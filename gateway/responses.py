@@ -73,6 +73,7 @@ from .auth import Caller
 from .engine import Sampling, TextPart
 from .errors import bad_request
 from .files import private_file
+from .keyring import keyring_for
 from .schemas import ChatRequest
 from .settings import Settings
 from .trace import BYPASS, HIT, MISS, LayerOutcome, Trace
@@ -502,13 +503,15 @@ def _exact_cache(settings: Settings) -> ExactCache | None:
         return None
     store: ResponseStore
     drafts: ResponseStore  # answers' token ids (speculative decoding's drafts), beside the answers
+    sealer = keyring_for(settings)  # what is kept at rest is sealed by tenant (memory is not at rest)
     if settings.redis_url:  # shared by every replica pointing at the same Redis
-        store, drafts = RedisStore(settings.redis_url), RedisStore(settings.redis_url, "strata:draft:")
+        store = RedisStore(settings.redis_url, sealer=sealer)
+        drafts = RedisStore(settings.redis_url, "strata:draft:", sealer)
     elif settings.exact_store == "memory":
         store, drafts = MemoryStore(), MemoryStore()
     else:
-        store = SqliteStore(private_file(settings.data_dir / "responses.db"))
-        drafts = SqliteStore(private_file(settings.data_dir / "drafts.db"))
+        store = SqliteStore(private_file(settings.data_dir / "responses.db"), sealer)
+        drafts = SqliteStore(private_file(settings.data_dir / "drafts.db"), sealer)
     return ExactCache(store, settings.exact_ttl_s, settings.cache_nondeterministic, drafts)
 
 
@@ -522,9 +525,9 @@ def _semantic_cache(settings: Settings, embedder: Embedder | None) -> SemanticCa
     )
     store: EntryStore
     if settings.redis_url:  # shared by every replica; each follows the others' changes into its own index
-        store = RedisEntries(settings.redis_url)
+        store = RedisEntries(settings.redis_url, sealer=keyring_for(settings))
     else:
-        store = SqliteEntries(private_file(settings.data_dir / "semantic.db"))
+        store = SqliteEntries(private_file(settings.data_dir / "semantic.db"), keyring_for(settings))
     from semantic.verifier import Verifier  # torch: imported only when the layer is on
 
     embedder = embedder or MiniLMEmbedder()

@@ -102,6 +102,9 @@ class Settings:
     ssd_min_prefix_tokens: int = _default(AdmissionPolicy, "min_prefix_tokens")  # only blocks this deep in a prefix
     ssd_daily_write_bytes: int = _default(AdmissionPolicy, "daily_write_bytes")  # admission: write budget per day
     secret_file: Path | None = None  # the server secret tenant salts derive from (None: DATA_DIR/server.secret)
+    encrypt_at_rest: bool = True  # AES-256-GCM, a data key per tenant: KV on SSD, cached answers, conversations
+    key_file: Path | None = None  # the key that wraps tenants' data keys (None: derived from the server secret)
+    public_prefixes_file: Path | None = None  # declared public texts (a JSON list): their KV is shared by all tenants
     ssd_dir: Path | None = None  # the KV SSD tier's folder (None: DATA_DIR/kv); may be shared by replicas
     ssd_writer: str = _default(SsdConfig, "writer")  # this replica's name in a shared ssd_dir ("": the only writer)
     kv_quant_bits: int | None = None  # 8 or 4 quantises stored KV blocks (off by default)
@@ -358,6 +361,24 @@ SETTINGS = (
         "STRATA_SECRET_FILE",
         Path,
         "the server secret (default DATA_DIR/server.secret); replicas sharing STRATA_SSD_DIR must share it",
+    ),
+    Setting(
+        "encrypt_at_rest",
+        "STRATA_ENCRYPT_AT_REST",
+        parse_flag,
+        "seal what is stored (KV on SSD, cached answers and questions, conversations) with a key per tenant",
+    ),
+    Setting(
+        "key_file",
+        "STRATA_KEY_FILE",
+        Path,
+        "32 random bytes (raw or hex) wrapping the tenants' data keys (default: derived from the server secret)",
+    ),
+    Setting(
+        "public_prefixes_file",
+        "STRATA_PUBLIC_PREFIXES_FILE",
+        Path,
+        "a JSON list of public prefixes ({system, tools}): their KV blocks are shared by every tenant",
     ),
     Setting(
         "ssd_dir", "STRATA_SSD_DIR", Path, "the KV SSD tier's folder (default DATA_DIR/kv); replicas may share one"

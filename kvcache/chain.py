@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .keys import BlockHash, block_hash, token_bytes
+from .keys import BlockHash, block_hash, rejoin, token_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,3 +37,33 @@ def hash_blocks(
         parent = block_hash(parent, raw[index * width : (index + 1) * width], extra)
         hashes.append(parent)
     return hashes
+
+
+@dataclass(frozen=True, slots=True)
+class Roots:
+    """Where a prompt's chain starts: blocks [0, num_public) chain from the public root (a declared
+    public prefix, shared by every tenant); the rest from the tenant's root, joined to the last public
+    block (keys.rejoin). num_public == 0: the whole chain is the tenant's.
+    Invariant: the public blocks lie wholly inside the declared text and before any image."""
+
+    tenant: BlockHash
+    public: BlockHash
+    num_public: int = 0
+
+    def parent(self, index: int, hashes: Sequence[BlockHash]) -> BlockHash:
+        """The parent hash of block `index` given the hashes before it."""
+        if index == 0:
+            return self.public if self.num_public else self.tenant
+        if index == self.num_public:
+            return rejoin(self.tenant, hashes[index - 1])
+        return hashes[index - 1]
+
+    def hash_blocks(self, token_ids: Sequence[int], block_size: int, spans: Sequence[ExtraSpan]) -> list[BlockHash]:
+        public = hash_blocks(token_ids[: self.num_public * block_size], block_size, self.public)
+        return public + hash_blocks(token_ids, block_size, self.parent(len(public), public), spans, len(public))
+
+
+def public_blocks(public_tokens: int, spans: Sequence[ExtraSpan], block_size: int) -> int:
+    """How many leading blocks lie wholly inside the first `public_tokens` tokens and before any image."""
+    first_image = min((span.start for span in spans), default=public_tokens)
+    return min(public_tokens, first_image) // block_size

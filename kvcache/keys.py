@@ -24,6 +24,16 @@ def end_user_salt(tenant: TenantSalt, end_user: str) -> TenantSalt:
     return TenantSalt(hmac.new(tenant, b"strata-end-user-salt|" + end_user.encode(), hashlib.sha256).digest())
 
 
+PUBLIC_SALT = TenantSalt(hashlib.sha256(b"strata-public-prefix-salt-v1").digest())  # not secret: public texts are
+PUBLIC_TENANT = "__public__"  # whose data key seals public blocks at rest (a tenant purge never shreds it)
+
+
+def rejoin(root: BlockHash, public_hash: BlockHash) -> BlockHash:
+    """The parent of the first block after a public prefix: the tenant's root joined to the last
+    public block's hash, so what follows a shared public prefix is the tenant's own again."""
+    return BlockHash(hashlib.sha256(b"strata-kv-rejoin-v1|" + root + public_hash).digest())
+
+
 def chain_root(salt: TenantSalt, namespace: str) -> BlockHash:
     """The parent of a prompt's first block. The tenant salt enters here, so the whole chain is
     tenant-specific; `namespace` (model fingerprint, block size) keeps other models' blocks apart."""

@@ -43,6 +43,7 @@ class Block:
     parent_hash: BlockHash | None = None
     end_token: int = 0  # the block covers tokens [end_token - block_size, end_token) of its chain
     scope: str = ""  # a digest of the chain's root (tenant), written to SSD metadata
+    tenant: str = ""  # whose data key seals it at rest (keys.PUBLIC_TENANT for a public prefix's block)
     num_hits: int = 0  # lookups that reused this block
     last_used: float = 0.0  # time.monotonic() when it last became free: expire() drops idle blocks
     token_ids: tuple[int, ...] = ()  # the block's tokens (where a diverging prompt first differs)

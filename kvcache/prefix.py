@@ -35,8 +35,8 @@ from typing import Literal
 
 import mlx.core as mx
 
-from .chain import ExtraSpan, hash_blocks
-from .keys import BlockHash, TenantSalt, chain_root
+from .chain import ExtraSpan, Roots, hash_blocks, public_blocks
+from .keys import PUBLIC_SALT, PUBLIC_TENANT, BlockHash, TenantSalt, chain_root
 from .pool import Block, BlockPool, Ghost, Ghosts, PoolStats, Purged
 from .quant import QuantConfig, from_tensors, quantize, restore, state_from_tensors, to_tensors
 from .ssd import SpillRequest, SsdTier
@@ -89,6 +89,7 @@ class PrefixMatch:
     miss_tier: str = ""  # evicted / expired / purged: from "ram" or "ssd"
     miss_lived_s: float = 0.0  # ... after this many seconds in that tier
     miss_in_image: bool = False
+    num_public_tokens: int = 0  # the prompt's leading tokens in public blocks (shared by every tenant)
 
     @property
     def tier(self) -> Tier:
@@ -226,35 +227,46 @@ class PrefixCache:
         spans: Sequence[ExtraSpan] = (),
         owner: str | None = None,
         snapshots: bool = False,
+        tenant: str = "",
+        public_tokens: int = 0,
     ) -> PrefixSession:
         """`owner`: who the request is (an opaque label purges select by); None records nobody.
-        `snapshots`: the model has recurrent layers (reuse ends at a block with a state snapshot)."""
-        root = chain_root(salt, f"{model_fingerprint}|block={self.block_size}")
-        return PrefixSession(self, root, tuple(token_ids), tuple(spans), owner, snapshots)
+        `snapshots`: the model has recurrent layers (reuse ends at a block with a state snapshot).
+        `tenant`: whose data key seals the blocks at rest. `public_tokens`: the prompt's first tokens
+        are exactly a declared public text: the blocks wholly inside it are shared by every tenant."""
+        namespace = f"{model_fingerprint}|block={self.block_size}"
+        roots = Roots(
+            chain_root(salt, namespace),
+            chain_root(PUBLIC_SALT, namespace),
+            public_blocks(public_tokens, spans, self.block_size),
+        )
+        return PrefixSession(self, roots, tuple(token_ids), tuple(spans), owner, snapshots, tenant)
 
 
 class PrefixSession:
-    """Invariant: hashes == hash_blocks(token_ids, block size, root, spans); held[i] is the block of
+    """Invariant: hashes == roots.hash_blocks(token_ids, block size, spans); held[i] is the block of
     hashes[i], acquired once, for i < len(held)."""
 
     def __init__(
         self,
         cache: PrefixCache,
-        root: BlockHash,
+        roots: Roots,
         token_ids: tuple[int, ...],
         spans: tuple[ExtraSpan, ...],
         owner: str | None = None,
         snapshots: bool = False,
+        tenant: str = "",
     ):
         self.cache = cache
         self.owner = owner
         self.snapshots = snapshots
+        self.tenant = tenant
         self.pool = cache.pool
-        self.root = root
+        self.roots = roots
         self.spans = spans
         self.token_ids = token_ids
-        self.hashes = hash_blocks(token_ids, cache.block_size, root, spans)
-        self.scope = root.hex()[:16]
+        self.hashes = roots.hash_blocks(token_ids, cache.block_size, spans)
+        self.scope = roots.tenant.hex()[:16]
         self.held: list[Block] = []
         self.closed = False
 
@@ -286,8 +298,11 @@ class PrefixSession:
         stats.num_prompt_tokens += num_prompt_tokens
         stats.num_cached_tokens += cached
         miss = self._why_missed(num_prompt_tokens)
+        public = self.roots.num_public * size
         if miss is None:
-            return PrefixMatch(num_prompt_tokens, matched, cached, num_ram * size, matched - num_ram * size)
+            return PrefixMatch(
+                num_prompt_tokens, matched, cached, num_ram * size, matched - num_ram * size, num_public_tokens=public
+            )
         stats.miss_reasons[miss.reason] = stats.miss_reasons.get(miss.reason, 0) + 1
         return PrefixMatch(
             num_prompt_tokens,
@@ -300,6 +315,7 @@ class PrefixSession:
             miss.tier,
             miss.lived_s,
             miss.in_image,
+            public,
         )
 
     def _reusable(self, limit: int) -> int:
@@ -324,7 +340,7 @@ class PrefixSession:
         removal = self.cache.last_removal(self.hashes[index])
         if removal is not None:
             return replace(removal, at_token=start)
-        siblings = self.pool.children.get(self.hashes[index - 1] if index else self.root)
+        siblings = self.pool.children.get(self.roots.parent(index, self.hashes))
         if not siblings:
             return Miss("cold", start)
         mine = self.token_ids[start : start + size]
@@ -378,16 +394,18 @@ class PrefixSession:
         return run, sizes
 
     def _new_block(self, index: int, kv: tuple, state: tuple = ()) -> Block:
-        parent = self.hashes[index - 1] if index else self.root
+        parent = self.roots.parent(index, self.hashes)
         nbytes = sum(k.nbytes + v.nbytes for k, v in kv) + state_nbytes(state)  # from shapes: nothing is evaluated
         size = self.cache.block_size
+        public = index < self.roots.num_public
         return Block(
             self.hashes[index],
             kv,
             nbytes,
             parent_hash=parent,
             end_token=(index + 1) * size,
-            scope=self.scope,
+            scope=self.roots.public.hex()[:16] if public else self.scope,
+            tenant=PUBLIC_TENANT if public else self.tenant,
             token_ids=self.token_ids[index * size : (index + 1) * size],
             owners={self.owner} if self.owner is not None else set(),
             state=state,
@@ -443,7 +461,7 @@ class PrefixSession:
         if len(token_ids) <= len(self.token_ids):
             return
         known = len(self.hashes)
-        parent = self.hashes[-1] if known else self.root
+        parent = self.roots.parent(known, self.hashes)
         self.hashes += hash_blocks(token_ids, self.cache.block_size, parent, self.spans, first_block=known)
         self.token_ids = token_ids
 
@@ -539,6 +557,7 @@ def _spill_request(block: Block, block_size: int) -> SpillRequest:
         block.scope,
         to_tensors(block.kv, block.state),
         tuple(sorted(block.owners)),
+        block.tenant,
     )
 
 

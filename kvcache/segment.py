@@ -5,11 +5,18 @@
     decode(raw, namespace, wanted) -> ([SpillRequest], problem)      the same, with each block's description
     write_atomically(path, payload)               temp file in the same folder, fsync, os.replace
     describe(path, namespace)                     a segment's blocks and owners from its header alone
+    seal(sealer, namespace, request) -> SpillRequest   the block's tensors as one sealed blob (its tenant's key)
+    unseal(sealer, namespace, raw, blocks) -> {hash: tensors}   the same blocks opened, up to the first that does not
 
 A segment is a safetensors file: tensors named "<block hash hex>/<tensor name>", and metadata with the
 format version, the namespace (model fingerprint, block size, quantisation), and per block its hash,
 parent hash, token count, tenant scope, owners when written, and checksum. A reader sees a whole
 file or none: a torn file can only be a temp file (".tmp-*"), never a segment name.
+
+Encryption at rest: a sealed block is one uint8 tensor "<hash>/sealed" (AES-256-GCM under its
+tenant's data key, bound to the namespace and block hash), its metadata naming the tenant whose key
+sealed it and the layout (name, dtype, shape) of the tensors inside. The checksum covers the sealed
+bytes, so corruption is told apart from a shredded key without any key.
 """
 
 from __future__ import annotations
@@ -17,12 +24,14 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import xxhash
 from safetensors.numpy import save as save_tensors
+
+from .sealing import Sealer
 
 FORMAT_VERSION = "2"
 SEGMENT_BLOCKS = 16  # blocks spilled together share a file: reads within 2x of the raw disk (README)
@@ -38,6 +47,8 @@ class SpillRequest:
     tenant_scope: str
     tensors: dict[str, np.ndarray] = field(repr=False)
     owners: tuple[str, ...] = ()  # opaque owner labels (the index keeps them current; the file, for reindexing)
+    tenant: str = ""  # whose data key seals the block (PUBLIC_TENANT: a declared public prefix's)
+    layout: str = ""  # sealed: JSON [[name, dtype, shape], ...] of the tensors in tensors["sealed"]; "": plain
 
 
 def encode(namespace: str, requests: list[SpillRequest]) -> bytes:
@@ -52,6 +63,8 @@ def encode(namespace: str, requests: list[SpillRequest]) -> bytes:
                 "scope": request.tenant_scope,
                 "owners": list(request.owners),
                 "checksum": tensor_checksum(request.tensors),
+                "tenant": request.tenant,
+                "layout": request.layout,
             }
         )
         tensors.update({f"{hex_hash}/{key}": value for key, value in request.tensors.items()})
@@ -97,9 +110,61 @@ def decode(raw: bytes, namespace: str, wanted: list[str]) -> tuple[list[SpillReq
             described[h]["scope"],
             tensors,
             tuple(described[h].get("owners", ())),
+            described[h].get("tenant", ""),
+            described[h].get("layout", ""),
         )
         for h, tensors in blocks.items()
     ], problem
+
+
+def seal(sealer: Sealer, namespace: str, request: SpillRequest) -> SpillRequest:
+    """The request with its tensors sealed under its tenant's key, as one uint8 tensor."""
+    names = sorted(request.tensors)
+    arrays = [np.ascontiguousarray(request.tensors[name]) for name in names]
+    layout = json.dumps([[name, a.dtype.str, list(a.shape)] for name, a in zip(names, arrays)])
+    plaintext = b"".join(a.data.cast("B") for a in arrays)
+    sealed = sealer.seal(request.tenant, _place(namespace, request.block_hash.hex()), plaintext)
+    return replace(request, tensors={"sealed": np.frombuffer(sealed, dtype=np.uint8)}, layout=layout)
+
+
+def unseal(
+    sealer: Sealer, namespace: str, raw: bytes, blocks: dict[str, dict[str, np.ndarray]]
+) -> tuple[dict[str, dict[str, np.ndarray]], str | None]:
+    """Verified blocks (in order) with the sealed ones opened, up to the first that does not open
+    (its tenant's key shredded, or sealed for another tenant); and why it did not (None: all did)."""
+    described = {block["hash"]: block for block in json.loads(parse(raw)[1]["blocks"])}
+    opened: dict[str, dict[str, np.ndarray]] = {}
+    for hex_hash, tensors in blocks.items():
+        block = described[hex_hash]
+        if not block.get("layout"):
+            opened[hex_hash] = tensors
+            continue
+        try:
+            plaintext = sealer.open(block.get("tenant", ""), _place(namespace, hex_hash), tensors["sealed"].tobytes())
+        except Exception as exc:  # noqa: BLE001 - a shredded key, another tenant's, a key store out of reach
+            return opened, f"{type(exc).__name__}: {exc}"
+        opened[hex_hash] = _tensors(plaintext, json.loads(block["layout"]))
+    return opened, None
+
+
+def plain_nbytes(request: SpillRequest) -> int:
+    """The bytes of the block's tensors in RAM (sealed or not)."""
+    if not request.layout:
+        return sum(t.nbytes for t in request.tensors.values())
+    return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for _, dtype, shape in json.loads(request.layout))
+
+
+def _tensors(plaintext: bytes, layout: list) -> dict[str, np.ndarray]:
+    tensors, offset = {}, 0
+    for name, dtype, shape in layout:
+        array = np.frombuffer(plaintext, dtype=np.dtype(dtype), count=int(np.prod(shape)), offset=offset)
+        tensors[name] = array.reshape(shape)
+        offset += array.nbytes
+    return tensors
+
+
+def _place(namespace: str, hex_hash: str) -> bytes:
+    return f"kv|{namespace}|{hex_hash}".encode()
 
 
 def described_owners(raw: bytes) -> dict[str, tuple[str, ...]]:

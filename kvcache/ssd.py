@@ -70,6 +70,7 @@ from pathlib import Path
 import numpy as np
 
 from .pool import Ghost, Ghosts, Purged
+from .sealing import Sealer
 from .segment import (
     PRIVATE_DIR_MODE,
     PRIVATE_FILE_MODE,
@@ -80,6 +81,9 @@ from .segment import (
     describe,
     described_owners,
     encode,
+    plain_nbytes,
+    seal,
+    unseal,
     verified_blocks,
     write_atomically,
 )
@@ -112,6 +116,7 @@ class SsdConfig:
     admission: AdmissionPolicy = AdmissionPolicy()
     writer: str = ""  # this process's name among the writers of a shared root ("": the only writer)
     pin_budget_bytes: int = 0  # what one scope (tenant) may pin on this tier (0: no pins)
+    sealer: Sealer | None = None  # seals each block under its tenant's key on the writer thread (None: plain)
 
 
 @dataclass(slots=True)
@@ -133,6 +138,7 @@ class SsdStats:
     num_rewritten_files: int = 0  # segments rewritten without purged blocks
     num_foreign_indexed: int = 0  # segments other writers of a shared folder wrote, taken in by refresh()
     num_vanished: int = 0  # segments gone when read (another writer deleted them): forgotten
+    num_unreadable: int = 0  # sealed blocks that did not open (their tenant's key was shredded): misses
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,6 +375,11 @@ class SsdTier:
         good, problem = verified_blocks(raw, self.namespace, hex_hashes)
         if problem:
             self._quarantine(name, problem)
+        if self.config.sealer is not None:
+            good, refused = unseal(self.config.sealer, self.namespace, raw, good)
+            if refused:  # a key gone is not a damaged file: the block reads as a miss
+                self._count("num_unreadable")
+                log.debug("sealed block of %s not opened: %s", name, refused)
         self._count("num_reads", len(good))
         self._count("num_read_bytes", sum(t.nbytes for block in good.values() for t in block.values()))
         self.index.touch(name, time.time())
@@ -398,6 +409,8 @@ class SsdTier:
                     self.pending.task_done()
 
     def _write_segment(self, requests: list[SpillRequest]) -> None:
+        if self.config.sealer is not None:
+            requests = [r if r.layout else seal(self.config.sealer, self.namespace, r) for r in requests]
         with self.files_lock:
             nbytes = self._new_segment(requests, time.time())
             self._enforce_capacity()
@@ -415,7 +428,7 @@ class SsdTier:
         name = f"seg-{uuid.uuid4().hex}"
         payload = encode(self.namespace, requests)
         write_atomically(self._segment_path(name), payload)
-        sizes = {r.block_hash.hex(): sum(t.nbytes for t in r.tensors.values()) for r in requests}
+        sizes = {r.block_hash.hex(): plain_nbytes(r) for r in requests}
         self.index.add(name, len(payload), written_at, sizes, {r.block_hash.hex(): r.owners for r in requests})
         self._journal(f"+{name}")
         return len(payload)

@@ -174,7 +174,7 @@ class SemanticCache:
         older one (fresh review status and hit count), keeping its id, vector and owners (the new
         request's owner joins them)."""
         partition = scope.partition(context)
-        if vector is None and self.store.find(partition, query) is None:
+        if vector is None and self.store.find(partition, scope.tenant, query) is None:
             vector = self.embedder.embed([query])[0]
         if vector is None:  # the entry exists: put() keeps its vector (one deleted meanwhile is stored with
             vector = np.zeros(self.embedder.dim, dtype=np.float32)  # this one, which no query comes near)

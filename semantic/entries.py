@@ -4,7 +4,7 @@
         a newer answer to the same question in the same partition replaces the older one (fresh
         review status and hit count) and keeps its id, vector and owners; `created` says which
     fetch(ids) -> [(SemanticEntry, float32 vector)]   the entries still present, in any order
-    find(partition, prompt) -> id | None ; get(id) ; list_entries(tenant, status, limit)
+    find(partition, tenant, prompt) -> id | None ; get(id) ; list_entries(tenant, status, limit)
     set_status(id, status) -> bool ; delete(id) -> bool ; count_hit(id)
     own(id, owner)                         the owner joins the entry's owners (if it still exists)
     release(selector) -> (ids, bytes)      take the selector's owners off; the ids left with none,
@@ -14,6 +14,11 @@
 The cache keeps the faiss partitions; a store only keeps entries. SqliteEntries lives beside the
 exact cache (":memory:" gives the in-memory store the tests and benchmarks use); every write is
 committed before the call returns.
+
+At rest an entry's prompt, answer and vector are sealed under its tenant's key (EntryCipher), each
+bound to the entry's key: a keyed digest of (partition, prompt) under the same tenant key, which is
+also how a question is found again. An entry that does not open (its tenant's key was shredded) is
+left out of every read, as if gone.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+
+from kvcache.sealing import NO_SEALING, Sealer, Unreadable
 
 from .owners import Owner, OwnerTable, Selector
 from .scope import Scope
@@ -50,6 +57,37 @@ class SemanticEntry:
     completion_tokens: int = 0
     prompt_tokens: int = 0  # of the stored question: a hit reports it without tokenising
     partition: str = ""  # its scope and context (Scope.partition): a lookup serves only its own
+
+
+class EntryCipher:
+    """An entry's fields at rest: sealed under its tenant's key, bound to the entry's key and field."""
+
+    def __init__(self, sealer: Sealer):
+        self.sealer = sealer
+
+    def key(self, tenant: str, partition: str, prompt: str) -> str:
+        return self.sealer.digest(tenant, f"{partition}\0{prompt}".encode())
+
+    def seal(self, tenant: str, key: str, field: str, data: bytes) -> bytes:
+        return self.sealer.seal(tenant, f"semantic|{key}|{field}".encode(), data)
+
+    def open(self, tenant: str, key: str, field: str, sealed: bytes) -> bytes:
+        return self.sealer.open(tenant, f"semantic|{key}|{field}".encode(), sealed)
+
+    def vector(self, tenant: str, key: str, sealed: bytes) -> np.ndarray | None:
+        try:
+            return np.frombuffer(self.open(tenant, key, "vector", sealed), dtype=np.float32)
+        except Unreadable:
+            return None
+
+    def entry(self, row: tuple, key: str) -> SemanticEntry | None:
+        """Row (_COLUMNS order) with its prompt and answer opened; None when they do not open."""
+        try:
+            prompt = self.open(row[1], key, "prompt", row[3]).decode()
+            answer = self.open(row[1], key, "answer", row[4]).decode()
+        except Unreadable:
+            return None
+        return SemanticEntry(row[0], row[1], json.loads(row[2]), prompt, answer, *row[5:])
 
 
 def _inserted_id(cursor: sqlite3.Cursor) -> int:
@@ -83,7 +121,7 @@ class EntryStore(Protocol):
         expires_at: float | None,
     ) -> list[int]: ...
     def fetch(self, ids: list[int]) -> list[tuple[SemanticEntry, np.ndarray]]: ...
-    def find(self, partition: str, prompt: str) -> int | None: ...
+    def find(self, partition: str, tenant: str, prompt: str) -> int | None: ...
     def get(self, entry_id: int) -> SemanticEntry | None: ...
     def list_entries(self, tenant: str | None, status: str | None, limit: int) -> list[SemanticEntry]: ...
     def set_status(self, entry_id: int, status: str) -> bool: ...
@@ -107,9 +145,10 @@ class SharedEntryStore(EntryStore, Protocol):
 
 
 class SqliteEntries:
-    def __init__(self, path: Path | str):
+    def __init__(self, path: Path | str, sealer: Sealer = NO_SEALING):
         if str(path) != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.cipher = EntryCipher(sealer)
         self.lock = threading.Lock()  # guards self.db
         self.db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         with self.lock:
@@ -125,9 +164,12 @@ class SqliteEntries:
         expires_at: float | None,
         vector: np.ndarray,
     ) -> tuple[int, bool]:
+        tenant, cipher = scope.tenant, self.cipher
+        key = cipher.key(tenant, partition, prompt)
+        sealed_answer = cipher.seal(tenant, key, "answer", answer.text.encode())
         with self.lock:
             row = self.db.execute(
-                "SELECT id FROM semantic_entries WHERE partition = ? AND prompt = ?", (partition, prompt)
+                "SELECT id FROM semantic_entries WHERE partition = ? AND q = ?", (partition, key)
             ).fetchone()
             if row is not None:
                 self.db.execute(
@@ -135,7 +177,7 @@ class SqliteEntries:
                     "prompt_tokens = ?, created_at = ?, expires_at = ?, hit_count = 0, status = 'unreviewed' "
                     "WHERE id = ?",
                     (
-                        answer.text,
+                        sealed_answer,
                         answer.finish_reason,
                         answer.completion_tokens,
                         answer.prompt_tokens,
@@ -146,21 +188,22 @@ class SqliteEntries:
                 )
                 return int(row[0]), False
             cursor = self.db.execute(
-                "INSERT INTO semantic_entries (partition, tenant, scope, prompt, answer, finish_reason, "
+                "INSERT INTO semantic_entries (partition, q, tenant, scope, prompt, answer, finish_reason, "
                 "completion_tokens, prompt_tokens, created_at, expires_at, hit_count, status, vector) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, 'unreviewed', ?)",
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, 'unreviewed', ?)",
                 (
                     partition,
-                    scope.tenant,
+                    key,
+                    tenant,
                     json.dumps(scope.as_dict()),
-                    prompt,
-                    answer.text,
+                    cipher.seal(tenant, key, "prompt", prompt.encode()),
+                    sealed_answer,
                     answer.finish_reason,
                     answer.completion_tokens,
                     answer.prompt_tokens,
                     now,
                     expires_at,
-                    _vector_bytes(vector),
+                    cipher.seal(tenant, key, "vector", _vector_bytes(vector)),
                 ),
             )
             return _inserted_id(cursor), True
@@ -176,17 +219,20 @@ class SqliteEntries:
         expires_at: float | None,
     ) -> list[int]:
         """Bulk load (an FAQ import, a benchmark) without de-duplication, in one transaction."""
-        rows = [
-            (partition, scope.tenant, json.dumps(scope.as_dict()), p, a, now, expires_at, _vector_bytes(v))
-            for p, a, v in zip(prompts, answers, vectors)
-        ]
+        tenant, cipher = scope.tenant, self.cipher
+        rows = []
+        for p, a, v in zip(prompts, answers, vectors):
+            key = cipher.key(tenant, partition, p)
+            sealed = [cipher.seal(tenant, key, f, data) for f, data in (("prompt", p.encode()), ("answer", a.encode()))]
+            vector = cipher.seal(tenant, key, "vector", _vector_bytes(v))
+            rows.append((partition, key, tenant, json.dumps(scope.as_dict()), *sealed, now, expires_at, vector))
         with self.lock:
             self.db.execute("BEGIN")
             ids = [
                 _inserted_id(
                     self.db.execute(
-                        "INSERT INTO semantic_entries (partition, tenant, scope, prompt, answer, "
-                        "created_at, expires_at, hit_count, status, vector) VALUES (?, ?, ?, ?, ?, ?, "
+                        "INSERT INTO semantic_entries (partition, q, tenant, scope, prompt, answer, "
+                        "created_at, expires_at, hit_count, status, vector) VALUES (?, ?, ?, ?, ?, ?, ?, "
                         "?, 0, 'unreviewed', ?)",
                         row,
                     )
@@ -202,14 +248,16 @@ class SqliteEntries:
             return []
         with self.lock:
             rows = self.db.execute(
-                f"SELECT {_COLUMNS}, vector FROM semantic_entries WHERE id IN ({','.join('?' * len(ids))})", ids
+                f"SELECT {_COLUMNS}, q, vector FROM semantic_entries WHERE id IN ({','.join('?' * len(ids))})", ids
             ).fetchall()
-        return [(_entry(row[:-1]), np.frombuffer(row[-1], dtype=np.float32)) for row in rows]
+        opened = [(self.cipher.entry(row[:-2], row[-2]), self.cipher.vector(row[1], row[-2], row[-1])) for row in rows]
+        return [(entry, vector) for entry, vector in opened if entry is not None and vector is not None]
 
-    def find(self, partition: str, prompt: str) -> int | None:
+    def find(self, partition: str, tenant: str, prompt: str) -> int | None:
+        key = self.cipher.key(tenant, partition, prompt)
         with self.lock:
             row = self.db.execute(
-                "SELECT id FROM semantic_entries WHERE partition = ? AND prompt = ?", (partition, prompt)
+                "SELECT id FROM semantic_entries WHERE partition = ? AND q = ?", (partition, key)
             ).fetchone()
         return int(row[0]) if row else None
 
@@ -220,14 +268,15 @@ class SqliteEntries:
     def list_entries(
         self, tenant: str | None = None, status: str | None = None, limit: int = 100
     ) -> list[SemanticEntry]:
-        query, args = f"SELECT {_COLUMNS} FROM semantic_entries WHERE 1=1", list[object]()
+        query, args = f"SELECT {_COLUMNS}, q FROM semantic_entries WHERE 1=1", list[object]()
         if tenant is not None:
             query, args = query + " AND tenant = ?", args + [tenant]
         if status is not None:
             query, args = query + " AND status = ?", args + [status]
         with self.lock:
             rows = self.db.execute(query + " ORDER BY id DESC LIMIT ?", (*args, limit)).fetchall()
-        return [_entry(row) for row in rows]
+        entries = [self.cipher.entry(row[:-1], row[-1]) for row in rows]
+        return [entry for entry in entries if entry is not None]
 
     def set_status(self, entry_id: int, status: str) -> bool:
         assert status in STATUSES, status
@@ -281,8 +330,12 @@ class SqliteEntries:
 
     def vectors(self) -> list[tuple[int, str, np.ndarray]]:
         with self.lock:
-            rows = self.db.execute("SELECT id, partition, vector FROM semantic_entries").fetchall()
-        return [(entry_id, partition, np.frombuffer(vector, dtype=np.float32)) for entry_id, partition, vector in rows]
+            rows = self.db.execute("SELECT id, partition, tenant, q, vector FROM semantic_entries").fetchall()
+        opened = [
+            (entry_id, partition, self.cipher.vector(tenant, q, sealed))
+            for entry_id, partition, tenant, q, sealed in rows
+        ]
+        return [(entry_id, partition, vector) for entry_id, partition, vector in opened if vector is not None]
 
     def stats(self) -> tuple[dict[str, int], int]:
         """(entries by status, number of partitions)."""
@@ -299,33 +352,26 @@ class SqliteEntries:
 
     def _create_tables(self) -> None:  # caller holds the lock
         self.db.execute("PRAGMA journal_mode=WAL")
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(semantic_entries)")}
+        if columns and "q" not in columns:  # written before entries were sealed: plain text, dropped
+            self.db.execute("DROP TABLE semantic_entries")
+            self.db.execute("DROP TABLE IF EXISTS semantic_owners")
         self.db.execute(
             "CREATE TABLE IF NOT EXISTS semantic_entries (id INTEGER PRIMARY KEY AUTOINCREMENT, "
-            "partition TEXT NOT NULL, tenant TEXT NOT NULL, scope TEXT NOT NULL, prompt TEXT NOT NULL, "
-            "answer TEXT NOT NULL, created_at REAL NOT NULL, expires_at REAL, hit_count INTEGER NOT NULL, "
-            "status TEXT NOT NULL, vector BLOB NOT NULL, finish_reason TEXT NOT NULL DEFAULT 'stop', "
-            "completion_tokens INTEGER NOT NULL DEFAULT 0, prompt_tokens INTEGER NOT NULL DEFAULT 0)"
+            "partition TEXT NOT NULL, q TEXT NOT NULL, tenant TEXT NOT NULL, scope TEXT NOT NULL, "
+            "prompt BLOB NOT NULL, answer BLOB NOT NULL, created_at REAL NOT NULL, expires_at REAL, "
+            "hit_count INTEGER NOT NULL, status TEXT NOT NULL, vector BLOB NOT NULL, "
+            "finish_reason TEXT NOT NULL DEFAULT 'stop', completion_tokens INTEGER NOT NULL DEFAULT 0, "
+            "prompt_tokens INTEGER NOT NULL DEFAULT 0)"
         )
-        self.db.execute("CREATE INDEX IF NOT EXISTS semantic_by_partition ON semantic_entries(partition, prompt)")
+        self.db.execute("CREATE INDEX IF NOT EXISTS semantic_by_q ON semantic_entries(partition, q)")
         self.owners = OwnerTable(self.db, "semantic_owners", "INTEGER")
-        columns = {row[1] for row in self.db.execute("PRAGMA table_info(semantic_entries)")}
-        for column, ddl in (
-            ("finish_reason", "TEXT NOT NULL DEFAULT 'stop'"),
-            ("completion_tokens", "INTEGER NOT NULL DEFAULT 0"),
-            ("prompt_tokens", "INTEGER NOT NULL DEFAULT 0"),
-        ):
-            if column not in columns:  # a database written by an earlier version
-                self.db.execute(f"ALTER TABLE semantic_entries ADD COLUMN {column} {ddl}")
 
 
 _COLUMNS = (
     "id, tenant, scope, prompt, answer, created_at, expires_at, hit_count, status, finish_reason, "
     "completion_tokens, prompt_tokens, partition"
 )
-
-
-def _entry(row) -> SemanticEntry:
-    return SemanticEntry(row[0], row[1], json.loads(row[2]), *row[3:])
 
 
 def _vector_bytes(vector: np.ndarray) -> bytes:

@@ -61,6 +61,11 @@ def owner_label(tenant: str, owner: Owner) -> str:
     return json.dumps([tenant, owner.session, owner.end_user])
 
 
+def tenant_of(label: str) -> str:
+    """The tenant an owner_label() names."""
+    return _parse_label(label)[0]
+
+
 @lru_cache(maxsize=4096)
 def _parse_label(label: str) -> tuple[str, Owner]:
     tenant, session, end_user = json.loads(label)

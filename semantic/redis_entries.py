@@ -5,7 +5,8 @@ Layout under `prefix` (default "strata:semantic:"):
     next           the last entry id handed out (INCR)
     e:<id>         hash: partition, q, tenant, scope, prompt, answer, finish_reason, completion_tokens,
                    prompt_tokens, created_at, expires_at ("" for never), hit_count, status, vector
-    q:<digest>     the id of (partition, prompt): SHA-256 of both, so a newer answer replaces the entry
+    q:<digest>     the id of (partition, prompt): their keyed digest under the tenant's key (EntryCipher.key),
+                   so a newer answer replaces the entry; prompt, answer (base64) and vector are sealed
     o:<id>         set of its owners, each JSON [session, end user]
     t:<tenant>     set of the tenant's ids        s:<status>   set of the ids with that review status
     all            set of every id                 exp          sorted set id -> expires_at
@@ -25,12 +26,14 @@ read continuously, and one that lost the connection rebuilds its index from the 
 
 from __future__ import annotations
 
-import hashlib
+import base64
 import json
 
 import numpy as np
 
-from .entries import STATUSES, SemanticEntry, valid_id
+from kvcache.sealing import NO_SEALING, Sealer, Unreadable
+
+from .entries import STATUSES, EntryCipher, SemanticEntry, valid_id
 from .owners import Owner, Selector
 from .redis_store import SOCKET_TIMEOUT_S, RedisLink, _owner, release_owners
 from .scope import Scope
@@ -103,7 +106,8 @@ return 1
 
 
 class RedisEntries:
-    def __init__(self, url: str, prefix: str = "strata:semantic:"):
+    def __init__(self, url: str, prefix: str = "strata:semantic:", sealer: Sealer = NO_SEALING):
+        self.cipher = EntryCipher(sealer)
         self.link = RedisLink(url)
         self.prefix = prefix
         self.follow_link: RedisLink | None = None  # its own connection: a blocking read holds it
@@ -127,12 +131,14 @@ class RedisEntries:
         expires_at: float | None,
         vector: np.ndarray,
     ) -> tuple[int, bool]:
+        tenant, cipher = scope.tenant, self.cipher
+        key = cipher.key(tenant, partition, prompt)
         fields = {
             "partition": partition,
-            "tenant": scope.tenant,
+            "tenant": tenant,
             "scope": json.dumps(scope.as_dict()),
-            "prompt": prompt,
-            "answer": answer.text,
+            "prompt": base64.b64encode(cipher.seal(tenant, key, "prompt", prompt.encode())).decode(),
+            "answer": base64.b64encode(cipher.seal(tenant, key, "answer", answer.text.encode())).decode(),
             "finish_reason": answer.finish_reason,
             "completion_tokens": answer.completion_tokens,
             "prompt_tokens": answer.prompt_tokens,
@@ -143,9 +149,9 @@ class RedisEntries:
             self.put_script,
             args=[
                 self.prefix,
-                _digest(partition, prompt),
+                key,
                 json.dumps(fields),
-                np.asarray(vector, dtype=np.float32).tobytes(),
+                cipher.seal(tenant, key, "vector", np.asarray(vector, dtype=np.float32).tobytes()),
                 MAX_CHANGES,
             ],
         )
@@ -177,10 +183,12 @@ class RedisEntries:
                     pipe.hgetall(self._entry(entry_id))
                 return pipe.execute()
 
-        return [_parsed(entry_id, raw) for entry_id, raw in zip(ids, self.link.call(read)) if raw]
+        parsed = [self._parsed(entry_id, raw) for entry_id, raw in zip(ids, self.link.call(read)) if raw]
+        return [found for found in parsed if found is not None]
 
-    def find(self, partition: str, prompt: str) -> int | None:
-        found = self.link.call(self.link.client.get, f"{self.prefix}q:{_digest(partition, prompt)}")
+    def find(self, partition: str, tenant: str, prompt: str) -> int | None:
+        key = self.cipher.key(tenant, partition, prompt)
+        found = self.link.call(self.link.client.get, f"{self.prefix}q:{key}")
         return (
             int(found)
             if found is not None and self.link.call(self.link.client.exists, self._entry(int(found)))
@@ -299,13 +307,14 @@ class RedisEntries:
         def read():
             with self.link.client.pipeline(transaction=False) as pipe:
                 for entry_id in ids:
-                    pipe.hmget(self._entry(entry_id), "partition", "vector")
+                    pipe.hmget(self._entry(entry_id), "partition", "vector", "tenant", "q")
                 return pipe.execute()
 
-        return [
-            (p.decode(), np.frombuffer(v, dtype=np.float32)) if p is not None else (None, None)
-            for p, v in (self.link.call(read) if ids else [])
-        ]
+        found: list[tuple[str | None, np.ndarray | None]] = []
+        for partition, sealed, tenant, key in self.link.call(read) if ids else []:
+            vector = self.cipher.vector(tenant.decode(), key.decode(), sealed) if partition is not None else None
+            found.append((partition.decode(), vector) if vector is not None else (None, None))
+        return found
 
     def _release(self, entry_id: int, selector: Selector) -> bool:
         return release_owners(self.link, f"{self.prefix}o:{entry_id}", selector)
@@ -313,28 +322,34 @@ class RedisEntries:
     def _entry(self, entry_id: int) -> str:
         return f"{self.prefix}e:{entry_id}"
 
-
-def _digest(partition: str, prompt: str) -> str:
-    return hashlib.sha256(f"{partition}\0{prompt}".encode()).hexdigest()
-
-
-def _parsed(entry_id: int, raw: dict) -> tuple[SemanticEntry, np.ndarray]:
-    text = {k.decode(): v for k, v in raw.items()}
-    value = {k: v.decode() for k, v in text.items() if k != "vector"}
-    expires = value["expires_at"]
-    entry = SemanticEntry(
-        entry_id,
-        value["tenant"],
-        json.loads(value["scope"]),
-        value["prompt"],
-        value["answer"],
-        float(value["created_at"]),
-        float(expires) if expires else None,
-        int(value["hit_count"]),
-        value["status"],
-        value["finish_reason"],
-        int(value["completion_tokens"]),
-        int(value["prompt_tokens"]),
-        value["partition"],
-    )
-    return entry, np.frombuffer(text["vector"], dtype=np.float32)
+    def _parsed(self, entry_id: int, raw: dict) -> tuple[SemanticEntry, np.ndarray] | None:
+        """An entry hash with its sealed fields opened; None when they do not open."""
+        text = {k.decode(): v for k, v in raw.items()}
+        value = {k: v.decode() for k, v in text.items() if k != "vector"}
+        tenant, key, expires = value["tenant"], value["q"], value["expires_at"]
+        try:
+            prompt, answer = (
+                self.cipher.open(tenant, key, name, base64.b64decode(value[name])).decode()
+                for name in ("prompt", "answer")
+            )
+        except (Unreadable, ValueError):
+            return None
+        vector = self.cipher.vector(tenant, key, text["vector"])
+        if vector is None:
+            return None
+        entry = SemanticEntry(
+            entry_id,
+            tenant,
+            json.loads(value["scope"]),
+            prompt,
+            answer,
+            float(value["created_at"]),
+            float(expires) if expires else None,
+            int(value["hit_count"]),
+            value["status"],
+            value["finish_reason"],
+            int(value["completion_tokens"]),
+            int(value["prompt_tokens"]),
+            value["partition"],
+        )
+        return entry, vector

@@ -2,7 +2,7 @@
 replica that points at the same server.
 
 Layout under `prefix` (default "strata:exact:"):
-    e:<key>       the entry: JSON of its tenant and StoredResponse
+    e:<key>       the entry: JSON of its tenant, expiry and sealed body (base64 of store.sealed_response)
     o:<key>       set of its owners, each JSON [session, end user]
     t:<tenant>    set of the tenant's keys (purges by tenant, session or end user read only these)
     all           set of every key (count)
@@ -20,15 +20,17 @@ gateway turns it into `bypass; reason=store_unavailable` and keeps answering.
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 import time
-from dataclasses import asdict
 
 import redis
 
+from kvcache.sealing import NO_SEALING, Sealer
+
 from .owners import Owner, Selector
-from .store import Purged, StoredResponse, StoreUnavailable
+from .store import Purged, StoredResponse, StoreUnavailable, opened_response, sealed_response
 
 EXPIRY_GRACE_S = 60.0
 RETRY_AFTER_S = 1.0
@@ -37,10 +39,11 @@ SOCKET_TIMEOUT_S = 1.0
 
 
 class RedisStore:
-    def __init__(self, url: str, prefix: str = "strata:exact:"):
+    def __init__(self, url: str, prefix: str = "strata:exact:", sealer: Sealer = NO_SEALING):
         self.link = RedisLink(url)
         self.client = self.link.client
         self.prefix = prefix
+        self.sealer = sealer
 
     # -- the contract --------------------------------------------------------------------------
 
@@ -48,11 +51,14 @@ class RedisStore:
         raw = self.link.call(self.client.get, self._entry(key))
         if raw is None:
             return None
-        response = _response(json.loads(raw))
-        return response if response.expires_at is None or response.expires_at > now else None
+        entry = json.loads(raw)
+        if entry["expires_at"] is not None and entry["expires_at"] <= now:
+            return None
+        return opened_response(self.sealer, entry["tenant"], key, base64.b64decode(entry["body"]))
 
     def put(self, key: str, tenant: str, response: StoredResponse, owner: Owner = Owner()) -> None:
-        value = json.dumps({"tenant": tenant, **asdict(response)})
+        body = base64.b64encode(sealed_response(self.sealer, tenant, key, response)).decode()
+        value = json.dumps({"tenant": tenant, "expires_at": response.expires_at, "body": body})
 
         def write(pipe) -> None:
             pipe.set(self._entry(key), value)
@@ -205,14 +211,3 @@ def _owner(owner: Owner) -> str:
 def _parse_owner(raw: bytes) -> Owner:
     session, end_user = json.loads(raw)
     return Owner(session, end_user)
-
-
-def _response(entry: dict) -> StoredResponse:
-    return StoredResponse(
-        entry["text"],
-        entry["finish_reason"],
-        entry["prompt_tokens"],
-        entry["completion_tokens"],
-        entry["created_at"],
-        entry["expires_at"],
-    )

@@ -8,6 +8,10 @@
 
 MemoryStore lives and dies with the process; SqliteStore (the default) survives restarts: WAL mode,
 one connection guarded by a lock, every write committed before put() returns.
+
+At rest (SqliteStore, RedisStore) an entry's body is sealed by the store's `sealer` under its tenant's
+key, bound to the entry's key (sealed_response / opened_response): only the key, tenant and expiry
+are plain. A body that does not open (its tenant's key was shredded) reads as a miss.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
+
+from kvcache.sealing import NO_SEALING, Sealer, Unreadable
 
 from .owners import Owner, OwnerTable, Selector
 
@@ -67,6 +73,18 @@ class Purged:
     num_entries: int = 0
     num_bytes: int = 0
     num_files: int = 0
+
+
+def sealed_response(sealer: Sealer, tenant: str, key: str, response: StoredResponse) -> bytes:
+    return sealer.seal(tenant, b"exact|" + key.encode(), json.dumps(asdict(response)).encode())
+
+
+def opened_response(sealer: Sealer, tenant: str, key: str, sealed: bytes) -> StoredResponse | None:
+    """The entry's body; None when it does not open (a shredded key: the entry is as good as gone)."""
+    try:
+        return StoredResponse(**json.loads(sealer.open(tenant, b"exact|" + key.encode(), sealed)))
+    except Unreadable:
+        return None
 
 
 def _live(response: StoredResponse, now: float) -> bool:
@@ -142,16 +160,17 @@ class MemoryStore:
 
 
 class SqliteStore:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, sealer: Sealer = NO_SEALING):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self.lock = threading.Lock()
+        self.sealer = sealer
         with self.lock:
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=NORMAL")
             self.db.execute(
                 "CREATE TABLE IF NOT EXISTS exact_entries (key TEXT PRIMARY KEY, tenant TEXT NOT NULL, "
-                "expires_at REAL, body TEXT NOT NULL)"
+                "expires_at REAL, body BLOB NOT NULL)"  # sealed_response()
             )
             self.db.execute("CREATE INDEX IF NOT EXISTS exact_by_tenant ON exact_entries(tenant)")
             self.owners = OwnerTable(self.db, "exact_owners", "TEXT")
@@ -159,15 +178,17 @@ class SqliteStore:
     def get(self, key: str, now: float) -> StoredResponse | None:
         with self.lock:
             row = self.db.execute(
-                "SELECT body FROM exact_entries WHERE key = ? AND (expires_at IS NULL OR expires_at > ?)", (key, now)
+                "SELECT tenant, body FROM exact_entries WHERE key = ? AND (expires_at IS NULL OR expires_at > ?)",
+                (key, now),
             ).fetchone()
-        return StoredResponse(**json.loads(row[0])) if row else None
+        return opened_response(self.sealer, row[0], key, row[1]) if row else None
 
     def put(self, key: str, tenant: str, response: StoredResponse, owner: Owner = Owner()) -> None:
+        body = sealed_response(self.sealer, tenant, key, response)
         with self.lock:
             self.db.execute(
                 "INSERT OR REPLACE INTO exact_entries (key, tenant, expires_at, body) VALUES (?, ?, ?, ?)",
-                (key, tenant, response.expires_at, json.dumps(asdict(response))),
+                (key, tenant, response.expires_at, body),
             )
             self.owners.add(key, owner)
 

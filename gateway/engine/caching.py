@@ -16,6 +16,7 @@ from kvcache import ExtraSpan, PrefixCache, PrefixSession, TenantSalt, cacheabil
 from kvcache.prefix import Tier
 from kvcache.quant import QuantConfig
 from kvcache.ssd import SsdConfig, SsdTier
+from semantic.owners import tenant_of
 from vision import ImageKey, VisionCache, image_key
 
 from ..caches import CacheLayer, Removed
@@ -36,6 +37,7 @@ class PrefixReport:
     miss_tier: str = ""  # evicted / expired / purged: from "ram" or "ssd" ...
     miss_lived_s: float = 0.0  # ... after this many seconds there
     miss_in_image: bool = False  # diverged inside an image (same tokens, other pixels)
+    num_public_tokens: int = 0  # the prompt's leading tokens in public blocks (a declared public text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +100,16 @@ class EngineCaches:
             ExtraSpan(i.token_start, i.token_start + i.num_tokens, self._image_key(i, salt).encode())
             for i in prompt.images
         )
-        session = self.prefix.open(salt, self.model_fingerprint, prompt.token_ids, spans, owner, verdict.snapshots)
+        session = self.prefix.open(
+            salt,
+            self.model_fingerprint,
+            prompt.token_ids,
+            spans,
+            owner,
+            verdict.snapshots,
+            tenant_of(owner) if owner is not None else "",
+            prompt.public_tokens,
+        )
         match = session.match(prompt.num_tokens)
         plan = PrefixPlan(session, match.num_cached_tokens)
         status: Literal["hit", "miss"] = "hit" if match.num_cached_tokens else "miss"
@@ -115,6 +126,7 @@ class EngineCaches:
             match.miss_tier,
             match.miss_lived_s,
             match.miss_in_image,
+            match.num_public_tokens,
         )
 
     def reserve_running(self, nbytes: int) -> bool:

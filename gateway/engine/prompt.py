@@ -71,6 +71,7 @@ class PreparedPrompt:
     messages: tuple[Message, ...] = ()  # what it was built from (to say which message a token is in)
     tools: tuple[Tool, ...] = ()
     thinking: bool | None = None  # the template's thinking switch (enable_thinking); None: its default
+    public_tokens: int = 0  # its first tokens are exactly a declared public text (shared across tenants)
 
     @property
     def num_tokens(self) -> int:

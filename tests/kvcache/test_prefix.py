@@ -96,7 +96,7 @@ def test_store_continues_a_chain_with_generated_tokens(cache):
     assert len(session.held) == 2
     sequence = prompt + [7] * 30
     session.store(sequence, _kv_for(sequence), len(sequence))
-    assert len(session.held) == 4 and session.hashes == hash_blocks(sequence, BS, session.root)
+    assert len(session.held) == 4 and session.hashes == hash_blocks(sequence, BS, session.roots.tenant)
     with pytest.raises(AssertionError):
         session.store(prompt + [8] * 30, _kv_for(sequence), len(sequence))  # not a continuation
     session.close()

@@ -54,7 +54,7 @@ def test_put_then_fetch_returns_the_entry_and_its_vector(store):
     assert (entry.tenant, entry.partition, entry.status, entry.hit_count) == ("tenant-a", PARTITION, "unreviewed", 0)
     assert entry.created_at == 100.0 and entry.expires_at == 200.0 and entry.scope == SCOPE.as_dict()
     assert np.array_equal(vector, _vector(1))
-    assert store.find(PARTITION, "How do I reset it?") == entry_id and store.find("other", "How do I reset it?") is None
+    assert store.find(PARTITION, "tenant-a", "How do I reset it?") == entry_id and store.find("other", "tenant-a", "How do I reset it?") is None
 
 
 def test_a_newer_answer_replaces_the_entry_keeping_id_vector_and_owners(store):
@@ -78,7 +78,7 @@ def test_status_delete_and_stats(store):
     assert [e.id for e in store.list_entries("tenant-a", None, 10)] == [b, a]
     assert [e.id for e in store.list_entries(None, "rejected", 10)] == [a]
     assert store.delete(a) and not store.delete(a) and not store.delete(2**70)
-    assert store.get(a) is None and store.find(PARTITION, "a") is None
+    assert store.get(a) is None and store.find(PARTITION, "tenant-a", "a") is None
     assert store.stats() == ({"unreviewed": 1, "approved": 0, "rejected": 0}, 1)
     assert sorted(i for i, _, _ in store.vectors()) == [b] == store.all_ids()
 
