@@ -26,10 +26,11 @@ from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, FromQuery
 
+from kvcache.sealing import Keyring
 from semantic import Selector, StoreUnavailable
 
 from .diagnosis import diagnose
-from .errors import ApiError, bad_request
+from .errors import ApiError, bad_request, echo
 from .schemas import parse_json_body
 from .sessions import SessionClock
 
@@ -155,9 +156,22 @@ def _selector(body: dict) -> Selector:
     return Selector(fields["tenant"], fields["session"], fields["user"])
 
 
-def purge_layers(services, selector: Selector, layers: list[str], announce: bool = True) -> dict:
+AT_REST = {"exact", "semantic", "conversations", "ssd"}  # sealed under the tenant's key when stored
+
+
+def purge_layers(
+    services, selector: Selector, layers: list[str], announce: bool = True, shred: bool | None = None
+) -> dict:
     """Each named layer's purge, as {layer: {"entries", "bytes"}} ("blocks" for the KV tiers, and
-    "files" for the SSD tier; a disabled layer: null); announced to the other replicas if asked."""
+    "files" for the SSD tier; a disabled layer: null); announced to the other replicas if asked.
+
+    A whole tenant's purge of every layer kept at rest shreds its data key first: from that instant
+    nothing it stored opens anywhere (any replica, any copy). The SSD tier's files are then rewritten
+    off the worker thread (`"ssd": {"shredded": true, "reclaiming": true}`). `shred`: whether to
+    (None: exactly when the purge is such a purge)."""
+    if shred is None:
+        shred = selector.whole_tenant and set(layers) >= AT_REST
+    shredded = shred and _shred(services, selector.tenant)
     purges = {
         "exact": services.responses.exact.purge_owned if services.responses.exact else None,
         "semantic": services.responses.semantic.purge_owned if services.responses.semantic else None,
@@ -171,9 +185,12 @@ def purge_layers(services, selector: Selector, layers: list[str], announce: bool
             unreachable.append(layer)
             continue
         removed[layer] = {"entries": result.num_entries, "bytes": result.num_bytes} if result is not None else None
-    engine_layers = [layer for layer in layers if layer in ENGINE_LAYERS]
+    engine_layers = [layer for layer in layers if layer in ENGINE_LAYERS and not (shredded and layer == "ssd")]
     if engine_layers:
         removed |= _purge_engine(services, selector, engine_layers)
+    if shredded and "ssd" in layers:
+        reclaim = services.engine.reclaim_ssd(selector.selects)
+        removed["ssd"] = {"shredded": True, "reclaiming": True} if reclaim is not None else None
     if unreachable:
         raise ApiError(
             503,
@@ -205,8 +222,24 @@ def purge_layers(services, selector: Selector, layers: list[str], announce: bool
         "session": selector.session,
         "user": selector.end_user,
         "removed": removed,
+        "shredded": shredded,
         "announced": announced,
     }
+
+
+def _shred(services, tenant: str) -> bool:
+    """The tenant's data key out of the key store (True: encryption at rest is on, so it is gone)."""
+    if not isinstance(services.keyring, Keyring):
+        return False
+    try:
+        services.keyring.shred(tenant)
+    except StoreUnavailable:
+        raise ApiError(
+            503,
+            "the key store (Redis) cannot be reached: nothing was purged; a purge can be repeated: retry",
+            "store_unavailable",
+        ) from None
+    return True
 
 
 SHARED_IN_REDIS = ("exact", "semantic")  # one replica's purge removed them for all
@@ -215,8 +248,9 @@ SHARED_IN_REDIS = ("exact", "semantic")  # one replica's purge removed them for 
 def purge_announced(services, tenant: str, session: str | None, user: str | None, layers: list[str]) -> None:
     """Another replica's purge, run on this one's own layers (the purge feed's follower calls it)."""
     mine = [layer for layer in layers if layer in PURGEABLE and layer not in SHARED_IN_REDIS]
-    if mine:
-        purge_layers(services, Selector(tenant, session, user), mine, announce=False)
+    selector = Selector(tenant, session, user)
+    if mine:  # a shredding purge there: the key, shared, is gone; this replica forgets it too
+        purge_layers(services, selector, mine, False, selector.whole_tenant and set(layers) >= AT_REST)
 
 
 def _purge_engine(services, selector: Selector, layers: list[str]) -> dict:
@@ -253,7 +287,34 @@ async def diagnosis(request: Request, window_s: FromQuery[float] = DIAGNOSIS_WIN
     return diagnose(records, window_s, time.time(), "ssd" in services.engine.cache_stats())
 
 
+@get("/admin/public-prefixes", guards=[require_admin])
+async def list_public_prefixes(request: Request) -> dict:
+    """The declared public prefixes: id, tokens (what a prompt must start with), the declaration."""
+    return {"data": [prefix.shown() for prefix in request.app.state.services.pipeline.chat.public.listed()]}
+
+
+@post("/admin/public-prefixes", status_code=201, guards=[require_admin])
+async def declare_public_prefix(request: Request) -> dict:
+    """{"system"?: text, "tools"?: [...]} -> the prefix: its blocks are shared by every tenant whose
+    prompt starts with exactly its tokens (this replica; a cluster declares them in the file)."""
+    services = request.app.state.services
+    body = parse_json_body(await request.body(), services.settings.limits.max_json_depth)
+    prefix = await anyio.to_thread.run_sync(services.pipeline.chat.public.declare, body)
+    shared = len(prefix.token_ids) // services.settings.kv_block_size * services.settings.kv_block_size
+    return prefix.shown() | {"shared_tokens": shared}
+
+
+@delete("/admin/public-prefixes/{prefix_id:str}", status_code=200, guards=[require_admin])
+async def remove_public_prefix(request: Request, prefix_id: FromPath[str]) -> dict:
+    if not request.app.state.services.pipeline.chat.public.remove(prefix_id):
+        raise ApiError(404, f"no public prefix {echo(prefix_id)}", "public_prefix_not_found")
+    return {"id": prefix_id, "deleted": True}
+
+
 ADMIN_CACHE_ROUTES = [
+    list_public_prefixes,
+    declare_public_prefix,
+    remove_public_prefix,
     list_entries,
     approve_entry,
     reject_entry,

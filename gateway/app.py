@@ -41,6 +41,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvcache import default_budget_bytes
 from kvcache.quant import QuantConfig
+from kvcache.sealing import NO_SEALING, Sealer
 from kvcache.ssd import AdmissionPolicy, SsdConfig
 from semantic import Embedder
 
@@ -63,6 +64,7 @@ from .metrics import RequestMetrics, StateCollector
 from .normalize import DEFAULT_RULES_FILE, Normalizer, load_rules
 from .openai_format import ModelStamp
 from .pipeline import Pipeline, off_loop
+from .public_prefixes import PublicPrefixes, load_file
 from .purge_feed import PurgeFeed
 from .requestlog import RequestStart, ResponseLog
 from .responses import ResponseCaches
@@ -91,6 +93,7 @@ class Services:
     conversations: ConversationStore
     metrics: CollectorRegistry  # GET /metrics renders it
     purge_feed: PurgeFeed | None = None  # with Redis: purges announced to, and heard from, the other replicas
+    keyring: Sealer = NO_SEALING  # seals what every layer keeps at rest; a tenant purge shreds its key here
 
 
 def _services(request: Request) -> Services:
@@ -535,13 +538,25 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
         rules = load_rules(settings.normalize_rules_file or DEFAULT_RULES_FILE)
         normalizer = Normalizer(rules, settings.normalize_off_tenants)
         pipeline = Pipeline(ChatService(settings, live), responses, counters, sessions, request_metrics, normalizer)
+        for declaration in load_file(settings.public_prefixes_file) if settings.public_prefixes_file else []:
+            _declare_public(pipeline.chat.public, declaration)
         stamp = ModelStamp(live.info.name, live.info.fingerprint)
         conversations = ConversationStore(
             private_file(settings.data_dir / "conversations.db"), settings.conversation_ttl_s, keyring_for(settings)
         )
         embeddings = Embeddings(live, settings)
         app.state.services = Services(
-            settings, live, auth, pipeline, counters, responses, stamp, embeddings, conversations, registry
+            settings,
+            live,
+            auth,
+            pipeline,
+            counters,
+            responses,
+            stamp,
+            embeddings,
+            conversations,
+            registry,
+            keyring=keyring_for(settings),
         )
         if settings.redis_url:
             app.state.services.purge_feed = PurgeFeed(settings.redis_url, partial(purge_announced, app.state.services))
@@ -601,6 +616,13 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
         openapi_config=OpenAPIConfig(title="Strata", version=VERSION, path="/schema"),
         logging_config=None,  # the CLI configures logging once; Litestar must not replace it
     )
+
+
+def _declare_public(public: PublicPrefixes, declaration) -> None:
+    try:
+        public.declare(declaration)
+    except ApiError as exc:
+        raise RuntimeError(f"STRATA_PUBLIC_PREFIXES_FILE: {exc.message}") from None
 
 
 def _load_engine(settings: Settings) -> Engine:

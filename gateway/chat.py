@@ -48,6 +48,7 @@ from .engine import (
 from .errors import ENGINE_REFUSALS, ApiError, bad_request, echo, engine_refusal, refuse_unless_serving
 from .images import load_image, load_video
 from .openai_format import Completion
+from .public_prefixes import PublicPrefixes
 from .schemas import ChatRequest
 from .settings import Settings
 from .trace import BYPASS, HIT, MISS, LayerOutcome, PrefixFacts, Trace
@@ -85,6 +86,7 @@ class ChatService:
     def __init__(self, settings: Settings, engine: Engine):
         self.settings = settings
         self.engine = engine
+        self.public = PublicPrefixes(engine.prepare, settings.limits)  # texts whose KV every tenant shares
         self.compile_lane: anyio.CapacityLimiter | None = None  # one grammar compile at a time (made in the loop)
 
     def check_model(self, request: ChatRequest) -> None:
@@ -139,11 +141,12 @@ class ChatService:
     async def _prompt(self, request: ChatRequest, images: list[DecodedImage | DecodedVideo]) -> PreparedPrompt:
         """The request's prompt, rendered and tokenised off the event loop; 400 when the model cannot take it."""
         try:
-            return await anyio.to_thread.run_sync(
+            prompt = await anyio.to_thread.run_sync(
                 self.engine.prepare, request.messages, images, request.tools, request.thinking
             )
         except PromptError as exc:
             raise bad_request(str(exc), exc.code, "messages") from None
+        return replace(prompt, public_tokens=self.public.match(prompt.token_ids))
 
     async def count_tokens(self, request: ChatRequest) -> int:
         """The prompt's tokens, images expanded, as prepare() would make them; no job runs."""
@@ -245,7 +248,7 @@ class ChatService:
         try:
             label = owner_label(caller.tenant, owner)
             job = self.engine.submit(
-                prompt, sampling, caller.salt, label, pins, references, self._cache_salt(caller, owner)
+                prompt, sampling, caller.salt, label, pins, references, self._cache_salt(caller, owner), caller.tenant
             )
         except ENGINE_REFUSALS as refused:
             raise engine_refusal(refused) from None

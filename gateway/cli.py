@@ -121,6 +121,14 @@ def _serve(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"strata: cannot open the data keys: {exc}", file=sys.stderr)
         return 2
+    if settings.public_prefixes_file is not None:
+        from .public_prefixes import load_file
+
+        try:
+            load_file(settings.public_prefixes_file)
+        except ValueError as exc:
+            print(f"strata: {exc}", file=sys.stderr)
+            return 2
     if Path(settings.model).is_dir():  # a local folder: refuse an unsupported family before anything loads
         from .engine import UnsupportedModel, family_of
 

@@ -41,6 +41,7 @@ VERIFIER = "tests/semantic/test_verifier.py"
 ROUND_TWO = "tests/gateway/test_hardening_round_two.py"
 LIVE_HARDENING = "tests/gateway/test_live_hardening.py"
 VERIFY = "tests/gateway/test_verify.py"
+AT_REST = "tests/gateway/test_at_rest.py"
 # semantic/guards.py's GUARDS, in order: each mutant takes one out
 GUARD_NAMES = (
     "numbers",
@@ -346,8 +347,8 @@ MUTANTS = (
     Mutant(
         "an isolated end user's prefix cached under the tenant's salt (another end user reuses it)",
         "gateway/engine/worker.py",
-        "self.runner.open_prefill(prompt, job.cache_salt or job.salt, job.owner, job.pins)",
-        "self.runner.open_prefill(prompt, job.salt, job.owner, job.pins)",
+        "prompt, job.cache_salt or job.salt, job.owner, job.pins, job.tenant",
+        "prompt, job.salt, job.owner, job.pins, job.tenant",
         ("tests/gateway/test_end_users_apart.py::test_end_users_of_an_isolating_tenant_share_no_prefix_and_no_answer",),
     ),
     Mutant(
@@ -356,6 +357,30 @@ MUTANTS = (
         '            output["end_user"] = apart  # the tenant keeps its end users apart',
         "            pass",
         ("tests/gateway/test_end_users_apart.py::test_end_users_of_an_isolating_tenant_share_no_prefix_and_no_answer",),
+    ),
+    Mutant(
+        "a tenant's KV blocks sealed under another's key (a shared one: its purge leaves them readable)",
+        "gateway/engine/worker.py",
+        "owner, pins, references, cache_salt, tenant)",
+        'owner, pins, references, cache_salt, "default")',
+        (f"{AT_REST}::test_a_tenant_purge_shreds_its_key_at_once_and_reclaims_the_files_later",),
+    ),
+    Mutant(
+        "a tenant purge that leaves the tenant's data key in the key store",
+        "gateway/admin.py",
+        "shredded = shred and _shred(services, selector.tenant)",
+        "shredded = shred",
+        (f"{AT_REST}::test_a_tenant_purge_shreds_its_key_at_once_and_reclaims_the_files_later",),
+    ),
+    Mutant(
+        "the public salt applied past the declared text (a tenant's own blocks shared)",
+        "kvcache/chain.py",
+        "public = hash_blocks(token_ids[: self.num_public * block_size], block_size, self.public)",
+        "public = hash_blocks(token_ids, block_size, self.public)",
+        (
+            "tests/kvcache/test_sealing.py::test_public_blocks_are_shared_and_what_follows_them_stays_the_tenants",
+            f"{AT_REST}::test_a_public_prefix_is_shared_across_tenants_and_nothing_after_it_is",
+        ),
     ),
     Mutant(
         "a draft kept under a key without the tenant (another tenant drafts from it)",

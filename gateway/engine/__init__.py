@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable, Collection
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,6 +148,7 @@ class Engine:
         self.poolable = self.runner.poolable  # /v1/embeddings may use this model (its family pools)
         self.submit = self.worker.submit
         self.submit_embedding = self.worker.submit_embedding
+        self.reclaimer = ThreadPoolExecutor(1, thread_name_prefix="strata-reclaim")  # reclaim_ssd()
         self.events = self.worker.events
 
     def compile_grammar(self, grammar: str) -> CompiledGrammar:
@@ -189,8 +191,18 @@ class Engine:
         steps): what each layer removed. TimeoutError when the worker does not get to it in time."""
         return self.worker.call(lambda: self.runner.caches.purge_owned(selects, layers)).result(timeout_s)
 
+    def reclaim_ssd(self, selects: Callable[[str], bool]) -> Future | None:
+        """The SSD tier's part of a purge, on a thread of its own rather than the worker's: for a
+        tenant whose data key was shredded, whose blocks are unreadable already, so rewriting its
+        segments never pauses decoding. None without an SSD tier; the future's result is the Purged."""
+        prefix = self.runner.caches.prefix
+        if prefix is None or prefix.ssd is None:
+            return None
+        return self.reclaimer.submit(prefix.ssd.purge_owned, selects)
+
     def stop(self, drain_s: float = 10.0) -> None:
         """Stop the worker, then persist admissible KV blocks; the SSD writer drains within drain_s."""
+        self.reclaimer.shutdown(wait=True)  # a purge's rewrites finish before the tier closes
         if self.worker.stop():
             self.runner.caches.shutdown(drain_s)
         else:  # the worker still holds the caches: persisting now would race it

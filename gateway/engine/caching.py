@@ -16,7 +16,6 @@ from kvcache import ExtraSpan, PrefixCache, PrefixSession, TenantSalt, cacheabil
 from kvcache.prefix import Tier
 from kvcache.quant import QuantConfig
 from kvcache.ssd import SsdConfig, SsdTier
-from semantic.owners import tenant_of
 from vision import ImageKey, VisionCache, image_key
 
 from ..caches import CacheLayer, Removed
@@ -89,7 +88,7 @@ class EngineCaches:
     # -- prefix ------------------------------------------------------------------------------
 
     def open_prefix(
-        self, prompt: PreparedPrompt, salt: TenantSalt, kv_cache: list, owner: str | None = None
+        self, prompt: PreparedPrompt, salt: TenantSalt, kv_cache: list, owner: str | None = None, tenant: str = ""
     ) -> tuple[PrefixPlan | None, PrefixReport]:
         if self.prefix is None:
             return None, PrefixReport("bypass", num_prompt_tokens=prompt.num_tokens, reason="disabled")
@@ -107,7 +106,7 @@ class EngineCaches:
             spans,
             owner,
             verdict.snapshots,
-            tenant_of(owner) if owner is not None else "",
+            tenant,
             prompt.public_tokens,
         )
         match = session.match(prompt.num_tokens)

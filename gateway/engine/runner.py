@@ -304,15 +304,21 @@ class ModelRunner:
         return admission.result()
 
     def open_prefill(
-        self, prompt: PreparedPrompt, salt: TenantSalt, owner: str | None = None, pins: tuple[Pin, ...] = ()
+        self,
+        prompt: PreparedPrompt,
+        salt: TenantSalt,
+        owner: str | None = None,
+        pins: tuple[Pin, ...] = (),
+        tenant: str = "",
     ) -> Admission:
         """Start a prompt: reuse the longest cached prefix (its KV copied into the prompt's own cache),
         find or encode its images' features, compute its positions. The rest runs as chunks
         (chunk_part) in steps (run_step). `owner` labels what this request stores or reuses (purges
-        select by it); `pins` are kept cached for their TTL once finish() stored the request."""
+        select by it); `pins` are kept cached for their TTL once finish() stored the request; `tenant`'s
+        data key seals the blocks it leaves on SSD."""
         start = time.perf_counter()
         cache = self.new_cache()
-        plan, prefix_report = self.caches.open_prefix(prompt, salt, cache, owner)
+        plan, prefix_report = self.caches.open_prefix(prompt, salt, cache, owner, tenant)
         if plan is not None:
             plan.pins = pins
         try:

@@ -122,6 +122,7 @@ class Job:
     # Answers the caches hold for this question (token ids, the tenant's own): drafts to verify
     references: tuple[tuple[int, ...], ...] = ()
     cache_salt: TenantSalt | None = None  # the prefix and vision caches' salt (an end user's); None: salt
+    tenant: str = ""  # whose data key seals the KV blocks the job leaves at rest
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.perf_counter)
@@ -324,6 +325,7 @@ class EngineWorker:
         pins: tuple[Pin, ...] = (),
         references: tuple[tuple[int, ...], ...] = (),
         cache_salt: TenantSalt | None = None,
+        tenant: str = "",
     ) -> Job:
         """Queue a job; QueueFull when there is no place for it, OverBudget when it can never fit,
         EngineStopped when the worker's loop has ended. `references`: answers the caller's caches
@@ -336,7 +338,7 @@ class EngineWorker:
         need = self.kv_bytes(prompt, sampling)
         if budget is not None and need > budget:
             raise OverBudget(need, budget)
-        job = Job(prompt, sampling, salt, asyncio.get_running_loop(), owner, pins, references, cache_salt)
+        job = Job(prompt, sampling, salt, asyncio.get_running_loop(), owner, pins, references, cache_salt, tenant)
         try:
             self.jobs.put(salt, Sequence(salt, prompt.num_tokens, sampling.max_tokens, job))
         except QueueFull:
@@ -508,7 +510,9 @@ class EngineWorker:
             self.stats.num_requests += 1
             job.queue_ms = (time.perf_counter() - job.enqueued_at) * 1000
         try:
-            sequence.admission = self.runner.open_prefill(prompt, job.cache_salt or job.salt, job.owner, job.pins)
+            sequence.admission = self.runner.open_prefill(
+                prompt, job.cache_salt or job.salt, job.owner, job.pins, job.tenant
+            )
         except Exception as exc:  # noqa: BLE001 - the worker must survive any one request
             self._fail(job, exc)
             return False

@@ -62,7 +62,14 @@ def test_the_feed_survives_a_redis_restart(tmp_path):
 def test_a_purge_through_one_replica_removes_what_another_keeps_for_itself(
     engine, embedder, settings, redis_server, tmp_path
 ):
-    shared = dataclasses.replace(settings, redis_url=redis_server.url, exact_store="sqlite", admin_key="admin-key")
+    redis_server.flush()  # keys another test's server secret wrapped do not open under this one's
+    shared = dataclasses.replace(
+        settings,
+        redis_url=redis_server.url,
+        exact_store="sqlite",
+        admin_key="admin-key",
+        secret_file=settings.data_dir / "server.secret",  # replicas sharing Redis share the key that opens its keys
+    )
     replica_b = dataclasses.replace(shared, data_dir=tmp_path / "replica-b")
     with (
         TestClient(create_app(shared, engine=engine, embedder=embedder)) as a,

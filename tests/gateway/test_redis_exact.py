@@ -26,7 +26,12 @@ def _ask(client, text, session="s-1", headers=None):
 
 def _shared(settings, url):
     return dataclasses.replace(
-        settings, redis_url=url, exact_store="sqlite", semantic_enabled=True, admin_key="admin-key"
+        settings,
+        redis_url=url,
+        exact_store="sqlite",
+        semantic_enabled=True,
+        admin_key="admin-key",
+        secret_file=settings.data_dir / "server.secret",  # replicas sharing Redis share the key that opens its keys
     )
 
 

@@ -54,7 +54,10 @@ def test_put_then_fetch_returns_the_entry_and_its_vector(store):
     assert (entry.tenant, entry.partition, entry.status, entry.hit_count) == ("tenant-a", PARTITION, "unreviewed", 0)
     assert entry.created_at == 100.0 and entry.expires_at == 200.0 and entry.scope == SCOPE.as_dict()
     assert np.array_equal(vector, _vector(1))
-    assert store.find(PARTITION, "tenant-a", "How do I reset it?") == entry_id and store.find("other", "tenant-a", "How do I reset it?") is None
+    assert (
+        store.find(PARTITION, "tenant-a", "How do I reset it?") == entry_id
+        and store.find("other", "tenant-a", "How do I reset it?") is None
+    )
 
 
 def test_a_newer_answer_replaces_the_entry_keeping_id_vector_and_owners(store):

@@ -1,0 +1,270 @@
+"""Data at rest, from outside: a real `strata serve` process, the official openai client, real files
+and a real Redis. What a server keeps holds no question or answer in the clear; a tenant purge
+shreds the tenant's key first (every copy unreadable at once) and reclaims the files afterwards;
+the wrapping key rotates; a wrong or missing key file stops start-up; public prefixes are shared
+across tenants and nothing after them is."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import redis
+
+from gateway.engine import model_fingerprint
+from gateway.keyring import keyring_for
+from gateway.settings import settings_from_env
+from kvcache.segment import describe
+from kvcache.ssd import AdmissionPolicy, SpillRequest, SsdConfig, SsdTier
+from semantic import Owner, owner_label
+from semantic.owners import tenant_of
+from tests.conftest import TINY
+from tests.gateway.test_live_server import LiveServer
+
+KEYS = {"acme": "key-acme", "globex": "key-globex"}
+ENV = {
+    "STRATA_API_KEYS": "key-acme:acme,key-globex:globex",
+    "STRATA_ADMIN_KEY": "admin-key",
+    "STRATA_MODEL_NAME": TINY,
+    "STRATA_SSD_WRITER": "w1",  # every block written through to SSD as it is stored
+}
+ADMIN = {"Authorization": "Bearer admin-key"}
+SYSTEM = "You keep the records of the Quillfeather lighthouse and answer questions about them. " * 16
+QUESTION = "Which keeper logged the zanzibar-quokka-7731 storm in the lighthouse ledger?"
+SEEDED_BLOCKS = 3000  # acme's blocks on SSD before the server starts: 3000 x 64 KiB = 188 MiB
+BLOCK_SIZE = 32  # the server's kv_block_size
+
+
+def _client(server, tenant: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS[tenant], max_retries=0)
+
+
+def _ask(server, tenant: str, question: str, system: str = SYSTEM):
+    return _client(server, tenant).chat.completions.with_raw_response.create(
+        model=TINY,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        max_tokens=12,
+        temperature=0,
+    )
+
+
+def _cached(raw) -> int:
+    return raw.parse().usage.prompt_tokens_details.cached_tokens
+
+
+def _keyring(data_dir: Path):
+    return keyring_for(settings_from_env(TINY, data_dir, "127.0.0.1", 0, env={}))
+
+
+def _namespace(model_path: Path) -> str:
+    return f"{model_fingerprint(model_path)}|block={BLOCK_SIZE}|quant=none"
+
+
+def _seed_ssd(data_dir: Path, model_path: Path) -> None:
+    """acme's blocks on SSD, sealed under its key, owned by it, as the server would have left them."""
+    tier = SsdTier(
+        SsdConfig(data_dir / "kv", admission=AdmissionPolicy(min_hits=0), sealer=_keyring(data_dir)),
+        _namespace(model_path),
+    )
+    rng = np.random.default_rng(0)
+    for start in range(0, SEEDED_BLOCKS, 200):
+        for i in range(start, start + 200):
+            tensors = {"0.keys": rng.standard_normal((1, 4, 32, 128), dtype=np.float32)}
+            owner = owner_label("acme", Owner("seeded"))
+            request = SpillRequest((10**9 + i).to_bytes(32, "big"), b"", BLOCK_SIZE, "s", tensors, (owner,), "acme")
+            assert tier.offer(request)
+        assert tier.drain(60)
+    tier.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path, tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("at-rest") / "data"
+    _seed_ssd(data_dir, tiny_model_path)
+    declared = data_dir.parent / "public.json"
+    declared.write_text('[{"system": "You are a careful assistant for the harbour office."}]')
+    live = LiveServer(tiny_model_path, data_dir, ENV | {"STRATA_PUBLIC_PREFIXES_FILE": str(declared)})
+    live.data_dir = data_dir
+    yield live
+    assert live.stop()
+
+
+def _files_holding(folder: Path, *needles: bytes) -> list[str]:
+    found = []
+    for path in folder.rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            found += [f"{path.name}: {needle!r}" for needle in needles if needle in data]
+    return found
+
+
+def _traffic(server) -> list[bytes]:
+    """A chat answer, a semantic entry and a stored Responses conversation; their distinctive strings."""
+    answer = _ask(server, "acme", QUESTION).parse().choices[0].message.content
+    _client(server, "acme").responses.create(
+        model=TINY, input="Describe the tessellated-okapi-5520 lamp room.", max_output_tokens=8, store=True
+    )
+    needles = [b"zanzibar-quokka-7731", b"tessellated-okapi-5520", b"Quillfeather"]
+    return needles + ([answer.encode()] if len(answer) >= 12 else [])
+
+
+def test_nothing_a_tenant_sent_or_got_is_stored_in_the_clear(server):
+    needles = _traffic(server)
+    time.sleep(0.5)  # the SSD writer and the stores have written
+    assert _files_holding(server.data_dir, *needles) == []
+    assert _files_holding(server.data_dir, b"acme")  # the grep does read the stores: tenant ids are plain
+
+
+def test_with_encryption_off_the_same_traffic_is_found(tiny_model_path, tmp_path):
+    plain = LiveServer(tiny_model_path, tmp_path / "data", ENV | {"STRATA_ENCRYPT_AT_REST": "0"})
+    try:
+        _traffic(plain)
+        time.sleep(0.5)
+        assert _files_holding(tmp_path / "data", b"zanzibar-quokka-7731", b"tessellated-okapi-5520")
+    finally:
+        assert plain.stop()
+
+
+def test_a_redis_holds_no_question_or_answer_in_the_clear(tiny_model_path, tmp_path, redis_server):
+    redis_server.flush()
+    live = LiveServer(tiny_model_path, tmp_path / "data", ENV | {"STRATA_REDIS_URL": redis_server.url})
+    try:
+        needles = _traffic(live)
+        assert _ask(live, "acme", QUESTION).headers["x-cache-layer"] == "exact"  # the sealed answer opens
+    finally:
+        assert live.stop()
+    values = _redis_values(redis.Redis.from_url(redis_server.url))
+    assert any(b"acme" in value for value in values)  # the dump is read: tenant ids are plain
+    assert [needle for needle in needles if any(needle in value for value in values)] == []
+
+
+def _redis_values(client) -> list[bytes]:
+    """Every key and value, whatever its type (a dump file would hide strings in LZF compression)."""
+    values = []
+    for key in client.scan_iter(count=1000):
+        kind = client.type(key).decode()
+        values.append(key)
+        if kind == "string":
+            values.append(client.get(key))
+        elif kind == "hash":
+            values += [b"%s=%s" % pair for pair in client.hgetall(key).items()]
+        elif kind == "set":
+            values += list(client.smembers(key))
+        elif kind == "zset":
+            values += list(client.zrange(key, 0, -1))
+        elif kind == "list":
+            values += list(client.lrange(key, 0, -1))
+        elif kind == "stream":
+            values += [repr(record).encode() for record in client.xrange(key)]
+    return values
+
+
+def _owned_blocks(folder: Path, namespace: str, tenant: str, served: bool = False) -> list[str]:
+    """The tenant's blocks in a KV folder (served: only those its requests stored, not the seeded)."""
+    blocks = []
+    for path in folder.rglob("seg-*.safetensors"):
+        described = describe(path, namespace)
+        for block, owners in described[1].items() if described is not None else ():
+            mine = [o for o in owners if tenant_of(o) == tenant and not (served and "seeded" in o)]
+            blocks += [block] if mine else []
+    return blocks
+
+
+def test_a_tenant_purge_shreds_its_key_at_once_and_reclaims_the_files_later(server, tiny_model_path, tmp_path):
+    namespace = _namespace(tiny_model_path)
+    _ask(server, "acme", "Who painted the lamp room?")
+    _ask(server, "globex", "Who painted the lamp room?")
+    time.sleep(0.5)  # written through to SSD
+    backup = tmp_path / "backup"
+    shutil.copytree(server.data_dir / "kv", backup, ignore=shutil.ignore_patterns("*.sqlite*", "journal-*"))
+    copy = SsdTier(SsdConfig(backup, sealer=_keyring(server.data_dir)), namespace)
+    acme_blocks, globex_blocks = _owned_blocks(backup, namespace, "acme"), _owned_blocks(backup, namespace, "globex")
+    served = _owned_blocks(backup, namespace, "acme", served=True)  # sealed by the server itself
+    assert len(acme_blocks) > SEEDED_BLOCKS and served and globex_blocks
+    assert len(copy.read_chain(acme_blocks[:1])) == 1 and len(copy.read_chain(served[:1])) == 1  # the key lives
+
+    started = time.perf_counter()
+    purged = httpx.post(server.url + "/admin/purge", json={"tenant": "acme"}, headers=ADMIN, timeout=30)
+    took_s = time.perf_counter() - started
+    assert purged.status_code == 200 and purged.json()["shredded"] is True
+    assert took_s < 0.1, f"the purge took {took_s * 1000:.0f} ms with {SEEDED_BLOCKS} blocks on SSD"
+    assert all(copy.read_chain([block]) == [] for block in [*served, *acme_blocks[:50]])
+    assert len(copy.read_chain(globex_blocks[:1])) == 1
+    copy.close()
+
+    again = _ask(server, "globex", "Who painted the lamp room?")
+    assert again.headers["x-cache-layer"] == "exact"  # other tenants keep hitting
+    assert _cached(_ask(server, "globex", "And who restored it?")) >= 256
+    fresh = _ask(server, "acme", "Who painted the lamp room?")
+    assert fresh.headers["x-cache-layer"] == "engine" and _cached(fresh) == 0
+    deadline = time.monotonic() + 120  # what acme held before the purge leaves the disk (its one new request may stay)
+    while len(_owned_blocks(server.data_dir / "kv", namespace, "acme")) >= 100:
+        assert time.monotonic() < deadline, "the purged blocks' files were not reclaimed"
+        time.sleep(0.5)
+
+
+def test_the_wrapping_key_rotates_and_a_wrong_or_missing_key_file_stops_start_up(tiny_model_path, tmp_path):
+    data_dir = tmp_path / "data"
+    live = LiveServer(tiny_model_path, data_dir, ENV)
+    try:
+        assert _ask(live, "acme", QUESTION).headers["x-cache-layer"] == "engine"
+    finally:
+        assert live.stop()
+    new_key = tmp_path / "new.key"
+    new_key.write_text(os.urandom(32).hex())
+    rotated = _cli("keys", "rotate", "--new-key-file", str(new_key), "--data-dir", str(data_dir))
+    assert rotated.returncode == 0 and "tenant keys wrapped" in rotated.stdout, rotated.stderr
+    live = LiveServer(tiny_model_path, data_dir, ENV | {"STRATA_KEY_FILE": str(new_key)})
+    try:
+        assert _ask(live, "acme", QUESTION).headers["x-cache-layer"] == "exact"  # the answer opens under the new key
+    finally:
+        assert live.stop()
+    wrong = _cli("serve", "--model", str(tiny_model_path), "--data-dir", str(data_dir))  # the old, derived key
+    assert wrong.returncode == 2 and "does not open the key store" in wrong.stderr, wrong.stderr
+    missing = _cli("serve", "--model", str(tiny_model_path), "--data-dir", str(data_dir), key_file="/nonexistent/k")
+    assert missing.returncode == 2 and "/nonexistent/k cannot be read" in missing.stderr, missing.stderr
+
+
+def _cli(*args: str, key_file: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_") and k != "LD_PRELOAD"}
+    env |= {"STRATA_KEY_FILE": key_file} if key_file else {}
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *args], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+PUBLIC = "You are the shared coding agent of the Quay toolkit; follow the repository's conventions. " * 12
+
+
+def test_a_public_prefix_is_shared_across_tenants_and_nothing_after_it_is(server):
+    listed = httpx.get(server.url + "/admin/public-prefixes", headers=ADMIN).json()["data"]
+    assert [prefix["system"] for prefix in listed] == ["You are a careful assistant for the harbour office."]
+    declared = httpx.post(server.url + "/admin/public-prefixes", json={"system": PUBLIC}, headers=ADMIN)
+    assert declared.status_code == 201, declared.text
+    shared = declared.json()["shared_tokens"]
+    assert shared >= 256
+    question = "Please list every file that the build step reads, and explain each of them in turn. " * 4
+    first = _ask(server, "acme", question, PUBLIC)
+    assert f"public={shared}" in first.headers["x-cache-prefix"]
+    other = _ask(server, "globex", question, PUBLIC)  # the same whole prompt from another tenant
+    assert f"public={shared}" in other.headers["x-cache-prefix"]
+    assert _cached(other) == shared  # the public blocks, and not one token of acme's own after them
+    changed = _ask(server, "globex", "Another question entirely.", PUBLIC.replace("Quay", "Quai", 1))
+    assert _cached(changed) == 0 and "public=" not in changed.headers["x-cache-prefix"]  # one token off: not public
+    removed = httpx.delete(server.url + f"/admin/public-prefixes/{declared.json()['id']}", headers=ADMIN)
+    assert removed.status_code == 200 and httpx.delete(removed.request.url, headers=ADMIN).status_code == 404
+
+
+def test_a_bad_public_prefix_is_a_clear_400(server):
+    for body in ({"system": ""}, {"system": "x", "colour": 1}, ["x"], {"tools": "none"}):
+        bad = httpx.post(server.url + "/admin/public-prefixes", json=body, headers=ADMIN)
+        assert bad.status_code == 400 and bad.json()["error"]["message"], body
+    assert httpx.post(server.url + "/admin/public-prefixes", json={"system": "x"}).status_code == 401
