@@ -31,6 +31,7 @@ import os
 import secrets
 import threading
 import time
+from functools import lru_cache
 from pathlib import Path
 from typing import Protocol
 
@@ -54,7 +55,7 @@ class WrongKey(RuntimeError):
 
 class Sealer(Protocol):
     def seal(self, tenant: str, aad: bytes, plaintext: bytes) -> bytes: ...
-    def open(self, tenant: str, aad: bytes, sealed: bytes) -> bytes: ...
+    def open(self, tenant: str, aad: bytes, sealed: bytes | memoryview) -> bytes: ...
     def digest(self, tenant: str, data: bytes) -> str: ...
 
 
@@ -76,7 +77,7 @@ class Plain:
     def seal(self, tenant: str, aad: bytes, plaintext: bytes) -> bytes:
         return PLAIN_MARK + plaintext
 
-    def open(self, tenant: str, aad: bytes, sealed: bytes) -> bytes:
+    def open(self, tenant: str, aad: bytes, sealed: bytes | memoryview) -> bytes:
         if sealed[:1] != PLAIN_MARK:
             raise Unreadable("sealed with a key; encryption at rest is off here")
         return bytes(sealed[1:])
@@ -110,9 +111,9 @@ class Keyring:
     def seal(self, tenant: str, aad: bytes, plaintext: bytes) -> bytes:
         key_id, key = self._own_key(tenant)
         nonce = secrets.token_bytes(NONCE_BYTES)
-        return SEALED_MARK + key_id + nonce + AESGCM(key).encrypt(nonce, plaintext, _bound(tenant, aad, key_id))
+        return SEALED_MARK + key_id + nonce + _cipher(key).encrypt(nonce, plaintext, _bound(tenant, aad, key_id))
 
-    def open(self, tenant: str, aad: bytes, sealed: bytes) -> bytes:
+    def open(self, tenant: str, aad: bytes, sealed: bytes | memoryview) -> bytes:
         if sealed[:1] != SEALED_MARK:
             raise Unreadable("not sealed (written with encryption at rest off)")
         key_id, nonce = bytes(sealed[1 : 1 + KEY_ID_BYTES]), bytes(sealed[1 + KEY_ID_BYTES : 1 + KEY_ID_BYTES + 12])
@@ -211,6 +212,12 @@ class Keyring:
             return key_id, self.wrapper.decrypt(nonce, wrapped, _wrapped_for(tenant, key_id))
         except InvalidTag:
             raise Unreadable(f"the key record of {tenant!r} does not open under the wrapping key") from None
+
+
+@lru_cache(maxsize=1024)
+def _cipher(key: bytes) -> AESGCM:
+    """A data key's cipher (its key schedule made once, not at every seal)."""
+    return AESGCM(key)
 
 
 def wrap(wrapper: AESGCM, tenant: str, key_id: bytes, key: bytes) -> bytes:

@@ -140,7 +140,7 @@ def unseal(
             opened[hex_hash] = tensors
             continue
         try:
-            plaintext = sealer.open(block.get("tenant", ""), _place(namespace, hex_hash), tensors["sealed"].tobytes())
+            plaintext = sealer.open(block.get("tenant", ""), _place(namespace, hex_hash), tensors["sealed"].data)
         except Exception as exc:  # noqa: BLE001 - a shredded key, another tenant's, a key store out of reach
             return opened, f"{type(exc).__name__}: {exc}"
         opened[hex_hash] = _tensors(plaintext, json.loads(block["layout"]))

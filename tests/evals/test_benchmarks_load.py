@@ -12,6 +12,7 @@ import pytest
         "bench_ttft",
         "bench_layers",
         "bench_ssd",
+        "bench_at_rest",
         "bench_load",
         "bench_api",
         "bench_cluster",

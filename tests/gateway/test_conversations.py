@@ -1,6 +1,7 @@
 """The Responses API's conversation store: per tenant, expiring, and bounded by its own sweep."""
 
 from gateway.conversations import ConversationStore
+from kvcache.sealing import FileKeys, Keyring
 
 MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 
@@ -107,3 +108,19 @@ def test_rows_of_the_first_format_are_migrated(tmp_path):
     store = ConversationStore(tmp_path / "c.db", retention_s=10)
     assert store.load("old", "t", now=40) == _turn(1, "a")  # its own expiry kept
     assert store.load("old", "t", now=50) is None
+
+
+def test_a_sealed_conversation_keeps_no_text_and_is_gone_once_its_tenant_is_shredded(tmp_path):
+    keyring = Keyring(FileKeys(tmp_path / "keys.json"), bytes(32))
+    store = ConversationStore(tmp_path / "c.db", retention_s=100, sealer=keyring)
+    first = [{"role": "user", "content": "the okapi-lamp question"}, {"role": "assistant", "content": "an answer"}]
+    store.save("resp_1", "acme", None, None, first, {"id": "resp_1", "note": "okapi-lamp"}, now=0)
+    store.save("resp_2", "acme", None, None, _turn(7, "seen"), {"id": "resp_2"}, now=1, parent="resp_1")
+    store.save("resp_3", "globex", None, None, MESSAGES, {"id": "resp_3"}, now=1)
+    store.db.execute("PRAGMA wal_checkpoint(FULL)")
+    raw = b"".join(path.read_bytes() for path in tmp_path.glob("c.db*"))
+    assert b"okapi-lamp" not in raw and b"00000007" * 4 not in raw  # neither text nor image
+    assert store.load("resp_2", "acme", now=2) == first + _turn(7, "seen")
+    keyring.shred("acme")
+    assert store.load("resp_2", "acme", now=2) is None and store.response("resp_1", "acme", now=2) is None
+    assert store.load("resp_3", "globex", now=2) == MESSAGES

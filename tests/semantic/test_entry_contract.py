@@ -1,4 +1,5 @@
-"""One contract, every semantic EntryStore: in memory, SQLite, and Redis (a real redis-server); then
+"""One contract, every semantic EntryStore: in memory, SQLite, and Redis (a real redis-server), the
+last two also sealed under a real keyring; then
 the guarded cache over each, and replicas sharing one Redis whose faiss indexes follow each other."""
 
 import time
@@ -7,6 +8,7 @@ import uuid
 import numpy as np
 import pytest
 
+from kvcache.sealing import NO_SEALING, FileKeys, Keyring
 from semantic import Answer, Owner, RedisEntries, Scope, Selector, SemanticCache, SemanticSettings, SqliteEntries
 from semantic.store import StoreUnavailable
 
@@ -20,12 +22,14 @@ def _vector(seed: int) -> np.ndarray:
 
 
 def _open(kind: str, tmp_path, request):
-    if kind == "redis":
-        return RedisEntries(request.getfixturevalue("redis_server").url, prefix=f"test-{uuid.uuid4().hex}:")
-    return SqliteEntries(":memory:" if kind == "memory" else tmp_path / "semantic.db")
+    sealer = Keyring(FileKeys(tmp_path / "keys.json"), bytes(32)) if kind.endswith("sealed") else NO_SEALING
+    if kind.startswith("redis"):
+        url = request.getfixturevalue("redis_server").url
+        return RedisEntries(url, prefix=f"test-{uuid.uuid4().hex}:", sealer=sealer)
+    return SqliteEntries(":memory:" if kind == "memory" else tmp_path / "semantic.db", sealer)
 
 
-@pytest.fixture(params=["memory", "sqlite", "redis"])
+@pytest.fixture(params=["memory", "sqlite", "redis", "sqlite-sealed", "redis-sealed"])
 def store(request, tmp_path):
     backend = _open(request.param, tmp_path, request)
     yield backend
@@ -220,3 +224,21 @@ def test_a_cache_started_while_redis_is_down_bypasses_until_it_comes(tmp_path, e
         cache.close()
         if server is not None:
             server.stop()
+
+
+def test_sealed_entries_keep_no_text_and_vanish_from_every_read_once_their_tenant_is_shredded(tmp_path):
+    keyring = Keyring(FileKeys(tmp_path / "keys.json"), bytes(32))
+    store = SqliteEntries(tmp_path / "semantic.db", keyring)
+    other = Scope("tenant-b", "model-1")
+    mine, _ = store.put(
+        PARTITION, SCOPE, "Where is the quokka-ledger kept?", Answer("In vault 7."), 1.0, None, _vector(1)
+    )
+    theirs, _ = store.put(other.partition("ctx"), other, "Where is it?", Answer("Upstairs."), 1.0, None, _vector(2))
+    store.db.execute("PRAGMA wal_checkpoint(FULL)")
+    raw = b"".join(path.read_bytes() for path in tmp_path.glob("semantic.db*"))
+    assert b"quokka-ledger" not in raw and b"vault 7" not in raw and _vector(1).tobytes() not in raw
+    keyring.shred("tenant-a")
+    assert [entry.id for entry, _ in store.fetch([mine, theirs])] == [theirs]
+    assert [row[0] for row in store.vectors()] == [theirs] and store.list_entries("tenant-a") == []
+    assert store.find(PARTITION, "tenant-a", "Where is the quokka-ledger kept?") is None  # a new key: a new digest
+    store.close()

@@ -1,20 +1,23 @@
-"""One contract, every ResponseStore backend: memory, SQLite, and Redis (a real redis-server)."""
+"""One contract, every ResponseStore backend: memory, SQLite, and Redis (a real redis-server), the
+last two also sealing what they keep under a real keyring (encryption at rest)."""
 
 import uuid
 
 import pytest
 
+from kvcache.sealing import NO_SEALING, FileKeys, Keyring
 from semantic import MemoryStore, SqliteStore, StoredResponse
 from semantic.redis_store import RedisStore
 
 
-@pytest.fixture(params=["memory", "sqlite", "redis"])
+@pytest.fixture(params=["memory", "sqlite", "redis", "sqlite-sealed", "redis-sealed"])
 def store(request, tmp_path):
-    if request.param == "redis":
+    sealer = Keyring(FileKeys(tmp_path / "keys.json"), bytes(32)) if request.param.endswith("sealed") else NO_SEALING
+    if request.param.startswith("redis"):
         server = request.getfixturevalue("redis_server")
-        backend = RedisStore(server.url, prefix=f"test-{uuid.uuid4().hex}:")  # each test its own namespace
+        backend = RedisStore(server.url, prefix=f"test-{uuid.uuid4().hex}:", sealer=sealer)  # its own namespace
     else:
-        backend = MemoryStore() if request.param == "memory" else SqliteStore(tmp_path / "responses.db")
+        backend = MemoryStore() if request.param == "memory" else SqliteStore(tmp_path / "responses.db", sealer)
     yield backend
     backend.close()
 
@@ -100,3 +103,15 @@ def test_a_hit_makes_the_entry_the_hitting_sessions_too(store):
     assert store.purge(Selector("t", session="session-a")).num_entries == 0
     assert store.get("k", 101.0) is not None
     assert store.purge(Selector("t", session="session-b")).num_entries == 1
+
+
+def test_a_sealed_entry_keeps_no_text_and_reads_as_absent_once_its_tenant_is_shredded(tmp_path):
+    keyring = Keyring(FileKeys(tmp_path / "keys.json"), bytes(32))
+    store = SqliteStore(tmp_path / "responses.db", keyring)
+    store.put("k1", "acme", _response("the harbour-ledger answer"))
+    store.put("k2", "globex", _response("globex's answer"))
+    store.db.execute("PRAGMA wal_checkpoint(FULL)")
+    assert b"harbour-ledger" not in b"".join(p.read_bytes() for p in tmp_path.glob("responses.db*"))
+    keyring.shred("acme")
+    assert store.get("k1", now=101.0) is None and store.get("k2", now=101.0) == _response("globex's answer")
+    store.close()
