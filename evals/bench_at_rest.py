@@ -33,14 +33,13 @@ import numpy as np
 
 from gateway.checkpoints import resolve_model_path
 from gateway.engine import CacheConfig, ModelRunner, PreparedPrompt, model_fingerprint
-from kvcache import TenantSalt, tenant_salt
+from kvcache import tenant_salt
 from kvcache.sealing import FileKeys, Keyring
 from kvcache.ssd import AdmissionPolicy, SpillRequest, SsdConfig, SsdTier
 
 from .bench_layers import start_server
-from .bench_ssd import BLOCK, FOLLOW_UP, corpus_ids, drop_from_page_cache, prefix_of, ssd_of
+from .bench_ssd import BLOCK, FOLLOW_UP, SALT, corpus_ids, drop_from_page_cache, prefix_of, ssd_of, ttft
 
-SALT = TenantSalt(b"bench-at-rest-salt-0000000000000")
 TRIALS = 3
 EXACT_HITS = 200
 
@@ -48,15 +47,6 @@ EXACT_HITS = 200
 def _runner(model_path: Path, folder: Path, keyring: Keyring | None, budget: int = 8 << 30) -> ModelRunner:
     ssd = SsdConfig(folder, queue_blocks=100000, admission=AdmissionPolicy(min_hits=0), sealer=keyring)
     return ModelRunner(model_path, CacheConfig(budget, 0, BLOCK, ssd), model_fingerprint(model_path))
-
-
-def _ttft(runner: ModelRunner, ids: list[int]) -> tuple[float, int]:
-    start = time.perf_counter()
-    prefill = runner.prefill(PreparedPrompt(tuple(ids), ()), SALT, 512, lambda: False)
-    int(np.argmax(np.array(prefill.logits)))
-    elapsed = time.perf_counter() - start
-    runner.finish(prefill, [])
-    return elapsed, prefill.prefix.num_ssd_tokens
 
 
 def ssd_hit(model_path: Path, length: int, work: Path) -> dict:
@@ -67,7 +57,7 @@ def ssd_hit(model_path: Path, length: int, work: Path) -> dict:
     for mode, folder in folders.items():
         warm = _runner(model_path, folder, keyring if mode == "on" else None)
         ids = corpus_ids(warm, length + FOLLOW_UP)
-        _ttft(warm, ids[:length] + [ids[0]])
+        ttft(warm, ids[:length] + [ids[0]])
         prefix_of(warm).persist()
         ssd_of(warm).drain(600)
         warm.caches.shutdown(60)
@@ -77,8 +67,8 @@ def ssd_hit(model_path: Path, length: int, work: Path) -> dict:
             files = sorted(folder.glob("*/*/*.safetensors"))
             cold = _runner(model_path, folder, keyring if mode == "on" else None)
             drop_from_page_cache(files)
-            elapsed, from_ssd = _ttft(cold, ids)
-            assert from_ssd >= length - BLOCK, f"{mode}: only {from_ssd} tokens came from SSD"
+            elapsed, report = ttft(cold, ids)
+            assert report.num_ssd_tokens >= length - BLOCK, f"{mode}: only {report.num_ssd_tokens} tokens from SSD"
             times[mode]["ttft"].append(elapsed)
             times[mode]["read"].append(_read_all(cold, files, ids))
             cold.caches.shutdown(10)

@@ -43,7 +43,7 @@ from kvcache import default_budget_bytes
 from kvcache.quant import QuantConfig
 from kvcache.sealing import NO_SEALING, Sealer
 from kvcache.ssd import AdmissionPolicy, SsdConfig
-from semantic import Embedder
+from semantic import Embedder, StoreUnavailable
 
 from . import anthropic_api, openai_format, responses_api
 from .admin import ADMIN_CACHE_ROUTES, end_idle_sessions, purge_announced, require_admin
@@ -66,7 +66,7 @@ from .openai_format import ModelStamp
 from .pipeline import Pipeline, off_loop
 from .public_prefixes import PublicPrefixes, load_file
 from .purge_feed import PurgeFeed
-from .requestlog import RequestStart, ResponseLog
+from .requestlog import BlockTrace, RequestStart, ResponseLog
 from .responses import ResponseCaches
 from .schemas import parse_chat_request, parse_json_body
 from .sessions import SessionClock
@@ -265,7 +265,9 @@ async def create_response(request: Request) -> Response:
     response_id, tools, owner = responses_api.new_id(), _tools(services, chat_request), turn.ctx.owner
 
     async def finished(message: dict, response: dict) -> None:
-        if stored:
+        if not stored:
+            return
+        try:
             await anyio.to_thread.run_sync(
                 services.conversations.save,
                 response_id,
@@ -277,6 +279,8 @@ async def create_response(request: Request) -> Response:
                 time.time(),
                 previous_id,
             )
+        except StoreUnavailable as exc:  # the key store (Redis) is out of reach: the answer still goes out
+            log.warning("response %s not stored: %s", response_id, exc)
 
     if chat_request.stream:
         events = responses_api.stream_events(
@@ -517,7 +521,8 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
     """The app for `settings`. Pass a started `engine` (and an `embedder`) to share them across apps
     (tests); otherwise the lifespan loads the model and MiniLM, starts the worker, and stops it."""
     registry = CollectorRegistry()  # GET /metrics: the request metrics, the state collector, HTTP counts
-    response_log = ResponseLog(registry, settings.log_format == "json", settings.metrics_enabled)
+    block_trace = BlockTrace(settings.trace_file, settings.kv_block_size) if settings.trace_file else None
+    response_log = ResponseLog(registry, settings.log_format == "json", settings.metrics_enabled, block_trace)
 
     @asynccontextmanager
     async def lifespan(app: Litestar):

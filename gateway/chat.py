@@ -266,6 +266,7 @@ class ChatService:
         trace.time("prefill", first.prefill_ms)
         facts = await self._prefix_facts(prompt, first.prefix)
         trace.prefix = facts
+        trace.chain = first.prefix.chain
         trace.record("prefix", prefix_outcome(first.prefix, facts.where if facts else ""))
         trace.record("vision", vision_outcome(first.vision))
         completion = Completion(

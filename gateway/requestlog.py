@@ -1,4 +1,5 @@
-"""Every response's request id and status count, and, with STRATA_LOG_FORMAT=json, one JSON log line.
+"""Every response's request id and status count, and, with STRATA_LOG_FORMAT=json, one JSON log line;
+with STRATA_TRACE_FILE, one block-trace record per request that ran the cache layers (BlockTrace).
 
     RequestStart                     (middleware, routed requests) the request id and start time
     before_send(message, scope)      (every response: errors and 404s too) X-Request-Id on its start;
@@ -13,15 +14,21 @@ the timings. Nothing of the prompt or the answer is logged.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import re
+import threading
 import time
 import uuid
+from pathlib import Path
 
 from litestar.datastructures import MutableScopeHeaders
 from litestar.middleware import ASGIMiddleware
 from prometheus_client import CollectorRegistry, Counter
+
+from kvcache.blocktrace import TraceRecord
 
 from .trace import LAYERS
 
@@ -46,8 +53,27 @@ def _begin(scope) -> dict:
     return state
 
 
+class BlockTrace:
+    """STRATA_TRACE_FILE: one kvcache.blocktrace record per request that ran the cache layers (no
+    text: the tenant as a digest, the prompt's blocks as short salted hashes), appended 0600."""
+
+    def __init__(self, path: Path, block_tokens: int):
+        self.block_tokens = block_tokens
+        self.lock = threading.Lock()
+        self.file = os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a", buffering=1)
+
+    def write(self, tenant: str, chain: tuple[str, ...], answered: bool) -> None:
+        tenant_id = hashlib.sha256(b"strata-trace-tenant|" + tenant.encode()).hexdigest()[:12]
+        line = TraceRecord(time.time(), tenant_id, chain, self.block_tokens, answered).line()
+        with self.lock:
+            self.file.write(line + "\n")
+
+
 class ResponseLog:
-    def __init__(self, registry: CollectorRegistry, json_lines: bool, counted: bool):
+    def __init__(
+        self, registry: CollectorRegistry, json_lines: bool, counted: bool, block_trace: BlockTrace | None = None
+    ):
+        self.block_trace = block_trace
         self.json_lines = json_lines
         self.counted = counted  # count responses in strata:http_requests_total (STRATA_METRICS)
         self.http_requests = Counter(
@@ -73,6 +99,10 @@ class ResponseLog:
             self.http_requests.labels(route, scope.get("method", ""), str(state.get("status", 0))).inc()
         if self.json_lines:
             access_log.info("request", extra={"fields": _fields(scope, state, route)})
+        turn = state.get("turn")
+        if self.block_trace is not None and turn is not None:
+            answered = turn.trace.served_by != "engine"
+            self.block_trace.write(turn.ctx.tenant, () if answered else turn.trace.chain, answered)
 
 
 def _fields(scope, state: dict, route: str) -> dict:

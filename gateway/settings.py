@@ -105,6 +105,7 @@ class Settings:
     encrypt_at_rest: bool = True  # AES-256-GCM, a data key per tenant: KV on SSD, cached answers, conversations
     key_file: Path | None = None  # the key that wraps tenants' data keys (None: derived from the server secret)
     public_prefixes_file: Path | None = None  # declared public texts (a JSON list): their KV is shared by all tenants
+    trace_file: Path | None = None  # a block trace of the traffic (kvcache.blocktrace), for evals.cache_sim
     ssd_dir: Path | None = None  # the KV SSD tier's folder (None: DATA_DIR/kv); may be shared by replicas
     ssd_writer: str = _default(SsdConfig, "writer")  # this replica's name in a shared ssd_dir ("": the only writer)
     kv_quant_bits: int | None = None  # 8 or 4 quantises stored KV blocks (off by default)
@@ -373,6 +374,12 @@ SETTINGS = (
         "STRATA_KEY_FILE",
         Path,
         "32 random bytes (raw or hex) wrapping the tenants' data keys (default: derived from the server secret)",
+    ),
+    Setting(
+        "trace_file",
+        "STRATA_TRACE_FILE",
+        Path,
+        "append a block trace of every request here (no text: hashes, times), for `python -m evals.cache_sim`",
     ),
     Setting(
         "public_prefixes_file",

@@ -1,4 +1,4 @@
-"""The block pool: cached KV blocks by hash, with ref counts, a byte budget and an O(1) LRU.
+"""The block pool: cached KV blocks by hash, with ref counts, a byte budget and an O(1) segmented LRU.
 
 Invariants (checked by `check()` in tests):
 - every block is in `by_hash`; a block is in the free queue iff its ref_count == 0;
@@ -10,6 +10,13 @@ Invariants (checked by `check()` in tests):
 - a pinned block holds one reference of its own until its pin ends (TTL passed, purged, or given
   up to make room): `pins` maps it to its end, and `pinned_bytes[scope]` sums its scope's pinned
   blocks, at most `pin_budget_bytes` per scope (a scope is a tenant's chain root: pins never cross).
+
+Eviction is a segmented LRU (SLRU), scan-resistant: a free block that was never reused since it was
+stored waits in `probation`, one reused at least once in `protected` (at most PROTECTED_FRACTION of
+the budget; its least recent overflow goes back to probation's recent end), and eviction takes
+probation's least recent block first. A flood of one-off prompts so churns probation only, and the
+system prompts everyone reuses stay. (`segmented=False`: one LRU queue, the policy before; the cache
+simulator, evals.cache_sim, replays both on every trace.)
 
 Owners are opaque labels (the gateway's "tenant, session, end user"): a block shared by several
 sessions is owned by each of them, and a purge removes the selected owners' references, deleting a
@@ -53,6 +60,7 @@ class Block:
     # A hybrid model's recurrent layers' state after the block's last token (per recurrent layer, its
     # arrays), or () when no snapshot was taken here: a prefix is restorable only up to a block with one.
     state: tuple = ()
+    protected: bool = False  # while free: in the protected segment (reused since stored), else probation
     # intrusive links of the free queue; None while the block is in use
     prev: Block | None = field(default=None, repr=False)
     next: Block | None = field(default=None, repr=False)
@@ -103,6 +111,51 @@ class FreeBlockQueue:
         while node is not None and node is not self.tail:
             yield node
             node = node.next
+
+
+PROTECTED_FRACTION = 0.4  # of the budget, what reused free blocks may hold (evals.cache_sim: 0.2-0.8 tried)
+
+
+class SegmentedFreeBlocks:
+    """The free blocks as two LRU queues: `probation` (never reused since stored) and `protected`
+    (reused), the latter at most `protected_bytes`. Invariant: a free block is in protected iff its
+    `protected` flag is set; the queues' counts add up to the free blocks'."""
+
+    def __init__(self, protected_bytes: int) -> None:
+        self.probation, self.protected = FreeBlockQueue(), FreeBlockQueue()
+        self.protected_bytes = protected_bytes
+
+    @property
+    def num_blocks(self) -> int:
+        return self.probation.num_blocks + self.protected.num_blocks
+
+    @property
+    def num_bytes(self) -> int:
+        return self.probation.num_bytes + self.protected.num_bytes
+
+    def append(self, block: Block) -> None:
+        block.protected = block.num_hits > 0
+        (self.protected if block.protected else self.probation).append(block)
+        while self.protected.num_bytes > self.protected_bytes:
+            demoted = self.protected.pop_oldest()
+            assert demoted is not None, "protected bytes come from protected blocks"
+            demoted.protected = False
+            self.probation.append(demoted)
+
+    def remove(self, block: Block) -> None:
+        (self.protected if block.protected else self.probation).remove(block)
+        block.protected = False
+
+    def pop_oldest(self) -> Block | None:
+        """The next block to evict: probation's least recent, else protected's."""
+        victim = self.probation.oldest() or self.protected.oldest()
+        if victim is not None:
+            self.remove(victim)
+        return victim
+
+    def __iter__(self) -> Iterator[Block]:
+        yield from self.probation
+        yield from self.protected
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +220,7 @@ class BlockPool:
         on_discard: Callable[[Block, str], None] | None = None,
         pin_budget_bytes: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        segmented: bool = True,
     ):
         self.budget_bytes = budget_bytes
         self.pin_budget_bytes = pin_budget_bytes  # per scope; 0: nothing is pinned
@@ -178,7 +232,9 @@ class BlockPool:
         self.by_hash: dict[BlockHash, Block] = {}
         # parent hash (None: a chain's first block) -> its blocks in the pool
         self.children: dict[BlockHash | None, set[BlockHash]] = {}
-        self.free = FreeBlockQueue()
+        self.free: FreeBlockQueue | SegmentedFreeBlocks = (
+            SegmentedFreeBlocks(int(budget_bytes * PROTECTED_FRACTION)) if segmented else FreeBlockQueue()
+        )
         self.num_bytes = 0
         self.reserved_bytes = 0  # held for KV outside the pool (running sequences)
         self.counters = PoolStats()
@@ -202,7 +258,7 @@ class BlockPool:
             self._discard(block, "purged")
         elif block.ref_count == 0:
             block.last_used = time.monotonic()
-            self.free.append(block)  # the free queue stays ordered by last_used
+            self.free.append(block)  # each free queue stays ordered by last_used
 
     def insert(self, block: Block) -> Block | None:
         """Add a block, acquired once by the caller; evicts LRU free blocks to fit the budget.
@@ -344,7 +400,8 @@ class BlockPool:
         first, without the eviction callback: what expired is not spilled."""
         cutoff = (time.monotonic() if now is None else now) - idle_s
         num_blocks, num_bytes = 0, 0
-        while (victim := self.free.oldest()) is not None and victim.last_used < cutoff:
+        # a scan of the free blocks (every 10 s): probation is ordered by arrival, not by last use
+        for victim in sorted((b for b in self.free if b.last_used < cutoff), key=lambda b: b.last_used):
             self.free.remove(victim)
             num_blocks, num_bytes = num_blocks + 1, num_bytes + victim.nbytes
             self._discard(victim, "expired")

@@ -35,6 +35,7 @@ from typing import Literal
 
 import mlx.core as mx
 
+from .blocktrace import short_hash
 from .chain import ExtraSpan, Roots, hash_blocks, public_blocks
 from .keys import PUBLIC_SALT, PUBLIC_TENANT, BlockHash, TenantSalt, chain_root
 from .pool import Block, BlockPool, Ghost, Ghosts, PoolStats, Purged
@@ -90,6 +91,7 @@ class PrefixMatch:
     miss_lived_s: float = 0.0  # ... after this many seconds in that tier
     miss_in_image: bool = False
     num_public_tokens: int = 0  # the prompt's leading tokens in public blocks (shared by every tenant)
+    chain: tuple[str, ...] = ()  # the prompt's full blocks, as short hashes (blocktrace.short_hash): for traces
 
     @property
     def tier(self) -> Tier:
@@ -299,9 +301,16 @@ class PrefixSession:
         stats.num_cached_tokens += cached
         miss = self._why_missed(num_prompt_tokens)
         public = self.roots.num_public * size
+        chain = tuple(short_hash(h) for h in self.hashes[: num_prompt_tokens // size])
         if miss is None:
             return PrefixMatch(
-                num_prompt_tokens, matched, cached, num_ram * size, matched - num_ram * size, num_public_tokens=public
+                num_prompt_tokens,
+                matched,
+                cached,
+                num_ram * size,
+                matched - num_ram * size,
+                num_public_tokens=public,
+                chain=chain,
             )
         stats.miss_reasons[miss.reason] = stats.miss_reasons.get(miss.reason, 0) + 1
         return PrefixMatch(
@@ -316,6 +325,7 @@ class PrefixSession:
             miss.lived_s,
             miss.in_image,
             public,
+            chain,
         )
 
     def _reusable(self, limit: int) -> int:

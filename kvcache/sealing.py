@@ -53,6 +53,10 @@ class WrongKey(RuntimeError):
     """The wrapping key does not open this key store (another key file, another server secret)."""
 
 
+class KeyStoreDamaged(RuntimeError):
+    """The key store's file does not parse: nothing in it can be trusted or opened."""
+
+
 class Sealer(Protocol):
     def seal(self, tenant: str, aad: bytes, plaintext: bytes) -> bytes: ...
     def open(self, tenant: str, aad: bytes, sealed: bytes | memoryview) -> bytes: ...
@@ -103,7 +107,7 @@ class Keyring:
         self.checked = False
         try:
             self._check()
-        except WrongKey:
+        except RuntimeError:  # WrongKey, KeyStoreDamaged: start-up must stop here
             raise
         except Exception:  # noqa: BLE001 - a shared store out of reach: checked at the first use instead
             pass
@@ -288,9 +292,14 @@ class FileKeys:
     def records(self) -> dict[str, bytes]:
         try:
             stored = json.loads(self.path.read_text())
+            return {tenant: bytes.fromhex(record) for tenant, record in stored.items()}
         except FileNotFoundError:
             return {}
-        return {tenant: bytes.fromhex(record) for tenant, record in stored.items()}
+        except (ValueError, AttributeError, TypeError):
+            raise KeyStoreDamaged(
+                f"{self.path} is damaged: restore it from where it is kept, or remove it to start "
+                "afresh (every tenant's stored data then becomes unreadable)"
+            ) from None
 
     def replace_all(self, records: dict[str, bytes]) -> None:
         with self._locked():

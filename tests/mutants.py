@@ -383,6 +383,15 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "the pool evicts reused blocks before one-off ones (a scan pushes the hot prompt out)",
+        "kvcache/pool.py",
+        "victim = self.probation.oldest() or self.protected.oldest()",
+        "victim = self.protected.oldest() or self.probation.oldest()",
+        (
+            "tests/evals/test_cache_sim.py::test_a_scan_evicts_the_hot_prompt_from_one_lru_queue_but_not_from_the_segmented_pool",
+        ),
+    ),
+    Mutant(
         "a draft kept under a key without the tenant (another tenant drafts from it)",
         "semantic/exact.py",
         'return digest("draft", {"scope": scope.as_dict(), "messages": messages, "output": output})',

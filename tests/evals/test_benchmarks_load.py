@@ -23,6 +23,8 @@ import pytest
         "bench_speculative",
         "bench_timing_channel",
         "false_hits",
+        "cache_sim",
+        "trace_gen",
         "train_verifier",
     ],
 )

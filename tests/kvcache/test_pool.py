@@ -205,3 +205,40 @@ def test_a_purge_ends_the_pins_of_what_it_removes():
     pool.drop_free()
     assert pool.get(other.block_hash) is None and not pool.pins
     pool.check()
+
+
+def _held(pool: BlockPool, name: bytes, hits: int = 0) -> Block:
+    block = pool.insert(Block(BlockHash(name), nbytes=10))
+    assert block is not None
+    block.num_hits = hits
+    return block
+
+
+def test_reused_blocks_outlive_a_flood_of_one_off_blocks_and_overflow_back_into_probation():
+    pool = BlockPool(100)  # protected: at most 40 bytes
+    hot = [_held(pool, b"hot-%d" % i, hits=1) for i in range(5)]
+    for block in hot:
+        pool.release(block)
+    for i in range(30):  # a flood: three times the budget of blocks nobody reuses
+        pool.release(_held(pool, b"scan-%d" % i))
+    assert all(pool.get(block.block_hash) is not None and block.protected for block in hot[1:])
+    assert pool.get(hot[0].block_hash) is None  # 50 bytes reused, 40 protected: the oldest aged into probation
+    pool.check()
+    flat = BlockPool(100, segmented=False)
+    old = [_held(flat, b"hot-%d" % i, hits=1) for i in range(5)]
+    for block in old:
+        flat.release(block)
+    for i in range(30):
+        flat.release(_held(flat, b"scan-%d" % i))
+    assert all(flat.get(block.block_hash) is None for block in old)  # one LRU queue: the flood took them
+
+
+def test_retention_expires_idle_blocks_from_both_segments():
+    pool = BlockPool(100)
+    reused, fresh = _held(pool, b"reused", hits=2), _held(pool, b"fresh")
+    pool.release(reused)
+    pool.release(fresh)
+    reused.last_used, fresh.last_used = 0.0, 5.0
+    assert pool.expire(idle_s=10, now=12.0).num_entries == 1 and pool.get(reused.block_hash) is None
+    assert pool.expire(idle_s=10, now=20.0).num_entries == 1 and not pool.by_hash
+    pool.check()

@@ -13,7 +13,7 @@ import pytest
 
 from kvcache.chain import ExtraSpan, Roots, hash_blocks, public_blocks
 from kvcache.keys import PUBLIC_SALT, chain_root, rejoin, tenant_salt
-from kvcache.sealing import FileKeys, Keyring, Plain, Unreadable, WrongKey, read_key_file
+from kvcache.sealing import FileKeys, Keyring, KeyStoreDamaged, Plain, Unreadable, WrongKey, read_key_file
 from kvcache.ssd import AdmissionPolicy, SpillRequest, SsdConfig, SsdTier
 
 KEY, OTHER_KEY = bytes(range(32)), bytes(range(1, 33))
@@ -196,3 +196,10 @@ def test_public_blocks_are_shared_and_what_follows_them_stays_the_tenants():
 def test_public_blocks_lie_wholly_inside_the_text_and_before_any_image():
     assert public_blocks(47, (), 16) == 2 and public_blocks(48, (), 16) == 3 and public_blocks(15, (), 16) == 0
     assert public_blocks(100, (ExtraSpan(40, 60, b"img"),), 16) == 2
+
+
+def test_a_damaged_key_store_is_refused_with_its_path(tmp_path):
+    _keyring(tmp_path).seal("acme", b"p", b"x")
+    (tmp_path / "keys.json").write_text('{"acme": "not hex"')
+    with pytest.raises(KeyStoreDamaged, match=r"keys\.json is damaged"):
+        _keyring(tmp_path)

@@ -1,0 +1,223 @@
+"""The prefix cache's eviction replayed on block traces, against the best any policy could do.
+
+    python -m evals.cache_sim --all [--json FILE]               every synthetic trace, three budgets each
+    python -m evals.cache_sim --trace FILE --budgets N [N ...]  a recorded trace (STRATA_TRACE_FILE), budgets in blocks
+
+Each trace (evals.trace_gen) is replayed through kvcache's own BlockPool — the production class, not
+a re-implementation — the way a PrefixSession drives it: a request looks its chain up block by block
+until the first miss (acquiring what it finds), stores the rest (a block already cached is acquired,
+not stored again), and releases everything last block first when it ends. Twice: `lru` (one LRU
+queue, the policy before) and `strata` (the segmented LRU the pool runs now). Then the offline
+optimum: Belady's MIN on the prefix tree — on a miss the block is cached and, past the budget, the
+cached block whose next use is farthest goes; a block is used whenever a later block of its chain is,
+so its children's next uses are never nearer and ties go to the deeper block: leaves leave first. A
+block never used again need not be cached at all. Budgets are in blocks, relative to the trace's
+working set (its distinct blocks): small 5%, medium 20%, large 50%. Rates are token hit rates over
+full-block tokens (every block holds the same tokens): lookups that reused a cached block.
+
+Also printed: the hot traffic's hit rate on the scan trace (its chat requests, not the flood) beside
+the same chat traffic without the flood, and the LRU curve from stack distances (kvcache.mrc) beside
+the replayed LRU at each budget, exact and sampled (SHARDS, 10%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvcache import BlockHash
+from kvcache.blocktrace import TraceRecord, read_trace
+from kvcache.mrc import stack_distances
+from kvcache.pool import Block, BlockPool
+
+from .trace_gen import KINDS, generate
+
+BUDGETS = {"small": 0.05, "medium": 0.20, "large": 0.50}  # of the working set's blocks
+BLOCK_BYTES = 1  # every block costs the same: budgets are in blocks
+SAMPLE_RATE = 0.1
+
+
+def replay(records: Sequence[TraceRecord], budget_blocks: int, segmented: bool) -> list[int]:
+    """Blocks each request reused, replayed through the production pool."""
+    pool = BlockPool(budget_blocks * BLOCK_BYTES, segmented=segmented)
+    reused = []
+    for record in records:
+        held: list[Block] = []
+        hits, parent = 0, None
+        for hex_hash in record.blocks:
+            key = BlockHash(bytes.fromhex(hex_hash))
+            block = pool.get(key)
+            if block is not None:
+                pool.acquire(block)
+                if hits == len(held):  # every block before it was a hit: still matching
+                    block.num_hits += 1
+                    hits += 1
+            else:
+                block = pool.insert(Block(key, nbytes=BLOCK_BYTES, parent_hash=parent))
+                if block is None:
+                    break  # the budget is all held by this request: the rest is not stored
+            held.append(block)
+            parent = key
+        reused.append(hits)
+        for block in reversed(held):
+            pool.release(block)
+    return reused
+
+
+def optimum(records: Sequence[TraceRecord], budget_blocks: int) -> list[int]:
+    """Blocks each request reused under Belady's MIN on the prefix tree."""
+    next_use = _next_uses(records)
+    cached: dict[str, float] = {}  # block -> its next use (request index; inf: none)
+    heap: list[tuple[float, int, str]] = []  # (-next use, -depth, block); stale entries skipped
+    reused = []
+    for index, record in enumerate(records):
+        hits, matching = 0, True
+        for depth, (block, following) in enumerate(zip(record.blocks, next_use[index])):
+            if matching and block in cached:
+                hits += 1
+            else:
+                matching = False
+            if block in cached or following != math.inf:
+                cached[block] = following
+                heapq.heappush(heap, (-following, -depth, block))
+            while len(cached) > budget_blocks:
+                far, _, victim = heapq.heappop(heap)
+                if cached.get(victim) == -far:
+                    del cached[victim]
+        reused.append(hits)
+    return reused
+
+
+def _next_uses(records: Sequence[TraceRecord]) -> list[list[float]]:
+    """For each request's blocks: the index of the next request that uses the block (inf: none)."""
+    following: dict[str, float] = {}
+    result: list[list[float]] = [[] for _ in records]
+    for index in range(len(records) - 1, -1, -1):
+        result[index] = [following.get(block, math.inf) for block in records[index].blocks]
+        for block in records[index].blocks:
+            following[block] = index
+    return result
+
+
+def rate(records: Sequence[TraceRecord], reused: Sequence[int], only=None) -> float:
+    chosen = [i for i in range(len(records)) if only is None or only(records[i])]
+    total = sum(len(records[i].blocks) for i in chosen)
+    return sum(reused[i] for i in chosen) / total if total else 0.0
+
+
+def working_set(records: Sequence[TraceRecord]) -> int:
+    return len({block for record in records for block in record.blocks})
+
+
+def compare(records: Sequence[TraceRecord], budget_blocks: int) -> dict[str, float]:
+    records = [r for r in records if not r.answered]
+    return {
+        "lru": rate(records, replay(records, budget_blocks, segmented=False)),
+        "strata": rate(records, replay(records, budget_blocks, segmented=True)),
+        "optimum": rate(records, optimum(records, budget_blocks)),
+    }
+
+
+def curve_check(records: Sequence[TraceRecord], budgets: Sequence[int]) -> dict[str, dict[int, float]]:
+    """LRU's hit rate at each budget: replayed, and from stack distances (exact and sampled)."""
+    records = [r for r in records if not r.answered]
+    chains = [r.blocks for r in records]
+    exact, sampled = stack_distances(chains), stack_distances(chains, SAMPLE_RATE)
+    return {
+        "replayed": {b: rate(records, replay(records, b, segmented=False)) for b in budgets},
+        "exact": {b: exact.hit_rate(b) for b in budgets},
+        "sampled": {b: sampled.hit_rate(b) for b in budgets},
+    }
+
+
+def hot_traffic(seed: int, budget_blocks: int) -> dict[str, float]:
+    """The chat requests' hit rate with the scan's flood mixed in and without it (same requests)."""
+    steady = generate("chat", seed)
+    mixed = generate("scan", seed)
+    hot = {(r.t, r.blocks) for r in steady}
+    is_hot = lambda record: (record.t, record.blocks) in hot
+    result = {"without scan": rate(steady, replay(steady, budget_blocks, segmented=True))}
+    for name, segmented in (("with scan, lru", False), ("with scan, strata", True)):
+        result[name] = rate(mixed, replay(mixed, budget_blocks, segmented), is_hot)
+    return result
+
+
+def run_all(seed: int) -> dict:
+    results: dict = {"traces": {}, "curves": {}, "hot": {}}
+    for kind in KINDS:
+        records = generate(kind, seed)
+        size = working_set(records)
+        budgets = {name: max(1, int(size * share)) for name, share in BUDGETS.items()}
+        results["traces"][kind] = {
+            name: compare(records, blocks) | {"blocks": blocks} for name, blocks in budgets.items()
+        }
+        results["curves"][kind] = curve_check(records, list(budgets.values()))
+        if kind == "chat":
+            results["hot"] = hot_traffic(seed, budgets["medium"])
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--all", action="store_true", help="every synthetic trace at three budgets")
+    parser.add_argument("--trace", type=Path, help="a recorded trace (JSON lines)")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[], help="with --trace: budgets in blocks")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.trace:
+        records = list(read_trace(args.trace))
+        budgets = args.budgets or [max(1, int(working_set(records) * s)) for s in BUDGETS.values()]
+        results = {"traces": {args.trace.name: {str(b): compare(records, b) | {"blocks": b} for b in budgets}}}
+    elif args.all:
+        results = run_all(args.seed)
+    else:
+        parser.error("give --all or --trace FILE")
+    report(results)
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    t: {b: {k: r[k] for k in ("lru", "strata", "optimum")} for b, r in rows.items()}
+                    for t, rows in results["traces"].items()
+                }
+            )
+        )
+
+
+def report(results: dict) -> None:
+    print("token hit rate by policy (full-block tokens); budget in blocks, relative to the working set")
+    print(
+        f"{'trace':<6} | {'budget':<13} | {'lru':>6} | {'strata':>6} | {'optimum':>7} | {'strata/opt':>10} | {'lru/opt':>7}"
+    )
+    worst = 1.0
+    for trace, rows in results["traces"].items():
+        for budget, row in rows.items():
+            share = row["strata"] / row["optimum"] if row["optimum"] else 1.0
+            worst = min(worst, share)
+            print(
+                f"{trace:<6} | {budget + ' ' + str(row['blocks']):<13} | {row['lru']:6.1%} | {row['strata']:6.1%} | "
+                f"{row['optimum']:7.1%} | {share:10.2f} | {row['lru'] / row['optimum'] if row['optimum'] else 1:7.2f}"
+            )
+    print(f"target: strata >= 90% of the optimum everywhere: worst {worst:.0%}")
+    if results.get("hot"):
+        hot = results["hot"]
+        print(
+            f"scan resistance (chat requests' hit rate, medium budget): without the scan {hot['without scan']:.1%}, "
+            f"with it: lru {hot['with scan, lru']:.1%}, strata {hot['with scan, strata']:.1%} "
+            f"(target: within 5 points of without: {abs(hot['without scan'] - hot['with scan, strata']) * 100:.1f})"
+        )
+    for trace, curve in results.get("curves", {}).items():
+        cells = [
+            f"{b}: replayed {curve['replayed'][b]:.1%}, exact {curve['exact'][b]:.1%}, sampled {curve['sampled'][b]:.1%}"
+            for b in curve["replayed"]
+        ]
+        print(f"LRU curve, {trace}: " + "; ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
