@@ -29,7 +29,7 @@ from litestar.params import FromPath, FromQuery
 from kvcache.sealing import Keyring
 from semantic import Selector, StoreUnavailable
 
-from .diagnosis import diagnose
+from .diagnosis import RamBudget, diagnose
 from .errors import ApiError, bad_request, echo
 from .schemas import parse_json_body
 from .sessions import SessionClock
@@ -284,7 +284,10 @@ async def diagnosis(request: Request, window_s: FromQuery[float] = DIAGNOSIS_WIN
         raise bad_request("window_s must be between 0 and 604800 seconds", "invalid_value", "window_s")
     services = request.app.state.services
     records = list(services.counters.recent)
-    return diagnose(records, window_s, time.time(), "ssd" in services.engine.cache_stats())
+    caches = services.engine.cache_stats()
+    block_bytes = services.engine.snapshot().kv_bytes_per_token * services.settings.kv_block_size
+    ram = RamBudget(caches["prefix"]["budget_bytes"], block_bytes) if "prefix" in caches else None
+    return diagnose(records, window_s, time.time(), "ssd" in caches, ram)
 
 
 @get("/admin/public-prefixes", guards=[require_admin])

@@ -1,6 +1,6 @@
 """Why the caches miss: a recent window of requests summarised in numbers and plain words.
 
-    diagnose(records, window_s, now, ssd_enabled) -> dict     what GET /admin/diagnosis answers
+    diagnose(records, window_s, now, ssd_enabled, ram) -> dict     what GET /admin/diagnosis answers
 
 Each request that looked up the prefix cache leaves its prompt tokens, the tokens it reused and, when
 reuse stopped short, why (cold, diverged and where — with the first 40 characters of the line it
@@ -8,6 +8,13 @@ diverged on —, evicted / expired / purged and from which tier, after how long)
 FINDING_SHARE of all recomputed tokens is a finding; the actionable finding with the largest share
 names the bottleneck. New content (a prompt seen for the first time, or a conversation's latest
 message) is reported but never advised against: no setting makes the unseen cached.
+
+What more RAM would buy: each record also keeps a SHARDS sample of its prompt's block chain (the
+blocks whose hash falls in the first CHAIN_SAMPLE of the hash space, as 64-bit ints); the window's
+chains give the LRU hit-rate curve (kvcache.mrc), read at the RAM budget and at 1, 4 and 16 GiB
+more: "with 4 GiB more RAM the prefix token hit rate would have been ~Y% (now ~Z% by the same
+estimate)". An estimate from a sample (within a point or two at larger budgets, a few points below
+5% of the working set), of the RAM tier alone, for full blocks.
 """
 
 from __future__ import annotations
@@ -15,12 +22,18 @@ from __future__ import annotations
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvcache.mrc import sampled, stack_distances
 
 from .trace import LAYERS, PrefixFacts
 
 FINDING_SHARE = 0.2
 RECENT_REQUESTS = 50_000  # requests kept for the window (a deque: memory stays bounded)
+CHAIN_SAMPLE = 0.1  # of the hash space: a record keeps the blocks of its chain that fall in it
+MORE_RAM_GIB = (1, 4, 16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +41,20 @@ class RequestRecord:
     at: float  # time.time() when it ended
     statuses: tuple[str, ...]  # per LAYERS: hit | miss | bypass
     prefix: PrefixFacts | None
+    chain: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))  # sampled blocks, as ints
+
+
+def sampled_chain(chain: tuple[str, ...]) -> np.ndarray:
+    """The blocks of a chain (short hex hashes) that the what-if sample keeps, as 64-bit ints."""
+    return np.array([int(b, 16) for b in chain if sampled(b, CHAIN_SAMPLE)], dtype=np.uint64)
+
+
+@dataclass(frozen=True, slots=True)
+class RamBudget:
+    """The prefix cache's RAM now: its budget and what one block takes."""
+
+    budget_bytes: int
+    block_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +138,9 @@ def cause_of(facts: PrefixFacts) -> str:
     return "new_content"
 
 
-def diagnose(records: Iterable[RequestRecord], window_s: float, now: float, ssd_enabled: bool) -> dict:
+def diagnose(
+    records: Iterable[RequestRecord], window_s: float, now: float, ssd_enabled: bool, ram: RamBudget | None = None
+) -> dict:
     recent = [r for r in records if r.at >= now - window_s]
     looked_up = [r.prefix for r in recent if r.prefix is not None]
     missed: dict[str, list[PrefixFacts]] = defaultdict(list)
@@ -130,6 +159,9 @@ def diagnose(records: Iterable[RequestRecord], window_s: float, now: float, ssd_
     actionable = [
         name for name, summary in causes.items() if CAUSES[name].actionable and summary["share"] >= FINDING_SHARE
     ]
+    what_if = _more_ram(recent, ram) if ram is not None and ram.block_bytes else None
+    if what_if is not None and what_if["more"]:
+        findings.append(_what_if_finding(what_if))
     return {
         "window_s": window_s,
         "requests": len(recent),
@@ -138,7 +170,31 @@ def diagnose(records: Iterable[RequestRecord], window_s: float, now: float, ssd_
         "causes": causes,
         "bottleneck": actionable[0] if actionable else "none",
         "findings": findings or [_quiet(len(recent), total)],
+        "more_ram": what_if,
     }
+
+
+def _more_ram(recent: list[RequestRecord], ram: RamBudget) -> dict:
+    """The LRU token hit rate the window's sampled chains give at the budget and with more RAM."""
+    chains = [r.chain.tolist() for r in recent if len(r.chain)]
+    if not chains:
+        return {"estimated_now": None, "more": {}}
+    curve = stack_distances(chains, CHAIN_SAMPLE, presampled=True)
+    blocks = ram.budget_bytes // ram.block_bytes
+    more = {f"{gib}GiB": round(curve.hit_rate(blocks + (gib << 30) // ram.block_bytes), 4) for gib in MORE_RAM_GIB}
+    return {"estimated_now": round(curve.hit_rate(blocks), 4), "more": more}
+
+
+def _what_if_finding(what_if: dict) -> str:
+    gib, rate = next(iter(what_if["more"].items()))
+    for name, value in what_if["more"].items():  # the smallest step that gets most of the gain
+        if value >= max(what_if["more"].values()) - 0.01:
+            gib, rate = name, value
+            break
+    return (
+        f"with {gib.removesuffix('GiB')} GiB more RAM the prefix token hit rate would have been ~{rate:.0%} "
+        f"(now ~{what_if['estimated_now']:.0%} by the same estimate: LRU over a sample of the window's blocks)."
+    )
 
 
 def _hit_rates(recent: list[RequestRecord], looked_up: list[PrefixFacts]) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 
-from .diagnosis import RECENT_REQUESTS, RequestRecord
+from .diagnosis import RECENT_REQUESTS, RequestRecord, sampled_chain
 from .trace import LAYERS, Trace
 
 
@@ -20,9 +20,8 @@ class LayerCounters:
         self.served_by[trace.served_by] += 1
         for layer in LAYERS:
             self.outcomes[(layer, trace.outcomes[layer].status)] += 1
-        self.recent.append(
-            RequestRecord(time.time(), tuple(trace.outcomes[layer].status for layer in LAYERS), trace.prefix)
-        )
+        statuses = tuple(trace.outcomes[layer].status for layer in LAYERS)
+        self.recent.append(RequestRecord(time.time(), statuses, trace.prefix, sampled_chain(trace.chain)))
 
     def snapshot(self) -> dict:
         layers = {}

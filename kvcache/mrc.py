@@ -62,10 +62,12 @@ def sampled(block: str, sample_rate: float) -> bool:
     return sample_rate >= 1.0 or int(block[:8], 16) < sample_rate * 0x100000000
 
 
-def stack_distances(chains: Iterable[Sequence[str]], sample_rate: float = 1.0) -> Distances:
-    """Each request's chain of block hashes, in order. Lookups are the chain's blocks in order;
-    uses (for recency) are the same blocks released last first when the request ends."""
-    requests = [[b for b in chain if sampled(b, sample_rate)] for chain in chains]
+def stack_distances(chains: Iterable[Sequence], sample_rate: float = 1.0, presampled: bool = False) -> Distances:
+    """Each request's chain of block hashes (hex strings; any hashable when `presampled`), in order.
+    Lookups are the chain's blocks in order; uses (for recency) are the same blocks released last
+    first when the request ends. `presampled`: the chains hold only the blocks `sampled()` kept at
+    `sample_rate` already (a live window keeps no more)."""
+    requests = [list(chain) if presampled else [b for b in chain if sampled(b, sample_rate)] for chain in chains]
     uses = sum(len(chain) for chain in requests)
     tree, last_use = _Fenwick(uses), dict[str, int]()
     distances: list[float] = []

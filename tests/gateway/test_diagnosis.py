@@ -135,3 +135,22 @@ def test_findings_need_a_fifth_of_the_missed_tokens_and_quiet_windows_say_so():
     assert report["findings"][0].startswith("70% of missed prefix tokens expired from the SSD tier 30 seconds")
     assert [f for f in report["findings"] if "pixels" in f] == []  # 5%: below the bar
     assert diagnose([], 60, 120, True)["findings"] == ["no requests in the window: nothing to diagnose."]
+
+
+def test_the_window_says_what_more_ram_would_have_bought():
+    """Chat traffic through a RAM budget of 5% of its blocks: the estimate from the records' sampled
+    chains is near the pool's replayed truth, now and with more RAM."""
+    from evals.cache_sim import rate, replay, working_set
+    from evals.trace_gen import generate
+    from gateway.diagnosis import RamBudget, sampled_chain
+
+    trace = generate("chat")
+    records = [RequestRecord(120.0, ("miss",) * 5, None, sampled_chain(r.blocks)) for r in trace]
+    budget = working_set(trace) // 5
+    report = diagnose(records, 60, 120, True, RamBudget(budget * 1000, 1000))
+    now, more = report["more_ram"]["estimated_now"], report["more_ram"]["more"]
+    assert abs(now - rate(trace, replay(trace, budget, segmented=False))) < 0.02
+    assert more["1GiB"] >= now and abs(more["1GiB"] - rate(trace, replay(trace, budget * 20, segmented=False))) < 0.02
+    assert any(
+        f.startswith("with 1 GiB more RAM the prefix token hit rate would have been ~") for f in report["findings"]
+    )
