@@ -33,33 +33,69 @@ from kvcache import BlockHash
 from kvcache.blocktrace import TraceRecord, read_trace
 from kvcache.mrc import stack_distances
 from kvcache.pool import Block, BlockPool
+from kvcache.ssd import AdmissionPolicy
 
 from .trace_gen import KINDS, generate
 
 BUDGETS = {"small": 0.05, "medium": 0.20, "large": 0.50}  # of the working set's blocks
 BLOCK_BYTES = 1  # every block costs the same: budgets are in blocks
 SAMPLE_RATE = 0.1
+SSD_TIMES_RAM = 4  # the SSD tier's capacity beside each RAM budget
 
 
-def replay(records: Sequence[TraceRecord], budget_blocks: int, segmented: bool) -> list[int]:
-    """Blocks each request reused, replayed through the production pool."""
-    pool = BlockPool(budget_blocks * BLOCK_BYTES, segmented=segmented)
+class SsdModel:
+    """The SSD tier as the simulator keeps it: the production admission rule (AdmissionPolicy) in
+    front of a block-level LRU of `capacity_blocks` (the tier evicts whole 16-block segments by their
+    last read: close, not the same). `written` counts the blocks written."""
+
+    def __init__(self, capacity_blocks: int, admission: AdmissionPolicy | None = None):
+        self.blocks = BlockPool(capacity_blocks * BLOCK_BYTES, segmented=False)
+        self.admission = admission or AdmissionPolicy()  # the server's defaults
+        self.written = 0
+
+    def spill(self, block: Block) -> None:
+        """PrefixCache's on_evict: an admitted block the tier lacks is written."""
+        if self.blocks.get(block.block_hash) is not None or not self.admission.admits(block.num_hits, block.end_token):
+            return
+        stored = self.blocks.insert(Block(block.block_hash, nbytes=BLOCK_BYTES))
+        if stored is not None:
+            self.blocks.release(stored)
+            self.written += 1
+
+    def read(self, key: BlockHash) -> bool:
+        """Whether the tier holds the block (a read refreshes it)."""
+        found = self.blocks.get(key)
+        if found is not None:
+            self.blocks.acquire(found)
+            self.blocks.release(found)
+        return found is not None
+
+
+def replay(
+    records: Sequence[TraceRecord], budget_blocks: int, segmented: bool, ssd: SsdModel | None = None
+) -> list[int]:
+    """Blocks each request reused, replayed through the production pool (and the SSD tier's rule)."""
+    pool = BlockPool(budget_blocks * BLOCK_BYTES, on_evict=ssd.spill if ssd else None, segmented=segmented)
     reused = []
     for record in records:
         held: list[Block] = []
         hits, parent = 0, None
-        for hex_hash in record.blocks:
+        for index, hex_hash in enumerate(record.blocks):
             key = BlockHash(bytes.fromhex(hex_hash))
             block = pool.get(key)
+            matching = hits == len(held)  # every block before it was a hit
             if block is not None:
                 pool.acquire(block)
-                if hits == len(held):  # every block before it was a hit: still matching
-                    block.num_hits += 1
-                    hits += 1
             else:
-                block = pool.insert(Block(key, nbytes=BLOCK_BYTES, parent_hash=parent))
+                end = (index + 1) * record.block_tokens
+                block = pool.insert(Block(key, nbytes=BLOCK_BYTES, parent_hash=parent, end_token=end))
                 if block is None:
                     break  # the budget is all held by this request: the rest is not stored
+                if not (matching and ssd is not None and ssd.read(key)):
+                    matching = False  # computed, not reused (a block promoted from SSD is reused)
+            if matching:
+                block.num_hits += 1
+                hits += 1
             held.append(block)
             parent = key
         reused.append(hits)
@@ -113,13 +149,22 @@ def working_set(records: Sequence[TraceRecord]) -> int:
     return len({block for record in records for block in record.blocks})
 
 
-def compare(records: Sequence[TraceRecord], budget_blocks: int) -> dict[str, float]:
+def compare(records: Sequence[TraceRecord], budget_blocks: int) -> dict:
+    """Token hit rates of the RAM tier alone, and with an SSD tier SSD_TIMES_RAM times its size
+    (the optimum then: MIN over both together; `written`: blocks the SSD tier wrote)."""
     records = [r for r in records if not r.answered]
-    return {
+    result: dict = {
         "lru": rate(records, replay(records, budget_blocks, segmented=False)),
         "strata": rate(records, replay(records, budget_blocks, segmented=True)),
         "optimum": rate(records, optimum(records, budget_blocks)),
     }
+    with_ssd: dict = {}
+    for name, segmented in (("lru", False), ("strata", True)):
+        ssd = SsdModel(budget_blocks * SSD_TIMES_RAM)
+        with_ssd[name] = rate(records, replay(records, budget_blocks, segmented, ssd))
+        with_ssd[f"{name}_written"] = ssd.written
+    with_ssd["optimum"] = rate(records, optimum(records, budget_blocks * (1 + SSD_TIMES_RAM)))
+    return result | {"with_ssd": with_ssd}
 
 
 def curve_check(records: Sequence[TraceRecord], budgets: Sequence[int]) -> dict[str, dict[int, float]]:
@@ -204,6 +249,18 @@ def report(results: dict) -> None:
                 f"{row['optimum']:7.1%} | {share:10.2f} | {row['lru'] / row['optimum'] if row['optimum'] else 1:7.2f}"
             )
     print(f"target: strata >= 90% of the optimum everywhere: worst {worst:.0%}")
+    print(f"\nwith an SSD tier {SSD_TIMES_RAM}x the RAM budget (admission: reused at least once in RAM)")
+    print(
+        f"{'trace':<6} | {'budget':<13} | {'lru':>6} | {'strata':>6} | {'optimum':>7} | {'strata/opt':>10} | {'SSD writes':>10}"
+    )
+    for trace, rows in results["traces"].items():
+        for budget, row in rows.items():
+            ssd = row["with_ssd"]
+            print(
+                f"{trace:<6} | {budget + ' ' + str(row['blocks']):<13} | {ssd['lru']:6.1%} | {ssd['strata']:6.1%} | "
+                f"{ssd['optimum']:7.1%} | {ssd['strata'] / ssd['optimum'] if ssd['optimum'] else 1:10.2f} | "
+                f"{ssd['strata_written']:>10}"
+            )
     if results.get("hot"):
         hot = results["hot"]
         print(

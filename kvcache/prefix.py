@@ -121,6 +121,7 @@ class PrefixCacheStats:
     num_blocks_stored: int = 0
     num_ssd_promoted: int = 0
     num_promotion_failures: int = 0  # the RAM budget could not be reserved: recomputed instead
+    num_ssd_not_read: int = 0  # lookups that left blocks on SSD: reading them is slower than recomputing here
     miss_reasons: dict = field(default_factory=dict)  # PrefixMatch.miss_reason -> lookups
 
 
@@ -165,6 +166,16 @@ class PrefixCache:
         )
         self.counters = PrefixCacheStats()
         self.ghosts: Ghosts[BlockHash] = Ghosts()  # blocks that left RAM: why a later lookup missed
+        # Whether a block on SSD is restored rather than recomputed: the engine sets it at start-up
+        # from what it measured (judge_ssd); True until then.
+        self.restore_from_ssd = True
+
+    def judge_ssd(self, read_s_per_byte: float, prefill_s_per_token: float, bytes_per_token: int) -> bool:
+        """Restore from SSD only where reading a token's KV is faster than computing it again (a
+        slow network folder beside a fast accelerator: SGLang's HiCache users measured such). Sets
+        and returns restore_from_ssd."""
+        self.restore_from_ssd = read_s_per_byte * bytes_per_token < prefill_s_per_token
+        return self.restore_from_ssd
 
     def stats(self) -> PrefixSnapshot:
         pool = self.pool
@@ -369,6 +380,11 @@ class PrefixSession:
         or verified ends the match there."""
         ssd, start = self.cache.ssd, len(self.held)
         assert ssd is not None, "promotion is asked for only when the cache has an SSD tier"
+        if not self.cache.restore_from_ssd:
+            self.cache.counters.num_ssd_not_read += (
+                ssd.contains(self.hashes[start].hex()) if start < len(self.hashes) else 0
+            )
+            return
         run, sizes = self._run_on_ssd(start)
         if len(run) < len(self.hashes) - start and ssd.refresh():  # other writers of a shared folder
             run, sizes = self._run_on_ssd(start)

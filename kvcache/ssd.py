@@ -106,6 +106,10 @@ class AdmissionPolicy:
     min_prefix_tokens: int = 0  # only blocks whose end lies at least this deep in a prefix
     daily_write_bytes: int = 10 << 30  # stop spilling for the day past this
 
+    def admits(self, num_hits: int, end_token: int) -> bool:
+        """Whether an evicted block is worth a write (the daily budget aside)."""
+        return num_hits >= self.min_hits and end_token >= self.min_prefix_tokens
+
 
 @dataclass(frozen=True, slots=True)
 class SsdConfig:
@@ -274,8 +278,7 @@ class SsdTier:
 
     def admits(self, num_hits: int, end_token: int) -> bool:
         """Whether a block is worth a write (a pure test: `refused` counts a refusal)."""
-        policy = self.config.admission
-        return num_hits >= policy.min_hits and end_token >= policy.min_prefix_tokens
+        return self.config.admission.admits(num_hits, end_token)
 
     def refused(self) -> None:
         """An evicted block was not admitted (counted under the tier's lock)."""
@@ -602,6 +605,24 @@ class SsdTier:
         sizes = {h: sum(t.nbytes for t in tensors.values()) for h, tensors in blocks.items()}
         self.index.add(name, len(raw), path.stat().st_mtime, sizes, described_owners(raw))
         self._count("num_reindexed")
+
+    def read_s_per_byte(self, probe_bytes: int = 8 << 20) -> float:
+        """Seconds per byte of reading a file of this folder from the disk (written, dropped from the
+        page cache, read back, removed): what a restore costs here, measured once at start-up."""
+        probe = self.folder / f"{TEMP_PREFIX}read-probe-{uuid.uuid4().hex}"
+        try:
+            write_atomically(probe, os.urandom(probe_bytes))
+            fd = os.open(probe, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                started = time.perf_counter()
+                while os.read(fd, 1 << 20):
+                    pass
+                return (time.perf_counter() - started) / probe_bytes
+            finally:
+                os.close(fd)
+        finally:
+            probe.unlink(missing_ok=True)
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until queued spills are written, at most timeout_s. True when all were."""

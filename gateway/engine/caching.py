@@ -6,6 +6,7 @@ gateway renders as X-Cache-Prefix / X-Cache-Vision. Runs on the engine's worker 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -21,6 +22,8 @@ from vision import ImageKey, VisionCache, image_key
 from ..caches import CacheLayer, Removed
 from .prompt import PreparedPrompt, PromptImage
 from .types import Pin
+
+log = logging.getLogger("strata.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +131,20 @@ class EngineCaches:
             match.miss_in_image,
             match.num_public_tokens,
             match.chain,
+        )
+
+    def judge_ssd(self, prefill_s_per_token: float, bytes_per_token: int) -> None:
+        """At start-up: restore from the SSD tier only if reading a token's KV (measured here, from
+        the disk) is faster than computing it again (measured by the caller)."""
+        if self.prefix is None or self.prefix.ssd is None or not bytes_per_token:
+            return
+        read_s_per_byte = self.prefix.ssd.read_s_per_byte()
+        restore = self.prefix.judge_ssd(read_s_per_byte, prefill_s_per_token, bytes_per_token)
+        log.info(
+            "SSD tier: reading a token's KV takes %.1f us, computing it %.1f us: %s",
+            read_s_per_byte * bytes_per_token * 1e6,
+            prefill_s_per_token * 1e6,
+            "restoring from SSD" if restore else "recomputing instead of reading the SSD tier",
         )
 
     def reserve_running(self, nbytes: int) -> bool:

@@ -243,6 +243,18 @@ class ModelRunner:
             decoded = DecodedImage(image, pixel_hash(image), 56, 56)
             mx.eval(self._encode_image(self.prompts.process_image(decoded)))
         self.num_encoder_calls = 0
+        self.caches.judge_ssd(self._prefill_s_per_token(), self.kv_bytes_per_token)
+
+    def _prefill_s_per_token(self, num_tokens: int = 256) -> float:
+        """Seconds per token of a num_tokens prefill (the second of two: the first builds kernels)."""
+        ids = mx.array([[self.tokenizer.encode("warm", add_special_tokens=False)[0]] * num_tokens], dtype=mx.int32)
+        positions = _plain_mrope(num_tokens) if self.family.positions == "mrope" else None
+        elapsed = 0.0
+        for _ in range(2):
+            started = time.perf_counter()
+            mx.eval(self._call_one(Part(self.new_cache(), ids, positions=positions)))
+            elapsed = time.perf_counter() - started
+        return elapsed / num_tokens
 
     def new_cache(self) -> list:
         """The family's own cache classes; sliding-window layers of a window_as_mask family get a

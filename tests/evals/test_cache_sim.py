@@ -4,7 +4,7 @@ no text: tests/gateway/test_at_rest.py.)"""
 
 from __future__ import annotations
 
-from evals.cache_sim import compare, optimum, rate, replay, working_set
+from evals.cache_sim import SsdModel, compare, optimum, rate, replay, working_set
 from evals.trace_gen import chain, generate
 from kvcache.blocktrace import TraceRecord, read_trace
 from kvcache.mrc import stack_distances
@@ -57,3 +57,10 @@ def test_a_trace_round_trips(tmp_path):
     path = tmp_path / "trace.jsonl"
     path.write_text("".join(r.line() + "\n" for r in records))
     assert [r.line() for r in read_trace(path)] == [r.line() for r in records]
+
+
+def test_the_ssd_tier_takes_what_ram_evicts_once_reused_and_gives_it_back():
+    trace = _trace(["aa"], ["aa"], ["bb"], ["aa"], ["cc"], ["dd"], ["cc"])
+    ssd = SsdModel(4)
+    assert replay(trace, 1, segmented=True, ssd=ssd) == [0, 1, 0, 1, 0, 0, 0]  # cc was never reused: not written
+    assert ssd.written == 1 and replay(trace, 1, segmented=True) == [0, 1, 0, 0, 0, 0, 0]

@@ -296,3 +296,27 @@ def test_write_through_leaves_a_conversation_on_a_shared_tier_for_another_replic
     assert PrefixCache(1 << 30, BS, ssd_c).write_through is False  # only when asked
     for ssd in (ssd_a, ssd_b, ssd_c):
         ssd.close()
+
+
+def test_blocks_on_ssd_are_recomputed_where_reading_them_is_slower(tmp_path):
+    from kvcache.ssd import AdmissionPolicy, SsdConfig, SsdTier
+
+    ssd = SsdTier(SsdConfig(tmp_path / "kv", admission=AdmissionPolicy(min_hits=0)), "ns")
+    writer = PrefixCache(1 << 30, BS, ssd)
+    tokens = list(range(64))
+    with writer.open(SALT_A, "model", tokens) as session:
+        session.match(len(tokens))
+        session.store(tokens, _kv_for(tokens), len(tokens))
+    writer.persist()
+    ssd.close(10)
+    read_s_per_byte = SsdTier(SsdConfig(tmp_path / "probe"), "ns").read_s_per_byte(1 << 20)
+    assert 0 < read_s_per_byte < 1e-3 and not list((tmp_path / "probe").rglob(".tmp-*"))  # the probe is gone
+    for slower, expected in ((True, 0), (False, 63)):  # the last prompt token is always computed
+        reader = PrefixCache(1 << 30, BS, SsdTier(SsdConfig(tmp_path / "kv"), "ns"))
+        prefill_s_per_token = 1e-9 if slower else 1.0
+        assert reader.judge_ssd(read_s_per_byte, prefill_s_per_token, 4096) is not slower
+        with reader.open(SALT_A, "model", tokens) as session:
+            assert session.match(len(tokens)).num_cached_tokens == expected
+        assert reader.counters.num_ssd_not_read == slower
+        assert reader.ssd is not None
+        reader.ssd.close(10)
