@@ -33,7 +33,7 @@ from kvcache import BlockHash
 from kvcache.blocktrace import TraceRecord, read_trace
 from kvcache.mrc import stack_distances
 from kvcache.pool import Block, BlockPool
-from kvcache.ssd import AdmissionPolicy
+from kvcache.ssd import AdmissionPolicy, ReuseMeter
 
 from .trace_gen import KINDS, generate
 
@@ -44,18 +44,30 @@ SSD_TIMES_RAM = 4  # the SSD tier's capacity beside each RAM budget
 
 
 class SsdModel:
-    """The SSD tier as the simulator keeps it: the production admission rule (AdmissionPolicy) in
-    front of a block-level LRU of `capacity_blocks` (the tier evicts whole 16-block segments by their
-    last read: close, not the same). `written` counts the blocks written."""
+    """The SSD tier as the simulator keeps it: the production admission rule (AdmissionPolicy, with
+    the ReuseMeter's measured reuse unless `measured` is False) in front of a block-level LRU of
+    `capacity_blocks` (the tier evicts whole 16-block segments by their last read: close, not the
+    same). `written` counts the blocks written."""
 
-    def __init__(self, capacity_blocks: int, admission: AdmissionPolicy | None = None):
+    def __init__(self, capacity_blocks: int, admission: AdmissionPolicy | None = None, measured: bool = True):
         self.blocks = BlockPool(capacity_blocks * BLOCK_BYTES, segmented=False)
         self.admission = admission or AdmissionPolicy()  # the server's defaults
+        self.reuse = ReuseMeter() if measured else None
         self.written = 0
+
+    def asked_again(self, key: BlockHash) -> None:
+        """A block absent from RAM was asked for (PrefixSession._new_block tells the meter)."""
+        if self.reuse is not None:
+            self.reuse.asked_again(key)
 
     def spill(self, block: Block) -> None:
         """PrefixCache's on_evict: an admitted block the tier lacks is written."""
-        if self.blocks.get(block.block_hash) is not None or not self.admission.admits(block.num_hits, block.end_token):
+        worth = None
+        if self.reuse is not None:
+            self.reuse.evicted_block(block.block_hash, block.num_hits)
+            worth = self.reuse.worth(block.num_hits)
+        admitted = self.admission.admits(block.num_hits, block.end_token, worth)
+        if self.blocks.get(block.block_hash) is not None or not admitted:
             return
         stored = self.blocks.insert(Block(block.block_hash, nbytes=BLOCK_BYTES))
         if stored is not None:
@@ -88,6 +100,8 @@ def replay(
                 pool.acquire(block)
             else:
                 end = (index + 1) * record.block_tokens
+                if ssd is not None:
+                    ssd.asked_again(key)
                 block = pool.insert(Block(key, nbytes=BLOCK_BYTES, parent_hash=parent, end_token=end))
                 if block is None:
                     break  # the budget is all held by this request: the rest is not stored
@@ -159,8 +173,8 @@ def compare(records: Sequence[TraceRecord], budget_blocks: int) -> dict:
         "optimum": rate(records, optimum(records, budget_blocks)),
     }
     with_ssd: dict = {}
-    for name, segmented in (("lru", False), ("strata", True)):
-        ssd = SsdModel(budget_blocks * SSD_TIMES_RAM)
+    for name, segmented, measured in (("lru", False, False), ("strata", True, True)):
+        ssd = SsdModel(budget_blocks * SSD_TIMES_RAM, measured=measured)
         with_ssd[name] = rate(records, replay(records, budget_blocks, segmented, ssd))
         with_ssd[f"{name}_written"] = ssd.written
     with_ssd["optimum"] = rate(records, optimum(records, budget_blocks * (1 + SSD_TIMES_RAM)))
@@ -249,9 +263,13 @@ def report(results: dict) -> None:
                 f"{row['optimum']:7.1%} | {share:10.2f} | {row['lru'] / row['optimum'] if row['optimum'] else 1:7.2f}"
             )
     print(f"target: strata >= 90% of the optimum everywhere: worst {worst:.0%}")
-    print(f"\nwith an SSD tier {SSD_TIMES_RAM}x the RAM budget (admission: reused at least once in RAM)")
     print(
-        f"{'trace':<6} | {'budget':<13} | {'lru':>6} | {'strata':>6} | {'optimum':>7} | {'strata/opt':>10} | {'SSD writes':>10}"
+        f"\nwith an SSD tier {SSD_TIMES_RAM}x the RAM budget; lru: admitting blocks reused once in RAM "
+        "(the rule before), strata: segmented RAM and admission by measured reuse"
+    )
+    print(
+        f"{'trace':<6} | {'budget':<13} | {'lru':>6} | {'strata':>6} | {'optimum':>7} | {'strata/opt':>10} | "
+        f"{'writes lru':>10} | {'strata':>7}"
     )
     for trace, rows in results["traces"].items():
         for budget, row in rows.items():
@@ -259,7 +277,7 @@ def report(results: dict) -> None:
             print(
                 f"{trace:<6} | {budget + ' ' + str(row['blocks']):<13} | {ssd['lru']:6.1%} | {ssd['strata']:6.1%} | "
                 f"{ssd['optimum']:7.1%} | {ssd['strata'] / ssd['optimum'] if ssd['optimum'] else 1:10.2f} | "
-                f"{ssd['strata_written']:>10}"
+                f"{ssd['lru_written']:>10} | {ssd['strata_written']:>7}"
             )
     if results.get("hot"):
         hot = results["hot"]

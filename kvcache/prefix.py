@@ -40,7 +40,7 @@ from .chain import ExtraSpan, Roots, hash_blocks, public_blocks
 from .keys import PUBLIC_SALT, PUBLIC_TENANT, BlockHash, TenantSalt, chain_root
 from .pool import Block, BlockPool, Ghost, Ghosts, PoolStats, Purged
 from .quant import QuantConfig, from_tensors, quantize, restore, state_from_tensors, to_tensors
-from .ssd import SpillRequest, SsdTier
+from .ssd import ReuseMeter, SpillRequest, SsdTier
 
 SLICEABLE_CACHE_TYPES = ("KVCache",)  # caches whose state is (keys, values) along a token axis
 # Recurrent layers (Mamba, gated delta, short convolutions) carry one state for the whole prefix, a
@@ -169,6 +169,7 @@ class PrefixCache:
         # Whether a block on SSD is restored rather than recomputed: the engine sets it at start-up
         # from what it measured (judge_ssd); True until then.
         self.restore_from_ssd = True
+        self.reuse = ReuseMeter()  # evicted blocks asked for again: the SSD admission rule measures it
 
     def judge_ssd(self, read_s_per_byte: float, prefill_s_per_token: float, bytes_per_token: int) -> bool:
         """Restore from SSD only where reading a token's KV is faster than computing it again (a
@@ -218,7 +219,8 @@ class PrefixCache:
     def _spill(self, block: Block) -> None:
         ssd = self.ssd
         assert ssd is not None, "the pool spills only when the cache has an SSD tier"
-        if ssd.admits(block.num_hits, block.end_token):
+        self.reuse.evicted_block(block.block_hash, block.num_hits)
+        if ssd.admits(block.num_hits, block.end_token, self.reuse.worth(block.num_hits)):
             ssd.offer(_spill_request(block, self.block_size))
         else:
             ssd.refused()
@@ -227,7 +229,11 @@ class PrefixCache:
         """Offer every admissible RAM block to the SSD tier (at shutdown). Returns how many."""
         if self.ssd is None:
             return 0
-        blocks = [b for b in self.pool.by_hash.values() if not b.purged and self.ssd.admits(b.num_hits, b.end_token)]
+        blocks = [
+            b
+            for b in self.pool.by_hash.values()
+            if not b.purged and self.ssd.admits(b.num_hits, b.end_token, self.reuse.worth(b.num_hits))
+        ]
         for block in blocks:
             self.ssd.offer(_spill_request(block, self.block_size))
         return len(blocks)
@@ -420,6 +426,7 @@ class PrefixSession:
         return run, sizes
 
     def _new_block(self, index: int, kv: tuple, state: tuple = ()) -> Block:
+        self.cache.reuse.asked_again(self.hashes[index])  # absent from RAM and asked for: was it evicted?
         parent = self.roots.parent(index, self.hashes)
         nbytes = sum(k.nbytes + v.nbytes for k, v in kv) + state_nbytes(state)  # from shapes: nothing is evaluated
         size = self.cache.block_size

@@ -62,6 +62,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -95,7 +96,7 @@ PURGE_DRAIN_S = 10.0  # a purge first lets queued spills land, so none reappears
 TEMP_STALE_S = 600.0  # in a shared folder, a younger temp file may be another writer's, mid-write
 JOURNAL_PREFIX = "journal-"
 
-__all__ = ["AdmissionPolicy", "Purged", "SpillRequest", "SsdConfig", "SsdSnapshot", "SsdStats", "SsdTier"]
+__all__ = ["AdmissionPolicy", "Purged", "ReuseMeter", "SpillRequest", "SsdConfig", "SsdSnapshot", "SsdStats", "SsdTier"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +107,50 @@ class AdmissionPolicy:
     min_prefix_tokens: int = 0  # only blocks whose end lies at least this deep in a prefix
     daily_write_bytes: int = 10 << 30  # stop spilling for the day past this
 
-    def admits(self, num_hits: int, end_token: int) -> bool:
-        """Whether an evicted block is worth a write (the daily budget aside)."""
-        return num_hits >= self.min_hits and end_token >= self.min_prefix_tokens
+    def admits(self, num_hits: int, end_token: int, worth: bool | None = None) -> bool:
+        """Whether an evicted block is worth a write (the daily budget aside). `worth`: what the
+        measured reuse of blocks evicted with as many hits says (ReuseMeter); None: min_hits decides."""
+        enough = num_hits >= self.min_hits if worth is None else worth
+        return enough and end_token >= self.min_prefix_tokens
+
+
+REUSE_WORTH = 0.2  # evicted blocks of a class asked for again this often (or more) are worth writing
+REUSE_EVIDENCE = 200  # evictions of a class before its measured rate decides
+REUSE_WINDOW = 20_000  # evictions of a class after which its counts are halved (traffic changes)
+PENDING_BLOCKS = 65_536  # evicted blocks watched for a second ask (oldest forgotten first)
+
+
+class ReuseMeter:
+    """How often blocks evicted from RAM are asked for again, by their hits at eviction (0, 1, 2 or
+    more): the SSD admission rule from measurement rather than a fixed min_hits. A conversation's
+    blocks, evicted before its next turn with no hit yet, are asked for again; a scan's never are.
+    Invariant: reused[c] <= evicted[c]; `pending` holds at most PENDING_BLOCKS evicted blocks."""
+
+    def __init__(self) -> None:
+        self.evicted, self.reused = [0, 0, 0], [0, 0, 0]
+        self.pending: OrderedDict[bytes, int] = OrderedDict()
+
+    def evicted_block(self, block_hash: bytes, num_hits: int) -> None:
+        kind = min(num_hits, 2)
+        self.evicted[kind] += 1
+        if self.evicted[kind] > REUSE_WINDOW:
+            self.evicted[kind], self.reused[kind] = self.evicted[kind] // 2, self.reused[kind] // 2
+        self.pending[block_hash] = kind
+        if len(self.pending) > PENDING_BLOCKS:
+            self.pending.popitem(last=False)
+
+    def asked_again(self, block_hash: bytes) -> None:
+        kind = self.pending.pop(block_hash, None)
+        if kind is not None:
+            self.reused[kind] += 1
+
+    def worth(self, num_hits: int) -> bool | None:
+        """Whether blocks evicted with this many hits are asked for again often enough (None: too
+        little evidence yet)."""
+        kind = min(num_hits, 2)
+        if self.evicted[kind] < REUSE_EVIDENCE:
+            return None
+        return self.reused[kind] >= REUSE_WORTH * self.evicted[kind]
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,9 +318,9 @@ class SsdTier:
 
     # -- spill (any thread; never blocks) ----------------------------------------------------
 
-    def admits(self, num_hits: int, end_token: int) -> bool:
+    def admits(self, num_hits: int, end_token: int, worth: bool | None = None) -> bool:
         """Whether a block is worth a write (a pure test: `refused` counts a refusal)."""
-        return self.config.admission.admits(num_hits, end_token)
+        return self.config.admission.admits(num_hits, end_token, worth)
 
     def refused(self) -> None:
         """An evicted block was not admitted (counted under the tier's lock)."""

@@ -360,3 +360,21 @@ def test_a_purge_ends_the_pins_of_the_blocks_it_removes(tmp_path):
     tier.purge()
     assert not tier.pins
     tier.close()
+
+
+def test_the_reuse_meter_admits_what_later_requests_ask_for_again_and_not_a_scan():
+    from kvcache.ssd import REUSE_EVIDENCE, ReuseMeter
+
+    meter = ReuseMeter()
+    for i in range(REUSE_EVIDENCE):
+        meter.evicted_block(b"turn-%d" % i, num_hits=0)  # a conversation's blocks, evicted before its next turn
+        assert meter.worth(0) is None or i >= REUSE_EVIDENCE - 1  # too little evidence until the last
+        if i % 3 == 0:
+            meter.asked_again(b"turn-%d" % i)
+    meter.asked_again(b"turn-0")  # asked again twice counts once
+    assert meter.worth(0) is True and meter.worth(1) is None
+    policy = AdmissionPolicy(min_hits=1)
+    assert policy.admits(0, 0, meter.worth(0)) and not policy.admits(0, 0, None)
+    for i in range(5 * REUSE_EVIDENCE):
+        meter.evicted_block(b"scan-%d" % i, num_hits=0)  # a flood nobody asks for again
+    assert meter.worth(0) is False and not policy.admits(0, 0, meter.worth(0))
