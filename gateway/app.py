@@ -640,7 +640,10 @@ def engine_config(settings: Settings) -> EngineConfig:
     ssd = None
     if settings.ssd_capacity_bytes:
         admission = AdmissionPolicy(
-            settings.ssd_min_hits, settings.ssd_min_prefix_tokens, settings.ssd_daily_write_bytes
+            settings.ssd_min_hits,
+            settings.ssd_min_prefix_tokens,
+            settings.ssd_daily_write_bytes,
+            settings.ssd_measured_admission,
         )
         ssd = SsdConfig(
             settings.ssd_dir or settings.data_dir / "kv",

@@ -101,6 +101,7 @@ class Settings:
     ssd_min_hits: int = _default(AdmissionPolicy, "min_hits")  # admission: spill only blocks reused this often
     ssd_min_prefix_tokens: int = _default(AdmissionPolicy, "min_prefix_tokens")  # only blocks this deep in a prefix
     ssd_daily_write_bytes: int = _default(AdmissionPolicy, "daily_write_bytes")  # admission: write budget per day
+    ssd_measured_admission: bool = _default(AdmissionPolicy, "measured")  # measured reuse decides, not min_hits
     secret_file: Path | None = None  # the server secret tenant salts derive from (None: DATA_DIR/server.secret)
     encrypt_at_rest: bool = True  # AES-256-GCM, a data key per tenant: KV on SSD, cached answers, conversations
     key_file: Path | None = None  # the key that wraps tenants' data keys (None: derived from the server secret)
@@ -357,6 +358,12 @@ SETTINGS = (
         "ssd_min_prefix_tokens", "STRATA_SSD_MIN_PREFIX_TOKENS", int, "spill only blocks at least this deep in a prefix"
     ),
     Setting("ssd_daily_write_bytes", "STRATA_SSD_DAILY_WRITE_BYTES", int, "the SSD tier's write budget per day"),
+    Setting(
+        "ssd_measured_admission",
+        "STRATA_SSD_MEASURED_ADMISSION",
+        parse_flag,
+        "once measured, write the evicted blocks that later requests ask for again (0: STRATA_SSD_MIN_HITS alone)",
+    ),
     Setting(
         "secret_file",
         "STRATA_SECRET_FILE",

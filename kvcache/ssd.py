@@ -106,11 +106,12 @@ class AdmissionPolicy:
     min_hits: int = 1  # a block never reused in RAM is not worth a write
     min_prefix_tokens: int = 0  # only blocks whose end lies at least this deep in a prefix
     daily_write_bytes: int = 10 << 30  # stop spilling for the day past this
+    measured: bool = True  # once there is evidence, measured reuse (ReuseMeter) decides instead of min_hits
 
     def admits(self, num_hits: int, end_token: int, worth: bool | None = None) -> bool:
         """Whether an evicted block is worth a write (the daily budget aside). `worth`: what the
         measured reuse of blocks evicted with as many hits says (ReuseMeter); None: min_hits decides."""
-        enough = num_hits >= self.min_hits if worth is None else worth
+        enough = num_hits >= self.min_hits if worth is None or not self.measured else worth
         return enough and end_token >= self.min_prefix_tokens
 
 

@@ -378,3 +378,8 @@ def test_the_reuse_meter_admits_what_later_requests_ask_for_again_and_not_a_scan
     for i in range(5 * REUSE_EVIDENCE):
         meter.evicted_block(b"scan-%d" % i, num_hits=0)  # a flood nobody asks for again
     assert meter.worth(0) is False and not policy.admits(0, 0, meter.worth(0))
+
+
+def test_an_operator_can_keep_admission_to_min_hits_alone():
+    policy = AdmissionPolicy(min_hits=1, measured=False)
+    assert not policy.admits(0, 0, worth=True) and policy.admits(1, 0, worth=False)
