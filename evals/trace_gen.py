@@ -57,19 +57,38 @@ class Chat:
     arrival_s: float = 6.0  # mean gap between new sessions
 
 
+def session(
+    rng: np.random.Generator,
+    tenant: str,
+    base: tuple[list[str], int],
+    key: str,
+    steps: int,
+    grow: tuple[int, int],
+    think_s: float,
+    t: float,
+) -> list[TraceRecord]:
+    """One conversation over `base` (its blocks, and the tokens they stand for): each step adds
+    `grow` tokens and asks again."""
+    records: list[TraceRecord] = []
+    base_blocks, context = base
+    for _ in range(steps):
+        context += int(rng.integers(*grow))
+        own = chain(base_blocks[-1], key, context // BLOCK, len(base_blocks))
+        records.append(TraceRecord(t, tenant, tuple(base_blocks + own), BLOCK))
+        t += rng.exponential(think_s)
+    return records
+
+
 def chat(params: Chat, rng: np.random.Generator, tenant: str = "t0", start: float = 0.0) -> list[TraceRecord]:
     records: list[TraceRecord] = []
     t = start
-    for session in range(params.sessions):
+    for number in range(params.sessions):
         t += rng.exponential(params.arrival_s)
         system = min(int(rng.zipf(params.zipf)), params.systems) - 1
-        system_blocks = chain(tenant, f"system-{system}", params.system_tokens // BLOCK)
-        context, when = params.system_tokens, t
-        for _ in range(int(rng.geometric(1 / params.turns))):
-            context += int(rng.integers(*params.turn_tokens))
-            own = chain(system_blocks[-1], f"{tenant}-s{session}", context // BLOCK, len(system_blocks))
-            records.append(TraceRecord(when, tenant, tuple(system_blocks + own), BLOCK))
-            when += rng.exponential(params.think_s)
+        base = chain(tenant, f"system-{system}", params.system_tokens // BLOCK)
+        turns = int(rng.geometric(1 / params.turns))
+        start_at = (base, params.system_tokens)
+        records += session(rng, tenant, start_at, f"{tenant}-s{number}", turns, params.turn_tokens, params.think_s, t)
     return records
 
 
@@ -86,15 +105,12 @@ class Agent:
 def agent(params: Agent, rng: np.random.Generator, tenant: str = "t0", start: float = 0.0) -> list[TraceRecord]:
     records: list[TraceRecord] = []
     t = start
-    for session in range(params.sessions):
+    for number in range(params.sessions):
         t += rng.exponential(params.arrival_s)
-        base = chain(tenant, f"agent-{session % 3}", params.prompt_tokens // BLOCK)
-        context, when = params.prompt_tokens, t
-        for _ in range(int(rng.integers(*params.steps))):
-            context += int(rng.integers(*params.step_tokens))
-            own = chain(base[-1], f"{tenant}-a{session}", context // BLOCK, len(base))
-            records.append(TraceRecord(when, tenant, tuple(base + own), BLOCK))
-            when += rng.exponential(params.think_s)
+        base = chain(tenant, f"agent-{number % 3}", params.prompt_tokens // BLOCK)
+        steps = int(rng.integers(*params.steps))
+        start_at = (base, params.prompt_tokens)
+        records += session(rng, tenant, start_at, f"{tenant}-a{number}", steps, params.step_tokens, params.think_s, t)
     return records
 
 

@@ -317,32 +317,22 @@ class PrefixSession:
         stats.num_prompt_tokens += num_prompt_tokens
         stats.num_cached_tokens += cached
         miss = self._why_missed(num_prompt_tokens)
-        public = self.roots.num_public * size
-        chain = tuple(short_hash(h) for h in self.hashes[: num_prompt_tokens // size])
-        if miss is None:
-            return PrefixMatch(
-                num_prompt_tokens,
-                matched,
-                cached,
-                num_ram * size,
-                matched - num_ram * size,
-                num_public_tokens=public,
-                chain=chain,
-            )
-        stats.miss_reasons[miss.reason] = stats.miss_reasons.get(miss.reason, 0) + 1
+        if miss is not None:
+            stats.miss_reasons[miss.reason] = stats.miss_reasons.get(miss.reason, 0) + 1
+        stopped = miss or Miss("", 0)
         return PrefixMatch(
             num_prompt_tokens,
             matched,
             cached,
             num_ram * size,
             matched - num_ram * size,
-            miss.reason,
-            miss.at_token,
-            miss.tier,
-            miss.lived_s,
-            miss.in_image,
-            public,
-            chain,
+            stopped.reason,
+            stopped.at_token,
+            stopped.tier,
+            stopped.lived_s,
+            stopped.in_image,
+            self.roots.num_public * size,
+            tuple(short_hash(h) for h in self.hashes[: num_prompt_tokens // size]),
         )
 
     def _reusable(self, limit: int) -> int:
