@@ -133,11 +133,12 @@ class EngineCaches:
             match.chain,
         )
 
-    def judge_ssd(self, prefill_s_per_token: float, bytes_per_token: int) -> None:
+    def judge_ssd(self, time_prefill: Callable[[], float], bytes_per_token: int) -> None:
         """At start-up: restore from the SSD tier only if reading a token's KV (measured here, from
-        the disk) is faster than computing it again (measured by the caller)."""
+        the disk) is faster than computing it again (`time_prefill()`: seconds per token)."""
         if self.prefix is None or self.prefix.ssd is None or not bytes_per_token:
             return
+        prefill_s_per_token = time_prefill()
         read_s_per_byte = self.prefix.ssd.read_s_per_byte()
         restore = self.prefix.judge_ssd(read_s_per_byte, prefill_s_per_token, bytes_per_token)
         log.info(

@@ -243,7 +243,7 @@ class ModelRunner:
             decoded = DecodedImage(image, pixel_hash(image), 56, 56)
             mx.eval(self._encode_image(self.prompts.process_image(decoded)))
         self.num_encoder_calls = 0
-        self.caches.judge_ssd(self._prefill_s_per_token(), self.kv_bytes_per_token)
+        self.caches.judge_ssd(self._prefill_s_per_token, self.kv_bytes_per_token)
 
     def _prefill_s_per_token(self, num_tokens: int = 256) -> float:
         """Seconds per token of a num_tokens prefill (the second of two: the first builds kernels)."""
