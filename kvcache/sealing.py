@@ -120,14 +120,14 @@ class Keyring:
     def open(self, tenant: str, aad: bytes, sealed: bytes | memoryview) -> bytes:
         if sealed[:1] != SEALED_MARK:
             raise Unreadable("not sealed (written with encryption at rest off)")
-        key_id, nonce = bytes(sealed[1 : 1 + KEY_ID_BYTES]), bytes(sealed[1 + KEY_ID_BYTES : 1 + KEY_ID_BYTES + 12])
+        key_id = bytes(sealed[1 : 1 + KEY_ID_BYTES])
+        nonce = bytes(sealed[1 + KEY_ID_BYTES : 1 + KEY_ID_BYTES + NONCE_BYTES])
         found = self._key(tenant, create=False)
         if found is None or found[0] != key_id:
             raise Unreadable(f"the key it was sealed with is gone (tenant {tenant!r} was purged)")
         try:
-            return AESGCM(found[1]).decrypt(
-                nonce, sealed[1 + KEY_ID_BYTES + NONCE_BYTES :], _bound(tenant, aad, key_id)
-            )
+            ciphertext = memoryview(sealed)[1 + KEY_ID_BYTES + NONCE_BYTES :]  # no copy of a tensor's bytes
+            return _cipher(found[1]).decrypt(nonce, ciphertext, _bound(tenant, aad, key_id))
         except InvalidTag:
             raise Unreadable("does not open under its tenant's key: another tenant's, moved or altered") from None
 
