@@ -26,6 +26,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, FromQuery
 
+from kvcache.chain import public_blocks
 from kvcache.sealing import Keyring
 from semantic import Selector, StoreUnavailable
 
@@ -169,9 +170,7 @@ def purge_layers(
     nothing it stored opens anywhere (any replica, any copy). The SSD tier's files are then rewritten
     off the worker thread (`"ssd": {"shredded": true, "reclaiming": true}`). `shred`: whether to
     (None: exactly when the purge is such a purge)."""
-    if shred is None:
-        shred = selector.whole_tenant and set(layers) >= AT_REST
-    shredded = shred and _shred(services, selector.tenant)
+    shredded = (_shreds(selector, layers) if shred is None else shred) and _shred(services, selector.tenant)
     purges = {
         "exact": services.responses.exact.purge_owned if services.responses.exact else None,
         "semantic": services.responses.semantic.purge_owned if services.responses.semantic else None,
@@ -227,6 +226,11 @@ def purge_layers(
     }
 
 
+def _shreds(selector: Selector, layers: list[str]) -> bool:
+    """A purge shreds the tenant's key when it is the whole tenant's, in every layer kept at rest."""
+    return selector.whole_tenant and set(layers) >= AT_REST
+
+
 def _shred(services, tenant: str) -> bool:
     """The tenant's data key out of the key store (True: encryption at rest is on, so it is gone)."""
     if not isinstance(services.keyring, Keyring):
@@ -250,7 +254,7 @@ def purge_announced(services, tenant: str, session: str | None, user: str | None
     mine = [layer for layer in layers if layer in PURGEABLE and layer not in SHARED_IN_REDIS]
     selector = Selector(tenant, session, user)
     if mine:  # a shredding purge there: the key, shared, is gone; this replica forgets it too
-        purge_layers(services, selector, mine, False, selector.whole_tenant and set(layers) >= AT_REST)
+        purge_layers(services, selector, mine, False, _shreds(selector, layers))
 
 
 def _purge_engine(services, selector: Selector, layers: list[str]) -> dict:
@@ -303,8 +307,8 @@ async def declare_public_prefix(request: Request) -> dict:
     services = request.app.state.services
     body = parse_json_body(await request.body(), services.settings.limits.max_json_depth)
     prefix = await anyio.to_thread.run_sync(services.pipeline.chat.public.declare, body)
-    shared = len(prefix.token_ids) // services.settings.kv_block_size * services.settings.kv_block_size
-    return prefix.shown() | {"shared_tokens": shared}
+    block_size = services.settings.kv_block_size
+    return prefix.shown() | {"shared_tokens": public_blocks(len(prefix.token_ids), (), block_size) * block_size}
 
 
 @delete("/admin/public-prefixes/{prefix_id:str}", status_code=200, guards=[require_admin])

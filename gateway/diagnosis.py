@@ -44,9 +44,9 @@ class RequestRecord:
     chain: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))  # sampled blocks, as ints
 
 
-def sampled_chain(chain: tuple[str, ...]) -> np.ndarray:
-    """The blocks of a chain (short hex hashes) that the what-if sample keeps, as 64-bit ints."""
-    return np.array([int(b, 16) for b in chain if sampled(b, CHAIN_SAMPLE)], dtype=np.uint64)
+def sampled_chain(chain: Iterable[bytes]) -> np.ndarray:
+    """The blocks of a chain (block hashes) that the what-if sample keeps, as 64-bit ints."""
+    return np.array([int.from_bytes(h[:8], "big") for h in chain if sampled(h, CHAIN_SAMPLE)], dtype=np.uint64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,11 +186,8 @@ def _more_ram(recent: list[RequestRecord], ram: RamBudget) -> dict:
 
 
 def _what_if_finding(what_if: dict) -> str:
-    gib, rate = next(iter(what_if["more"].items()))
-    for name, value in what_if["more"].items():  # the smallest step that gets most of the gain
-        if value >= max(what_if["more"].values()) - 0.01:
-            gib, rate = name, value
-            break
+    best = max(what_if["more"].values())
+    gib, rate = next((name, value) for name, value in what_if["more"].items() if value >= best - 0.01)  # smallest step
     return (
         f"with {gib.removesuffix('GiB')} GiB more RAM the prefix token hit rate would have been ~{rate:.0%} "
         f"(now ~{what_if['estimated_now']:.0%} by the same estimate: LRU over a sample of the window's blocks)."

@@ -17,7 +17,7 @@ import hashlib
 import threading
 from pathlib import Path
 
-from kvcache.sealing import FileKeys, Keyring, Plain, Sealer, WrongKey, read_key_file, wrapping_key
+from kvcache.sealing import NO_SEALING, FileKeys, Keyring, Sealer, WrongKey, read_key_file, wrapping_key
 from semantic.redis_store import RedisLink
 
 from .auth import load_server_secret
@@ -64,11 +64,12 @@ def keyring_for(settings: Settings) -> Sealer:
     """The process's sealer for these settings (the same object for the same store and key).
     RuntimeError with the reason when the key file is missing or unreadable, or does not open the store."""
     if not settings.encrypt_at_rest:
-        return Plain()
+        return NO_SEALING
     key = _wrapping_key(settings)
     where = ("redis", settings.redis_url) if settings.redis_url else ("file", str(_keys_path(settings).resolve()))
+    cached_as = (*where, hashlib.sha256(key).hexdigest())
     with _lock:
-        found = _keyrings.get((*where, hashlib.sha256(key).hexdigest()))
+        found = _keyrings.get(cached_as)
         if found is None:
             store = RedisKeys(settings.redis_url) if settings.redis_url else FileKeys(_keys_path(settings))
             try:
@@ -76,7 +77,7 @@ def keyring_for(settings: Settings) -> Sealer:
             except WrongKey as exc:
                 source = f"the key file {settings.key_file}" if settings.key_file else "the server secret's key"
                 raise RuntimeError(f"{source} does not open the key store at {where[1]}: {exc}") from None
-            _keyrings[(*where, hashlib.sha256(key).hexdigest())] = found
+            _keyrings[cached_as] = found
         return found
 
 

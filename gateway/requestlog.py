@@ -28,7 +28,7 @@ from litestar.datastructures import MutableScopeHeaders
 from litestar.middleware import ASGIMiddleware
 from prometheus_client import CollectorRegistry, Counter
 
-from kvcache.blocktrace import TraceRecord
+from kvcache.blocktrace import TraceRecord, short_hash
 
 from .trace import LAYERS
 
@@ -62,9 +62,10 @@ class BlockTrace:
         self.lock = threading.Lock()
         self.file = os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a", buffering=1)
 
-    def write(self, tenant: str, chain: tuple[str, ...], answered: bool) -> None:
+    def write(self, tenant: str, chain: tuple[bytes, ...], answered: bool) -> None:
         tenant_id = hashlib.sha256(b"strata-trace-tenant|" + tenant.encode()).hexdigest()[:12]
-        line = TraceRecord(time.time(), tenant_id, chain, self.block_tokens, answered).line()
+        blocks = tuple(short_hash(h) for h in chain)
+        line = TraceRecord(time.time(), tenant_id, blocks, self.block_tokens, answered).line()
         with self.lock:
             self.file.write(line + "\n")
 

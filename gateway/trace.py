@@ -62,7 +62,7 @@ class Trace:
     served_by: str = "engine"  # exact | semantic | engine
     timings_ms: dict[str, float] = field(default_factory=dict)
     prefix: PrefixFacts | None = None  # set when the prefix cache was looked up
-    chain: tuple[str, ...] = ()  # the prompt's blocks when the engine looked them up (STRATA_TRACE_FILE)
+    chain: tuple[bytes, ...] = ()  # the prompt's block hashes when the engine looked them up
     started: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None  # from start to the first piece of the answer (time to first token)
     token_gaps_s: list[float] = field(default_factory=list)  # between the engine's pieces (inter-token latency)

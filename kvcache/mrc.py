@@ -57,9 +57,11 @@ class _Fenwick:
         return total
 
 
-def sampled(block: str, sample_rate: float) -> bool:
-    """SHARDS' spatial filter: a block is in the sample when its hash falls below the rate."""
-    return sample_rate >= 1.0 or int(block[:8], 16) < sample_rate * 0x100000000
+def sampled(block: str | bytes, sample_rate: float) -> bool:
+    """SHARDS' spatial filter: a block is in the sample when its hash (hex, or the raw digest)
+    falls below the rate; both forms of one hash give the same answer."""
+    prefix = int(block[:8], 16) if isinstance(block, str) else int.from_bytes(block[:4], "big")
+    return sample_rate >= 1.0 or prefix < sample_rate * 0x100000000
 
 
 def stack_distances(chains: Iterable[Sequence], sample_rate: float = 1.0, presampled: bool = False) -> Distances:

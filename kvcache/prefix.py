@@ -35,7 +35,6 @@ from typing import Literal
 
 import mlx.core as mx
 
-from .blocktrace import short_hash
 from .chain import ExtraSpan, Roots, hash_blocks, public_blocks
 from .keys import PUBLIC_SALT, PUBLIC_TENANT, BlockHash, TenantSalt, chain_root
 from .pool import Block, BlockPool, Ghost, Ghosts, PoolStats, Purged
@@ -91,7 +90,7 @@ class PrefixMatch:
     miss_lived_s: float = 0.0  # ... after this many seconds in that tier
     miss_in_image: bool = False
     num_public_tokens: int = 0  # the prompt's leading tokens in public blocks (shared by every tenant)
-    chain: tuple[str, ...] = ()  # the prompt's full blocks, as short hashes (blocktrace.short_hash): for traces
+    chain: tuple[BlockHash, ...] = ()  # the prompt's full blocks' hashes: for traces and what-if curves
 
     @property
     def tier(self) -> Tier:
@@ -332,7 +331,7 @@ class PrefixSession:
             stopped.lived_s,
             stopped.in_image,
             self.roots.num_public * size,
-            tuple(short_hash(h) for h in self.hashes[: num_prompt_tokens // size]),
+            tuple(self.hashes[: num_prompt_tokens // size]),
         )
 
     def _reusable(self, limit: int) -> int:

@@ -368,8 +368,8 @@ MUTANTS = (
     Mutant(
         "a tenant purge that leaves the tenant's data key in the key store",
         "gateway/admin.py",
-        "shredded = shred and _shred(services, selector.tenant)",
-        "shredded = shred",
+        "shredded = (_shreds(selector, layers) if shred is None else shred) and _shred(services, selector.tenant)",
+        "shredded = _shreds(selector, layers) if shred is None else shred",
         (f"{AT_REST}::test_a_tenant_purge_shreds_its_key_at_once_and_reclaims_the_files_later",),
     ),
     Mutant(

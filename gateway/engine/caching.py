@@ -40,7 +40,7 @@ class PrefixReport:
     miss_lived_s: float = 0.0  # ... after this many seconds there
     miss_in_image: bool = False  # diverged inside an image (same tokens, other pixels)
     num_public_tokens: int = 0  # the prompt's leading tokens in public blocks (a declared public text)
-    chain: tuple[str, ...] = ()  # the prompt's full blocks as short hashes (STRATA_TRACE_FILE)
+    chain: tuple[bytes, ...] = ()  # the prompt's full blocks' hashes (STRATA_TRACE_FILE, what-if curves)
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,3 +64,11 @@ def test_the_ssd_tier_takes_what_ram_evicts_once_reused_and_gives_it_back():
     ssd = SsdModel(4)
     assert replay(trace, 1, segmented=True, ssd=ssd) == [0, 1, 0, 1, 0, 0, 0]  # cc was never reused: not written
     assert ssd.written == 1 and replay(trace, 1, segmented=True) == [0, 1, 0, 0, 0, 0, 0]
+
+
+def test_a_block_is_sampled_alike_as_hex_and_as_raw_bytes():
+    from kvcache.mrc import sampled
+
+    blocks = [b for r in generate("rag")[:200] for b in r.blocks]
+    assert any(sampled(b, 0.1) for b in blocks) and not all(sampled(b, 0.1) for b in blocks)
+    assert all(sampled(b, 0.1) == sampled(bytes.fromhex(b), 0.1) for b in blocks)

@@ -145,7 +145,9 @@ def test_the_window_says_what_more_ram_would_have_bought():
     from gateway.diagnosis import RamBudget, sampled_chain
 
     trace = generate("chat")
-    records = [RequestRecord(120.0, ("miss",) * 5, None, sampled_chain(r.blocks)) for r in trace]
+    records = [
+        RequestRecord(120.0, ("miss",) * 5, None, sampled_chain(bytes.fromhex(b) for b in r.blocks)) for r in trace
+    ]
     budget = working_set(trace) // 5
     report = diagnose(records, 60, 120, True, RamBudget(budget * 1000, 1000))
     now, more = report["more_ram"]["estimated_now"], report["more_ram"]["more"]
