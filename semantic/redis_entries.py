@@ -31,7 +31,7 @@ import json
 
 import numpy as np
 
-from kvcache.sealing import NO_SEALING, Sealer, Unreadable
+from kvcache.sealing import NO_SEALING, Sealer
 
 from .entries import STATUSES, EntryCipher, SemanticEntry, valid_id
 from .owners import Owner, Selector
@@ -323,24 +323,19 @@ class RedisEntries:
         return f"{self.prefix}e:{entry_id}"
 
     def _parsed(self, entry_id: int, raw: dict) -> tuple[SemanticEntry, np.ndarray] | None:
-        """An entry hash with its sealed fields opened; None when they do not open."""
+        """An entry hash with its sealed fields opened (EntryCipher, as SQLite's rows); None when
+        they do not open."""
         text = {k.decode(): v for k, v in raw.items()}
         value = {k: v.decode() for k, v in text.items() if k != "vector"}
         tenant, key, expires = value["tenant"], value["q"], value["expires_at"]
         try:
-            prompt, answer = (
-                self.cipher.open(tenant, key, name, base64.b64decode(value[name])).decode()
-                for name in ("prompt", "answer")
-            )
-        except (Unreadable, ValueError):
+            prompt, answer = base64.b64decode(value["prompt"]), base64.b64decode(value["answer"])
+        except ValueError:  # written before entries were sealed
             return None
-        vector = self.cipher.vector(tenant, key, text["vector"])
-        if vector is None:
-            return None
-        entry = SemanticEntry(
+        row = (
             entry_id,
             tenant,
-            json.loads(value["scope"]),
+            value["scope"],
             prompt,
             answer,
             float(value["created_at"]),
@@ -352,4 +347,5 @@ class RedisEntries:
             int(value["prompt_tokens"]),
             value["partition"],
         )
-        return entry, vector
+        entry, vector = self.cipher.entry(row, key), self.cipher.vector(tenant, key, text["vector"])
+        return (entry, vector) if entry is not None and vector is not None else None
