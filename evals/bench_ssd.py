@@ -123,7 +123,7 @@ def measure_length(model_path: Path, length: int, work: Path) -> dict:
     cold = runner_for(model_path, folder)
     drop_from_page_cache(files)
     ssd_s, ssd_report = ttft(cold, prompt)
-    read_mb_s = statistics.median(_block_read_mb_s(cold, files, prompt) for _ in range(3))
+    read_mb_s = statistics.median(block_read_mb_s(cold, files, prompt) for _ in range(3))
     cold.caches.shutdown(10)
     return {
         "tokens": length,
@@ -139,7 +139,7 @@ def measure_length(model_path: Path, length: int, work: Path) -> dict:
     }
 
 
-def _block_read_mb_s(runner: ModelRunner, files: list[Path], ids: list[int]) -> float:
+def block_read_mb_s(runner: ModelRunner, files: list[Path], ids: list[int]) -> float:
     """Verified reads (open, read, parse, per-block checksum) of every block on disk: the chain of
     the prompt's full blocks (those persisted at shutdown), from the disk."""
     ssd = ssd_of(runner)
