@@ -52,7 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     what_if = commands.add_parser("what-if", help="the prefix hit rate a trace would get at other cache sizes")
     what_if.add_argument("--trace", type=Path, required=True, help="a STRATA_TRACE_FILE")
     what_if.add_argument("--block-bytes", type=int, default=0, help="one block's KV bytes (admin stats), for GiB")
-    what_if.add_argument("--prefill-tokens-per-s", type=float, default=0.0, help="to turn misses into TTFT")
+    cost = (
+        "per token, from the server's start-up log line 'SSD tier: reading a token's KV takes R us, computing it C us'"
+    )
+    what_if.add_argument("--prefill-us", type=float, default=0.0, help=f"C: computing a token's KV, us {cost}")
+    what_if.add_argument("--ssd-read-us", type=float, default=0.0, help=f"R: reading a token's KV from SSD, us {cost}")
     return parser
 
 
@@ -66,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "keys":
         return _rotate_keys(args.data_dir, args.new_key_file)
     if args.command == "what-if":
-        return _what_if(args.trace, args.block_bytes, args.prefill_tokens_per_s)
+        from .whatif import Costs, what_if
+
+        return what_if(args.trace, Costs(args.block_bytes, args.prefill_us, args.ssd_read_us))
     if args.command == "build-model":
         from .checkpoints import BuildSpec, build_model
 
@@ -87,41 +93,6 @@ def _configure_logging(level: str, log_format: str) -> None:
         logging.basicConfig(level=level.upper(), handlers=[handler])
     else:
         logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-EXACT_UP_TO = 5_000_000  # block lookups: past this the curve is sampled (SHARDS, 10% of blocks)
-
-
-def _what_if(trace: Path, block_bytes: int, tokens_per_s: float) -> int:
-    """The LRU hit-rate curve of a recorded trace over cache sizes (kvcache.mrc), and what it implies."""
-    from kvcache.blocktrace import read_trace
-    from kvcache.mrc import stack_distances
-
-    try:
-        records = [r for r in read_trace(trace) if not r.answered]
-    except (OSError, ValueError) as exc:
-        print(f"strata: {exc}", file=sys.stderr)
-        return 2
-    chains = [r.blocks for r in records]
-    lookups, distinct = sum(map(len, chains)), len({b for c in chains for b in c})
-    if not lookups:
-        print(f"strata: {trace} has no engine request with a full block", file=sys.stderr)
-        return 2
-    rate = 1.0 if lookups <= EXACT_UP_TO else 0.1
-    distances = stack_distances(chains, rate)
-    block_tokens = records[0].block_tokens
-    print(
-        f"{len(records)} requests, {lookups} block lookups, {distinct} distinct blocks ({'exact' if rate == 1 else 'sampled'})"
-    )
-    print(f"{'blocks':>9} | {'GiB':>7} | {'token hit rate':>14} | {'recomputed tokens/request':>25} | {'TTFT s':>7}")
-    for share in (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0):
-        size = max(1, int(distinct * share))
-        hit = distances.hit_rate(size)
-        recomputed = (1 - hit) * lookups * block_tokens / len(records)
-        gib = f"{size * block_bytes / 2**30:7.2f}" if block_bytes else f"{'-':>7}"
-        ttft = f"{recomputed / tokens_per_s:7.2f}" if tokens_per_s else f"{'-':>7}"
-        print(f"{size:>9} | {gib} | {hit:14.1%} | {recomputed:25.0f} | {ttft}")
-    return 0
 
 
 def _rotate_keys(data_dir: Path, new_key_file: Path) -> int:

@@ -9,12 +9,12 @@ FINDING_SHARE of all recomputed tokens is a finding; the actionable finding with
 names the bottleneck. New content (a prompt seen for the first time, or a conversation's latest
 message) is reported but never advised against: no setting makes the unseen cached.
 
-What more RAM would buy: each record also keeps a SHARDS sample of its prompt's block chain (the
-blocks whose hash falls in the first CHAIN_SAMPLE of the hash space, as 64-bit ints); the window's
-chains give the LRU hit-rate curve (kvcache.mrc), read at the RAM budget and at 1, 4 and 16 GiB
-more: "with 4 GiB more RAM the prefix token hit rate would have been ~Y% (now ~Z% by the same
-estimate)". An estimate from a sample (within a point or two at larger budgets, a few points below
-5% of the working set), of the RAM tier alone, for full blocks.
+What more RAM would buy: each record also keeps a sample of its prompt's block chain (its first
+kvcache.mrc.HEAD blocks, and the deeper blocks whose hash falls in the first CHAIN_SAMPLE of the hash
+space, as 64-bit ints); the window's chains give the LRU hit-rate curve (kvcache.mrc), read at the
+RAM budget and at 1, 4 and 16 GiB more: "with 4 GiB more RAM the prefix token hit rate would have
+been ~Y% (now ~Z% by the same estimate)". An estimate from a sample (within 1.5 points of the exact
+curve on the simulator's traces), of the RAM tier alone, for full blocks.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvcache.mrc import sampled, stack_distances
+from kvcache.mrc import kept, stack_distances
 
 from .trace import LAYERS, PrefixFacts
 
@@ -45,8 +45,9 @@ class RequestRecord:
 
 
 def sampled_chain(chain: Iterable[bytes]) -> np.ndarray:
-    """The blocks of a chain (block hashes) that the what-if sample keeps, as 64-bit ints."""
-    return np.array([int.from_bytes(h[:8], "big") for h in chain if sampled(h, CHAIN_SAMPLE)], dtype=np.uint64)
+    """The blocks of a chain (block hashes) that the what-if sample keeps (its head, and the sampled
+    blocks past it: kvcache.mrc), as 64-bit ints."""
+    return np.array([int.from_bytes(h[:8], "big") for h in kept(list(chain), CHAIN_SAMPLE)], dtype=np.uint64)
 
 
 @dataclass(frozen=True, slots=True)
