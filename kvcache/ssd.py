@@ -96,7 +96,17 @@ PURGE_DRAIN_S = 10.0  # a purge first lets queued spills land, so none reappears
 TEMP_STALE_S = 600.0  # in a shared folder, a younger temp file may be another writer's, mid-write
 JOURNAL_PREFIX = "journal-"
 
-__all__ = ["AdmissionPolicy", "Purged", "ReuseMeter", "SpillRequest", "SsdConfig", "SsdSnapshot", "SsdStats", "SsdTier"]
+__all__ = [
+    "AdmissionPolicy",
+    "Purged",
+    "ReuseMeter",
+    "SpillRequest",
+    "SsdConfig",
+    "SsdSnapshot",
+    "SsdStats",
+    "SsdTier",
+    "segments_to_remove",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +162,25 @@ class ReuseMeter:
         if self.evicted[kind] < REUSE_EVIDENCE:
             return None
         return self.reused[kind] >= REUSE_WORTH * self.evicted[kind]
+
+
+def segments_to_remove(
+    index: SegmentIndex, capacity_bytes: int, retention_s: float, pinned: set[str], now: float
+) -> list[tuple[str, str]]:
+    """The tier's capacity rule: segments least recently read first, each "expired" (unread past
+    retention_s) or "evicted" (while the segments exceed capacity_bytes), never a pinned one. The
+    cache simulator (evals.cache_sim) runs the same rule over the same index."""
+    excess = index.counts()[2] - capacity_bytes
+    removed = []
+    for name, segment in index.least_recently_used():
+        if name in pinned:
+            continue
+        expired = now - segment.last_used > retention_s
+        if not expired and excess <= 0:
+            break
+        removed.append((name, "expired" if expired else "evicted"))
+        excess -= segment.nbytes
+    return removed
 
 
 @dataclass(frozen=True, slots=True)
@@ -480,20 +509,12 @@ class SsdTier:
         return len(payload)
 
     def _enforce_capacity(self, now: float | None = None) -> None:
-        """LRU-evict segment files past the byte cap; remove files unused past the retention; never a
-        segment with a pinned block (the caller holds files_lock)."""
+        """Remove the segments capacity and retention rule out (the caller holds files_lock)."""
         now = time.time() if now is None else now
-        excess = self.index.counts()[2] - self.config.capacity_bytes
-        pinned = self._pinned_segments(now)
-        for name, segment in self.index.least_recently_used():
-            if name in pinned:
-                continue
-            expired = now - segment.last_used > self.config.retention_s
-            if not expired and excess <= 0:
-                break
-            self._delete_segment(name, "expired" if expired else "evicted")
-            excess -= segment.nbytes
-            self._count("num_expired_files" if expired else "num_evicted_files")
+        capacity, retention = self.config.capacity_bytes, self.config.retention_s
+        for name, how in segments_to_remove(self.index, capacity, retention, self._pinned_segments(now), now):
+            self._delete_segment(name, how)
+            self._count("num_expired_files" if how == "expired" else "num_evicted_files")
 
     def _delete_segment(self, name: str, how: str) -> Segment | None:
         """A segment out of the index and off the disk; what the index held of it (None: nothing)."""

@@ -392,6 +392,16 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "the SSD tier evicts the most recently read segment first",
+        "kvcache/ssd.py",
+        "for name, segment in index.least_recently_used():",
+        "for name, segment in reversed(index.least_recently_used()):",
+        (
+            "tests/kvcache/test_ssd.py::test_capacity_evicts_least_recently_used_files_and_retention_expires_them",
+            "tests/evals/test_cache_sim.py::test_the_ssd_model_drops_whole_segments_by_their_last_read_as_the_tier_does",
+        ),
+    ),
+    Mutant(
         "a draft kept under a key without the tenant (another tenant drafts from it)",
         "semantic/exact.py",
         'return digest("draft", {"scope": scope.as_dict(), "messages": messages, "output": output})',

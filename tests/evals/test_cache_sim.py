@@ -8,8 +8,12 @@ import pytest
 
 from evals.cache_sim import SsdModel, compare, optimum, rate, replay, working_set
 from evals.trace_gen import chain, generate
+from kvcache import BlockHash
 from kvcache.blocktrace import TraceRecord, read_trace
 from kvcache.mrc import stack_distances
+from kvcache.pool import Block
+from kvcache.segment import SEGMENT_BLOCKS
+from kvcache.ssd import AdmissionPolicy
 
 
 def _trace(*chains: list[str]) -> list[TraceRecord]:
@@ -26,6 +30,18 @@ def test_the_optimum_on_a_prefix_tree_keeps_the_shared_root():
     trace = _trace(["aa", "bb"], ["aa", "cc"], ["aa", "bb"], ["aa", "dd"])
     assert optimum(trace, 2) == [0, 1, 2, 1]  # cc and dd are not worth a place; aa and bb are
     assert rate(trace, optimum(trace, 2)) == 4 / 8
+
+
+def test_the_held_optimum_keeps_the_running_request_in_the_budget():
+    """An ideal cache skips cc and dd (never used again) and keeps aa, bb; the engine must hold the
+    running request's KV, so the best it can do loses aa and bb to them."""
+    trace = _trace(["aa", "bb"], ["cc", "dd"], ["aa", "bb"])
+    assert optimum(trace, 2) == [0, 0, 2]
+    assert optimum(trace, 2, hold_running=True) == [0, 0, 0]
+    assert optimum(trace, 3, hold_running=True) == [0, 0, 1]  # room for aa beside the running request
+    records = generate("agent")[:400]
+    budget = working_set(records) // 20
+    assert rate(records, optimum(records, budget, hold_running=True)) <= rate(records, optimum(records, budget))
 
 
 def test_a_scan_evicts_the_hot_prompt_from_one_lru_queue_but_not_from_the_segmented_pool():
@@ -79,6 +95,27 @@ def test_the_ssd_tier_takes_what_ram_evicts_once_reused_and_gives_it_back():
     ssd = SsdModel(4)
     assert replay(trace, 1, segmented=True, ssd=ssd) == [0, 1, 0, 1, 0, 0, 0]  # cc was never reused: not written
     assert ssd.written == 1 and replay(trace, 1, segmented=True) == [0, 1, 0, 0, 0, 0, 0]
+
+
+def test_the_ssd_model_drops_whole_segments_by_their_last_read_as_the_tier_does():
+    """One request's evictions land as one segment; past capacity the least recently read segment
+    goes whole (the production rule, kvcache.ssd.segments_to_remove), and a read keeps a segment."""
+    ssd = SsdModel(SEGMENT_BLOCKS + 1, AdmissionPolicy(min_hits=0), measured=False)
+    first = [Block(BlockHash(bytes([1, i])), nbytes=1) for i in range(SEGMENT_BLOCKS)]
+    for block in first:
+        ssd.spill(block)
+    ssd.write(now=1.0)
+    ssd.spill(Block(BlockHash(b"\x02\x00"), nbytes=1))
+    ssd.write(now=2.0)  # 17 blocks fit
+    assert ssd.read(first[0].block_hash, now=3.0) and ssd.index.counts()[:2] == (2, SEGMENT_BLOCKS + 1)
+    ssd.spill(Block(BlockHash(b"\x03\x00"), nbytes=1))
+    ssd.write(now=4.0)  # past capacity: the segment read least recently goes (not the older one read at 3)
+    assert ssd.read(first[-1].block_hash, now=3.5) and not ssd.read(BlockHash(b"\x02\x00"), now=3.5)
+    ssd.spill(Block(BlockHash(b"\x04\x00"), nbytes=1))
+    ssd.write(now=6.0)  # one block too many: the 16-block segment, read at 3.5, goes whole
+    assert not any(ssd.read(block.block_hash, now=7.0) for block in first)
+    assert ssd.read(BlockHash(b"\x03\x00"), now=7.0) and ssd.index.counts()[:2] == (2, 2)
+    assert ssd.written == SEGMENT_BLOCKS + 3
 
 
 def test_a_block_is_sampled_alike_as_hex_and_as_raw_bytes():
