@@ -69,7 +69,7 @@ def ttft(trace: Trace, ram_blocks: int, ssd_blocks: int, costs: Costs) -> str:
     return f"{seconds / 1e6:.2f}s" if costs.prefill_us else ""
 
 
-def size(trace: Trace, blocks: int, costs: Costs) -> str:
+def size(blocks: int, costs: Costs) -> str:
     return f"{blocks * costs.block_bytes / 2**30:.2f} GiB" if costs.block_bytes else f"{blocks} blocks"
 
 
@@ -82,16 +82,14 @@ def report(trace: Trace, costs: Costs) -> None:
         blocks = trace.blocks(share)
         rate = trace.distances.hit_rate(blocks)
         recomputed = trace.per_request(1 - rate)
-        print(
-            f"{size(trace, blocks, costs):>16} | {rate:14.1%} | {recomputed:25.0f} | {ttft(trace, blocks, 0, costs):>7}"
-        )
+        print(f"{size(blocks, costs):>16} | {rate:14.1%} | {recomputed:25.0f} | {ttft(trace, blocks, 0, costs):>7}")
     print("\nRAM + an SSD tier taking every block RAM evicts: token hit rate (and TTFT)")
     ssd_sizes = [trace.blocks(share) if share else 0 for share in GRID_SSD]
-    print(f"{'RAM / SSD':>16} | " + " | ".join(f"{size(trace, s, costs) if s else 'none':>16}" for s in ssd_sizes))
+    print(f"{'RAM / SSD':>16} | " + " | ".join(f"{size(s, costs) if s else 'none':>16}" for s in ssd_sizes))
     for share in GRID_RAM:
         ram = trace.blocks(share)
         cells = [f"{trace.distances.hit_rate(ram + ssd):6.1%} {ttft(trace, ram, ssd, costs):>9}" for ssd in ssd_sizes]
-        print(f"{size(trace, ram, costs):>16} | " + " | ".join(f"{cell:>16}" for cell in cells))
+        print(f"{size(ram, costs):>16} | " + " | ".join(f"{cell:>16}" for cell in cells))
 
 
 def what_if(path: Path, costs: Costs) -> int:
