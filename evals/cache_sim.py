@@ -277,8 +277,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.trace:
         records = list(read_trace(args.trace))
-        budgets = args.budgets or [max(1, int(working_set(records) * s)) for s in BUDGETS.values()]
-        results = {"traces": {args.trace.name: {str(b): compare(records, b) | {"blocks": b} for b in budgets}}}
+        size = working_set(records)
+        budgets = {f"given {i + 1}": b for i, b in enumerate(args.budgets)} or {
+            name: max(1, int(size * share)) for name, share in BUDGETS.items()
+        }
+        results = {"traces": {"trace": {name: compare(records, b) | {"blocks": b} for name, b in budgets.items()}}}
     elif args.all:
         results = run_all(args.seed)
     else:

@@ -78,16 +78,14 @@ def report(trace: Trace, costs: Costs) -> None:
     print(f"{trace.requests} requests, {trace.lookups} block lookups, {trace.distinct} distinct blocks ({kind})")
     print("\nRAM alone (LRU)")
     print(f"{'RAM':>16} | {'token hit rate':>14} | {'recomputed tokens/request':>25} | {'TTFT':>7}")
-    for share in RAM_SHARES:
-        blocks = trace.blocks(share)
+    for blocks in sorted({trace.blocks(share) for share in RAM_SHARES}):  # a small trace repeats sizes
         rate = trace.distances.hit_rate(blocks)
         recomputed = trace.per_request(1 - rate)
         print(f"{size(blocks, costs):>16} | {rate:14.1%} | {recomputed:25.0f} | {ttft(trace, blocks, 0, costs):>7}")
     print("\nRAM + an SSD tier taking every block RAM evicts: token hit rate (and TTFT)")
-    ssd_sizes = [trace.blocks(share) if share else 0 for share in GRID_SSD]
+    ssd_sizes = sorted({trace.blocks(share) if share else 0 for share in GRID_SSD})
     print(f"{'RAM / SSD':>16} | " + " | ".join(f"{size(s, costs) if s else 'none':>16}" for s in ssd_sizes))
-    for share in GRID_RAM:
-        ram = trace.blocks(share)
+    for ram in sorted({trace.blocks(share) for share in GRID_RAM}):
         cells = [f"{trace.distances.hit_rate(ram + ssd):6.1%} {ttft(trace, ram, ssd, costs):>9}" for ssd in ssd_sizes]
         print(f"{size(ram, costs):>16} | " + " | ".join(f"{cell:>16}" for cell in cells))
 

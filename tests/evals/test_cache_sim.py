@@ -124,3 +124,20 @@ def test_a_block_is_sampled_alike_as_hex_and_as_raw_bytes():
     blocks = [b for r in generate("rag")[:200] for b in r.blocks]
     assert any(sampled(b, 0.1) for b in blocks) and not all(sampled(b, 0.1) for b in blocks)
     assert all(sampled(b, 0.1) == sampled(bytes.fromhex(b), 0.1) for b in blocks)
+
+
+def test_a_recorded_trace_replays_at_the_budgets_given(tmp_path, monkeypatch, capsys):
+    import json
+    import sys
+
+    from evals import cache_sim
+
+    records = generate("rag")[:300]
+    path, out = tmp_path / "trace.jsonl", tmp_path / "result.json"
+    path.write_text("".join(r.line() + "\n" for r in records))
+    monkeypatch.setattr(sys, "argv", ["cache_sim", "--trace", str(path), "--budgets", "40", "--json", str(out)])
+    cache_sim.main()
+    row = json.loads(out.read_text())["trace"]["given 1"]
+    assert row["lru"] == rate(records, replay(records, 40, segmented=False))
+    assert row["strata"] <= row["optimum_held"] <= row["optimum"]
+    assert "given 1 40" in capsys.readouterr().out
