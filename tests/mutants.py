@@ -402,6 +402,25 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "the model pool unloads a model with requests running",
+        "gateway/engine/model_pool.py",
+        'if s.state == "loaded" and not s.running and not s.spec.pinned',
+        'if s.state == "loaded" and not s.spec.pinned',
+        (
+            "tests/gateway/test_model_pool.py::test_a_pinned_model_is_never_unloaded_and_a_busy_one_only_after_its_requests_end",
+            "tests/gateway/test_model_pool.py::test_a_waiting_request_gets_its_turn_when_a_running_request_ends",
+        ),
+    ),
+    Mutant(
+        "the model pool unloads a pinned model",
+        "gateway/engine/model_pool.py",
+        'if s.state == "loaded" and not s.running and not s.spec.pinned',
+        'if s.state == "loaded" and not s.running',
+        (
+            "tests/gateway/test_model_pool.py::test_a_pinned_model_is_never_unloaded_and_a_busy_one_only_after_its_requests_end",
+        ),
+    ),
+    Mutant(
         "a draft kept under a key without the tenant (another tenant drafts from it)",
         "semantic/exact.py",
         'return digest("draft", {"scope": scope.as_dict(), "messages": messages, "output": output})',
