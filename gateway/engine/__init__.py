@@ -150,6 +150,8 @@ class Engine:
         self.submit_embedding = self.worker.submit_embedding
         self.reclaimer = ThreadPoolExecutor(1, thread_name_prefix="strata-reclaim")  # reclaim_ssd()
         self.events = self.worker.events
+        # what the model pool books for it: its weights as loaded, and the RAM its caches may fill
+        self.nbytes = self.runner.weights_nbytes + config.caches.prefix_budget_bytes + config.caches.vision_budget_bytes
 
     def compile_grammar(self, grammar: str) -> CompiledGrammar:
         return self.runner.grammars.compile(grammar)

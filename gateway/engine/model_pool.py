@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 
@@ -43,6 +44,11 @@ class ModelSpec:
     estimate_bytes: int  # booked against the limit while it loads
     pinned: bool = False  # never unloaded
     idle_ttl_s: float = 0.0  # unloaded after this long without a request (0: only to make room)
+
+
+def weights_bytes(model_path: Path) -> int:
+    """A model folder's weight files' bytes: what loading it will take before its caches fill."""
+    return sum(path.stat().st_size for path in Path(model_path).glob("*.safetensors"))
 
 
 class UnknownModel(LookupError):

@@ -26,6 +26,7 @@ from typing import cast
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 
 from kvcache import TenantSalt, is_recurrent, state_nbytes
 from vision import DecodedImage, pixel_hash, processor_fingerprint
@@ -174,6 +175,8 @@ class ModelRunner:
         self.family = family_of(Path(model_path))  # UnsupportedModel before anything loads
         config = read_config(Path(model_path))
         self.model, self.processor, self.lm, self.cache_classes = _load(self.family, Path(model_path))
+        weights: list[tuple[str, mx.array]] = tree_flatten(self.model.parameters())  # type: ignore[assignment]
+        self.weights_nbytes = sum(array.nbytes for _, array in weights)
         layers = self.new_cache()
         # A hybrid model's recurrent layers (their state is snapshotted at block boundaries).
         self.recurrent = tuple(index for index, layer in enumerate(layers) if is_recurrent(layer))
