@@ -38,7 +38,7 @@ from pathlib import Path
 
 from kvcache import BlockHash
 from kvcache.blocktrace import TraceRecord, read_trace
-from kvcache.mrc import stack_distances
+from kvcache.mrc import SAMPLE_RATE, stack_distances
 from kvcache.pool import Block, BlockPool
 from kvcache.segment import SEGMENT_BLOCKS
 from kvcache.ssd import AdmissionPolicy, ReuseMeter, segments_to_remove
@@ -48,7 +48,6 @@ from .trace_gen import KINDS, generate
 
 BUDGETS = {"small": 0.05, "medium": 0.20, "large": 0.50}  # of the working set's blocks
 BLOCK_BYTES = 1  # every block costs the same: budgets are in blocks
-SAMPLE_RATE = 0.1
 SSD_TIMES_RAM = 4  # the SSD tier's capacity beside each RAM budget
 
 

@@ -10,9 +10,9 @@ names the bottleneck. New content (a prompt seen for the first time, or a conver
 message) is reported but never advised against: no setting makes the unseen cached.
 
 What more RAM would buy: each record also keeps a sample of its prompt's block chain (its first
-kvcache.mrc.HEAD blocks, and the deeper blocks whose hash falls in the first CHAIN_SAMPLE of the hash
-space, as 64-bit ints); the window's chains give the LRU hit-rate curve (kvcache.mrc), read at the
-RAM budget and at 1, 4 and 16 GiB more: "with 4 GiB more RAM the prefix token hit rate would have
+kvcache.mrc.HEAD blocks, and the deeper blocks whose hash falls in the first kvcache.mrc.SAMPLE_RATE
+of the hash space, as 64-bit ints); the window's chains give the LRU hit-rate curve (kvcache.mrc),
+read at the RAM budget and at 1, 4 and 16 GiB more: "with 4 GiB more RAM the prefix token hit rate would have
 been ~Y% (now ~Z% by the same estimate)". An estimate from a sample (within 1.5 points of the exact
 curve on the simulator's traces), of the RAM tier alone, for full blocks.
 """
@@ -26,13 +26,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvcache.mrc import kept, stack_distances
+from kvcache.mrc import SAMPLE_RATE, kept, stack_distances
 
 from .trace import LAYERS, PrefixFacts
 
 FINDING_SHARE = 0.2
 RECENT_REQUESTS = 50_000  # requests kept for the window (a deque: memory stays bounded)
-CHAIN_SAMPLE = 0.1  # of the hash space: a record keeps the blocks of its chain that fall in it
 MORE_RAM_GIB = (1, 4, 16)
 
 
@@ -47,7 +46,7 @@ class RequestRecord:
 def sampled_chain(chain: Iterable[bytes]) -> np.ndarray:
     """The blocks of a chain (block hashes) that the what-if sample keeps (its head, and the sampled
     blocks past it: kvcache.mrc), as 64-bit ints."""
-    return np.array([int.from_bytes(h[:8], "big") for h in kept(list(chain), CHAIN_SAMPLE)], dtype=np.uint64)
+    return np.array([int.from_bytes(h[:8], "big") for h in kept(list(chain), SAMPLE_RATE)], dtype=np.uint64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +179,7 @@ def _more_ram(recent: list[RequestRecord], ram: RamBudget) -> dict:
     chains = [r.chain.tolist() for r in recent if len(r.chain)]
     if not chains:
         return {"estimated_now": None, "more": {}}
-    curve = stack_distances(chains, CHAIN_SAMPLE, presampled=True)
+    curve = stack_distances(chains, SAMPLE_RATE, presampled=True)
     blocks = ram.budget_bytes // ram.block_bytes
     more = {f"{gib}GiB": round(curve.hit_rate(blocks + (gib << 30) // ram.block_bytes), 4) for gib in MORE_RAM_GIB}
     return {"estimated_now": round(curve.hit_rate(blocks), 4), "more": more}

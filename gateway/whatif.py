@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcache.blocktrace import read_trace
-from kvcache.mrc import Distances, stack_distances
+from kvcache.mrc import SAMPLE_RATE, Distances, stack_distances
 
-EXACT_UP_TO = 5_000_000  # block lookups: past this the curve is sampled (kvcache.mrc, 10% past each head)
+EXACT_UP_TO = 5_000_000  # block lookups: past this the curve is sampled (kvcache.mrc: its SAMPLE_RATE past each head)
 RAM_SHARES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)  # of the trace's distinct blocks
 GRID_RAM = (0.01, 0.05, 0.1, 0.2, 0.5)
 GRID_SSD = (0.0, 0.1, 0.25, 0.5, 1.0)
@@ -56,7 +56,7 @@ def load(path: Path) -> Trace:
     lookups = sum(map(len, chains))
     if not lookups:
         raise ValueError(f"{path} has no engine request with a full block")
-    rate = 1.0 if lookups <= EXACT_UP_TO else 0.1
+    rate = 1.0 if lookups <= EXACT_UP_TO else SAMPLE_RATE
     distinct = len({b for c in chains for b in c})
     distances = stack_distances(chains, rate)
     return Trace(distances, len(records), lookups, distinct, records[0].block_tokens, rate < 1.0)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 HEAD = 64  # a chain's first blocks, always kept when sampling
+SAMPLE_RATE = 0.1  # past the head, when a curve is sampled: the rate evals.cache_sim checks it at
 COLD = np.inf  # a first use: a miss at every size
 
 
