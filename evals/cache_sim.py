@@ -41,7 +41,7 @@ from kvcache.blocktrace import TraceRecord, read_trace
 from kvcache.mrc import SAMPLE_RATE, stack_distances
 from kvcache.pool import Block, BlockPool
 from kvcache.segment import SEGMENT_BLOCKS
-from kvcache.ssd import AdmissionPolicy, ReuseMeter, segments_to_remove
+from kvcache.ssd import AdmissionPolicy, ReuseMeter, segments_to_remove, spill_admits
 from kvcache.ssd_index import SegmentIndex
 
 from .trace_gen import KINDS, generate
@@ -77,12 +77,8 @@ class SsdModel:
 
     def spill(self, block: Block) -> None:
         """PrefixCache's on_evict: an admitted block the tier lacks is queued for the writer."""
-        worth = None
-        if self.reuse is not None:
-            self.reuse.evicted_block(block.block_hash, block.num_hits)
-            worth = self.reuse.worth(block.num_hits)
         hex_hash = block.block_hash.hex()
-        if self.admission.admits(block.num_hits, block.end_token, worth) and not self.index.contains(hex_hash):
+        if spill_admits(self.admission, self.reuse, block) and not self.index.contains(hex_hash):
             self.queued[hex_hash] = BLOCK_BYTES
 
     def write(self, now: float) -> None:

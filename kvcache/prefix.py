@@ -39,7 +39,7 @@ from .chain import ExtraSpan, Roots, hash_blocks, public_blocks
 from .keys import PUBLIC_SALT, PUBLIC_TENANT, BlockHash, TenantSalt, chain_root
 from .pool import Block, BlockPool, Ghost, Ghosts, PoolStats, Purged
 from .quant import QuantConfig, from_tensors, quantize, restore, state_from_tensors, to_tensors
-from .ssd import ReuseMeter, SpillRequest, SsdTier
+from .ssd import ReuseMeter, SpillRequest, SsdTier, spill_admits
 
 SLICEABLE_CACHE_TYPES = ("KVCache",)  # caches whose state is (keys, values) along a token axis
 # Recurrent layers (Mamba, gated delta, short convolutions) carry one state for the whole prefix, a
@@ -218,8 +218,7 @@ class PrefixCache:
     def _spill(self, block: Block) -> None:
         ssd = self.ssd
         assert ssd is not None, "the pool spills only when the cache has an SSD tier"
-        self.reuse.evicted_block(block.block_hash, block.num_hits)
-        if ssd.admits(block.num_hits, block.end_token, self.reuse.worth(block.num_hits)):
+        if spill_admits(ssd.config.admission, self.reuse, block):
             ssd.offer(_spill_request(block, self.block_size))
         else:
             ssd.refused()

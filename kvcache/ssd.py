@@ -70,7 +70,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .pool import Ghost, Ghosts, Purged
+from .pool import Block, Ghost, Ghosts, Purged
 from .sealing import Sealer
 from .segment import (
     PRIVATE_DIR_MODE,
@@ -106,6 +106,7 @@ __all__ = [
     "SsdStats",
     "SsdTier",
     "segments_to_remove",
+    "spill_admits",
 ]
 
 
@@ -162,6 +163,17 @@ class ReuseMeter:
         if self.evicted[kind] < REUSE_EVIDENCE:
             return None
         return self.reused[kind] >= REUSE_WORTH * self.evicted[kind]
+
+
+def spill_admits(policy: AdmissionPolicy, reuse: ReuseMeter | None, block: Block) -> bool:
+    """The rule for a block RAM evicts: the meter (when there is one) records the eviction, then the
+    policy judges the block with the measured worth of its class. PrefixCache spills by it, and the
+    cache simulator (evals.cache_sim) replays it."""
+    worth = None
+    if reuse is not None:
+        reuse.evicted_block(block.block_hash, block.num_hits)
+        worth = reuse.worth(block.num_hits)
+    return policy.admits(block.num_hits, block.end_token, worth)
 
 
 def segments_to_remove(
