@@ -404,18 +404,19 @@ MUTANTS = (
     Mutant(
         "the model pool unloads a model with requests running",
         "gateway/engine/model_pool.py",
-        'if s.state == "loaded" and not s.running and not s.spec.pinned',
-        'if s.state == "loaded" and not s.spec.pinned',
+        'return self.state == "loaded" and not self.running and not self.spec.pinned',
+        'return self.state == "loaded" and not self.spec.pinned',
         (
             "tests/gateway/test_model_pool.py::test_a_pinned_model_is_never_unloaded_and_a_busy_one_only_after_its_requests_end",
             "tests/gateway/test_model_pool.py::test_a_waiting_request_gets_its_turn_when_a_running_request_ends",
+            "tests/gateway/test_model_pool.py::test_idle_models_expire_after_their_ttl_but_not_pinned_or_running_ones",
         ),
     ),
     Mutant(
         "the model pool unloads a pinned model",
         "gateway/engine/model_pool.py",
-        'if s.state == "loaded" and not s.running and not s.spec.pinned',
-        'if s.state == "loaded" and not s.running',
+        'return self.state == "loaded" and not self.running and not self.spec.pinned',
+        'return self.state == "loaded" and not self.running',
         (
             "tests/gateway/test_model_pool.py::test_a_pinned_model_is_never_unloaded_and_a_busy_one_only_after_its_requests_end",
         ),

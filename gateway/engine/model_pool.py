@@ -85,6 +85,11 @@ class _Slot:
     failed_attempt: int = 0  # the last attempt that failed
     error: str = ""
 
+    @property
+    def unloadable(self) -> bool:
+        """Loaded, idle and not pinned: it may be unloaded (to make room, or past its TTL)."""
+        return self.state == "loaded" and not self.running and not self.spec.pinned
+
 
 class ModelPool:
     def __init__(
@@ -147,7 +152,7 @@ class ModelPool:
         free = self.limit_bytes - sum(s.nbytes for s in self.slots.values() if s.state in ("loading", "loaded"))
         victims = []
         idle = sorted(
-            (s for s in self.slots.values() if s.state == "loaded" and not s.running and not s.spec.pinned),
+            (s for s in self.slots.values() if s.unloadable),
             key=lambda s: s.last_used,
         )
         for slot in idle:
@@ -192,7 +197,7 @@ class ModelPool:
     def _why_waiting(self, slot: _Slot) -> str:
         if slot.state == "loading":
             return f"model {slot.spec.name!r} is still loading"
-        busy = [s.spec.name for s in self.slots.values() if s.state == "loaded" and (s.running or s.spec.pinned)]
+        busy = [s.spec.name for s in self.slots.values() if s.state == "loaded" and not s.unloadable]
         return f"no room for model {slot.spec.name!r} under the memory limit: in use or pinned: {', '.join(busy)}"
 
     def expire_idle(self) -> list[str]:
@@ -202,11 +207,7 @@ class ModelPool:
             expired = [
                 s
                 for s in self.slots.values()
-                if s.state == "loaded"
-                and s.spec.idle_ttl_s
-                and not s.spec.pinned
-                and not s.running
-                and now - s.last_used > s.spec.idle_ttl_s
+                if s.unloadable and s.spec.idle_ttl_s and now - s.last_used > s.spec.idle_ttl_s
             ]
             for slot in expired:
                 slot.state = "unloading"
