@@ -17,6 +17,7 @@ so every other replica purges its own layers too (`"announced": true` in the ans
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import asdict
 
@@ -188,8 +189,10 @@ def purge_layers(
     if engine_layers:
         removed |= _purge_engine(services, selector, engine_layers)
     if shredded and "ssd" in layers:
-        reclaim = services.engine.reclaim_ssd(selector.selects)
-        removed["ssd"] = {"shredded": True, "reclaiming": True} if reclaim is not None else None
+        reclaims = [model.engine.reclaim_ssd(selector.selects) for model in services.models.loaded()]
+        if any(reclaims):  # the models not loaded: on a thread of their own too, never the request's
+            threading.Thread(target=services.models.purge_unloaded_ssd, args=(selector.selects,), daemon=True).start()
+        removed["ssd"] = {"shredded": True, "reclaiming": True} if any(reclaims) else None
     if unreachable:
         raise ApiError(
             503,
@@ -258,15 +261,31 @@ def purge_announced(services, tenant: str, session: str | None, user: str | None
 
 
 def _purge_engine(services, selector: Selector, layers: list[str]) -> dict:
-    try:
-        results = services.engine.purge_caches(selector.selects, layers, ENGINE_PURGE_TIMEOUT_S)
-    except (TimeoutError, RuntimeError) as exc:
-        raise ApiError(
-            503,
-            f"the engine's caches could not be purged now ({exc or 'timed out'}); a purge can be repeated: retry",
-            "engine_unavailable",
-        ) from None
-    return {layer: _engine_removed(layer, result) for layer, result in results.items()}
+    """Every loaded model's engine caches, and the SSD blocks of the models not loaded (each model
+    files its blocks in a folder of its own; one not loaded holds nothing in RAM)."""
+    removed: dict = {}
+    for model in services.models.loaded():
+        try:
+            results = model.engine.purge_caches(selector.selects, layers, ENGINE_PURGE_TIMEOUT_S)
+        except (TimeoutError, RuntimeError) as exc:
+            raise ApiError(
+                503,
+                f"the caches of model {model.stamp.name!r} could not be purged now ({exc or 'timed out'}); "
+                "a purge can be repeated: retry",
+                "engine_unavailable",
+            ) from None
+        for layer, result in results.items():
+            removed[layer] = _added(removed.get(layer), _engine_removed(layer, result))
+    if "ssd" in layers:
+        for result in services.models.purge_unloaded_ssd(selector.selects):
+            removed["ssd"] = _added(removed.get("ssd"), _engine_removed("ssd", result))
+    return removed
+
+
+def _added(total: dict | None, more: dict | None) -> dict | None:
+    if total is None or more is None:
+        return total or more
+    return {key: total[key] + more[key] for key in total}
 
 
 def _engine_removed(layer: str, result) -> dict | None:
@@ -298,7 +317,7 @@ async def diagnosis(request: Request, window_s: FromQuery[float] = DIAGNOSIS_WIN
 @get("/admin/public-prefixes", guards=[require_admin])
 async def list_public_prefixes(request: Request) -> dict:
     """The declared public prefixes: id, tokens (what a prompt must start with), the declaration."""
-    return {"data": [prefix.shown() for prefix in request.app.state.services.pipeline.chat.public.listed()]}
+    return {"data": [prefix.shown() for prefix in request.app.state.services.models.default.chat.public.listed()]}
 
 
 @post("/admin/public-prefixes", status_code=201, guards=[require_admin])
@@ -307,14 +326,14 @@ async def declare_public_prefix(request: Request) -> dict:
     prompt starts with exactly its tokens (this replica; a cluster declares them in the file)."""
     services = request.app.state.services
     body = parse_json_body(await request.body(), services.settings.limits.max_json_depth)
-    prefix = await anyio.to_thread.run_sync(services.pipeline.chat.public.declare, body)
+    prefix = await anyio.to_thread.run_sync(services.models.default.chat.public.declare, body)
     block_size = services.settings.kv_block_size
     return prefix.shown() | {"shared_tokens": public_blocks(len(prefix.token_ids), (), block_size) * block_size}
 
 
 @delete("/admin/public-prefixes/{prefix_id:str}", status_code=200, guards=[require_admin])
 async def remove_public_prefix(request: Request, prefix_id: FromPath[str]) -> dict:
-    if not request.app.state.services.pipeline.chat.public.remove(prefix_id):
+    if not request.app.state.services.models.default.chat.public.remove(prefix_id):
         raise ApiError(404, f"no public prefix {echo(prefix_id)}", "public_prefix_not_found")
     return {"id": prefix_id, "deleted": True}
 

@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import Awaitable
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import TypeVar
 
@@ -49,7 +49,6 @@ from . import anthropic_api, openai_format, responses_api
 from .admin import ADMIN_CACHE_ROUTES, end_idle_sessions, purge_announced, require_admin
 from .auth import Authenticator, load_server_secret
 from .blas import blas_in_use
-from .chat import ChatService
 from .checkpoints import resolve_model_path
 from .conversations import ConversationStore
 from .dashboard import DASHBOARD_ROUTES, History
@@ -60,9 +59,9 @@ from .errors import EXCEPTION_HANDLERS, ApiError, bad_request, echo
 from .files import private_dir, private_file
 from .keyring import keyring_for
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .metrics import RequestMetrics, StateCollector
+from .metrics import ModelGauge, RequestMetrics, StateCollector
+from .models import ServedModels, model_entries
 from .normalize import DEFAULT_RULES_FILE, Normalizer, load_rules
-from .openai_format import ModelStamp
 from .pipeline import Pipeline, off_loop
 from .public_prefixes import PublicPrefixes, load_file
 from .purge_feed import PurgeFeed
@@ -83,12 +82,12 @@ VERSION = "0.1.0"
 @dataclass(slots=True)
 class Services:
     settings: Settings
-    engine: Engine
+    engine: Engine  # the default model's (the first): readiness, embeddings, diagnosis
+    models: ServedModels  # every model served, loaded or not; requests lease theirs
     auth: Authenticator
     pipeline: Pipeline
     counters: LayerCounters
     responses: ResponseCaches
-    stamp: ModelStamp
     embeddings: Embeddings
     conversations: ConversationStore
     metrics: CollectorRegistry  # GET /metrics renders it
@@ -116,14 +115,14 @@ async def chat_completions(request: Request) -> Response:
             turn.events(),
             turn.completions,
             turn.trace,
-            services.stamp,
+            turn.model.stamp,
             chat_request.include_usage,
-            _tools(services, chat_request),
+            _tools(turn, chat_request),
         )
         return Stream(chunks, media_type="text/event-stream", headers=_stream_headers(services, turn))
     if await _client_left(request, turn):
         return Response(b"", status_code=499)  # nobody reads it: the job was cancelled
-    body = openai_format.response_body(turn.completions, turn.trace, services.stamp, _tools(services, chat_request))
+    body = openai_format.response_body(turn.completions, turn.trace, turn.model.stamp, _tools(turn, chat_request))
     return Response(body, headers=_headers(services, turn))
 
 
@@ -149,9 +148,9 @@ async def _client_left(request: Request, turn) -> bool:
     return await _client_left_first(request, turn.finish())
 
 
-def _tools(services: Services, chat_request):
+def _tools(turn, chat_request):
     """The model's tool-call format when the reply may hold calls to parse out."""
-    return services.engine.tools if chat_request.parses_tool_calls else None
+    return turn.model.engine.tools if chat_request.parses_tool_calls else None
 
 
 def _authorization(request: Request) -> str | None:
@@ -176,7 +175,7 @@ async def create_message(request: Request) -> Response:
     if await _client_left(request, turn):
         return Response(b"", status_code=499)
     message = anthropic_api.message_body(
-        anthropic_api.new_id(), services.stamp.name, turn.completion, _tools(services, chat_request), _usage(turn)
+        anthropic_api.new_id(), turn.model.stamp.name, turn.completion, _tools(turn, chat_request), _usage(turn)
     )
     return Response(message, headers=_headers(services, turn))
 
@@ -218,7 +217,7 @@ async def _pinging(services: Services, chat_request, starting: asyncio.Future, p
 
 async def _message_chunks(services: Services, chat_request, turn):
     stream = anthropic_api.MessageStream(
-        anthropic_api.new_id(), services.stamp.name, turn.completion, _tools(services, chat_request)
+        anthropic_api.new_id(), turn.model.stamp.name, turn.completion, _tools(turn, chat_request)
     )
     yield stream.start(_usage(turn))
     async for chunk in anthropic_api.stream_events(turn.events(), stream, partial(_usage, turn)):
@@ -235,7 +234,8 @@ async def count_message_tokens(request: Request) -> dict:
     body = await off_loop(len(raw), partial(parse_json_body, raw, limits.max_json_depth))
     parse = partial(anthropic_api.parse_messages_request, {"max_tokens": 1, **body}, limits)  # no max_tokens here
     chat_request, _ = services.pipeline.normalizer.apply(await off_loop(len(raw), parse), caller.tenant)
-    return {"input_tokens": await services.pipeline.chat.count_tokens(chat_request)}
+    async with services.models.lease(chat_request.model) as model:
+        return {"input_tokens": await model.chat.count_tokens(chat_request)}
 
 
 def _parse_anthropic(raw: bytes, limits):
@@ -262,7 +262,7 @@ async def create_response(request: Request) -> Response:
     if turn is None:
         return Response(b"", status_code=499)
     request.state.turn = turn  # for the request's log line
-    response_id, tools, owner = responses_api.new_id(), _tools(services, chat_request), turn.ctx.owner
+    response_id, tools, owner = responses_api.new_id(), _tools(turn, chat_request), turn.ctx.owner
 
     async def finished(message: dict, response: dict) -> None:
         if not stored:
@@ -410,12 +410,12 @@ async def _disconnected(request: Request) -> None:
 async def list_models(request: Request) -> dict:
     services = _services(request)
     services.auth.caller(request.headers.get("authorization"))
-    info = services.engine.info
-    models = [info.name, EMBEDDING_MODELS[0]]
-    return {
-        "object": "list",
-        "data": [{"id": name, "object": "model", "created": 0, "owned_by": "strata"} for name in models],
-    }
+    served = [
+        {"id": status.name, "object": "model", "created": 0, "owned_by": "strata", "state": status.state}
+        for status in services.models.statuses()
+    ]
+    embedding = {"id": EMBEDDING_MODELS[0], "object": "model", "created": 0, "owned_by": "strata", "state": "loaded"}
+    return {"object": "list", "data": [*served, embedding]}
 
 
 @get(["/health", "/healthz"])
@@ -423,7 +423,7 @@ async def health(request: Request) -> Response:
     """Liveness: 200 while the engine worker runs and steps when work waits, else 503 with the reason.
     Anyone may ask; the model fingerprint and queue state are for admins."""
     services = _services(request)
-    state = services.engine.health(services.settings.stuck_after_s)
+    state = _least_healthy(services)
     body = {"status": "ok"} if state.alive else {"status": "unavailable", "reason": state.reason}
     if services.auth.is_admin(request.headers.get("authorization")):
         body |= _health_details(services)
@@ -440,6 +440,16 @@ async def ready(request: Request) -> Response:
     return Response({"status": "not_ready", "reason": state.reason}, status_code=503)
 
 
+def _least_healthy(services: Services):
+    """The default model's health, or the first loaded model's that is not alive (its name in the reason)."""
+    default = services.engine.health(services.settings.stuck_after_s)
+    for model in services.models.loaded():
+        state = model.engine.health(services.settings.stuck_after_s)
+        if not state.alive and default.alive:
+            return replace(state, reason=f"model {model.stamp.name!r}: {state.reason}")
+    return default
+
+
 def _health_details(services: Services) -> dict:
     engine = services.engine.snapshot()
     return {
@@ -450,6 +460,7 @@ def _health_details(services: Services) -> dict:
         "queue_depth": engine.queue_depth,
         "engine_busy": engine.busy,
         "engine_running": engine.num_running,
+        "models": {status.name: status.state for status in services.models.statuses()},
     }
 
 
@@ -478,7 +489,10 @@ def _state_collector(services: Services) -> StateCollector:
         semantic = responses.semantic
         return len(semantic.index) * semantic.embedder.dim * 4 if semantic is not None else 0  # float32 vectors
 
-    return StateCollector(read, files, index_bytes, settings.ssd_daily_write_bytes, settings.max_queue)
+    def models() -> tuple[list[ModelGauge], int]:
+        return services.models.gauges(), services.models.pool.limit_bytes
+
+    return StateCollector(read, files, index_bytes, settings.ssd_daily_write_bytes, settings.max_queue, models)
 
 
 @get("/admin/stats", guards=[require_admin], sync_to_thread=True)
@@ -501,6 +515,8 @@ def admin_stats(request: Request) -> dict:
         **services.counters.snapshot(),
         "engine": engine_stats,
         "engine_caches": services.engine.cache_stats(),
+        "models": [asdict(status) for status in services.models.statuses()],
+        "model_memory_limit_bytes": services.models.pool.limit_bytes,
         "response_caches": services.responses.stats(),
         "response_store_errors": store_errors,
         "sweeps": request.app.state.sweeper.snapshot(),
@@ -537,15 +553,16 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
             settings.admin_key,
             load_server_secret(settings.secret_file or settings.data_dir / "server.secret"),
         )
-        responses = await anyio.to_thread.run_sync(ResponseCaches, settings, live.info.fingerprint, embedder)
+        responses = await anyio.to_thread.run_sync(ResponseCaches, settings, embedder)
+        entries = model_entries(settings)
+        models = await anyio.to_thread.run_sync(ServedModels, settings, engine_config(settings), entries, live)
         sessions = SessionClock(settings.session_ttl_s)
         request_metrics = RequestMetrics(registry, settings.metrics_tenant_label) if settings.metrics_enabled else None
         rules = load_rules(settings.normalize_rules_file or DEFAULT_RULES_FILE)
         normalizer = Normalizer(rules, settings.normalize_off_tenants)
-        pipeline = Pipeline(ChatService(settings, live), responses, counters, sessions, request_metrics, normalizer)
+        pipeline = Pipeline(models, responses, counters, sessions, request_metrics, normalizer)
         for declaration in load_file(settings.public_prefixes_file) if settings.public_prefixes_file else []:
-            _declare_public(pipeline.chat.public, declaration)
-        stamp = ModelStamp(live.info.name, live.info.fingerprint)
+            _declare_public(models.default.chat.public, declaration)
         conversations = ConversationStore(
             private_file(settings.data_dir / "conversations.db"), settings.conversation_ttl_s, keyring_for(settings)
         )
@@ -553,11 +570,11 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
         app.state.services = Services(
             settings,
             live,
+            models,
             auth,
             pipeline,
             counters,
             responses,
-            stamp,
             embeddings,
             conversations,
             registry,
@@ -572,12 +589,13 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
                 **responses.expiring(),
                 "conversations": conversations.purge_expired,
                 "sessions": partial(end_idle_sessions, app.state.services, sessions),
+                "models": models.expire_idle,
             },
             settings.sweep_interval_s,
         )
         app.state.sweeper = sweeper
         app.state.history = History(registry, settings.dashboard_sample_s)
-        _log_startup(settings, live)
+        _log_startup(settings, live, models)
         try:
             async with anyio.create_task_group() as background:
                 background.start_soon(sweeper.run)
@@ -592,6 +610,7 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
                 app.state.services.purge_feed.close()
             responses.close()
             conversations.close()
+            await anyio.to_thread.run_sync(models.close)  # the models loaded on demand
             if owned:
                 await anyio.to_thread.run_sync(live.stop)
                 log.info("engine stopped")
@@ -631,8 +650,8 @@ def _declare_public(public: PublicPrefixes, declaration) -> None:
 
 
 def _load_engine(settings: Settings) -> Engine:
-    path = resolve_model_path(settings.model, settings.data_dir)
-    return Engine(path, settings.model_name, engine_config(settings))
+    default = model_entries(settings)[0]
+    return Engine(resolve_model_path(default.path, settings.data_dir), default.name, engine_config(settings))
 
 
 def engine_config(settings: Settings) -> EngineConfig:
@@ -673,9 +692,12 @@ def engine_config(settings: Settings) -> EngineConfig:
     )
 
 
-def _log_startup(settings: Settings, engine: Engine) -> None:
+def _log_startup(settings: Settings, engine: Engine, models: ServedModels) -> None:
     if settings.multi_tenant:
         log.info("multi-tenant: %d API keys; tenant comes from the key", len(settings.api_keys))
     else:
         log.warning("single-tenant mode: STRATA_API_KEYS is not set, so every caller is tenant 'default'")
     log.info("serving model %r (%s) on BLAS %s", engine.info.name, engine.info.path, blas_in_use())
+    if more := [status.name for status in models.statuses()[1:]]:
+        limit = models.pool.limit_bytes
+        log.info("also serving, loaded when first asked for: %s (memory limit %d MiB)", ", ".join(more), limit >> 20)

@@ -1,4 +1,4 @@
-"""The engine's side of a chat completion: the model check, images, the prompt (with its cheap
+"""The engine's side of a chat completion on one model: images, the prompt (with its cheap
 bounds), replays of stored answers, the engine job, and a deadline on every wait for it.
 
     ChatService.prepare(request, images) -> (PreparedPrompt, Sampling)   (prompt, grammar, cheap bounds)
@@ -6,7 +6,7 @@ bounds), replays of stored answers, the engine job, and a deadline on every wait
     ChatService.replay(stored, trace) -> Run                               (a cached answer, same events)
     ChatService.events(run) -> Started.. Delta.. Finished                  (applied to run.completion)
 
-Knows neither routing (app.py) nor the order of layers (pipeline.py). Of OpenAI's shapes it builds
+Knows neither routing (app.py, models.py) nor the order of layers (pipeline.py). Of OpenAI's shapes it builds
 only the logprob entries a Delta carries (token text, bytes, logprob, top_logprobs), where the
 engine's tokenizer is at hand; the response bodies and SSE chunks are openai_format.py's.
 """
@@ -45,7 +45,7 @@ from .engine import (
     VisionReport,
     json_schema_grammar,
 )
-from .errors import ENGINE_REFUSALS, ApiError, bad_request, echo, engine_refusal, refuse_unless_serving
+from .errors import ENGINE_REFUSALS, ApiError, bad_request, engine_refusal, refuse_unless_serving
 from .images import load_image, load_video
 from .openai_format import Completion
 from .public_prefixes import PublicPrefixes
@@ -88,15 +88,6 @@ class ChatService:
         self.engine = engine
         self.public = PublicPrefixes(engine.prepare, settings.limits)  # texts whose KV every tenant shares
         self.compile_lane: anyio.CapacityLimiter | None = None  # one grammar compile at a time (made in the loop)
-
-    def check_model(self, request: ChatRequest) -> None:
-        if request.model != self.engine.info.name:
-            raise ApiError(
-                404,
-                f"model {echo(request.model)} does not exist; this server serves {self.engine.info.name!r}",
-                "model_not_found",
-                "model",
-            )
 
     async def load_images(self, request: ChatRequest) -> list[DecodedImage | DecodedVideo]:
         """Decode every image and video part (CPU work, off the event loop); none: no thread hop."""
@@ -150,7 +141,6 @@ class ChatService:
 
     async def count_tokens(self, request: ChatRequest) -> int:
         """The prompt's tokens, images expanded, as prepare() would make them; no job runs."""
-        self.check_model(request)
         images = await self.load_images(request)
         prompt = await self._prompt(request, images)
         return prompt.num_tokens

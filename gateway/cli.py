@@ -20,9 +20,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
         "--model",
-        default="demo",
+        action="append",
         help="'demo' or 'tiny' (built in), '<family>-demo' / '<family>-tiny' for another built-in family, "
-        "a model folder, or a hub id",
+        "a model folder, or a hub id (default demo, unless STRATA_MODELS_FILE names the models); give it "
+        "again to serve several models: the first is loaded at start, the others when first asked for",
     )
     serve.add_argument("--data-dir", type=Path, default=Path(os.environ.get("STRATA_DATA_DIR", "strata-data")))
     serve.add_argument("--log-level", default="info")
@@ -121,7 +122,13 @@ def _serve(args: argparse.Namespace) -> int:
     os.umask(0o077)  # everything the server writes holds tenants' data: owner-only (gateway/files.py)
     try:
         flags = {s.field: getattr(args, s.field) for s in SETTINGS if s.flag}
-        settings = settings_from_env(args.model, args.data_dir, args.host, args.port, flags=flags)
+        models = args.model or ([] if flags.get("models_file") or os.environ.get("STRATA_MODELS_FILE") else ["demo"])
+        settings = settings_from_env(
+            models[0] if models else "", args.data_dir, args.host, args.port, flags=flags, more_models=tuple(models[1:])
+        )
+        from .models import model_entries
+
+        model_entries(settings)  # a repeated name or a bad models file stops start-up here, with the reason
     except ValueError as exc:
         print(f"strata: {exc}", file=sys.stderr)
         return 2
@@ -141,14 +148,16 @@ def _serve(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"strata: {exc}", file=sys.stderr)
             return 2
-    if Path(settings.model).is_dir():  # a local folder: refuse an unsupported family before anything loads
-        from .engine import UnsupportedModel, family_of
+    from .engine import UnsupportedModel, family_of
+    from .models import model_entries
 
-        try:
-            family_of(Path(settings.model))
-        except (UnsupportedModel, OSError, ValueError) as exc:
-            print(f"strata: cannot serve {settings.model}: {exc}", file=sys.stderr)
-            return 2
+    for entry in model_entries(settings):
+        if Path(entry.path).is_dir():  # a local folder: refuse an unsupported family before anything loads
+            try:
+                family_of(Path(entry.path))
+            except (UnsupportedModel, OSError, ValueError) as exc:
+                print(f"strata: cannot serve {entry.path}: {exc}", file=sys.stderr)
+                return 2
     serve(create_app(settings), settings, args.log_level)
     return 0
 

@@ -10,10 +10,11 @@ prefix swapped; the rest are Strata's own. Two sources:
   finished request is counted (pipeline.Turn), updates counters and histograms;
 - state read at scrape time: `StateCollector` turns the engine's and the cache layers' snapshots
   into gauges (queue, batch, bytes and budgets per tier) and counters (evictions, spills,
-  promotions, quarantined files, purges).
+  promotions, quarantined files, purges), and each served model's state, bytes and requests
+  (`model` label; the engine gauges above are the default model's).
 
 Labels never carry client values: layer, outcome, tier, reason and route come from fixed
-vocabularies (a semantic refusal's reasons are the guards' names and the operator's risk
+vocabularies, and `model` from the operator's list of models (a semantic refusal's reasons are the guards' names and the operator's risk
 categories). `tenant` is a label only with STRATA_METRICS_TENANT_LABEL=1, and tenants come from
 the API-key table, never from a request.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import prometheus_client
@@ -152,6 +154,17 @@ class RequestMetrics:
             self.prefix_misses.labels(facts.why).inc()
 
 
+MODEL_STATES = ("unloaded", "loading", "loaded", "unloading")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelGauge:
+    name: str
+    state: str  # one of MODEL_STATES
+    nbytes: int
+    requests: int  # queued or running on its engine
+
+
 class StateCollector(Collector):
     """Gauges and counters read from snapshots at scrape time (the layers keep their own counts).
     `read()` returns (worker snapshot, health, engine cache stats, response cache stats)."""
@@ -163,8 +176,10 @@ class StateCollector(Collector):
         index_bytes: Callable[[], int],
         ssd_daily_write_bytes: int,
         queue_capacity: int,
+        models: Callable[[], tuple[list[ModelGauge], int]] = lambda: ([], 0),
     ):
         self.read = read
+        self.models = models  # each served model's state, and the memory limit they share
         self.queue_capacity = queue_capacity
         self.files = files  # response layer -> its SQLite file (bytes held on disk)
         self.index_bytes = index_bytes  # the semantic index's vectors in RAM
@@ -178,6 +193,7 @@ class StateCollector(Collector):
         yield _gauge("strata:engine_up", "1 while the engine worker runs and steps (see /health)", health.alive)
         yield _gauge("strata:engine_ready", "1 once warm-up ended well and the engine is up", health.ready)
         yield from self._bytes(engine_caches, response_caches)
+        yield from self._models()
         yield from _layer_counters(engine_caches)
         prefix = engine_caches.get("prefix")
         if prefix:
@@ -193,6 +209,23 @@ class StateCollector(Collector):
             yield _gauge(
                 "strata:ssd_daily_write_budget_bytes", "The SSD tier's write budget per day", self.ssd_daily_write_bytes
             )
+
+    def _models(self) -> Iterator:
+        gauges, limit = self.models()
+        if not gauges:
+            return
+        state = GaugeMetricFamily("strata:model_state", "1 for each model's current state", labels=["model", "state"])
+        held = GaugeMetricFamily(
+            "strata:model_bytes", "What each model holds against the limit (weights, KV, vision)", labels=["model"]
+        )
+        jobs = GaugeMetricFamily("strata:model_requests", "Requests queued or running on each model", labels=["model"])
+        for gauge in gauges:
+            for name in MODEL_STATES:
+                state.add_metric([gauge.name, name], float(gauge.state == name))
+            held.add_metric([gauge.name], float(gauge.nbytes))
+            jobs.add_metric([gauge.name], float(gauge.requests))
+        yield from (state, held, jobs)
+        yield _gauge("strata:model_memory_limit_bytes", "What the loaded models may hold together", limit)
 
     def _bytes(self, engine_caches: dict, response_caches: dict) -> Iterator:
         held = GaugeMetricFamily("strata:cache_bytes", "Bytes each tier holds", labels=["tier"])

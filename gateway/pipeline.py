@@ -25,9 +25,10 @@ import anyio
 from semantic import Answer, StoredResponse
 
 from .auth import Caller
-from .chat import ChatService, Drafts, Run
+from .chat import Drafts, Run
 from .engine import Delta, Finished, Pin, Sampling
 from .metrics import RequestMetrics
+from .models import ServedModel, ServedModels
 from .normalize import Normalizer
 from .openai_format import Completion
 from .responses import RequestContext, ResponseCaches
@@ -52,6 +53,7 @@ class Turn:
     """One request from its first layer to its last event."""
 
     pipeline: Pipeline
+    model: ServedModel  # the model named by the request (its jobs keep it loaded while they run)
     ctx: RequestContext
     trace: Trace
     runs: list[Run]  # one per choice
@@ -70,7 +72,7 @@ class Turn:
         """Choice after choice (the engine decodes them together; their events wait in their queues)."""
         try:
             for index, run in enumerate(self.runs):
-                async for event in self.pipeline.chat.events(run):
+                async for event in self.model.chat.events(run):
                     if isinstance(event, Delta) and index == 0 and event.text:
                         self.trace.token(from_engine=not self.cached)
                     if isinstance(event, Finished) and not self.cached and index == 0:
@@ -117,7 +119,7 @@ def _choice(sampling: Sampling, index: int) -> Sampling:
 class Pipeline:
     def __init__(
         self,
-        chat: ChatService,
+        models: ServedModels,
         responses: ResponseCaches,
         counters: LayerCounters,
         sessions: SessionClock,
@@ -125,39 +127,45 @@ class Pipeline:
         normalizer: Normalizer,
     ):
         self.normalizer = normalizer  # before every key and token: volatile system lines removed
-        self.chat = chat
+        self.models = models
         self.responses = responses
         self.counters = counters
         self.sessions = sessions
         self.metrics = metrics
 
     async def start(self, request: ChatRequest, caller: Caller, headers, body_size: int) -> Turn:
-        deadline = anyio.current_time() + self.chat.settings.request_timeout_s
-        self.chat.check_model(request)
+        """The request's model is held from here until its jobs are admitted (they then keep it loaded)."""
+        deadline = anyio.current_time() + self.models.settings.request_timeout_s
+        async with self.models.lease(request.model) as model:
+            return await self._start(model, request, caller, headers, body_size, deadline)
+
+    async def _start(
+        self, model: ServedModel, request: ChatRequest, caller: Caller, headers, body_size: int, deadline: float
+    ) -> Turn:
+        chat = model.chat
         trace = Trace()
         request, trace.normalized = self.normalizer.apply(request, caller.tenant)
         with trace.timed("prepare"):
-            images = await self.chat.load_images(request)
-            ctx = await off_loop(body_size, partial(self.responses.context, request, caller, headers, images))
+            images = await chat.load_images(request)
+            context = partial(self.responses.context, request, caller, headers, images, model.stamp.fingerprint)
+            ctx = await off_loop(body_size, context)
         self.sessions.touch(caller.tenant, ctx.owner.session, time.time())
         cached = await self._lookup(ctx, trace)
         if cached is not None:
-            return Turn(self, ctx, trace, [self.chat.replay(cached, trace)], cached=True)
+            return Turn(self, model, ctx, trace, [chat.replay(cached, trace)], cached=True)
         with trace.timed("tokenize"):
-            prompt, sampling = await self.chat.prepare(request, images)
-            pins = await self.chat.pins(request, prompt)
+            prompt, sampling = await chat.prepare(request, images)
+            pins = await chat.pins(request, prompt)
         drafts = Drafts(ctx.draft, tuple(ctx.references))
-        runs = [await self.chat.start(prompt, sampling, caller, ctx.owner, trace, deadline, pins, drafts)]
+        runs = [await chat.start(prompt, sampling, caller, ctx.owner, trace, deadline, pins, drafts)]
         try:
             for index in range(1, request.n):
-                runs.append(
-                    await self.chat.start(prompt, _choice(sampling, index), caller, ctx.owner, Trace(), deadline)
-                )
+                runs.append(await chat.start(prompt, _choice(sampling, index), caller, ctx.owner, Trace(), deadline))
         except BaseException:
             for run in runs:
                 await run.events.aclose()
             raise
-        return Turn(self, ctx, trace, runs, cached=False, pins=pins)
+        return Turn(self, model, ctx, trace, runs, cached=False, pins=pins)
 
     async def _lookup(self, ctx: RequestContext, trace: Trace) -> StoredResponse | None:
         for index, layer in enumerate(self.responses.layers):

@@ -1,6 +1,6 @@
 """The response layers in front of the engine: exact, then semantic. Answers here never run the model.
 
-    ResponseCaches.context(request, caller, headers, images) -> RequestContext   (scope, keys, policy)
+    ResponseCaches.context(request, caller, headers, images, model_fingerprint) -> RequestContext
     ResponseCaches.layers -> (ExactLayer, SemanticLayer), the enabled ones, cheapest first, each:
         lookup(ctx, trace) -> StoredResponse | None    records its outcome in the trace
         store(ctx, answer)                             after an engine answer; never raises
@@ -121,9 +121,8 @@ class RequestContext:
 
 
 class ResponseCaches:
-    def __init__(self, settings: Settings, model_fingerprint: str, embedder: Embedder | None = None):
+    def __init__(self, settings: Settings, embedder: Embedder | None = None):
         self.settings = settings
-        self.model_fingerprint = model_fingerprint
         self.risk = RiskPolicy(load_risk_patterns(settings.risk_patterns_file or DEFAULT_PATTERNS_FILE))
         self.exact = _exact_cache(settings)
         self.semantic = _semantic_cache(settings, embedder)
@@ -166,10 +165,16 @@ class ResponseCaches:
     # -- per request -------------------------------------------------------------------------
 
     def context(
-        self, request: ChatRequest, caller: Caller, headers, images: list[DecodedImage | DecodedVideo]
+        self,
+        request: ChatRequest,
+        caller: Caller,
+        headers,
+        images: list[DecodedImage | DecodedVideo],
+        model_fingerprint: str,
     ) -> RequestContext:
-        """CPU work (canonical JSON, SHA-256, RE2 risk rules): large requests call this off the event loop."""
-        scope = Scope(caller.tenant, self.model_fingerprint, **_versions(request.metadata, headers))
+        """CPU work (canonical JSON, SHA-256, RE2 risk rules): large requests call this off the event loop.
+        `model_fingerprint`: the serving model's, so no model is ever answered from another's entries."""
+        scope = Scope(caller.tenant, model_fingerprint, **_versions(request.metadata, headers))
         hashes = iter(image.pixel_hash for image in images)
         messages = [_canonical(m, hashes) for m in request.messages]
         last = request.messages[-1]

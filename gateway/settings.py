@@ -67,6 +67,10 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     model_name: str | None = None  # the id clients send; defaults to the folder name
+    more_models: tuple[str, ...] = ()  # `--model` given again: served too, loaded when first asked for
+    models_file: Path | None = None  # more models, with names, pinning and idle TTLs (gateway/models.py)
+    model_memory_bytes: int = 0  # what loaded models may hold together (weights + KV + vision); 0: all of them
+    model_load_timeout_s: float = 120.0  # a request waits this long for its model to load; then 503
     conversation_ttl_s: float = 30 * 86400  # stored Responses-API conversations (previous_response_id) live this long
     conversation_quota_bytes: int = 1 << 30  # what one tenant's stored responses may hold (0: no quota)
     stuck_after_s: float = 60.0  # /health is 503 once no engine step ended for this long while work waits
@@ -389,6 +393,24 @@ SETTINGS = (
         "append a block trace of every request here (no text: hashes, times), for `python -m evals.cache_sim`",
     ),
     Setting(
+        "models_file",
+        "STRATA_MODELS_FILE",
+        Path,
+        'more models to serve: {"models": [{"name", "path", "pinned", "idle_ttl_s"}]}',
+    ),
+    Setting(
+        "model_memory_bytes",
+        "STRATA_MODEL_MEMORY_BYTES",
+        int,
+        "what the loaded models may hold together (weights + KV + vision budgets); idle ones unload (0: no limit)",
+    ),
+    Setting(
+        "model_load_timeout_s",
+        "STRATA_MODEL_LOAD_TIMEOUT_S",
+        float,
+        "how long a request waits for its model to load or for room under the memory limit; then 503",
+    ),
+    Setting(
         "public_prefixes_file",
         "STRATA_PUBLIC_PREFIXES_FILE",
         Path,
@@ -479,7 +501,9 @@ def add_setting_flags(parser) -> None:
     parser.epilog = f"Flags beat the environment. Secrets come only from the environment: {secrets}."
 
 
-def settings_from_env(model: str, data_dir: Path, host: str, port: int, env=None, flags=None) -> Settings:
+def settings_from_env(
+    model: str, data_dir: Path, host: str, port: int, env=None, flags=None, more_models: tuple[str, ...] = ()
+) -> Settings:
     """Settings for `strata serve`: the CLI gives model and address; each setting comes from its flag,
     else its environment variable, else the Settings default. A value that does not parse raises
     ValueError naming its flag or variable."""
@@ -499,6 +523,8 @@ def settings_from_env(model: str, data_dir: Path, host: str, port: int, env=None
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}") from None
     try:
-        return Settings(model=model, data_dir=Path(data_dir), host=host, port=port, **values)
+        return Settings(
+            model=model, data_dir=Path(data_dir), host=host, port=port, more_models=tuple(more_models), **values
+        )
     except ValueError as exc:
         raise ValueError(f"bad setting: {exc}") from None

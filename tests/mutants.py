@@ -404,19 +404,43 @@ MUTANTS = (
     Mutant(
         "the model pool unloads a model with requests running",
         "gateway/engine/model_pool.py",
-        'return self.state == "loaded" and not self.running and not self.spec.pinned',
+        'return self.state == "loaded" and idle and not self.spec.pinned',
         'return self.state == "loaded" and not self.spec.pinned',
         (
             "tests/gateway/test_model_pool.py::test_a_pinned_model_is_never_unloaded_and_a_busy_one_only_after_its_requests_end",
             "tests/gateway/test_model_pool.py::test_a_waiting_request_gets_its_turn_when_a_running_request_ends",
             "tests/gateway/test_model_pool.py::test_idle_models_expire_after_their_ttl_but_not_pinned_or_running_ones",
+            "tests/gateway/test_model_pool.py::test_a_model_whose_engine_still_runs_jobs_is_not_unloaded_until_they_end",
+        ),
+    ),
+    Mutant(
+        "the model pool unloads a model whose engine still runs a stream (only requests starting count)",
+        "gateway/engine/model_pool.py",
+        "idle = not self.running and not (self.model is not None and self.model.busy)",
+        "idle = not self.running",
+        ("tests/gateway/test_model_pool.py::test_a_model_whose_engine_still_runs_jobs_is_not_unloaded_until_they_end",),
+    ),
+    Mutant(
+        "the response layers' scope without the serving model (one model answered from another's entries)",
+        "gateway/responses.py",
+        "scope = Scope(caller.tenant, model_fingerprint, **_versions(request.metadata, headers))",
+        'scope = Scope(caller.tenant, "", **_versions(request.metadata, headers))',
+        ("tests/gateway/test_several_models.py::test_a_model_never_gets_another_models_answer_or_kv_blocks",),
+    ),
+    Mutant(
+        "engine caches keyed without the model (one model reads another's KV blocks from the SSD tier)",
+        "gateway/engine/__init__.py",
+        "self.runner = ModelRunner(model_path, config.caches, fingerprint)",
+        'self.runner = ModelRunner(model_path, config.caches, "one-for-all")',
+        (
+            "tests/gateway/test_model_pool_engines.py::test_a_model_never_restores_another_models_blocks_even_with_the_same_tokens",
         ),
     ),
     Mutant(
         "the model pool unloads a pinned model",
         "gateway/engine/model_pool.py",
-        'return self.state == "loaded" and not self.running and not self.spec.pinned',
-        'return self.state == "loaded" and not self.running',
+        'return self.state == "loaded" and idle and not self.spec.pinned',
+        'return self.state == "loaded" and idle',
         (
             "tests/gateway/test_model_pool.py::test_a_pinned_model_is_never_unloaded_and_a_busy_one_only_after_its_requests_end",
         ),

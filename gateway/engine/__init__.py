@@ -26,9 +26,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .batch import DecodeBatch, decode_alone
-from .caching import CacheConfig, PrefixReport, VisionReport
+from .caching import CacheConfig, PrefixReport, VisionReport, purge_ssd_of
 from .constraint import CompiledGrammar, GrammarError, json_schema_grammar
 from .families import VISION_FAMILIES, UnsupportedModel, family_of
+from .model_pool import (
+    ModelLoadFailed,
+    ModelPool,
+    ModelSpec,
+    ModelStatus,
+    ModelUnavailable,
+    UnknownModel,
+    weights_bytes,
+)
 from .prompt import PreparedPrompt, PromptError
 from .runner import ModelRunner, Sampler, TokenLogprob
 from .speculative import SpeculativeReport
@@ -71,7 +80,12 @@ __all__ = [
     "ImagePart",
     "Job",
     "Message",
+    "ModelLoadFailed",
+    "ModelPool",
     "ModelRunner",
+    "ModelSpec",
+    "ModelStatus",
+    "ModelUnavailable",
     "OverBudget",
     "ParsedCall",
     "Pin",
@@ -88,12 +102,15 @@ __all__ = [
     "Tool",
     "ToolCall",
     "ToolFormat",
+    "UnknownModel",
     "UnsupportedModel",
     "VisionReport",
     "decode_alone",
     "family_of",
     "json_schema_grammar",
     "model_fingerprint",
+    "purge_ssd_of",
+    "weights_bytes",
 ]
 
 
@@ -176,6 +193,12 @@ class Engine:
     def launch(self) -> None:
         """Start the worker without waiting for its warm-up (requests queue; health() says when ready)."""
         self.worker.launch()
+
+    @property
+    def busy(self) -> bool:
+        """Jobs queued or running on it (the model pool never unloads a busy engine)."""
+        snapshot = self.snapshot()
+        return bool(snapshot.queue_depth or snapshot.num_running or snapshot.busy)
 
     def health(self, stuck_after_s: float) -> Health:
         return self.worker.health(stuck_after_s)

@@ -265,8 +265,7 @@ class EngineCaches:
 def _prefix_cache(config: CacheConfig, model_fingerprint: str) -> PrefixCache:
     ssd = None
     if config.ssd is not None:
-        quant = f"{config.quant.bits}bit/g{config.quant.group_size}" if config.quant else "none"
-        ssd = SsdTier(config.ssd, f"{model_fingerprint}|block={config.block_size}|quant={quant}")
+        ssd = SsdTier(config.ssd, ssd_namespace(config, model_fingerprint))
     return PrefixCache(
         config.prefix_budget_bytes,
         config.block_size,
@@ -275,6 +274,23 @@ def _prefix_cache(config: CacheConfig, model_fingerprint: str) -> PrefixCache:
         write_through=config.ssd is not None and bool(config.ssd.writer),
         pin_budget_bytes=config.pin_budget_bytes,
     )
+
+
+def ssd_namespace(config: CacheConfig, model_fingerprint: str) -> str:
+    """What a model's SSD blocks are filed under (a folder of their own): model, block size, quantisation."""
+    quant = f"{config.quant.bits}bit/g{config.quant.group_size}" if config.quant else "none"
+    return f"{model_fingerprint}|block={config.block_size}|quant={quant}"
+
+
+def purge_ssd_of(config: CacheConfig, model_fingerprint: str, selects: Callable[[str], bool]) -> Removed | None:
+    """Take the selected owners off the SSD blocks of a model that is not loaded (None: no SSD tier)."""
+    if config.ssd is None:
+        return None
+    tier = SsdTier(config.ssd, ssd_namespace(config, model_fingerprint))
+    try:
+        return tier.purge_owned(selects)
+    finally:
+        tier.close()
 
 
 def _purge_owned(layer: PrefixCache | SsdTier | VisionCache | None, selects: Callable[[str], bool]) -> Removed | None:

@@ -4,13 +4,18 @@
     with pool.use(name, timeout_s) as model:    # waits while it loads (or while room is made for it)
         ...                                      # UnknownModel / ModelUnavailable / ModelLoadFailed
     pool.statuses() -> list[ModelStatus]         # name, state, pinned, bytes held, running requests
+    pool.poll(name, attempt) -> (model | None, attempt)   # the same without blocking (an event loop polls it)
+    pool.release(name)                           # the end of what poll() handed out
     pool.expire_idle()                           # unload the models idle past their TTL (a sweeper calls it)
-    pool.close()                                 # stop every loaded model
+    pool.adopt(name, model)                      # a model its caller loaded (the server's default one)
+    pool.loaded_models()
+    pool.close(keep=None)                        # stop every loaded model (but keep)
 
 A model is loaded on a thread of its own when a request first asks for it; requests for the models
 already loaded never wait for that (the lock is held only for bookkeeping, never across a load or an
 unload). When a load would pass the memory limit, idle models go first, least recently used first,
-never a pinned one and never one with requests running; if even that is not enough, the request
+never a pinned one and never one with requests running (inside use(), or jobs its engine still
+runs: `Loaded.busy`); if even that is not enough, the request
 waits for running requests to end, up to its timeout. A model that fails to load fails the requests
 waiting for that attempt with the reason; the next request tries again.
 
@@ -32,7 +37,11 @@ from typing import Protocol
 
 
 class Loaded(Protocol):
-    nbytes: int  # what the loaded model holds: weights, KV and vision budgets
+    @property
+    def nbytes(self) -> int: ...  # what the loaded model holds: weights, KV and vision budgets
+
+    @property
+    def busy(self) -> bool: ...  # jobs queued or running on it (a stream outlives the use() that started it)
 
     def stop(self) -> None: ...
 
@@ -49,6 +58,9 @@ class ModelSpec:
 def weights_bytes(model_path: Path) -> int:
     """A model folder's weight files' bytes: what loading it will take before its caches fill."""
     return sum(path.stat().st_size for path in Path(model_path).glob("*.safetensors"))
+
+
+BUSY_POLL_S = 0.1  # how often a request waiting for room looks whether a busy engine has gone idle
 
 
 class UnknownModel(LookupError):
@@ -88,7 +100,8 @@ class _Slot:
     @property
     def unloadable(self) -> bool:
         """Loaded, idle and not pinned: it may be unloaded (to make room, or past its TTL)."""
-        return self.state == "loaded" and not self.running and not self.spec.pinned
+        idle = not self.running and not (self.model is not None and self.model.busy)
+        return self.state == "loaded" and idle and not self.spec.pinned
 
 
 class ModelPool:
@@ -112,35 +125,54 @@ class ModelPool:
         try:
             yield model
         finally:
-            with self.changed:
-                slot = self.slots[name]
-                slot.running -= 1
-                slot.last_used = self.clock()
-                self.changed.notify_all()
+            self.release(name)
+
+    def release(self, name: str) -> None:
+        with self.changed:
+            slot = self.slots[name]
+            slot.running -= 1
+            slot.last_used = self.clock()
+            self.changed.notify_all()
 
     def _acquire(self, name: str, deadline: float) -> Loaded:
+        attempt = 0
         with self.changed:
-            slot = self.slots.get(name)
-            if slot is None:
-                raise UnknownModel(name)
-            waited_for = 0  # the load attempt this request waits for
             while True:
-                if slot.state == "loaded" and slot.model is not None:
-                    slot.running += 1
-                    slot.last_used = self.clock()
-                    return slot.model
-                if waited_for and slot.failed_attempt == waited_for:
-                    raise ModelLoadFailed(f"model {name!r} failed to load: {slot.error}")
-                if slot.state == "unloaded":
-                    victims = self._room_for(slot.spec)
-                    if victims is not None:
-                        self._start_load(slot, victims)
-                if slot.state == "loading":
-                    waited_for = slot.attempt
+                model, attempt = self._poll(name, attempt)
+                if model is not None:
+                    return model
                 remaining = deadline - self.clock()
                 if remaining <= 0:
-                    raise ModelUnavailable(self._why_waiting(slot))
-                self.changed.wait(remaining)
+                    raise ModelUnavailable(self._why_waiting(self.slots[name]))
+                # an engine's jobs ending (busy) notifies nobody: look again every so often
+                self.changed.wait(min(remaining, BUSY_POLL_S))
+
+    def poll(self, name: str, attempt: int) -> tuple[Loaded | None, int]:
+        """One look without blocking: the model (counted as running until release(name)), or None and
+        the load attempt to wait for (pass it back next time). UnknownModel, ModelLoadFailed (the
+        attempt waited for failed), ModelUnavailable (it can never fit)."""
+        with self.changed:
+            return self._poll(name, attempt)
+
+    def why_waiting(self, name: str) -> str:
+        with self.lock:
+            return self._why_waiting(self.slots[name])
+
+    def _poll(self, name: str, waited_for: int) -> tuple[Loaded | None, int]:
+        slot = self.slots.get(name)
+        if slot is None:
+            raise UnknownModel(name)
+        if slot.state == "loaded" and slot.model is not None:
+            slot.running += 1
+            slot.last_used = self.clock()
+            return slot.model, waited_for
+        if waited_for and slot.failed_attempt == waited_for:
+            raise ModelLoadFailed(f"model {name!r} failed to load: {slot.error}")
+        if slot.state == "unloaded":
+            victims = self._room_for(slot.spec)
+            if victims is not None:
+                self._start_load(slot, victims)
+        return None, slot.attempt if slot.state == "loading" else waited_for
 
     def _room_for(self, spec: ModelSpec) -> list[_Slot] | None:
         """The idle models to unload (least recently used first) so spec fits; None when it cannot
@@ -215,6 +247,17 @@ class ModelPool:
             self._stop(slot)
         return [s.spec.name for s in expired]
 
+    def adopt(self, name: str, model: Loaded) -> None:
+        """Book a model loaded by the caller (the one a server loads before it serves) as loaded."""
+        with self.changed:
+            slot = self.slots[name]
+            slot.state, slot.model, slot.nbytes, slot.last_used = "loaded", model, model.nbytes, self.clock()
+            self.changed.notify_all()
+
+    def loaded_models(self) -> list[Loaded]:
+        with self.lock:
+            return [s.model for s in self.slots.values() if s.state == "loaded" and s.model is not None]
+
     def statuses(self) -> list[ModelStatus]:
         with self.lock:
             return [
@@ -222,10 +265,10 @@ class ModelPool:
                 for s in self.slots.values()
             ]
 
-    def close(self) -> None:
-        """Stop every loaded model (at shutdown, after requests have drained)."""
+    def close(self, keep: Loaded | None = None) -> None:
+        """Stop every loaded model but `keep` (at shutdown, after requests have drained)."""
         with self.changed:
-            loaded = [s for s in self.slots.values() if s.state == "loaded"]
+            loaded = [s for s in self.slots.values() if s.state == "loaded" and s.model is not keep]
             for slot in loaded:
                 slot.state = "unloading"
         for slot in loaded:

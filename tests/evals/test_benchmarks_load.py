@@ -19,6 +19,7 @@ import pytest
         "bench_observability",
         "bench_verifier",
         "bench_agent",
+        "bench_models",
         "bench_step",
         "bench_speculative",
         "bench_timing_channel",

@@ -147,6 +147,7 @@ def test_the_dashboard_shows_what_metrics_says_in_a_real_browser(tiny_model_path
     assert by_key['strata:requests_total{served_by="exact"}'] == "exact 2  "  # "Name a harbour." twice more
     assert texts["requests"] == "5" and texts["exact"] == "40.0%"  # 2 hits of 5 exact lookups
     assert texts["engine"] == "engine ready" and texts["points"] > 0  # the hit-rate chart has points
+    assert by_key[f'strata:model_bytes{{model="{TINY}"}}'].endswith("iB")  # the models table: the one served
     assert SCREENSHOT.stat().st_size > 20_000
 
 

@@ -23,6 +23,7 @@ GIB = 1 << 30
 class FakeModel:
     def __init__(self, name: str, nbytes: int):
         self.name, self.nbytes, self.stopped = name, nbytes, False
+        self.busy = False  # its engine still runs jobs (a stream whose use() has ended)
 
     def stop(self) -> None:
         self.stopped = True
@@ -95,6 +96,36 @@ def test_a_pinned_model_is_never_unloaded_and_a_busy_one_only_after_its_requests
     # the request on `busy` ended: now it is the one to go, never the pinned one
     with pool.use("third", 5):
         assert _states(pool) == {"pinned": "loaded", "busy": "unloaded", "third": "loaded"}
+
+
+def test_a_model_whose_engine_still_runs_jobs_is_not_unloaded_until_they_end():
+    """A stream outlives the use() that started its job: the engine's own busy flag keeps it loaded."""
+    pool, _ = _pool(_spec("a"), _spec("b"), limit=GIB)
+    with pool.use("a", 5) as a:
+        a.busy = True
+    with pytest.raises(ModelUnavailable, match="in use or pinned: a"), pool.use("b", 0.3):
+        pass
+    a.busy = False
+    with pool.use("b", 5):
+        assert _states(pool) == {"a": "unloaded", "b": "loaded"}
+
+
+def test_poll_hands_out_a_loaded_model_without_blocking_and_release_returns_it():
+    pool, loader = _pool(_spec("a"))
+    gate = loader.gates["a"] = threading.Event()
+    model, attempt = pool.poll("a", 0)
+    assert model is None and attempt == 1 and _states(pool) == {"a": "loading"}
+    gate.set()
+    for _ in range(100):
+        model, attempt = pool.poll("a", attempt)
+        if model is not None:
+            break
+        time.sleep(0.02)
+    assert model is not None and pool.statuses()[0].running == 1
+    pool.release("a")
+    assert pool.statuses()[0].running == 0
+    with pytest.raises(UnknownModel):
+        pool.poll("nope", 0)
 
 
 def test_a_waiting_request_gets_its_turn_when_a_running_request_ends():

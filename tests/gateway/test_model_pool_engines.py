@@ -33,12 +33,12 @@ def _ask(engine: Engine, text: str) -> tuple[Started, str]:
     return asyncio.run(run())
 
 
-def test_two_families_take_turns_under_a_limit_for_one_and_a_reloaded_model_restores_from_ssd(tmp_path):
-    paths = {family: built_model(BuildSpec(family, "tiny")) for family in ("llama", "gemma3")}
+def _pool_for_one(paths: dict, folder) -> tuple[ModelPool, int]:
+    """The models in `paths` under a memory limit that holds one of them, their blocks on one SSD root."""
     config = EngineConfig(
         max_queue=4,
         step_prompt_tokens=64,
-        caches=CacheConfig(PREFIX_BYTES, 0, 16, SsdConfig(tmp_path / "kv", admission=AdmissionPolicy(min_hits=0))),
+        caches=CacheConfig(PREFIX_BYTES, 0, 16, SsdConfig(folder, admission=AdmissionPolicy(min_hits=0))),
     )
 
     def load(spec: ModelSpec) -> Engine:
@@ -48,7 +48,12 @@ def test_two_families_take_turns_under_a_limit_for_one_and_a_reloaded_model_rest
 
     specs = [ModelSpec(name, str(path), weights_bytes(path) + PREFIX_BYTES) for name, path in paths.items()]
     limit = int(max(spec.estimate_bytes for spec in specs) * 1.5)
-    pool = ModelPool(specs, load, limit)
+    return ModelPool(specs, load, limit), limit
+
+
+def test_two_families_take_turns_under_a_limit_for_one_and_a_reloaded_model_restores_from_ssd(tmp_path):
+    paths = {family: built_model(BuildSpec(family, "tiny")) for family in ("llama", "gemma3")}
+    pool, limit = _pool_for_one(paths, tmp_path / "kv")
     try:
         with pool.use("llama", 120) as llama:
             cold, cold_answer = _ask(llama, TEXT)
@@ -65,5 +70,26 @@ def test_two_families_take_turns_under_a_limit_for_one_and_a_reloaded_model_rest
         assert warm.prefix.num_ssd_tokens > 0 and warm.num_cached_tokens >= warm.prefix.num_ssd_tokens
         assert {s.name: s.state for s in pool.statuses()} == {"llama": "loaded", "gemma3": "unloaded"}
         assert sum(s.nbytes for s in pool.statuses()) <= limit
+    finally:
+        pool.close()
+
+
+def test_a_model_never_restores_another_models_blocks_even_with_the_same_tokens(tmp_path):
+    """A float16 twin of a model has its tokenizer and chat template, so the same prompt makes the same
+    tokens: only the model's fingerprint in the blocks' keys and SSD folder keeps them apart."""
+    paths = {
+        "model": built_model(BuildSpec("qwen2_5_vl", "tiny")),
+        "twin": built_model(BuildSpec("qwen2_5_vl", "tiny", "float16")),
+    }
+    pool, _ = _pool_for_one(paths, tmp_path / "kv")
+    try:
+        with pool.use("twin", 120) as twin:
+            _ask(twin, TEXT)
+        with pool.use("model", 120) as model:  # the twin is unloaded first: its blocks are on SSD now
+            started, _ = _ask(model, TEXT)
+        assert started.num_cached_tokens == 0 and started.prefix.num_ssd_tokens == 0
+        with pool.use("twin", 120) as twin_again:  # they are there, for the twin itself
+            again, _ = _ask(twin_again, TEXT)
+        assert again.prefix.num_ssd_tokens > 0
     finally:
         pool.close()

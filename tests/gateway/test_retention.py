@@ -23,9 +23,7 @@ def test_writing_far_past_the_ttl_keeps_every_store_bounded(settings, embedder):
     """3,000 exact entries, 300 semantic entries and 600 conversations, each living 10 s of a fake
     clock, written over 300 s with a sweep every 10 s: what stays is one TTL's worth plus one sweep
     interval's, not everything written."""
-    caches = ResponseCaches(
-        dataclasses.replace(settings, exact_store="sqlite", semantic_enabled=True), "model", embedder
-    )
+    caches = ResponseCaches(dataclasses.replace(settings, exact_store="sqlite", semantic_enabled=True), embedder)
     conversations = ConversationStore(settings.data_dir / "conversations.db", retention_s=10)
     sweeper = Sweeper({**caches.expiring(), "conversations": conversations.purge_expired}, interval_s=10)
     scope = Scope("tenant-a", "model")
