@@ -51,13 +51,13 @@ def ttft(client: httpx.Client, url: str, model: str, text: str) -> float:
     started = time.perf_counter()
     with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as response:
         response.raise_for_status()
-        for line in response.iter_lines():
-            if '"content":"' in line and '"content":""' not in line:
+        first = None
+        for line in response.iter_lines():  # read to the end: the next request must find the engine idle
+            if first is None and '"content":"' in line and '"content":""' not in line:
                 first = time.perf_counter() - started
-                for _ in response.iter_lines():
-                    pass
-                return first
-    raise RuntimeError(f"{model}: no text streamed")
+    if first is None:
+        raise RuntimeError(f"{model}: no text streamed")
+    return first
 
 
 def states(client: httpx.Client, url: str) -> dict[str, str]:
@@ -76,22 +76,26 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def loaded_pace(client: httpx.Client, url: str, first: str, other: str, runs: int) -> dict:
-    """The first model's TTFT idle, then while `other` (unloaded) loads."""
+def loaded_pace(client: httpx.Client, url: str, first: str, others: list[str], runs: int) -> dict:
+    """The first model's TTFT idle, then while the others (unloaded in turn) load, `runs` loads."""
     idle = [ttft(client, url, first, f"Idle question {i}: " + words(i, 40)) for i in range(runs)]
-    loading = threading.Thread(target=lambda: ttft(httpx.Client(), url, other, "Load this model."))
-    loading.start()
     during: list[float] = []
-    while loading.is_alive() or not during:
-        during.append(
-            ttft(client, url, first, f"Question during the load {len(during)}: " + words(100 + len(during), 40))
-        )
-    loading.join()
+    for load in range(runs):
+        other = others[load % len(others)]
+        assert states(client, url)[other] == "unloaded", states(client, url)
+        loading = threading.Thread(target=lambda other=other: ttft(httpx.Client(), url, other, "Load this model."))
+        loading.start()
+        while loading.is_alive():
+            during.append(
+                ttft(client, url, first, f"Question during a load {len(during)}: " + words(100 + len(during), 40))
+            )
+        loading.join()
     return {
         "idle_ttft_ms": statistics.median(idle) * 1000,
         "during_load_ttft_ms": statistics.median(during) * 1000,
         "ratio": statistics.median(during) / statistics.median(idle),
         "samples_during_load": len(during),
+        "loads": runs,
     }
 
 
@@ -168,11 +172,13 @@ def main() -> None:
             client = httpx.Client()
             first, second, third = names
             results = {"models": names, "limit_bytes": limit}
+            start_rss = rss_bytes(process.pid)  # the first model loaded, nothing else
             results["load"] = load_time(client, url, second)
-            ttft(client, url, third, "Make room.")  # the second is unloaded again
-            results["loaded_model_while_another_loads"] = loaded_pace(client, url, first, second, args.runs)
+            ttft(client, url, third, "Make room.")  # the second is unloaded again, the third loaded
+            ttft(client, url, second, "Make room.")  # and the other way round: the third is unloaded
+            results["loaded_model_while_another_loads"] = loaded_pace(client, url, first, [third, second], args.runs)
             results["turn_after_reload"] = reload_turn(client, url, third, second)
-            results["memory"] = switching(client, url, names, process.pid, limit)
+            results["memory"] = switching(client, url, names, process.pid, limit) | {"start_rss_bytes": start_rss}
         finally:
             process.terminate()
             process.wait(60)
@@ -203,7 +209,8 @@ def report(results: dict) -> None:
     )
     print(
         f"switching workload: booked at most {memory['max_booked_bytes'] / 2**20:.0f} MiB "
-        f"({memory['max_booked_over_limit']:.2f} of the limit); process RSS at most {memory['max_rss_bytes'] / 2**20:.0f} MiB"
+        f"({memory['max_booked_over_limit']:.2f} of the limit); process RSS at most {memory['max_rss_bytes'] / 2**20:.0f} MiB,"
+        f" {(memory['max_rss_bytes'] - memory['start_rss_bytes']) / 2**20:.0f} MiB above its start with the first model"
     )
     print(json.dumps(results))
 

@@ -44,6 +44,7 @@ from .engine import (
     UnknownModel,
     model_fingerprint,
     purge_ssd_of,
+    release_memory,
     weights_bytes,
 )
 from .errors import ApiError, echo
@@ -162,7 +163,7 @@ class ServedModels:
         name = default_engine.info.name  # entries[0]'s, unless the caller named its engine otherwise
         default_spec = ModelSpec(name, entries[0].path, default_engine.nbytes, pinned=True)
         limit = settings.model_memory_bytes or sum(spec.estimate_bytes for spec in [default_spec, *specs])
-        self.pool = ModelPool([default_spec, *specs], self._load, limit)
+        self.pool = ModelPool([default_spec, *specs], self._load, limit, after_unload=release_memory)
         self.pool.adopt(default_spec.name, self.default)
         self.fingerprints: dict[str, str] = {}  # model path -> fingerprint, for purging unloaded models' SSD
 

@@ -437,6 +437,15 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "the engine's parked thread keeps its worker (an unloaded model's memory is never freed)",
+        "gateway/engine/worker.py",
+        "    del worker\n    threading.Event().wait()",
+        "    threading.Event().wait()",
+        (
+            "tests/gateway/test_model_pool_engines.py::test_two_families_take_turns_under_a_limit_for_one_and_a_reloaded_model_restores_from_ssd",
+        ),
+    ),
+    Mutant(
         "the model pool unloads a pinned model",
         "gateway/engine/model_pool.py",
         'return self.state == "loaded" and idle and not self.spec.pinned',

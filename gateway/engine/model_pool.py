@@ -111,8 +111,10 @@ class ModelPool:
         load: Callable[[ModelSpec], Loaded],
         limit_bytes: int,
         clock: Callable[[], float] = time.monotonic,
+        after_unload: Callable[[], None] = lambda: None,
     ):
         self.load = load
+        self.after_unload = after_unload  # once a stopped model is dropped (returns its memory)
         self.limit_bytes = limit_bytes
         self.clock = clock
         self.slots = {spec.name: _Slot(spec) for spec in specs}
@@ -225,6 +227,8 @@ class ModelPool:
         with self.changed:
             slot.state, slot.model, slot.nbytes = "unloaded", None, 0
             self.changed.notify_all()
+        del model
+        self.after_unload()
 
     def _why_waiting(self, slot: _Slot) -> str:
         if slot.state == "loading":

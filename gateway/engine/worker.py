@@ -209,6 +209,19 @@ class WorkerSnapshot:
     kv_bytes_per_token: int = 0  # what each token of a running sequence holds of the memory budget
 
 
+def _run_then_park(holder: list[EngineWorker]) -> None:
+    """The worker thread: the loop, then parking for good. MLX keeps compiled functions in a C++
+    thread-local cache whose destructor calls into Python when its thread exits; once the interpreter
+    is shutting down that aborts the process ("terminate called without an active exception", seen
+    about one exit in four). A parked daemon thread never exits: the process ends around it. It parks
+    holding no reference to its worker (taken out of `holder`), so a stopped engine's model and
+    caches are freed: the model pool loads and unloads engines in one process."""
+    worker = holder.pop()
+    worker._run()
+    del worker
+    threading.Event().wait()
+
+
 class EngineWorker:
     def __init__(
         self,
@@ -243,7 +256,7 @@ class EngineWorker:
         self.max_verify_tokens = max_verify_tokens
         self.acceptance = Acceptance()  # each proposer's rate over every row: where a new row's starts
         self.next_expiry = 0.0  # time.monotonic() of the next retention sweep of the RAM tiers
-        self.thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
+        self.thread = threading.Thread(target=_run_then_park, args=([self],), name="strata-engine", daemon=True)
         self.ended = threading.Event()  # the loop has ended (the thread itself parks: see _run)
         self.warmed_up = threading.Event()  # set once warm-up ended, well or not (warm_up_error says)
         self.warm_up_error: BaseException | None = None
@@ -412,10 +425,6 @@ class EngineWorker:
             job.cancelled.set()
 
     def _run(self) -> None:
-        """The loop, then parking for good. MLX keeps compiled functions in a C++ thread-local cache
-        whose destructor calls into Python when its thread exits; once the interpreter is shutting
-        down that aborts the process ("terminate called without an active exception", seen about
-        one exit in four). A parked daemon thread never exits: the process ends around it."""
         try:
             self._loop()
         except BaseException as exc:  # a broken loop: health reports it, waiting jobs fail
@@ -424,7 +433,6 @@ class EngineWorker:
         finally:
             self.ended.set()
             self._fail_what_waits()
-            threading.Event().wait()
 
     def _fail_what_waits(self) -> None:
         """Once the loop has ended nothing will run: every job fails and submit() refuses new ones."""

@@ -68,7 +68,16 @@ def test_two_models_under_one_name_are_refused(settings, tmp_path):
 def test_strata_serve_stops_on_a_bad_models_file_with_the_reason(tmp_path):
     path = _file(tmp_path, [{"path": "tiny", "colour": "red"}])
     done = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "serve", "--data-dir", str(tmp_path / "data"), "--models-file", str(path)],
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "serve",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--models-file",
+            str(path),
+        ],
         capture_output=True,
         text=True,
         timeout=120,

@@ -5,6 +5,8 @@ SSD tier, and when it is loaded again the same prompt restores its KV from SSD."
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 
 from gateway.checkpoints import BuildSpec
 from gateway.engine import CacheConfig, Engine, EngineConfig, Failed, Finished, Message, Sampling, Started, TextPart
@@ -58,13 +60,16 @@ def test_two_families_take_turns_under_a_limit_for_one_and_a_reloaded_model_rest
         with pool.use("llama", 120) as llama:
             cold, cold_answer = _ask(llama, TEXT)
         assert cold.num_cached_tokens == 0
+        unloaded = weakref.ref(llama.runner)  # the model and its caches
+        del llama
         with pool.use("gemma3", 120) as gemma:
             assert gemma.info.name == "gemma3" and gemma.nbytes <= limit
             _, gemma_answer = _ask(gemma, TEXT)
+        gc.collect()
+        assert unloaded() is None  # the unloaded engine, its model and caches are freed (its thread parks without them)
         states = {s.name: s.state for s in pool.statuses()}
         assert states == {"llama": "unloaded", "gemma3": "loaded"}
         with pool.use("llama", 120) as llama_again:
-            assert llama_again is not llama
             warm, warm_answer = _ask(llama_again, TEXT)
         assert warm_answer == cold_answer and gemma_answer  # each model answers as it does alone
         assert warm.prefix.num_ssd_tokens > 0 and warm.num_cached_tokens >= warm.prefix.num_ssd_tokens
