@@ -3,6 +3,7 @@
     python -m evals false-hits --dataset FILE.jsonl [--dataset ...] [--json OUT]
         [--max-false-hit-rate R] [--min-hit-rate R] [--threshold T] [--isolate]
         [--verifier WEIGHTS | --without-verifier]
+    python -m evals false-hits --bound 0.01 --bound 0.02 --bound 0.05 --bound 0.10 [--json OUT]
 
 Each line: {"id", "category", "cached_prompt", "query_prompt", "expect": "hit"|"miss",
 "cached_scope"?: {...}, "query_scope"?: {...}} (scope keys: tenant, prompt_version, policy_version,
@@ -16,6 +17,13 @@ after them (semantic/verifier.py; the gateway's default). Both are reported per 
 judge the run with the verifier (or the rules alone, with --without-verifier). --isolate puts every
 pair in its own partition, so a query meets only its own pair's cached prompt (PAWS pairs share
 source sentences, so in one partition a query also meets other pairs' rewordings, unlabelled).
+
+--bound B runs the layer as the gateway does under STRATA_SEMANTIC_MAX_FALSE_HIT_RATE=B (the shipped
+calibration, semantic/calibration.json, fitted by `python -m evals calibrate` on pairs no reported set
+holds) on the dev set, the PAWS sample (isolated) and the fresh PAWS split the verifier's training set
+apart (isolated; nothing was trained or tuned on it: the gap to the sample is the sample's optimism). The bound is on the share of served answers
+that are wrong; it holds on a set when that share's two-sided 95% Clopper-Pearson interval reaches
+down to B or below. Also gated: the PAWS paraphrase hit rate at B = 10% must be at least 60%.
 """
 
 from __future__ import annotations
@@ -185,9 +193,80 @@ def gates(summary: dict, max_false_hit_rate: float | None, min_hit_rate: float |
     return failures
 
 
+DATA = Path(__file__).resolve().parent / "data"
+BOUND_SETS = (
+    ("dev", DATA / "dev.jsonl", False),
+    ("paws (isolated)", DATA / "paws_sample.jsonl", True),
+    ("paws fresh (iso.)", None, True),  # the split the verifier's training set apart, tuned on by nothing
+)
+
+
+def fresh_pairs() -> list[Pair]:
+    from .train_verifier import parts
+
+    scope = _scope(None)
+    return [
+        Pair(f"fresh-{i}", "paws_fresh", e.cached, e.query, "hit" if e.label else "miss", scope, scope)
+        for i, e in enumerate(parts(2026, apart=True)["fresh"])
+    ]
+
+
+PAWS_HIT_RATE_AT_10 = 0.60  # the paraphrase hit rate the PAWS sample must keep at a 10% bound
+
+
+def run_bounds(bounds: list[float], threshold: float) -> tuple[list[dict], list[str]]:
+    """Each bound on the dev set (one partition) and the PAWS sample (isolated), with the calibrator
+    the gateway runs (semantic/calibration.json, a fresh journal): rows, and the failed checks."""
+    from semantic.calibration import Calibrator, load_evidence, upper_bound
+    from semantic.verifier import CALIBRATED_FILE, Verifier
+
+    minilm = MiniLMEmbedder()
+    embedder, verifier, base = RememberingEmbedder(minilm), Verifier.load(minilm, CALIBRATED_FILE), load_evidence()
+    rows, failures = [], []
+    for bound in bounds:
+        for name, path, isolate in BOUND_SETS:
+            with tempfile.TemporaryDirectory() as folder:
+                calibrator = Calibrator(base, bound, {}, ":memory:")
+                store = SqliteEntries(Path(folder) / "semantic.db")
+                cache = SemanticCache(embedder, store, SemanticSettings(threshold=threshold), verifier, calibrator)
+                overall = run(fresh_pairs() if path is None else load_pairs([path]), cache, isolate)["overall"]
+                cache.close()
+            served = overall["hits"] + overall["false_hits"]
+            wrong = overall["false_hits"]
+            lower = 1 - upper_bound(served - wrong, served, 0.975) if served else 0.0  # two-sided 95%
+            row = {"bound": bound, "set": name, **overall, "served": served, "served_wrong": wrong / max(1, served)}
+            row |= {"served_wrong_lower": lower, "served_wrong_upper": upper_bound(wrong, served, 0.975)}
+            row["holds"] = lower <= bound
+            rows.append(row)
+            if not row["holds"]:
+                failures.append(f"{name} at bound {bound:.0%}: {wrong} of {served} served were wrong")
+            if bound == 0.10 and name == "paws (isolated)" and (overall["hit_rate"] or 0) < PAWS_HIT_RATE_AT_10:
+                failures.append(f"PAWS paraphrase hit rate {overall['hit_rate']:.1%} < 60% at a 10% bound")
+    return rows, failures
+
+
+def print_bounds(rows: list[dict]) -> None:
+    print(
+        f"{'bound':>6} {'set':<18} {'pairs':>5} {'hit rate':>9} {'false hits':>10} {'rate':>7} "
+        f"{'served wrong':>13} {'95% interval':>16} {'holds':>6}"
+    )
+    for r in rows:
+        print(
+            f"{r['bound']:>6.0%} {r['set']:<18} {r['pairs']:>5} {r['hit_rate']:>9.1%} {r['false_hits']:>10} "
+            f"{r['false_hit_rate']:>7.2%} {r['false_hits']:>4}/{r['served']:<4} {r['served_wrong']:>4.1%} "
+            f"[{r['served_wrong_lower']:>5.1%}, {r['served_wrong_upper']:>5.1%}] {'yes' if r['holds'] else 'NO':>6}"
+        )
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m evals false-hits")
-    parser.add_argument("--dataset", type=Path, action="append", required=True)
+    parser.add_argument("--dataset", type=Path, action="append")
+    parser.add_argument(
+        "--bound",
+        type=float,
+        action="append",
+        help="run under this false-hit bound (repeatable) on the dev set and the isolated PAWS sample",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--max-false-hit-rate", type=float)
     parser.add_argument("--min-hit-rate", type=float)
@@ -197,6 +276,16 @@ def main(argv: list[str]) -> int:
     verifier.add_argument("--verifier", type=Path, help="the verifier's weights (default: the shipped ones)")
     verifier.add_argument("--without-verifier", action="store_true", help="the rule guards alone")
     args = parser.parse_args(argv)
+    if args.bound:
+        rows, failures = run_bounds(args.bound, args.threshold)
+        print_bounds(rows)
+        if args.json:
+            args.json.write_text(json.dumps({"bounds": rows, "gate_failures": failures}, indent=1))
+        for failure in failures:
+            print(f"GATE FAILED: {failure}", file=sys.stderr)
+        return 1 if failures else 0
+    if not args.dataset:
+        parser.error("--dataset is required (or --bound)")
     summaries = run_both(load_pairs(args.dataset), args)
     print_report(summaries)
     summary = summaries["+verifier"] if "+verifier" in summaries else summaries["rules"]

@@ -104,7 +104,7 @@ async def chat_completions(request: Request) -> Response:
     services = _services(request)
     caller = services.auth.caller(request.headers.get("authorization"))
     raw = await request.body()
-    chat_request = await off_loop(len(raw), partial(_parse, raw, services.settings.limits))
+    chat_request = await off_loop(len(raw), partial(_parse, raw, services))
     starting = services.pipeline.start(chat_request, caller, request.headers, len(raw))
     turn = await _unless_client_leaves(request, starting)
     if turn is None:  # it left while the choices were admitted and prefilled: their jobs were cancelled
@@ -164,7 +164,7 @@ async def create_message(request: Request) -> Response:
     services = _services(request)
     caller = services.auth.caller(_authorization(request))
     raw = await request.body()
-    chat_request = await off_loop(len(raw), partial(_parse_anthropic, raw, services.settings.limits))
+    chat_request = await off_loop(len(raw), partial(_parse_anthropic, raw, services))
     starting = asyncio.ensure_future(services.pipeline.start(chat_request, caller, request.headers, len(raw)))
     if chat_request.stream:
         return await _message_stream(services, chat_request, starting)
@@ -238,8 +238,10 @@ async def count_message_tokens(request: Request) -> dict:
         return {"input_tokens": await model.chat.count_tokens(chat_request)}
 
 
-def _parse_anthropic(raw: bytes, limits):
-    return anthropic_api.parse_messages_request(parse_json_body(raw, limits.max_json_depth), limits)
+def _parse_anthropic(raw: bytes, services: Services):
+    limits = services.settings.limits
+    body = services.models.with_defaults(parse_json_body(raw, limits.max_json_depth))
+    return anthropic_api.parse_messages_request(body, limits)
 
 
 @post("/v1/responses", status_code=200)
@@ -254,6 +256,7 @@ async def create_response(request: Request) -> Response:
     stored = body.get("store", True) is not False
     if stored:
         await _check_quota(services, caller.tenant, len(raw))
+    body = services.models.with_defaults(body)
     chat_request, conversation = await off_loop(len(raw), partial(responses_api.parse_request, body, history, limits))
     added = conversation[len(history or []) :]  # what this turn adds: a stored turn keeps only that
     turn = await _unless_client_leaves(
@@ -370,8 +373,9 @@ async def create_embeddings(request: Request) -> Response:
     return Response(b"", status_code=499) if answer is None else Response(answer)
 
 
-def _parse(raw: bytes, limits):
-    return parse_chat_request(parse_json_body(raw, limits.max_json_depth), limits)
+def _parse(raw: bytes, services: Services):
+    limits = services.settings.limits
+    return parse_chat_request(services.models.with_defaults(parse_json_body(raw, limits.max_json_depth)), limits)
 
 
 async def _client_left_first(request: Request, finishing) -> bool:

@@ -194,6 +194,7 @@ class StateCollector(Collector):
         yield _gauge("strata:engine_ready", "1 once warm-up ended well and the engine is up", health.ready)
         yield from self._bytes(engine_caches, response_caches)
         yield from self._models()
+        yield from _bounds(response_caches.get("semantic", {}).get("bounds") or {})
         yield from _layer_counters(engine_caches)
         prefix = engine_caches.get("prefix")
         if prefix:
@@ -297,6 +298,32 @@ def _layer_counters(engine_caches: dict) -> Iterator:
         yield CounterMetricFamily(
             "strata:kv_promoted_blocks", "KV blocks read back from SSD into RAM", prefix["num_ssd_promoted"]
         )
+
+
+def _bounds(bounds: dict[str, dict]) -> Iterator:
+    """The semantic layer's false-hit bound per operator-set scope ("*": every other tenant)."""
+    rows = {scope: row for scope, row in bounds.items() if row["configured"]}
+    if not rows:
+        return
+    families = {
+        "bound": GaugeMetricFamily(
+            "strata:semantic_false_hit_bound",
+            "The share of served semantic answers allowed to be wrong",
+            labels=["scope"],
+        ),
+        "estimated_false_hit_rate": GaugeMetricFamily(
+            "strata:semantic_false_hit_estimate",
+            "The wrong share the calibration evidence shows at the scope's cut",
+            labels=["scope"],
+        ),
+        "calibrated": GaugeMetricFamily(
+            "strata:semantic_calibrated", "1 when the scope has the evidence its bound needs", labels=["scope"]
+        ),
+    }
+    for scope, row in rows.items():
+        for key, family in families.items():
+            family.add_metric([scope], float(row[key]))
+    yield from families.values()
 
 
 def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:

@@ -25,7 +25,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import anyio
@@ -55,7 +55,8 @@ from .settings import Settings
 log = logging.getLogger("strata")
 
 POLL_S = 0.05  # how often a request waiting for its model to load looks again (on the event loop)
-ENTRY_FIELDS = {"name", "path", "pinned", "idle_ttl_s", "kv_budget_bytes", "max_context_tokens"}
+ENTRY_FIELDS = {"name", "path", "pinned", "idle_ttl_s", "kv_budget_bytes", "max_context_tokens", "defaults"}
+DEFAULTABLE = {"temperature", "top_p", "max_tokens"}  # request fields a model's entry may give defaults for
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,7 @@ class ModelEntry:
     idle_ttl_s: float = 0.0  # unloaded after this long without a request (0: only to make room)
     kv_budget_bytes: int | None = None  # its own KV budget (default STRATA_KV_BUDGET_BYTES)
     max_context_tokens: int | None = None  # its own bound on prompt + answer (default the server's)
+    defaults: dict[str, float] = field(default_factory=dict)  # request fields a request leaves out take these
 
 
 def model_entries(settings: Settings) -> list[ModelEntry]:
@@ -114,11 +116,21 @@ def _entry(row: object, where: str) -> ModelEntry:
         raise ValueError(f"{where}: 'name' must be a non-empty string and 'pinned' true or false")
     if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl < 0:
         raise ValueError(f"{where}: 'idle_ttl_s' must be a number of seconds >= 0")
-    for field in ("kv_budget_bytes", "max_context_tokens"):
-        value = row.get(field)
+    for key in ("kv_budget_bytes", "max_context_tokens"):
+        value = row.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{where}: '{field}' must be a whole number >= 1")
-    return ModelEntry(name, row["path"], pinned, float(ttl), row.get("kv_budget_bytes"), row.get("max_context_tokens"))
+            raise ValueError(f"{where}: '{key}' must be a whole number >= 1")
+    budget, context = row.get("kv_budget_bytes"), row.get("max_context_tokens")
+    return ModelEntry(name, row["path"], pinned, float(ttl), budget, context, _defaults(row.get("defaults", {}), where))
+
+
+def _defaults(raw: object, where: str) -> dict[str, float]:
+    """A model's default decoding: temperature, top_p, max_tokens (checked again, as a request's, when used)."""
+    if not isinstance(raw, dict) or set(raw) - DEFAULTABLE:
+        raise ValueError(f"{where}: 'defaults' must be an object of {sorted(DEFAULTABLE)}")
+    if any(isinstance(v, bool) or not isinstance(v, int | float) for v in raw.values()):
+        raise ValueError(f"{where}: 'defaults' values must be numbers")
+    return dict(raw)
 
 
 class ServedModel:
@@ -232,6 +244,18 @@ class ServedModels:
             except ModelLoadFailed as exc:
                 raise ApiError(500, str(exc), "model_load_failed", "model") from None
             await anyio.sleep(POLL_S)
+
+    def with_defaults(self, body: dict) -> dict:
+        """A request body with its model's default decoding for the fields it leaves out (max_tokens
+        as each API names it: max_completion_tokens, max_output_tokens)."""
+        model = body.get("model")
+        entry = self.entries.get(model) if isinstance(model, str) else None
+        if entry is None or not entry.defaults:
+            return body
+        defaults = dict(entry.defaults)
+        if {"max_completion_tokens", "max_output_tokens"} & set(body) and "max_tokens" in defaults:
+            del defaults["max_tokens"]
+        return {**defaults, **body}
 
     def names(self) -> str:
         return ", ".join(repr(status.name) for status in self.pool.statuses())

@@ -65,6 +65,7 @@ from semantic import (
     exact_key,
     load_risk_patterns,
 )
+from semantic.calibration import Calibrator, load_evidence
 from semantic.risk import DEFAULT_PATTERNS_FILE, PERSONAL_DATA
 from semantic.scope import VERSION_FIELDS
 from vision import DecodedImage, DecodedVideo
@@ -147,6 +148,8 @@ class ResponseCaches:
                 out[cache.name] = asdict(cache.stats())
             except StoreUnavailable:
                 out[cache.name] = {"unavailable": True}
+        if self.semantic is not None and self.semantic.calibrator is not None:
+            out["semantic"]["bounds"] = self.semantic.calibrator.stats()  # per scope: bound, cut, estimate
         return out
 
     def expiring(self) -> dict:
@@ -533,10 +536,25 @@ def _semantic_cache(settings: Settings, embedder: Embedder | None) -> SemanticCa
         store = RedisEntries(settings.redis_url, sealer=keyring_for(settings))
     else:
         store = SqliteEntries(private_file(settings.data_dir / "semantic.db"), keyring_for(settings))
-    from semantic.verifier import Verifier  # torch: imported only when the layer is on
+    from semantic.verifier import CALIBRATED_FILE, WEIGHTS_FILE, Verifier  # torch: only when the layer is on
 
     embedder = embedder or MiniLMEmbedder()
-    verifier = Verifier.load(embedder) if settings.semantic_verifier else None
-    cache = SemanticCache(embedder, store, config, verifier)
+    # under a false-hit bound, the verifier its calibration evidence was never trained on
+    weights = WEIGHTS_FILE if settings.semantic_max_false_hit_rate is None else CALIBRATED_FILE
+    verifier = Verifier.load(embedder, weights) if settings.semantic_verifier else None
+    cache = SemanticCache(embedder, store, config, verifier, _calibrator(settings))
     cache.warm_up()
     return cache
+
+
+def _calibrator(settings: Settings) -> Calibrator | None:
+    """The tenants' false-hit bounds, when one is set: the shipped evidence plus the review verdicts
+    kept in DATA_DIR/calibration.db (this replica's)."""
+    if settings.semantic_max_false_hit_rate is None:
+        return None
+    return Calibrator(
+        load_evidence(),
+        settings.semantic_max_false_hit_rate,
+        settings.semantic_tenant_bounds,
+        private_file(settings.data_dir / "calibration.db"),
+    )

@@ -123,6 +123,9 @@ class Settings:
     semantic_threshold: float = _default(SemanticSettings, "threshold")  # cosine; tuned on evals/data/dev.jsonl
     semantic_require_approved: bool = False  # serve only entries an admin approved
     semantic_verifier: bool = True  # the learned second opinion after the guards (semantic/verifier.py)
+    # the share of served semantic answers that may be wrong (95% confidence); None: the verifier's fixed bars
+    semantic_max_false_hit_rate: float | None = None
+    semantic_tenant_bounds: dict[str, float] = field(default_factory=dict)  # tenant -> its own bound
     semantic_ttl_s: float = _default(SemanticSettings, "default_ttl_s")
     cache_nondeterministic: bool = False  # also cache sampled (temperature > 0, no seed) answers
     risk_patterns_file: Path | None = None  # None: semantic/risk_patterns.json
@@ -156,6 +159,13 @@ class Settings:
             )
         if self.max_verify_tokens < 0:
             raise ValueError(f"STRATA_MAX_VERIFY_TOKENS must be 0 or more; got {self.max_verify_tokens}")
+        bounds = [self.semantic_max_false_hit_rate, *self.semantic_tenant_bounds.values()]
+        if any(bound is not None and not 0 < bound < 1 for bound in bounds):
+            raise ValueError("a semantic false-hit bound must be between 0 and 1 (exclusive)")
+        if self.semantic_tenant_bounds and self.semantic_max_false_hit_rate is None:
+            raise ValueError(
+                "STRATA_SEMANTIC_TENANT_BOUNDS needs STRATA_SEMANTIC_MAX_FALSE_HIT_RATE (the others' bound)"
+            )
         if self.kv_snapshot_blocks < 0:
             raise ValueError(f"STRATA_KV_SNAPSHOT_BLOCKS must be 0 or more; got {self.kv_snapshot_blocks}")
         # CIDR strings are parsed here, once (ValueError names a bad one); fetches use the networks
@@ -175,6 +185,17 @@ def parse_api_keys(text: str) -> dict[str, str]:
             raise ValueError(f"STRATA_API_KEYS entry {entry!r} is not key:tenant")
         keys[key.strip()] = tenant.strip()
     return keys
+
+
+def parse_tenant_bounds(text: str) -> dict[str, float]:
+    """`billing:0.02,faq:0.1` -> {billing: 0.02, faq: 0.1}; raises ValueError on a bad entry."""
+    bounds: dict[str, float] = {}
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        tenant, sep, bound = entry.rpartition(":")
+        if not sep or not tenant.strip():
+            raise ValueError(f"entry {entry!r} is not tenant:bound")
+        bounds[tenant.strip()] = float(bound)
+    return bounds
 
 
 def parse_flag(text: str) -> bool:
@@ -443,6 +464,18 @@ SETTINGS = (
         "STRATA_SEMANTIC_REQUIRE_APPROVED",
         parse_flag,
         "serve only approved semantic entries",
+    ),
+    Setting(
+        "semantic_max_false_hit_rate",
+        "STRATA_SEMANTIC_MAX_FALSE_HIT_RATE",
+        float,
+        "the share of served semantic answers that may be wrong, held with 95% confidence (unset: fixed bars)",
+    ),
+    Setting(
+        "semantic_tenant_bounds",
+        "STRATA_SEMANTIC_TENANT_BOUNDS",
+        parse_tenant_bounds,
+        "tenants' own false-hit bounds: billing:0.02,faq:0.10",
     ),
     Setting(
         "semantic_verifier",

@@ -32,6 +32,7 @@ from .scope import Scope
 from .store import Answer, Purged, StoreUnavailable
 
 if TYPE_CHECKING:  # the verifier imports torch; a cache without one never needs it
+    from .calibration import Calibrator
     from .verifier import Verifier
 
 log = logging.getLogger("strata.semantic")
@@ -86,12 +87,19 @@ class SemanticCache:
     name = "semantic"
 
     def __init__(
-        self, embedder: Embedder, store: EntryStore, settings: SemanticSettings, verifier: Verifier | None = None
+        self,
+        embedder: Embedder,
+        store: EntryStore,
+        settings: SemanticSettings,
+        verifier: Verifier | None = None,
+        calibrator: Calibrator | None = None,
     ):
         self.embedder = embedder
         self.store = store
         self.settings = settings
         self.verifier = verifier  # None: the rule guards decide alone
+        # None: the verifier's fixed bars decide; else each tenant's false-hit bound does (calibration.py)
+        self.calibrator = calibrator
         self.word_vectors: OrderedDict[str, np.ndarray] = OrderedDict()  # guarded by word_lock
         self.word_lock = threading.Lock()
         self.index = PartitionedIndex(embedder.dim)  # replaced whole by a rebuild; never mutated by two threads' swaps
@@ -135,16 +143,39 @@ class SemanticCache:
         for entry, score in self._candidates(scope.partition(context), vector):
             if not self._servable(entry, now):
                 continue
-            verdict = check(query, entry.prompt, score, self.settings.threshold, self.word_similarity)
-            if self.verifier is not None:
-                verdict = self.verifier.review(query, entry.prompt, verdict)
+            verdict = self._judged(
+                query,
+                entry,
+                check(query, entry.prompt, score, self.settings.threshold, self.word_similarity),
+                scope.tenant,
+            )
             if verdict.accept:
                 self.store.count_hit(entry.id)
+                if self.calibrator is not None and verdict.probability is not None:
+                    self.calibrator.served(scope.tenant, entry.id, _group(verdict.overruled), verdict.probability)
                 return SemanticLookup("hit", score=score, entry=entry, verdict=verdict, vector=vector)
             near = entry if score >= self.settings.threshold else None  # refused by a guard, not by distance
             reasons = ",".join(verdict.reasons)
             best = best or SemanticLookup("miss", reasons, score, verdict=verdict, vector=vector, candidate=near)
         return best or SemanticLookup("miss", "no_candidate", vector=vector)
+
+    def _judged(self, query: str, entry: SemanticEntry, verdict: Verdict, tenant: str) -> Verdict:
+        """The guards' verdict seen by the verifier: at its fixed bars, or under the tenant's false-hit
+        bound when a calibrator is set (which, without a verifier, has no score to judge: uncalibrated)."""
+        if self.calibrator is None:
+            return verdict if self.verifier is None else self.verifier.review(query, entry.prompt, verdict)
+        from .verifier import reviewable
+
+        if not reviewable(verdict):
+            return verdict
+        if self.verifier is None:
+            return Verdict(False, verdict.score, (*verdict.reasons, "uncalibrated"))
+        group = _group(verdict.reasons)
+        probability = self.verifier.probability(query, entry.prompt, verdict.score)
+        refusal = self.calibrator.decide(tenant, entry.id, group, probability)
+        if refusal:
+            return Verdict(False, verdict.score, (*verdict.reasons, refusal), probability)  # type: ignore[arg-type]
+        return Verdict(True, verdict.score, (), probability, overruled=verdict.reasons)
 
     def _candidates(self, partition: str, vector: np.ndarray) -> list[tuple[SemanticEntry, float]]:
         """The index's nearest entries, re-scored with their exact float32 vectors, best first. An id
@@ -232,8 +263,15 @@ class SemanticCache:
         return self.store.list_entries(tenant, status, limit)
 
     def set_status(self, entry_id: int, status: str) -> bool:
+        """An admin's review; with a calibrator, approve / reject also turn the entry's hits into its
+        tenant's evidence."""
         assert status in STATUSES, status
-        return valid_id(entry_id) and self.store.set_status(entry_id, status)
+        entry = self.get(entry_id)
+        if entry is None or not self.store.set_status(entry_id, status):
+            return False
+        if self.calibrator is not None and status != "unreviewed":
+            self.calibrator.reviewed(entry.tenant, entry_id, status == "approved")
+        return True
 
     def delete(self, entry_id: int) -> bool:
         if not valid_id(entry_id):
@@ -265,6 +303,8 @@ class SemanticCache:
         if self.follower is not None:
             self.follower.join(timeout=FOLLOW_WAIT_S + 2.0)
         self.store.close()
+        if self.calibrator is not None:
+            self.calibrator.close()
 
     # -- the index ---------------------------------------------------------------------------
 
@@ -316,3 +356,8 @@ class SemanticCache:
             self.index.add(partition, [entry_id], vector.reshape(1, -1))
         else:
             self.index.remove(change[1])
+
+
+def _group(objections: tuple[str, ...]) -> str:
+    """The calibration group of a candidate no fact guard refused: word-order objections or none."""
+    return "structural" if objections else "pass"

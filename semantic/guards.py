@@ -774,6 +774,8 @@ GuardReason = Literal[
     "quantifier",
     "substitution",
     "verifier",
+    "bound",  # under the scope's false-hit bound, its calibrated P(right) is below the cut (calibration.py)
+    "uncalibrated",  # the scope has too little evidence for its bound: nothing is served
 ]
 
 

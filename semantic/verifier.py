@@ -34,7 +34,9 @@ from torch.nn import functional as F
 
 from .guards import GuardReason, Verdict
 
-WEIGHTS_FILE = Path(__file__).with_name("verifier.safetensors")
+WEIGHTS_FILE = Path(__file__).with_name("verifier.safetensors")  # trained on every PAWS training pair; fixed bars
+# Trained without the pairs set apart for calibration (semantic/calibration.py): the false-hit bound's verifier
+CALIBRATED_FILE = Path(__file__).with_name("verifier_calibrated.safetensors")
 FORMAT_VERSION = 2  # 2: an ensemble of scorers ("members" in the metadata)
 WIDTH = 64
 MAX_PIECES = 64  # per side; a cached question is at most ~1,000 characters, mostly far shorter

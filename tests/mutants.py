@@ -446,6 +446,23 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "the semantic false-hit bound ignored (every candidate past the fact guards served)",
+        "semantic/calibration.py",
+        "return self.cut is not None and self.calibrated(group, probability) >= self.cut",
+        "return True",
+        (
+            "tests/semantic/test_calibration.py::test_the_wrong_share_of_what_is_served_stays_under_the_bound_on_fresh_draws",
+            "tests/semantic/test_calibration.py::test_too_little_evidence_is_uncalibrated_and_serves_nothing",
+        ),
+    ),
+    Mutant(
+        "one tenant's review verdicts calibrating another's bound",
+        "semantic/calibration.py",
+        'rows = self.db.execute("SELECT grp, probability, right FROM evidence WHERE tenant = ?", (tenant,))',
+        'rows = self.db.execute("SELECT grp, probability, right FROM evidence WHERE ? = ?", (tenant, tenant))',
+        ("tests/semantic/test_calibration.py::test_review_verdicts_move_their_own_tenant_and_their_own_entry",),
+    ),
+    Mutant(
         "the model pool unloads a pinned model",
         "gateway/engine/model_pool.py",
         'return self.state == "loaded" and idle and not self.spec.pinned',
@@ -668,8 +685,8 @@ MUTANTS = (
     Mutant(
         "the semantic cache never asks its verifier",
         "semantic/cache.py",
-        "            if self.verifier is not None:",
-        "            if False:",
+        "return verdict if self.verifier is None else self.verifier.review(query, entry.prompt, verdict)",
+        "return verdict",
         (VERIFIER + "::test_the_cache_asks_the_verifier_about_candidates_and_reports_its_verdict",),
     ),
     Mutant(

@@ -36,6 +36,15 @@ def test_command_line_models_come_first_then_the_files_with_their_names(settings
         ("titles", "llama-tiny"),
     ]
     assert model_entries(given)[3] == ModelEntry("titles", "llama-tiny", True, 60.0)
+    with_limits = {
+        "path": "llama-tiny",
+        "kv_budget_bytes": 1 << 24,
+        "max_context_tokens": 512,
+        "defaults": {"top_p": 0.9},
+    }
+    limited = model_entries(dataclasses.replace(given, models_file=_file(tmp_path, [with_limits])))[-1]
+    assert (limited.name, limited.kv_budget_bytes, limited.max_context_tokens) == ("strata-llama-tiny", 1 << 24, 512)
+    assert limited.defaults == {"top_p": 0.9}
     assert model_entries(dataclasses.replace(given, model_name="coder"))[0].name == "coder"
 
 
@@ -52,6 +61,8 @@ def test_a_models_file_alone_names_every_model(settings, tmp_path):
         ([{"path": "tiny", "pinned": "yes"}], "'pinned' true or false"),
         ([{"path": "tiny", "idle_ttl_s": -1}], "'idle_ttl_s'"),
         ({"path": "tiny"}, "must be a list"),
+        ([{"path": "tiny", "defaults": {"seed": 1}}], "'defaults' must be an object of"),
+        ([{"path": "tiny", "kv_budget_bytes": 0}], "'kv_budget_bytes' must be a whole number"),
     ],
 )
 def test_a_bad_models_file_names_the_entry_and_the_problem(tmp_path, rows, message):

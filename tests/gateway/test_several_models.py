@@ -43,7 +43,7 @@ def server(tmp_path_factory):
     for weights in broken.glob("*.safetensors"):
         weights.write_bytes(b"not a safetensors file")
     models = [
-        {"name": "gemma", "path": str(gemma), "max_context_tokens": 256},
+        {"name": "gemma", "path": str(gemma), "max_context_tokens": 256, "defaults": {"max_tokens": 3}},
         {"name": "twin", "path": str(twin)},
         {"name": "broken", "path": str(broken)},
     ]
@@ -97,6 +97,12 @@ def test_the_models_are_listed_with_their_state_and_each_answers_as_itself(serve
         assert answer.model == model
         answers.setdefault(model, []).append(answer.choices[0].message.content)
     assert _states(server)["gemma"] == "loaded"
+    client = _client(server)
+    unbounded = [{"role": "user", "content": "Tell me everything."}]
+    short = client.chat.completions.create(model="gemma", messages=unbounded, temperature=0)
+    assert short.usage.completion_tokens <= 3  # gemma's default max_tokens, from the models file
+    longer = client.chat.completions.create(model="gemma", messages=unbounded, temperature=0, max_tokens=12)
+    assert longer.usage.completion_tokens > 3  # a request's own value wins
     # the second qwen question is the exact layer's (its scope holds the model), never gemma's answer
     assert answers["qwen"][0] == answers["qwen"][1]
 

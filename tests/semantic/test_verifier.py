@@ -176,6 +176,19 @@ def test_no_reported_sentence_is_trained_on():
     assert len(trained) > 5000 and not trained & reported
 
 
+def test_the_calibration_and_fresh_pairs_share_no_sentence_with_what_the_calibrated_verifier_trains_on():
+    """The false-hit bound's evidence, and the split it is reported on, are text the calibrated
+    verifier never saw: whole groups of PAWS pairs sharing a sentence are set apart together."""
+    from evals.train_verifier import parts
+
+    data = parts(2026, apart=True)
+    trained = {text for e in data["train"] + data["held_out"] for text in (e.cached, e.query)}
+    calibration = {text for e in data["calibration"] for text in (e.cached, e.query)}
+    fresh = {text for e in data["fresh"] for text in (e.cached, e.query)}
+    assert len(data["calibration"]) > 900 and len(data["fresh"]) > 600
+    assert not trained & calibration and not trained & fresh and not calibration & fresh
+
+
 def test_written_pairs_stay_away_from_the_reported_questions(embedder):
     """Not only unequal: no written question is within MiniLM cosine 0.88 of a dev or PAWS-sample one."""
     import random
