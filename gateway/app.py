@@ -559,7 +559,7 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
         )
         responses = await anyio.to_thread.run_sync(ResponseCaches, settings, embedder)
         entries = model_entries(settings)
-        models = await anyio.to_thread.run_sync(ServedModels, settings, engine_config(settings), entries, live)
+        models = await anyio.to_thread.run_sync(ServedModels, settings, engine_config, entries, live)
         sessions = SessionClock(settings.session_ttl_s)
         request_metrics = RequestMetrics(registry, settings.metrics_tenant_label) if settings.metrics_enabled else None
         rules = load_rules(settings.normalize_rules_file or DEFAULT_RULES_FILE)

@@ -95,7 +95,8 @@ def _default_name(model: str) -> str:
 
 
 def read_models_file(path: Path) -> list[ModelEntry]:
-    """`{"models": [{"name", "path", "pinned", "idle_ttl_s"}, ...]}` (name defaults as on the command line)."""
+    """`{"models": [{"name", "path", ...}, ...]}` with the fields of ENTRY_FIELDS (name defaults as on
+    the command line)."""
     try:
         rows = json.loads(Path(path).read_text())["models"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -147,9 +148,7 @@ class ServedModel:
 
     @property
     def requests(self) -> int:
-        """Jobs queued or in the decode batch."""
-        snapshot = self.engine.snapshot()
-        return snapshot.queue_depth + snapshot.num_running
+        return self.engine.num_requests
 
     @property
     def busy(self) -> bool:
@@ -162,10 +161,18 @@ class ServedModel:
 
 
 class ServedModels:
-    def __init__(self, settings: Settings, config: EngineConfig, entries: list[ModelEntry], default_engine: Engine):
-        """`entries[0]` is the default model, already loaded as `default_engine`."""
+    def __init__(
+        self,
+        settings: Settings,
+        engine_config: Callable[[Settings], EngineConfig],
+        entries: list[ModelEntry],
+        default_engine: Engine,
+    ):
+        """`entries[0]` is the default model, already loaded as `default_engine`; `engine_config` maps
+        settings to an engine's configuration (a model's own KV budget goes through it too)."""
         self.settings = settings
-        self.config = config  # the server's; a model's own budget and context bound replace its parts
+        self.engine_config = engine_config
+        self.config = engine_config(settings)  # the server's
         self.entries = {entry.name: entry for entry in entries[1:]}
         specs = [
             ModelSpec(entry.name, entry.path, self._estimate(entry), entry.pinned, entry.idle_ttl_s)
@@ -188,11 +195,7 @@ class ServedModels:
     def _config(self, entry: ModelEntry) -> EngineConfig:
         if entry.kv_budget_bytes is None:
             return self.config
-        budget = entry.kv_budget_bytes
-        pins = int(budget * self.settings.kv_pin_fraction)  # as engine_config() derives it from the server's
-        return replace(
-            self.config, caches=replace(self.config.caches, prefix_budget_bytes=budget, pin_budget_bytes=pins)
-        )
+        return self.engine_config(replace(self.settings, kv_budget_bytes=entry.kv_budget_bytes))
 
     def _settings(self, entry: ModelEntry) -> Settings:
         if entry.max_context_tokens is None:

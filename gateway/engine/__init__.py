@@ -201,9 +201,15 @@ class Engine:
         self.worker.launch()
 
     @property
+    def num_requests(self) -> int:
+        """Jobs queued or in the decode batch."""
+        snapshot = self.snapshot()
+        return snapshot.queue_depth + snapshot.num_running
+
+    @property
     def busy(self) -> bool:
         """Jobs queued or running on it (the model pool never unloads a busy engine)."""
-        snapshot = self.snapshot()
+        snapshot = self.snapshot()  # one read: its counts and its flag from the same instant
         return bool(snapshot.queue_depth or snapshot.num_running or snapshot.busy)
 
     def health(self, stuck_after_s: float) -> Health:
