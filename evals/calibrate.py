@@ -20,10 +20,9 @@ from pathlib import Path
 
 from semantic import MiniLMEmbedder, SemanticCache, SemanticSettings, SqliteEntries
 from semantic.calibration import BASE_EVIDENCE_FILE, Calibration, Evidence
-from semantic.guards import check
-from semantic.verifier import CALIBRATED_FILE, Verifier, reviewable
+from semantic.verifier import CALIBRATED_FILE, Verifier
 
-from .train_verifier import Example, parts
+from .train_verifier import Example, guard_outcomes, pair_cosines, parts
 
 BOUNDS = (0.01, 0.02, 0.05, 0.10)
 
@@ -34,21 +33,23 @@ def calibration_pairs(seed: int) -> list[Example]:
 
 
 def evidence(examples: list[Example]) -> list[Evidence]:
+    """Each pair as SemanticCache.lookup judges it: the guards' outcome (as the training run reports
+    it), then, past the fact guards, the calibrated verifier's probability."""
     embedder = MiniLMEmbedder()
     verifier = Verifier.load(embedder, CALIBRATED_FILE)
     cache = SemanticCache(embedder, SqliteEntries(":memory:"), SemanticSettings())
-    texts = sorted({t for e in examples for t in (e.cached, e.query)})
-    vectors = dict(zip(texts, embedder.embed(texts)))
-    out = []
-    for example in examples:
-        cosine = float(vectors[example.cached] @ vectors[example.query])
-        verdict = check(example.query, example.cached, cosine, cache.settings.threshold, cache.word_similarity)
-        if reviewable(verdict):
-            probability = verifier.probability(example.query, example.cached, cosine)
-            group = "structural" if verdict.reasons else "pass"
-            out.append(Evidence(group, round(probability, 6), bool(example.label)))
+    cosines = pair_cosines(embedder, examples)
+    outcomes = guard_outcomes(examples, cosines, cache.word_similarity)
     cache.close()
-    return out
+    return [
+        Evidence(
+            outcome,
+            round(verifier.probability(example.query, example.cached, cosines[example]), 6),
+            bool(example.label),
+        )
+        for example, outcome in zip(examples, outcomes, strict=True)
+        if outcome != "refused"
+    ]
 
 
 def main(argv: list[str]) -> int:

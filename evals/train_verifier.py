@@ -507,7 +507,7 @@ def main(argv: list[str]) -> int:
     train_paws, train_written, held_out = data["train_paws"], data["train_written"], data["held_out"]
     embedder = MiniLMEmbedder()
     featurizer = Featurizer.from_minilm(embedder)
-    cosines = _cosines(embedder, data["train"] + held_out)
+    cosines = pair_cosines(embedder, data["train"] + held_out)
     scorer = Ensemble(featurizer.table.shape[1], MEMBERS)
     for number, member in enumerate(scorer.members):
         trained = train(
@@ -531,7 +531,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _cosines(embedder, examples: list[Example]) -> dict:
+def pair_cosines(embedder, examples: list[Example]) -> dict:
     texts = sorted({t for e in examples for t in (e.cached, e.query)})
     vectors = dict(zip(texts, embedder.embed(texts)))
     return {e: float(vectors[e.cached] @ vectors[e.query]) for e in examples}

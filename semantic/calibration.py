@@ -147,10 +147,6 @@ class Calibration:
             cut, share, upper = value, wrong / served, bound_here
         return cls(bound, curves, cut, len(items), share, upper)
 
-    @property
-    def calibrated_ok(self) -> bool:
-        return self.cut is not None
-
     def calibrated(self, group: str, probability: float) -> float:
         return _value(self.curves, group, probability)
 
