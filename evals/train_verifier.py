@@ -7,7 +7,10 @@ Training data (provenance in evals/data/README.md), none of it used to report a 
   sample is never trained on);
 - question pairs written here (`written_pairs`): role and direction swaps (a different answer),
   the same question reworded, and swaps that keep the meaning (symmetric relations, a moved
-  "on Android" / "in 2019"). The dev set `evals/data/dev.jsonl` is not trained on: it reports.
+  "on Android" / "in 2019"); and statements in the style of encyclopedia text for the failure
+  classes held-out PAWS runs showed: roles swapped across passive and active voice, a phrase attached
+  to the other noun, a modifier moved between clauses (with or without a change of meaning). The dev
+  set `evals/data/dev.jsonl` is not trained on: it reports.
 With --calibrated (the verifier the false-hit bound runs on, `verifier_calibrated.safetensors`, trained
 with `--calibrated --epochs 5`), a quarter of the PAWS pairs is first set apart in whole groups of
 pairs sharing a sentence: 15% for `python -m evals calibrate` (the bound's evidence) and 10% only to
@@ -144,6 +147,119 @@ ASYMMETRIC = [
         "Is it possible to transfer money from {x} into {y}?",
     ),
 ]
+# The failure classes of held-out runs on text from elsewhere (PAWS-style statements): role swaps
+# across passive and active voice, a phrase moved to another noun (attachment), a modifier moved
+# between clauses. (cached, the roles swapped: another meaning, the same said another way.)
+ASYMMETRIC += [
+    (
+        "people",
+        "{x} was succeeded by {y} as head coach.",
+        "{y} was succeeded by {x} as head coach.",
+        "{y} succeeded {x} as head coach.",
+    ),
+    (
+        "people",
+        "{x} defeated {y} in the second round.",
+        "{y} defeated {x} in the second round.",
+        "In the second round, {y} was defeated by {x}.",
+    ),
+    (
+        "people",
+        "{x} was replaced by {y} in the starting line-up.",
+        "{y} was replaced by {x} in the starting line-up.",
+        "{y} replaced {x} in the starting line-up.",
+    ),
+    (
+        "people",
+        "{x} was a student of {y} in Vienna.",
+        "{y} was a student of {x} in Vienna.",
+        "In Vienna, {x} was taught by {y}.",
+    ),
+    (
+        "people",
+        "The song was written by {x} and produced by {y}.",
+        "The song was written by {y} and produced by {x}.",
+        "{y} produced the song, which {x} wrote.",
+    ),
+    (
+        "people",
+        "{x} married {y}, the daughter of a local merchant.",
+        "{y} married {x}, the daughter of a local merchant.",
+        "{x} married a local merchant's daughter, {y}.",
+    ),
+    (
+        "people",
+        "{x} was elected mayor, with {y} as his deputy.",
+        "{y} was elected mayor, with {x} as his deputy.",
+        "With {y} as his deputy, {x} was elected mayor.",
+    ),
+    (
+        "people",
+        "The brother of {x} played alongside {y}.",
+        "The brother of {y} played alongside {x}.",
+        "{y} played alongside the brother of {x}.",
+    ),
+    (
+        "people",
+        "{x} signed for the club after {y} left.",
+        "{y} signed for the club after {x} left.",
+        "After {y} left, {x} signed for the club.",
+    ),
+    (
+        "cities",
+        "He was born in {x} and died in {y}.",
+        "He was born in {y} and died in {x}.",
+        "He died in {y}, having been born in {x}.",
+    ),
+    (
+        "cities",
+        "The river rises near {x} and flows into the sea at {y}.",
+        "The river rises near {y} and flows into the sea at {x}.",
+        "Rising near {x}, the river flows into the sea at {y}.",
+    ),
+    (
+        "cities",
+        "The line runs from {x} to {y}, with a branch to the airport.",
+        "The line runs from {y} to {x}, with a branch to the airport.",
+        "With a branch to the airport, the line runs from {x} to {y}.",
+    ),
+    (
+        "cities",
+        "The company moved its headquarters from {x} to {y} in the same year.",
+        "The company moved its headquarters from {y} to {x} in the same year.",
+        "In the same year the company moved its headquarters to {y} from {x}.",
+    ),
+    (
+        "cities",
+        "The village lies north of {x} and south of {y}.",
+        "The village lies north of {y} and south of {x}.",
+        "The village lies south of {y} and north of {x}.",
+    ),
+    (
+        "years",
+        "The school opened in {x} and closed in {y}.",
+        "The school opened in {y} and closed in {x}.",
+        "The school, which closed in {y}, had opened in {x}.",
+    ),
+    (
+        "years",
+        "She joined the band in {x} and left it in {y}.",
+        "She joined the band in {y} and left it in {x}.",
+        "She left the band in {y}, having joined it in {x}.",
+    ),
+    (
+        "teams",
+        "{x} sold the striker to {y} for a record fee.",
+        "{y} sold the striker to {x} for a record fee.",
+        "For a record fee, the striker was sold by {x} to {y}.",
+    ),
+    (
+        "teams",
+        "The coach left {x} to manage {y}.",
+        "The coach left {y} to manage {x}.",
+        "To manage {y}, the coach left {x}.",
+    ),
+]
 # (cached, the same with x and y swapped: same answer, a look-alike naming another filler z)
 SYMMETRIC = [
     (
@@ -187,6 +303,38 @@ MOVED = [
         "Which museums in {x} are open on Mondays?",
         "Which museums are open on Mondays in {x}?",
         "Which museums in {y} are open on Mondays?",
+    ),
+]
+MOVED += [  # a phrase moved within the sentence, the meaning kept (statements)
+    (
+        "years",
+        "In {x}, the bridge was rebuilt in stone.",
+        "The bridge was rebuilt in stone in {x}.",
+        "In {y}, the bridge was rebuilt in stone.",
+    ),
+    (
+        "cities",
+        "The film was shot in {x} during the summer.",
+        "During the summer, the film was shot in {x}.",
+        "The film was shot in {y} during the summer.",
+    ),
+    (
+        "people",
+        "After the war, {x} returned to teaching.",
+        "{x} returned to teaching after the war.",
+        "After the war, {y} returned to teaching.",
+    ),
+    (
+        "cities",
+        "Born in {x}, he studied law before turning to music.",
+        "He was born in {x} and studied law before turning to music.",
+        "Born in {y}, he studied law before turning to music.",
+    ),
+    (
+        "teams",
+        "Later that season, he was loaned to {x}.",
+        "He was loaned to {x} later that season.",
+        "Later that season, he was loaned to {y}.",
     ),
 ]
 FILLERS = {
@@ -267,6 +415,22 @@ FILLERS = {
     "devices": ["phone", "laptop", "tablet", "desktop", "watch", "Mac", "iPad", "Kindle"],
     "accounts": ["brokerage", "crypto", "wallet", "pension", "PayPal", "Venmo", "escrow"],
     "years": ["1998", "2002", "2006", "2010", "2014", "2018", "2022"],
+    "people": [
+        "Anderson",
+        "Okafor",
+        "Müller",
+        "Rossi",
+        "Tanaka",
+        "Novak",
+        "Fischer",
+        "Moreau",
+        "Kowalski",
+        "Haddad",
+        "Lindqvist",
+        "Petrov",
+        "Costa",
+        "O'Brien",
+    ],
 }
 FILLINGS_PER_TEMPLATE = 12
 
