@@ -21,9 +21,11 @@ source sentences, so in one partition a query also meets other pairs' rewordings
 --bound B runs the layer as the gateway does under STRATA_SEMANTIC_MAX_FALSE_HIT_RATE=B (the shipped
 calibration, semantic/calibration.json, fitted by `python -m evals calibrate` on pairs no reported set
 holds) on the dev set, the PAWS sample (isolated) and the fresh PAWS split the verifier's training set
-apart (isolated; nothing was trained or tuned on it: the gap to the sample is the sample's optimism). The bound is on the share of served answers
-that are wrong; it holds on a set when that share's two-sided 95% Clopper-Pearson interval reaches
-down to B or below. Also gated: the PAWS paraphrase hit rate at B = 10% must be at least 60%.
+apart (isolated; nothing was trained or tuned on it: the gap to the sample is the sample's optimism).
+The bound is on the share of look-alikes served (false hits / pairs expecting a miss), which bounds
+the false-hit rate (false hits / all pairs) under any mix; it holds on a set when that share's two-sided
+95% Clopper-Pearson interval reaches down to B or below. The wrong share of hits is printed too.
+Also gated: the PAWS paraphrase hit rate at B = 10% must be at least 60%.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from semantic import Answer, MiniLMEmbedder, Scope, SemanticCache, SemanticSettings, SqliteEntries
+from semantic.calibration import upper_bound
 
 MODEL = "eval-model"
 CONTEXT = "eval-context"
@@ -217,7 +220,7 @@ PAWS_HIT_RATE_AT_10 = 0.60  # the paraphrase hit rate the PAWS sample must keep 
 def run_bounds(bounds: list[float], threshold: float) -> tuple[list[dict], list[str]]:
     """Each bound on the dev set (one partition) and the PAWS sample (isolated), with the calibrator
     the gateway runs (semantic/calibration.json, a fresh journal): rows, and the failed checks."""
-    from semantic.calibration import Calibrator, load_evidence, upper_bound
+    from semantic.calibration import Calibrator, SqliteJournal, load_evidence
     from semantic.verifier import CALIBRATED_FILE, Verifier
 
     minilm = MiniLMEmbedder()
@@ -226,35 +229,50 @@ def run_bounds(bounds: list[float], threshold: float) -> tuple[list[dict], list[
     for bound in bounds:
         for name, path, isolate in BOUND_SETS:
             with tempfile.TemporaryDirectory() as folder:
-                calibrator = Calibrator(base, bound, {}, ":memory:")
+                calibrator = Calibrator(base, bound, {}, SqliteJournal(":memory:"))
                 store = SqliteEntries(Path(folder) / "semantic.db")
                 cache = SemanticCache(embedder, store, SemanticSettings(threshold=threshold), verifier, calibrator)
                 overall = run(fresh_pairs() if path is None else load_pairs([path]), cache, isolate)["overall"]
                 cache.close()
-            served = overall["hits"] + overall["false_hits"]
-            wrong = overall["false_hits"]
-            lower = 1 - upper_bound(served - wrong, served, 0.975) if served else 0.0  # two-sided 95%
-            row = {"bound": bound, "set": name, **overall, "served": served, "served_wrong": wrong / max(1, served)}
-            row |= {"served_wrong_lower": lower, "served_wrong_upper": upper_bound(wrong, served, 0.975)}
-            row["holds"] = lower <= bound
+            row = {"bound": bound, "set": name, **overall} | _bound_columns(overall)
+            row["holds"] = row["lookalikes_lower"] <= bound
             rows.append(row)
             if not row["holds"]:
-                failures.append(f"{name} at bound {bound:.0%}: {wrong} of {served} served were wrong")
+                failures.append(
+                    f"{name} at bound {bound:.0%}: {row['false_hits']} of {row['lookalikes']} look-alikes served"
+                )
             if bound == 0.10 and name == "paws (isolated)" and (overall["hit_rate"] or 0) < PAWS_HIT_RATE_AT_10:
                 failures.append(f"PAWS paraphrase hit rate {overall['hit_rate']:.1%} < 60% at a 10% bound")
     return rows, failures
 
 
+def _bound_columns(overall: dict) -> dict:
+    """The bounded quantity, false hits per look-alike lookup (pairs expecting a miss; a false hit on an
+    expect-hit pair, possible in one partition, counts too), with its two-sided 95% Clopper-Pearson
+    interval; and the wrong share of hits, for information."""
+    lookalikes, wrong = overall["pairs"] - overall["expect_hit"], overall["false_hits"]
+    served = overall["hits"] + wrong
+    return {
+        "lookalikes": lookalikes,
+        "lookalikes_served": wrong / max(1, lookalikes),
+        "lookalikes_lower": 1 - upper_bound(lookalikes - wrong, lookalikes, 0.975) if lookalikes else 0.0,
+        "lookalikes_upper": upper_bound(wrong, lookalikes, 0.975),
+        "served": served,
+        "hits_wrong": wrong / max(1, served),
+    }
+
+
 def print_bounds(rows: list[dict]) -> None:
     print(
         f"{'bound':>6} {'set':<18} {'pairs':>5} {'hit rate':>9} {'false hits':>10} {'rate':>7} "
-        f"{'served wrong':>13} {'95% interval':>16} {'holds':>6}"
+        f"{'look-alikes served':>19} {'95% interval':>16} {'holds':>6} {'wrong of hits':>14}"
     )
     for r in rows:
         print(
             f"{r['bound']:>6.0%} {r['set']:<18} {r['pairs']:>5} {r['hit_rate']:>9.1%} {r['false_hits']:>10} "
-            f"{r['false_hit_rate']:>7.2%} {r['false_hits']:>4}/{r['served']:<4} {r['served_wrong']:>4.1%} "
-            f"[{r['served_wrong_lower']:>5.1%}, {r['served_wrong_upper']:>5.1%}] {'yes' if r['holds'] else 'NO':>6}"
+            f"{r['false_hit_rate']:>7.2%} {r['false_hits']:>5}/{r['lookalikes']:<4} {r['lookalikes_served']:>7.1%} "
+            f"[{r['lookalikes_lower']:>5.1%}, {r['lookalikes_upper']:>5.1%}] {'yes' if r['holds'] else 'NO':>6} "
+            f"{r['false_hits']:>5}/{r['served']:<4} {r['hits_wrong']:>4.1%}"
         )
 
 

@@ -308,12 +308,12 @@ def _bounds(bounds: dict[str, dict]) -> Iterator:
     families = {
         "bound": GaugeMetricFamily(
             "strata:semantic_false_hit_bound",
-            "The share of served semantic answers allowed to be wrong",
+            "The share of look-alike lookups (another answer) the semantic layer may serve, which bounds its false hits per lookup",
             labels=["scope"],
         ),
         "estimated_false_hit_rate": GaugeMetricFamily(
             "strata:semantic_false_hit_estimate",
-            "The wrong share the calibration evidence shows at the scope's cut",
+            "The share of the calibration evidence's look-alikes the scope's cut serves",
             labels=["scope"],
         ),
         "calibrated": GaugeMetricFamily(

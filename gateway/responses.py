@@ -65,7 +65,8 @@ from semantic import (
     exact_key,
     load_risk_patterns,
 )
-from semantic.calibration import Calibrator, load_evidence
+from semantic.calibration import Calibrator, Journal, SqliteJournal, load_evidence
+from semantic.redis_calibration import RedisJournal
 from semantic.risk import DEFAULT_PATTERNS_FILE, PERSONAL_DATA
 from semantic.scope import VERSION_FIELDS
 from vision import DecodedImage, DecodedVideo
@@ -149,7 +150,10 @@ class ResponseCaches:
             except StoreUnavailable:
                 out[cache.name] = {"unavailable": True}
         if self.semantic is not None and self.semantic.calibrator is not None:
-            out["semantic"]["bounds"] = self.semantic.calibrator.stats()  # per scope: bound, cut, estimate
+            try:
+                out["semantic"]["bounds"] = self.semantic.calibrator.stats()  # per scope: bound, cut, estimate
+            except StoreUnavailable:
+                out["semantic"]["bounds_unavailable"] = True
         return out
 
     def expiring(self) -> dict:
@@ -548,13 +552,14 @@ def _semantic_cache(settings: Settings, embedder: Embedder | None) -> SemanticCa
 
 
 def _calibrator(settings: Settings) -> Calibrator | None:
-    """The tenants' false-hit bounds, when one is set: the shipped evidence plus the review verdicts
-    kept in DATA_DIR/calibration.db (this replica's)."""
+    """The tenants' false-hit bounds, when one is set: the shipped evidence plus the review verdicts,
+    in Redis when the semantic entries are (every replica learns from every verdict), else in
+    DATA_DIR/calibration.db (this replica's)."""
     if settings.semantic_max_false_hit_rate is None:
         return None
-    return Calibrator(
-        load_evidence(),
-        settings.semantic_max_false_hit_rate,
-        settings.semantic_tenant_bounds,
-        private_file(settings.data_dir / "calibration.db"),
+    journal: Journal = (
+        RedisJournal(settings.redis_url)
+        if settings.redis_url
+        else SqliteJournal(private_file(settings.data_dir / "calibration.db"))
     )
+    return Calibrator(load_evidence(), settings.semantic_max_false_hit_rate, settings.semantic_tenant_bounds, journal)

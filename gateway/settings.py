@@ -123,7 +123,8 @@ class Settings:
     semantic_threshold: float = _default(SemanticSettings, "threshold")  # cosine; tuned on evals/data/dev.jsonl
     semantic_require_approved: bool = False  # serve only entries an admin approved
     semantic_verifier: bool = True  # the learned second opinion after the guards (semantic/verifier.py)
-    # the share of served semantic answers that may be wrong (95% confidence); None: the verifier's fixed bars
+    # the share of look-alike lookups (nearest entry has another answer) that may be served, 95% confidence:
+    # a bound on semantic false hits per lookup; None: the verifier's fixed bars
     semantic_max_false_hit_rate: float | None = None
     semantic_tenant_bounds: dict[str, float] = field(default_factory=dict)  # tenant -> its own bound
     semantic_ttl_s: float = _default(SemanticSettings, "default_ttl_s")
@@ -469,7 +470,7 @@ SETTINGS = (
         "semantic_max_false_hit_rate",
         "STRATA_SEMANTIC_MAX_FALSE_HIT_RATE",
         float,
-        "the share of served semantic answers that may be wrong, held with 95% confidence (unset: fixed bars)",
+        "the share of look-alike lookups the semantic layer may serve (false hits per lookup), 95% confidence (unset: fixed bars)",
     ),
     Setting(
         "semantic_tenant_bounds",

@@ -286,6 +286,8 @@ class SemanticCache:
     def purge_owned(self, selector: Selector) -> Purged:
         """A tenant's entries, or its session's or end user's share of them (semantic/owners.py)."""
         ids, size = self.store.release(selector)
+        if self.calibrator is not None:
+            self.calibrator.forget(ids, selector.tenant if selector.whole_tenant else None)
         return Purged(sum(self.delete(entry_id) for entry_id in ids), size)
 
     def stats(self) -> SemanticSnapshot:
@@ -293,6 +295,8 @@ class SemanticCache:
         return SemanticSnapshot(sum(by_status.values()), num_partitions, by_status)
 
     def purge(self) -> Purged:
+        if self.calibrator is not None:
+            self.calibrator.forget_all()
         return Purged(sum(self.delete(i) for i in self.store.all_ids()))
 
     def purge_expired(self, now: float) -> int:

@@ -448,19 +448,26 @@ MUTANTS = (
     Mutant(
         "the semantic false-hit bound ignored (every candidate past the fact guards served)",
         "semantic/calibration.py",
-        "return self.cut is not None and self.calibrated(group, probability) >= self.cut",
+        "return self.cut is not None and (self.calibrated(group, probability), probability) >= self.cut",
         "return True",
         (
-            "tests/semantic/test_calibration.py::test_the_wrong_share_of_what_is_served_stays_under_the_bound_on_fresh_draws",
-            "tests/semantic/test_calibration.py::test_too_little_evidence_is_uncalibrated_and_serves_nothing",
+            "tests/semantic/test_calibration.py::test_the_share_of_lookalikes_served_stays_under_the_bound_on_fresh_draws",
+            "tests/semantic/test_calibration.py::test_too_few_lookalikes_is_uncalibrated_and_serves_nothing",
         ),
     ),
     Mutant(
         "one tenant's review verdicts calibrating another's bound",
         "semantic/calibration.py",
-        'rows = self.db.execute("SELECT grp, probability, right FROM evidence WHERE tenant = ?", (tenant,))',
-        'rows = self.db.execute("SELECT grp, probability, right FROM evidence WHERE ? = ?", (tenant, tenant))',
+        '"SELECT grp, probability, right FROM evidence WHERE tenant = ?", (tenant,)',
+        '"SELECT grp, probability, right FROM evidence WHERE ? = ?", (tenant, tenant)',
         ("tests/semantic/test_calibration.py::test_review_verdicts_move_their_own_tenant_and_their_own_entry",),
+    ),
+    Mutant(
+        "a tenant purge keeps the tenant's calibration evidence",
+        "semantic/cache.py",
+        "self.calibrator.forget(ids, selector.tenant if selector.whole_tenant else None)",
+        "self.calibrator.forget(ids, None)",
+        ("tests/semantic/test_calibration.py::test_the_layer_purges_its_calibration_with_the_tenant",),
     ),
     Mutant(
         "the model pool unloads a pinned model",

@@ -83,6 +83,43 @@ def test_a_paraphrase_stored_on_one_replica_hits_on_the_other(replicas):
     assert a.get("/admin/semantic/entries", headers=ADMIN).json()["data"] == []
 
 
+@pytest.fixture
+def bounded_replicas(engine, embedder, settings, redis_server, tmp_path):
+    """Two apps on one (emptied) Redis under a 10% false-hit bound."""
+    redis_server.flush()
+    shared = dataclasses.replace(_shared(settings, redis_server.url), semantic_max_false_hit_rate=0.10)
+    replica_b = dataclasses.replace(shared, data_dir=tmp_path / "replica-b")
+    with (
+        TestClient(create_app(shared, engine=engine, embedder=embedder)) as a,
+        TestClient(create_app(replica_b, engine=engine, embedder=embedder)) as b,
+    ):
+        yield a, b
+
+
+def test_a_verdict_on_one_replica_calibrates_the_other_and_a_purge_clears_both(bounded_replicas, tmp_path):
+    a, b = bounded_replicas
+
+    def evidence(client) -> int:
+        bounds = client.get("/admin/stats", headers=ADMIN).json()["response_caches"]["semantic"]["bounds"]
+        return bounds.get("default", bounds["*"])["evidence"]
+
+    base = evidence(a)
+    _ask(a, "How do I reset my password?")
+    deadline = time.monotonic() + 2.0
+    while (
+        not _ask(b, "What is the way to reset my password?", headers={"Cache-Control": "no-store"})
+        .headers["x-cache-semantic"]
+        .startswith("hit")
+    ):
+        assert time.monotonic() < deadline
+    entry = a.get("/admin/semantic/entries", headers=ADMIN).json()["data"][0]
+    assert a.post(f"/admin/semantic/entries/{entry['id']}/approve", headers=ADMIN).status_code == 200
+    assert evidence(b) == evidence(a) == base + 1  # B served the hit, A judged it: both learn
+    assert not (tmp_path / "replica-b" / "calibration.db").exists()
+    b.post("/admin/purge", json={"tenant": "default", "layers": ["semantic"]}, headers=ADMIN)
+    assert evidence(a) == base
+
+
 def test_an_unreachable_redis_is_a_bypass_and_the_layers_recover(engine, embedder, settings, tmp_path):
     servers = [RedisServer(tmp_path / "redis")]
     try:
