@@ -4,6 +4,7 @@ with its reason, never an error, and the layers come back with it."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -35,17 +36,23 @@ def _shared(settings, url):
     )
 
 
-@pytest.fixture
-def replicas(engine, embedder, settings, redis_server, tmp_path):
+@contextlib.contextmanager
+def _two_replicas(engine, embedder, settings, redis_server, tmp_path, **overrides):
     """Two apps on one (emptied) Redis, each with its own data folder."""
     redis_server.flush()
-    shared = _shared(settings, redis_server.url)
+    shared = dataclasses.replace(_shared(settings, redis_server.url), **overrides)
     replica_b = dataclasses.replace(shared, data_dir=tmp_path / "replica-b")
     with (
         TestClient(create_app(shared, engine=engine, embedder=embedder)) as a,
         TestClient(create_app(replica_b, engine=engine, embedder=embedder)) as b,
     ):
         yield a, b
+
+
+@pytest.fixture
+def replicas(engine, embedder, settings, redis_server, tmp_path):
+    with _two_replicas(engine, embedder, settings, redis_server, tmp_path) as both:
+        yield both
 
 
 def test_two_replicas_share_exact_answers_and_purges(replicas, tmp_path):
@@ -85,15 +92,9 @@ def test_a_paraphrase_stored_on_one_replica_hits_on_the_other(replicas):
 
 @pytest.fixture
 def bounded_replicas(engine, embedder, settings, redis_server, tmp_path):
-    """Two apps on one (emptied) Redis under a 10% false-hit bound."""
-    redis_server.flush()
-    shared = dataclasses.replace(_shared(settings, redis_server.url), semantic_max_false_hit_rate=0.10)
-    replica_b = dataclasses.replace(shared, data_dir=tmp_path / "replica-b")
-    with (
-        TestClient(create_app(shared, engine=engine, embedder=embedder)) as a,
-        TestClient(create_app(replica_b, engine=engine, embedder=embedder)) as b,
-    ):
-        yield a, b
+    """The two replicas under a 10% false-hit bound."""
+    with _two_replicas(engine, embedder, settings, redis_server, tmp_path, semantic_max_false_hit_rate=0.10) as both:
+        yield both
 
 
 def test_a_verdict_on_one_replica_calibrates_the_other_and_a_purge_clears_both(bounded_replicas, tmp_path):
