@@ -3,18 +3,20 @@ of a Redis-backed semantic cache, so an admin's verdict on one replica moves the
 
 Layout under `prefix` (default "strata:calibration:"):
     s:<entry id>   sorted set of the entry's hits awaiting a review, scored by P(same answer); members
-                   "<tenant>\\t<group>\\t<probability>\\t<nonce>"; the MAX_SERVED_PER_ENTRY lowest are kept
-    e:<tenant>     list of the tenant's evidence, "<group>\\t<probability>\\t<right 0|1>\\t<entry id>"
+                   JSON [tenant, group, probability, nonce]; the MAX_SERVED_PER_ENTRY lowest are kept
+    e:<tenant>     list of the tenant's evidence, JSON [group, probability, right 0|1, entry id]
     f:<tenant>     hash "<entry id>:<group>" -> the lowest probability at which that entry was approved
     v:<tenant>     the tenant's version: bumped by each verdict and purge (replicas refit when it moves)
     v              bumped by a purge of everything          tenants   set of tenants with evidence
 
 A verdict moves an entry's hits into the evidence in one Lua script, so two replicas never count a
-hit twice. Only numbers and entry ids are stored, never text.
+hit twice. Probabilities travel as their repr text, so a floor compares exactly. Only numbers,
+entry ids and tenant names are stored, never a question or an answer.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from collections.abc import Iterable
@@ -26,9 +28,10 @@ _REVIEWED = """
 local p, id, tenant, right = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local moved = 0
 for _, member in ipairs(redis.call('ZRANGE', p .. 's:' .. id, 0, -1)) do
-  local owner, group, probability = string.match(member, '^(.-)\\t(.-)\\t(.-)\\t')
+  local hit = cjson.decode(member)
+  local owner, group, probability = hit[1], hit[2], hit[3]
   if owner == tenant then
-    redis.call('RPUSH', p .. 'e:' .. tenant, group .. '\\t' .. probability .. '\\t' .. right .. '\\t' .. id)
+    redis.call('RPUSH', p .. 'e:' .. tenant, cjson.encode({group, probability, right, id}))
     if right == '1' then
       local field = id .. ':' .. group
       local old = redis.call('HGET', p .. 'f:' .. tenant, field)
@@ -55,7 +58,7 @@ class RedisJournal:
 
     def served(self, tenant: str, entry_id: int, group: str, probability: float) -> None:
         key = f"{self.prefix}s:{entry_id}"
-        member = f"{tenant}\t{group}\t{probability!r}\t{uuid.uuid4().hex[:12]}"
+        member = json.dumps([tenant, group, repr(probability), uuid.uuid4().hex[:12]])  # repr: exact in text
 
         def write(pipe) -> None:
             pipe.zadd(key, {member: probability})
@@ -70,7 +73,7 @@ class RedisJournal:
         rows = self.link.call(self.client.lrange, f"{self.prefix}e:{tenant}", 0, -1)
         out = []
         for row in rows:
-            group, probability, right, _ = row.decode().split("\t")
+            group, probability, right, _ = json.loads(row)
             out.append(Evidence(group, float(probability), right == "1"))
         return out
 

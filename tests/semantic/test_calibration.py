@@ -213,3 +213,13 @@ def test_a_journal_out_of_reach_raises_store_unavailable_so_the_layer_bypasses()
     with pytest.raises(StoreUnavailable):
         calibrator.served("a", 1, "pass", 0.9)
     calibrator.close()
+
+
+def test_any_tenant_name_and_exact_probabilities_survive_the_journal(journal):
+    calibrator = Calibrator(_draws(500, seed=10), 0.10, {}, journal)
+    tenant, probability = 'team\t"one"', 0.1 + 0.2  # a tab and quotes; a float with no short decimal
+    calibrator.served(tenant, 7, "structural", probability)
+    assert calibrator.reviewed(tenant, 7, right=True) == 1
+    assert journal.floor(tenant, 7, "structural") == probability
+    assert calibrator.decide(tenant, 7, "structural", probability) == ""  # served at its own floor
+    assert journal.evidence(tenant) == [Evidence("structural", probability, True)]
