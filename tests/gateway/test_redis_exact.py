@@ -161,3 +161,21 @@ def _outage_and_recovery(engine, embedder, settings, tmp_path, servers: list[Red
             assert semantic == "bypass; reason=store_unavailable" and time.monotonic() < deadline
             time.sleep(0.1)
         assert semantic.startswith("hit"), semantic
+
+
+def test_under_a_bound_an_unreachable_redis_is_a_bypass_and_stats_say_so(engine, embedder, settings, tmp_path):
+    server = RedisServer(tmp_path / "redis")
+    bounded = dataclasses.replace(_shared(settings, server.url), semantic_max_false_hit_rate=0.10)
+    try:
+        with TestClient(create_app(bounded, engine=engine, embedder=embedder)) as client:
+            _ask(client, "How do I reset my password?")
+            server.stop()
+            down = _ask(client, "What is the way to reset my password?")
+            assert down.headers["x-cache-semantic"] == "bypass; reason=store_unavailable"
+            stats = client.get("/admin/stats", headers=ADMIN).json()["response_caches"]["semantic"]
+            assert stats == {"unavailable": True, "bounds_unavailable": True}
+            metrics = client.get("/metrics")
+            assert metrics.status_code == 200 and "strata:semantic_false_hit_bound" not in metrics.text
+    finally:
+        if server.process.poll() is None:
+            server.stop()
