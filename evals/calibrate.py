@@ -6,8 +6,10 @@ The evidence is the PAWS pairs the calibrated verifier's training run (`python -
 --calibrated`, semantic/verifier_calibrated.safetensors) set apart for calibration
 (evals.train_verifier.set_apart: 15% of its PAWS pairs, in whole groups sharing a sentence, so none
 holds a sentence the verifier was trained on), run through the rule guards and the shipped verifier
-as SemanticCache.lookup runs them: each pair becomes (group, P(same answer), right), a pair a fact
-guard refuses ("refused", 0, right): never served, but a look-alike counted all the same. Neither reported set (`dev.jsonl`, the PAWS sample) nor the fresh split is in it.
+as SemanticCache.lookup runs them: each pair becomes (group, P(same answer), right); a pair a fact
+guard refuses becomes ("refused", 0, right): never served, but counted (a look-alike refused is one
+of the look-alikes the bound's share is taken of). Neither reported set (`dev.jsonl`, the PAWS
+sample) nor the fresh split is in it.
 Deterministic for a seed: the split is the training run's own. Prints, for the bounds 1%, 2%, 5% and
 10%, the cut, the share of look-alikes it serves (the bounded false-hit rate) and its 95% upper bound.
 """

@@ -218,21 +218,25 @@ PAWS_HIT_RATE_AT_10 = 0.60  # the paraphrase hit rate the PAWS sample must keep 
 
 
 def run_bounds(bounds: list[float], threshold: float) -> tuple[list[dict], list[str]]:
-    """Each bound on the dev set (one partition) and the PAWS sample (isolated), with the calibrator
-    the gateway runs (semantic/calibration.json, a fresh journal): rows, and the failed checks."""
+    """Each bound on the dev set (one partition), the PAWS sample and the fresh split (isolated), with
+    the calibrator the gateway runs (semantic/calibration.json, a fresh journal): rows, and the failed
+    checks. Each set is read once; every run stores its cached prompts anew."""
     from semantic.calibration import Calibrator, SqliteJournal, load_evidence
     from semantic.verifier import CALIBRATED_FILE, Verifier
 
     minilm = MiniLMEmbedder()
     embedder, verifier, base = RememberingEmbedder(minilm), Verifier.load(minilm, CALIBRATED_FILE), load_evidence()
+    sets = [
+        (name, fresh_pairs() if path is None else load_pairs([path]), isolate) for name, path, isolate in BOUND_SETS
+    ]
     rows, failures = [], []
     for bound in bounds:
-        for name, path, isolate in BOUND_SETS:
+        for name, pairs, isolate in sets:
             with tempfile.TemporaryDirectory() as folder:
                 calibrator = Calibrator(base, bound, {}, SqliteJournal(":memory:"))
                 store = SqliteEntries(Path(folder) / "semantic.db")
                 cache = SemanticCache(embedder, store, SemanticSettings(threshold=threshold), verifier, calibrator)
-                overall = run(fresh_pairs() if path is None else load_pairs([path]), cache, isolate)["overall"]
+                overall = run(pairs, cache, isolate)["overall"]
                 cache.close()
             row = {"bound": bound, "set": name, **overall} | _bound_columns(overall)
             row["holds"] = row["lookalikes_lower"] <= bound
@@ -283,7 +287,7 @@ def main(argv: list[str]) -> int:
         "--bound",
         type=float,
         action="append",
-        help="run under this false-hit bound (repeatable) on the dev set and the isolated PAWS sample",
+        help="run under this false-hit bound (repeatable) on the dev set, the PAWS sample and the fresh split",
     )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--max-false-hit-rate", type=float)
