@@ -909,6 +909,13 @@ MUTANTS = (
             f"{LIVE_HARDENING}::test_a_kept_alive_connection_older_than_the_read_deadline_still_takes_a_request_in_pieces",
         ),
     ),
+    Mutant(
+        "stray bytes held until a whole character",
+        "gateway/engine/text.py",
+        "            self._settle_stray_bytes()",
+        "            pass",
+        ("tests/gateway/test_text.py",),
+    ),
 )
 
 

@@ -31,3 +31,42 @@ def test_partial_stop_prefix_is_released_when_it_does_not_complete(engine):
     stream = TextStream(engine.runner.tokenizer, ("xyz",))
     out = "".join(stream.push(t) for t in _ids(engine, "a xy b")) + stream.finish()
     assert out == "a xy b" and not stream.stopped
+
+
+def _stray_byte(engine) -> int:
+    """A token of one byte that no run of itself ever decodes to a character (a UTF-8 continuation
+    or lead byte repeated)."""
+    tokenizer = engine.runner.tokenizer
+    return next(i for i in range(tokenizer.vocab_size) if tokenizer.decode([i] * 5) == "\ufffd" * 5)
+
+
+def test_stray_bytes_stream_as_replacement_characters_within_four_tokens(engine):
+    tokens = [_stray_byte(engine)] * 40 + _ids(engine, " and then words.")
+    stream = TextStream(engine.runner.tokenizer, ())
+    pieces = [stream.push(token) for token in tokens]
+    held = max(len(run) for run in "".join("x" if piece else "." for piece in pieces).split("x"))
+    assert held <= 4, pieces  # before: nothing until the words, 40 tokens later
+    assert "".join(pieces[:40]) == "\ufffd" * 36
+    assert "".join(pieces) + stream.finish() == engine.runner.tokenizer.decode(tokens)
+
+
+def test_characters_split_across_tokens_are_never_cut(engine):
+    text = "日本語のテキスト, 👩\u200d👩\u200d👧 and € — " * 4
+    stream = TextStream(engine.runner.tokenizer, ())
+    pieces = [stream.push(i) for i in _ids(engine, text)] + [stream.finish()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in piece for piece in pieces)
+
+
+def test_random_tokens_stream_the_decoded_text_and_hold_little(engine):
+    import random
+
+    tokenizer = engine.runner.tokenizer
+    rng = random.Random(7)
+    tokens = [rng.randrange(tokenizer.vocab_size) for _ in range(3000)]
+    stream = TextStream(tokenizer, ())
+    pieces = [stream.push(token) for token in tokens]
+    joined = "".join(pieces) + stream.finish()
+    assert joined == tokenizer.decode(tokens, skip_special_tokens=True).rstrip("\ufffd")
+    held = max(len(run) for run in "".join("x" if piece else "." for piece in pieces).split("x"))
+    assert held <= 8, held
