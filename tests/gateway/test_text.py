@@ -1,5 +1,7 @@
 """TextStream: incremental detokenisation and stop sequences on the real tiny tokenizer."""
 
+import random
+
 from gateway.engine.text import TextStream
 
 
@@ -33,6 +35,15 @@ def test_partial_stop_prefix_is_released_when_it_does_not_complete(engine):
     assert out == "a xy b" and not stream.stopped
 
 
+def _longest_silence(pieces: list[str]) -> int:
+    """The most tokens in a row that sent no text."""
+    longest = run = 0
+    for piece in pieces:
+        run = 0 if piece else run + 1
+        longest = max(longest, run)
+    return longest
+
+
 def _stray_byte(engine) -> int:
     """A token of one byte that no run of itself ever decodes to a character (a UTF-8 continuation
     or lead byte repeated)."""
@@ -44,8 +55,7 @@ def test_stray_bytes_stream_as_replacement_characters_within_four_tokens(engine)
     tokens = [_stray_byte(engine)] * 40 + _ids(engine, " and then words.")
     stream = TextStream(engine.runner.tokenizer, ())
     pieces = [stream.push(token) for token in tokens]
-    held = max(len(run) for run in "".join("x" if piece else "." for piece in pieces).split("x"))
-    assert held <= 4, pieces  # before: nothing until the words, 40 tokens later
+    assert _longest_silence(pieces) <= 4, pieces  # before: nothing until the words, 40 tokens later
     assert "".join(pieces[:40]) == "\ufffd" * 36
     assert "".join(pieces) + stream.finish() == engine.runner.tokenizer.decode(tokens)
 
@@ -59,8 +69,6 @@ def test_characters_split_across_tokens_are_never_cut(engine):
 
 
 def test_random_tokens_stream_the_decoded_text_and_hold_little(engine):
-    import random
-
     tokenizer = engine.runner.tokenizer
     rng = random.Random(7)
     tokens = [rng.randrange(tokenizer.vocab_size) for _ in range(3000)]
@@ -68,5 +76,4 @@ def test_random_tokens_stream_the_decoded_text_and_hold_little(engine):
     pieces = [stream.push(token) for token in tokens]
     joined = "".join(pieces) + stream.finish()
     assert joined == tokenizer.decode(tokens, skip_special_tokens=True).rstrip("\ufffd")
-    held = max(len(run) for run in "".join("x" if piece else "." for piece in pieces).split("x"))
-    assert held <= 8, held
+    assert _longest_silence(pieces) <= 8, pieces
