@@ -40,6 +40,11 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument(
         "--quantize", type=int, choices=(4, 8), default=None, help="quantise the language model's weights"
     )
+    build.add_argument(
+        "--ends-turns",
+        action="store_true",
+        help="the agents' test model: answers end after a few sampled tokens, 128k positions",
+    )
     build.add_argument("--out", type=Path, required=True)
     cluster = commands.add_parser("cluster", help="Redis, two replicas and HAProxy on loopback (Ctrl-C stops them)")
     cluster.add_argument("action", choices=["up"])
@@ -77,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "build-model":
         from .checkpoints import BuildSpec, build_model
 
-        print(build_model(BuildSpec(args.family, args.size, args.dtype, args.quantize), args.out))
+        print(build_model(BuildSpec(args.family, args.size, args.dtype, args.quantize, args.ends_turns), args.out))
         return 0
     from .blas import reexec_with_openblas
 

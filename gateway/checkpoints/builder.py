@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .ends_turns import favour_end_of_turn, untie
+
 ASSETS = Path(__file__).parent / "assets"
 CORPUS = ASSETS / "corpus.txt"  # public-domain text: the tokenizers' training text and the benchmarks' prompts
 VOCAB_SIZE = 8192
@@ -841,6 +843,8 @@ NAMED_TOKENS = {
     },
 }
 DEFAULT_FAMILY = "qwen2_5_vl"
+AGENT_SUFFIX = "agent"  # 'tiny-agent': the model ends its turns (BuildSpec.ends_turns)
+AGENT_CONTEXT = 131072  # an agent session's positions (Claude Code's first prompt alone is ~16.6k tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -849,6 +853,9 @@ class BuildSpec:
     size: str = "tiny"
     dtype: str = "float32"
     quantize: int | None = None  # 4 or 8 bits: affine, group 64, language model only
+    # The agents' test model: an output head of its own whose end-of-turn row is fitted so sampled
+    # answers end after a few tokens (ends_turns.py), and AGENT_CONTEXT positions.
+    ends_turns: bool = False
 
     def __post_init__(self):
         if self.family not in RECIPES:
@@ -869,6 +876,8 @@ class BuildSpec:
             parts.append(self.dtype)
         if self.quantize:
             parts.append(f"{self.quantize}bit")
+        if self.ends_turns:
+            parts.append(AGENT_SUFFIX)
         return "strata-" + "-".join(parts)
 
 
@@ -882,6 +891,9 @@ def build_model(spec: BuildSpec | str, out_dir: Path) -> Path:
     tmp_dir.mkdir(parents=True)
     token_ids = _write_tokenizer(tmp_dir, spec.family, recipe)
     config = recipe.config(SIZES[spec.size], token_ids)
+    if spec.ends_turns:
+        untie(config)
+        (config.get("text_config") or config)["max_position_embeddings"] = AGENT_CONTEXT
     _write_weights(config, tmp_dir, spec, recipe)
     for name, content in recipe.processor_files(SIZES[spec.size]).items():
         (tmp_dir / name).write_text(json.dumps(content, indent=2))
@@ -897,7 +909,8 @@ def builder_digest(spec: BuildSpec | str) -> str:
 
     spec = BuildSpec(size=spec) if isinstance(spec, str) else spec
     digest = hashlib.sha256(f"strata-builder-v2|{spec}|".encode())
-    digest.update(Path(__file__).read_bytes())
+    for source in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(source.read_bytes())
     for asset in sorted(ASSETS.rglob("*")):
         if asset.is_file():
             digest.update(asset.name.encode() + b"\0" + asset.read_bytes())
@@ -915,10 +928,12 @@ def ensure_model(spec: BuildSpec | str, out_dir: Path) -> Path:
 
 
 def parse_model_name(name: str) -> BuildSpec | None:
-    """The embedded model a --model name stands for ('demo', 'tiny', 'gemma3-tiny', 'llama-demo'), or None."""
-    family, _, size = name.rpartition("-")
+    """The embedded model a --model name stands for ('demo', 'tiny', 'gemma3-tiny', 'llama-demo', and
+    the agents' 'tiny-agent', 'demo-agent'), or None."""
+    base = name.removesuffix("-" + AGENT_SUFFIX)
+    family, _, size = base.rpartition("-")
     if size in SIZES and (family in RECIPES or not family):
-        return BuildSpec(family=family or DEFAULT_FAMILY, size=size)
+        return BuildSpec(family=family or DEFAULT_FAMILY, size=size, ends_turns=base != name)
     return None
 
 
@@ -973,6 +988,9 @@ def _write_weights(config: dict, out_dir: Path, spec: BuildSpec, recipe: Recipe)
     module = importlib.import_module(f"{recipe.library}.models.{spec.family}")
     model = module.Model(_library_config(module, config, recipe.library))
     model.update(tree_map_with_path(_reinit, model.parameters()))
+    if spec.ends_turns:
+        language_model = model.language_model if recipe.library == "mlx_vlm" else model
+        favour_end_of_turn(language_model, out_dir, recipe.eos_token, CORPUS)
     if spec.dtype != "float32":
         dtype = getattr(mx, spec.dtype)
         model.update(tree_map_with_path(lambda path, p: p.astype(dtype), model.parameters()))
