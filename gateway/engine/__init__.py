@@ -46,8 +46,9 @@ from .model_pool import (
 from .prompt import PreparedPrompt, PromptError
 from .runner import ModelRunner, Sampler, TokenLogprob
 from .speculative import SpeculativeReport
-from .tools import ParsedCall, ToolFormat
-from .types import ImagePart, Message, Pin, Sampling, TextPart, Tool, ToolCall
+from .system_turns import SYSTEM_WRAPPER, SystemPlacement
+from .tools import ParsedCall, ToolFormat, tools_text
+from .types import ImagePart, Message, Pin, Sampling, Switches, TextPart, Tool, ToolCall
 from .worker import (
     Delta,
     Embedded,
@@ -68,6 +69,7 @@ log = logging.getLogger("strata.engine")
 
 
 __all__ = [
+    "SYSTEM_WRAPPER",
     "VISION_FAMILIES",
     "CacheConfig",
     "CompiledGrammar",
@@ -102,6 +104,8 @@ __all__ = [
     "Sampling",
     "SpeculativeReport",
     "Started",
+    "Switches",
+    "SystemPlacement",
     "TextPart",
     "TokenLogprob",
     "Tool",
@@ -116,6 +120,7 @@ __all__ = [
     "model_fingerprint",
     "purge_ssd_of",
     "release_memory",
+    "tools_text",
     "weights_bytes",
 ]
 
@@ -167,14 +172,27 @@ class Engine:
         self.message_at = self.runner.prompts.message_at  # any thread (tokenizer and template only)
         self.tokens_through = self.runner.prompts.tokens_through  # any thread, likewise
         self.line_at = self.runner.prompts.line_at  # any thread, likewise
+        self.unused_switches = self.runner.prompts.unused_switches  # any thread, likewise
         self.tools = self.runner.prompts.tool_format
         self.poolable = self.runner.poolable  # /v1/embeddings may use this model (its family pools)
         self.submit = self.worker.submit
         self.submit_embedding = self.worker.submit_embedding
         self.reclaimer = ThreadPoolExecutor(1, thread_name_prefix="strata-reclaim")  # reclaim_ssd()
         self.events = self.worker.events
+        self.block_size = config.caches.block_size  # tokens per prefix-cache block
         # what the model pool books for it: its weights as loaded, and the RAM its caches may fill
         self.nbytes = self.runner.weights_nbytes + config.caches.prefix_budget_bytes + config.caches.vision_budget_bytes
+
+    def context_tokens(self, configured: int | None = None) -> int:
+        """The most tokens (prompt and answer) one request may hold: `configured` (a server setting),
+        else the model's own positions (its config); never more than the KV budget holds for one
+        running sequence (known once the warm-up measured a token's KV)."""
+        limit = configured or self.info.max_context_tokens
+        budget = self.runner.caches.running_budget_bytes()
+        per_token = self.runner.kv_bytes_per_token
+        if budget is None or not per_token:
+            return limit
+        return max(0, min(limit, (budget - self.runner.state_bytes) // per_token))
 
     def compile_grammar(self, grammar: str) -> CompiledGrammar:
         return self.runner.grammars.compile(grammar)

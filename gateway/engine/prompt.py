@@ -7,6 +7,7 @@ MLX worker, so bad or oversized prompts are rejected before they queue.
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -17,8 +18,9 @@ import numpy as np
 from vision import DecodedImage, DecodedVideo, PixelHash
 
 from .families import Family
+from .system_turns import SystemPlacement, SystemTurns
 from .tools import ToolFormat, call_spec
-from .types import ImagePart, Message, Tool
+from .types import ImagePart, Message, Switches, Tool
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +72,9 @@ class PreparedPrompt:
     images: tuple[PromptImage, ...]
     messages: tuple[Message, ...] = ()  # what it was built from (to say which message a token is in)
     tools: tuple[Tool, ...] = ()
-    thinking: bool | None = None  # the template's thinking switch (enable_thinking); None: its default
+    switches: Switches = Switches()  # the template's thinking and effort switches it was rendered with
     public_tokens: int = 0  # its first tokens are exactly a declared public text (shared across tenants)
+    system: SystemPlacement = SystemPlacement()  # how its later system messages were rendered
 
     @property
     def num_tokens(self) -> int:
@@ -79,6 +82,7 @@ class PreparedPrompt:
 
 
 LINE_WINDOW_TOKENS = 128  # tokens decoded on each side of a diverging token to find its line
+PREFIX_COUNTS = 256  # breakpoint prefixes whose token counts are kept (Claude Code's first one: ~17 ms to count)
 
 
 class PromptBuilder:
@@ -88,7 +92,10 @@ class PromptBuilder:
         self.processor = processor
         self.tokenizer = _hf_tokenizer(processor)
         self.placeholder = family.image_placeholder
-        self.tool_format = ToolFormat(getattr(self.tokenizer, "chat_template", None))
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.tool_format = ToolFormat(template)
+        # The template's own switches: Qwen3's enable_thinking, gpt-oss's reasoning_effort.
+        self.switch_names = frozenset(name for name in (THINKING, EFFORT) if name in str(template or ""))
         self.placeholder_id = self.tokenizer.convert_tokens_to_ids(self.placeholder) if self.placeholder else None
         self.video_placeholder = family.video_placeholder
         self.video_placeholder_id = (
@@ -113,6 +120,9 @@ class PromptBuilder:
                 | {t for t in self.tokenizer.all_special_tokens if len(t) > 1}
             )
         )
+        self.system_turns = SystemTurns(self._render_plain)
+        # Breakpoints' token counts, by (scope, messages, tools, switches): each recurs every turn.
+        self._prefix_tokens = functools.lru_cache(maxsize=PREFIX_COUNTS)(self._count_prefix)
         # A token decodes to at most this many bytes, so a text of n bytes is at least n / this tokens
         # (vocabulary strings are at least as long in UTF-8 as the bytes they stand for).
         self.max_token_bytes = max(len(t.encode("utf-8")) for t in self.tokenizer.get_vocab())
@@ -122,25 +132,57 @@ class PromptBuilder:
         messages: tuple[Message, ...],
         images: Sequence[DecodedImage | DecodedVideo],
         tools: tuple[Tool, ...] = (),
-        thinking: bool | None = None,
+        switches: Switches = Switches(),
     ) -> PreparedPrompt:
-        """`images`: the decoded image and video parts, in order. `thinking`: the template's
-        enable_thinking switch (templates without one ignore it)."""
+        """`images`: the decoded image and video parts, in order. `switches`: what the request asks of
+        the template's thinking and effort switches (unused_switches says which this template lacks)."""
         if images and self.placeholder is None:
             raise PromptError("images_unsupported", "this model is a text model: it does not take images")
         if self.video_placeholder is None and any(isinstance(item, DecodedVideo) for item in images):
             raise PromptError("videos_unsupported", "this model's processor does not take videos")
-        rendered, specs = self.tool_format.template_messages(
-            [self._template_message(m) for m in messages], tuple(_marked_tool(tool) for tool in tools)
-        )
-        extra = _template_options(specs, thinking)
-        marked = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **extra)
+        marked, placement = self._render(messages, tools, switches, generation=True)
         ids = self.tokenizer.encode(self._neutralise(marked), add_special_tokens=False)
         processed = [
             self.process_video(item) if isinstance(item, DecodedVideo) else self.process_image(item) for item in images
         ]
         prompt = self._expand_image_tokens(ids, processed)
-        return replace(prompt, messages=messages, tools=tools, thinking=thinking)
+        return replace(prompt, messages=messages, tools=tools, switches=switches, system=placement)
+
+    def unused_switches(self, switches: Switches) -> list[str]:
+        """What a request asked of the template's switches that this model's template has none for."""
+        unused = ["thinking"] if switches.thinking is not None and THINKING not in self.switch_names else []
+        if switches.effort is not None and not self.switch_names:
+            unused.append("effort")
+        return unused
+
+    def _switch_options(self, switches: Switches) -> dict:
+        """The template variables for the request's switches: the effort level where the template has
+        one, else its thinking switch (effort none or minimal turns thinking off)."""
+        options: dict = {}
+        thinking = switches.thinking
+        if switches.effort is not None and EFFORT in self.switch_names:
+            options[EFFORT] = EFFORT_LEVELS[switches.effort]
+        elif switches.effort is not None and thinking is None:
+            thinking = switches.effort not in ("none", "minimal")
+        if thinking is not None and THINKING in self.switch_names:
+            options[THINKING] = thinking
+        return options
+
+    def _render(
+        self, messages: tuple[Message, ...], tools: tuple[Tool, ...], switches: Switches, generation: bool
+    ) -> tuple[str, SystemPlacement]:
+        """The template's text of the conversation (client text marked), later system messages
+        placed as the template can take them."""
+        rendered, specs = self.tool_format.template_messages(
+            [self._template_message(m) for m in messages], tuple(_marked_tool(tool) for tool in tools)
+        )
+        rendered, placement = self.system_turns.fit(rendered)
+        extra = ({"tools": specs} if specs else {}) | self._switch_options(switches)
+        text = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=generation, **extra)
+        return text, placement
+
+    def _render_plain(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def message_at(self, prompt: PreparedPrompt, token: int) -> int | None:
         """The index of the message that holds the prompt's `token` (len(messages): the generation
@@ -167,26 +209,31 @@ class PromptBuilder:
         after = self.tokenizer.decode(list(prompt.token_ids[token : token + LINE_WINDOW_TOKENS]))
         return (before.rsplit("\n", 1)[-1] + after.split("\n", 1)[0])[:width]
 
-    def tokens_through(self, prompt: PreparedPrompt, count: int) -> int | None:
+    def tokens_through(self, prompt: PreparedPrompt, count: int, scope: bytes) -> int | None:
         """How many of the prompt's tokens its first `count` messages make (0: the tools and system
         header alone, where the template renders them first); None when the template cannot render
-        that part alone. For the prefixes a client asks to keep (cache breakpoints)."""
+        that part alone. For the prefixes a client asks to keep (cache breakpoints): they recur turn
+        after turn, so their counts are kept per `scope` (the tenant's salt: no tenant's timing shows
+        that another sent the same prefix)."""
         try:
-            return min(self._num_tokens_through(prompt, count), prompt.num_tokens)
+            return min(self._num_tokens_through(prompt, count, scope), prompt.num_tokens)
         except Exception:  # noqa: BLE001 - a template that refuses a partial conversation (role order checks)
             return None
 
-    def _num_tokens_through(self, prompt: PreparedPrompt, count: int) -> int:
-        """Tokens of the first `count` messages rendered alone, images expanded as in the prompt."""
+    def _num_tokens_through(self, prompt: PreparedPrompt, count: int, scope: bytes | None = None) -> int:
+        """Tokens of the first `count` messages rendered alone, images expanded as in the prompt
+        (counted again unless a `scope` keeps them)."""
         messages = prompt.messages[:count]
-        rendered, specs = self.tool_format.template_messages(
-            [self._template_message(m) for m in messages], tuple(_marked_tool(tool) for tool in prompt.tools)
-        )
-        extra = _template_options(specs, prompt.thinking)
-        marked = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=False, **extra)
+        count_text = self._prefix_tokens if scope is not None else self._count_prefix
         num_images = sum(isinstance(part, ImagePart) for m in messages for part in m.parts)
         expansion = sum(image.num_tokens - image.num_slot_tokens for image in prompt.images[:num_images])
-        return len(self.tokenizer.encode(self._neutralise(marked), add_special_tokens=False)) + expansion
+        return count_text(scope, messages, prompt.tools, prompt.switches) + expansion
+
+    def _count_prefix(
+        self, scope: bytes | None, messages: tuple[Message, ...], tools: tuple[Tool, ...], switches: Switches
+    ) -> int:
+        marked, _ = self._render(messages, tools, switches, generation=False)
+        return len(self.tokenizer.encode(self._neutralise(marked), add_special_tokens=False))
 
     def _template_message(self, message: Message) -> dict:
         role = "system" if message.role == "developer" else message.role
@@ -199,6 +246,8 @@ class PromptBuilder:
         rendered = {"role": role, "content": parts}
         if len(parts) == 1 and parts[0]["type"] == "text":
             rendered["content"] = parts[0]["text"]
+        if message.reasoning:  # an earlier answer's thinking: templates that render it read this key
+            rendered["reasoning_content"] = _mark_client_text(message.reasoning)
         if message.tool_calls:
             rendered["tool_calls"] = [
                 call_spec(
@@ -294,11 +343,12 @@ class PromptBuilder:
 _TEXT_OUTPUTS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
 
 
-def _template_options(tool_specs: list | None, thinking: bool | None) -> dict:
-    options: dict = {"tools": tool_specs} if tool_specs else {}
-    if thinking is not None:
-        options["enable_thinking"] = thinking
-    return options
+# The template variables a request's switches set, by the names chat templates give them, and the
+# effort levels harmony templates (gpt-oss) know for each effort a client may ask.
+THINKING, EFFORT = "enable_thinking", "reasoning_effort"
+EFFORT_LEVELS = {"none": "low", "minimal": "low", "low": "low", "medium": "medium"} | dict.fromkeys(
+    ("high", "xhigh", "max"), "high"
+)
 
 
 def _hf_tokenizer(processor):

@@ -14,6 +14,7 @@ schema>}, so the call is well formed whatever the weights are.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 
@@ -48,6 +49,15 @@ class ToolFormat:
         self.module = load_tool_module(self.kind)
         self.start = self.module.tool_call_start
         self.end = self.module.tool_call_end
+        self.max_calls: int | None = None  # calls parse() keeps at most (None: all)
+
+    def limited(self, max_calls: int | None) -> ToolFormat:
+        """The same format keeping at most `max_calls` calls of a reply (parallel tool calls off)."""
+        if max_calls is None:
+            return self
+        limited = copy.copy(self)
+        limited.max_calls = max_calls
+        return limited
 
     # -- the prompt ------------------------------------------------------------------------------
 
@@ -89,7 +99,7 @@ class ToolFormat:
         if not result.calls:
             return text, []
         calls = [ParsedCall(c["function"]["name"], c["function"]["arguments"]) for c in result.calls]
-        return result.remaining_text, calls
+        return result.remaining_text, calls[: self.max_calls]
 
     def may_start_call(self, text: str) -> int:
         """Where in `text` a call starts or may start (its marker, or a prefix of it at the very end);
@@ -101,6 +111,12 @@ class ToolFormat:
             if text.endswith(self.start[:size]):
                 return len(text) - size
         return len(text)
+
+
+def tools_text(tools: tuple[Tool, ...]) -> str:
+    """Tools offered in the middle of a conversation, as a system block in the Hermes style (the
+    format most templates were trained near): their specs, and how to call them."""
+    return HERMES_PREAMBLE.format(tools="\n".join(json.dumps(tool_spec(tool), ensure_ascii=False) for tool in tools))
 
 
 def tool_spec(tool: Tool) -> dict:

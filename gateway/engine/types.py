@@ -37,6 +37,17 @@ class Message:
     parts: tuple[TextPart | ImagePart, ...]
     tool_calls: tuple[ToolCall, ...] = ()  # assistant messages only
     tool_call_id: str | None = None  # tool messages: the call this is the result of
+    reasoning: str = ""  # assistant messages: the thinking the answer came with, as the client sent it back
+
+
+@dataclass(frozen=True, slots=True)
+class Switches:
+    """What a request asks of the chat template's switches; None: the template's default. The prompt
+    builder sets the variables the model's template has (Qwen3's enable_thinking, gpt-oss's
+    reasoning_effort) and says which asks found none."""
+
+    thinking: bool | None = None  # think before answering (Anthropic `thinking`)
+    effort: str | None = None  # none | minimal | low | medium | high | xhigh | max (OpenAI and Anthropic effort)
 
 
 @dataclass(frozen=True, slots=True)
