@@ -3,16 +3,21 @@ straight into the neutral ChatRequest, and the answer shaped as Anthropic's `mes
 events. Shaping and parsing only: the route is app.py's, the layers are the pipeline's.
 
     parse_messages_request(body, limits) -> ChatRequest
-    message_body(id, model, completion, tools, usage) -> dict     the whole `message`
+    diagnostics_asked(body) -> (asked, previous message id)   cache diagnostics (cache_diagnostics.py)
+    message_body(stream, usage) -> dict     the whole `message`
     MessageStream / stream_events(...) -> SSE bytes     message_start, content_block_start/delta/stop,
                                         message_delta, message_stop (the route sends PING while the
                                         prompt prefills)
     usage(completion, trace, pins) -> dict     input + cache_read + cache_creation tokens == the prompt
 
 A conversation maps onto the chat form the engine renders: `system` first (its text blocks kept as
-parts), `tool_use` blocks as the assistant's tool calls, each `tool_result` block as a tool message
-in its place, images (base64 or URL) as image parts under the same limits and fetch rules as OpenAI's.
-Earlier `thinking` blocks are not rendered again (as Anthropic drops them from earlier turns).
+parts), system messages inside `messages` where they stand (Claude Code sends its environment block
+there; the template renders them in place or folds them into a neighbouring user turn), `tool_use`
+blocks as the assistant's tool calls, each `tool_result` block as a tool message in its place, images
+(base64 or URL) as image parts under the same limits and fetch rules as OpenAI's. Earlier `thinking`
+blocks go to the template as the turn's reasoning (templates that render it decide where; a
+clear_thinking edit drops all but the latest). Fields and blocks with no meaning here are accepted and
+named in X-Strata-Ignored, never refused.
 """
 
 from __future__ import annotations
@@ -21,116 +26,269 @@ import hashlib
 import json
 import uuid
 from collections.abc import AsyncGenerator
+from dataclasses import replace
 from typing import Any
 
-from .engine import Delta, Finished, ImagePart, Message, Pin, Sampling, TextPart, Tool, ToolCall, ToolFormat
+from .engine import (
+    Delta,
+    Finished,
+    ImagePart,
+    Message,
+    Pin,
+    Sampling,
+    Switches,
+    TextPart,
+    Tool,
+    ToolCall,
+    ToolFormat,
+    tools_text,
+)
 from .errors import ApiError, anthropic_error, bad_request, echo
-from .openai_format import Completion, sendable
+from .openai_format import THINK_CLOSE, THINK_OPEN, Completion, partial_suffix, sendable, split_thinking
 from .schemas import (
     CacheBreakpoint,
     ChatRequest,
     checked_request,
     function_tool,
+    ignored_fields,
     is_int,
+    not_offered,
     number,
+    output_tokens,
     parse_user,
     schema_json,
+    shown_name,
     typed,
     unique_tools,
 )
 from .settings import Limits
 from .trace import Trace
 
-# Fields that change an answer and that Strata does not implement, with the values that change nothing.
-UNSUPPORTED_UNLESS: dict[str, tuple] = {
-    "container": (None,),
-    "mcp_servers": (None, []),
-    "service_tier": (None, "auto", "standard_only"),
+# Fields of the Messages API acted on here (see parse_messages_request); the others' values that change
+# nothing. Any other field is ignored and named in X-Strata-Ignored (never a 400).
+MESSAGE_FIELDS = frozenset(
+    (
+        "model",
+        "messages",
+        "max_tokens",
+        "system",
+        "stop_sequences",
+        "stream",
+        "temperature",
+        "top_p",
+        "top_k",
+        "metadata",
+        "tools",
+        "tool_choice",
+        "thinking",
+        "output_config",
+        "cache_control",
+        "context_management",
+        "diagnostics",
+    )
+)
+MESSAGE_NEUTRAL: dict[str, tuple] = {
+    "service_tier": ("auto", "standard_only"),
+    "mcp_servers": ([],),
+    "speed": ("standard",),
 }
 TTL_S = {"5m": 300.0, "1h": 3600.0}
 MAX_BREAKPOINTS = 4  # cache_control blocks per request, as Anthropic allows (each is a render of the prompt)
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+THINKING_TYPES = {"enabled": True, "adaptive": True, "between_tools": True, "disabled": False}
+THINKING_DISPLAYS = ("summarized", "omitted")
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+CLEAR_THINKING = "clear_thinking_20251015"  # the context-management edit that drops earlier thinking
 
 
 def parse_messages_request(body: dict[str, Any], limits: Limits) -> ChatRequest:
+    """The Messages API body as the neutral request. Honoured beyond the plain fields: system messages
+    inside `messages` (kept where they stand), `thinking` (the template's switch; display "omitted"),
+    `output_config` (effort, format), `context_management` edits that clear earlier thinking,
+    `defer_loading` tools (offered once a tool_reference loads them), `tool_choice`'s
+    disable_parallel_tool_use, and Claude Code's `metadata.user_id` JSON (its session id is the session)."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("model: Field required (a string)", "invalid_type", "model")
-    for field, neutral in UNSUPPORTED_UNLESS.items():
-        if body.get(field) not in neutral:
-            raise bad_request(f"{field}: not supported by this server (send it unset)", "unsupported_parameter", field)
+    ignored = ignored_fields(body, MESSAGE_FIELDS, MESSAGE_NEUTRAL)
     marks = _Breakpoints()
-    tools = _tools(body.get("tools"), limits, marks)
+    tools, deferred = _tools(body.get("tools"), limits, marks, ignored)
     system = _system(body.get("system"), marks)
-    conversation = _messages(body.get("messages"), limits, marks, len(system))
+    keep_thinking = _kept_thinking_turns(body.get("context_management"), ignored)
+    turns = _Turns(limits, marks, len(system), {tool.name: tool for tool in (*tools, *deferred)}, ignored)
+    conversation = _keep_thinking(turns.parse(body.get("messages")), keep_thinking)
+    loaded = tuple(tool for tool in deferred if tool.name in turns.loaded)
     if body.get("cache_control") is not None:  # the automatic form: a breakpoint after the last message
         marks.add(_ttl(body["cache_control"], "cache_control"), len(system) + len(conversation))
-    metadata = typed(body, "metadata", dict, None) or {}
+    end_user, session = _user_and_session(typed(body, "metadata", dict, None) or {}, limits, ignored)
+    thinking, show_thinking = _thinking(body.get("thinking"))
+    effort, response_format = _output_config(body.get("output_config"), limits, ignored)
+    tool_choice, max_calls = _tool_choice(body.get("tool_choice"), tools, deferred)
+    if body.get("max_tokens") is None:  # required by the Messages API (chat completions have a default)
+        raise bad_request("max_tokens: Field required (an integer of at least 1)", "invalid_value", "max_tokens")
+    max_tokens, asked = output_tokens(body["max_tokens"], "max_tokens", limits)
     return checked_request(
         limits,
         model=model,
         messages=(*system, *conversation),
-        sampling=_sampling(body, limits),
+        sampling=_sampling(body, limits, max_tokens),
         stream=typed(body, "stream", bool, False),
         include_usage=True,
-        metadata={},
-        user=_end_user(metadata.get("user_id"), limits),
+        metadata={"session_id": session} if session else {},
+        user=end_user,
         tools=tools,
-        tool_choice=_tool_choice(body.get("tool_choice"), tools),
+        inline_tools=loaded + tuple(tool for tool in deferred if tool.name == tool_choice and tool not in loaded),
+        tool_choice=tool_choice,
         breakpoints=marks.sorted(),
-        fit_max_tokens=True,
-        thinking=_thinking(body.get("thinking")),
-        response_format=_output_format(body.get("output_config"), limits),
+        max_tokens_asked=asked,
+        switches=Switches(thinking=thinking, effort=effort),
+        max_tool_calls=max_calls,
+        show_thinking=show_thinking,
+        response_format=response_format,
+        ignored=tuple(ignored),
     )
 
 
-THINKING_TYPES = {"enabled": True, "adaptive": True, "between_tools": True, "disabled": False}
+MAX_MESSAGE_ID_CHARS = 256
 
 
-def _thinking(raw: Any) -> bool | None:
-    """The template's thinking switch: on for enabled/adaptive, off for disabled (templates without
-    a switch answer as they always do; budget_tokens is counted within max_tokens, as Anthropic's)."""
+def diagnostics_asked(body: dict[str, Any]) -> tuple[bool, str | None]:
+    """`diagnostics`: (whether the request asks for them, the previous message's id; None on a first
+    turn, which opts in with `previous_message_id: null`)."""
+    raw = body.get("diagnostics")
     if raw is None:
-        return None
+        return False, None
+    previous = raw.get("previous_message_id") if isinstance(raw, dict) else None
+    if not isinstance(raw, dict) or (
+        previous is not None and (not isinstance(previous, str) or len(previous) > MAX_MESSAGE_ID_CHARS)
+    ):
+        raise bad_request(
+            f'diagnostics: must be {{"previous_message_id": a message id of at most {MAX_MESSAGE_ID_CHARS} '
+            "characters, or null}",
+            "invalid_value",
+            "diagnostics",
+        )
+    return True, previous
+
+
+def _thinking(raw: Any) -> tuple[bool | None, bool]:
+    """(The template's thinking switch: on for enabled/adaptive, off for disabled, None when not sent;
+    whether thinking text goes out: display "omitted" sends thinking blocks empty). budget_tokens is
+    counted within max_tokens, as Anthropic's."""
+    if raw is None:
+        return None, True
     kind = raw.get("type") if isinstance(raw, dict) else None
-    if kind not in THINKING_TYPES:
+    if not isinstance(kind, str) or kind not in THINKING_TYPES:
         raise bad_request(
             f"thinking.type: must be one of {', '.join(THINKING_TYPES)}; got {echo(kind)}", "invalid_value", "thinking"
         )
-    return THINKING_TYPES[kind]
+    assert isinstance(raw, dict)
+    display, budget = raw.get("display"), raw.get("budget_tokens")
+    if display is not None and (not isinstance(display, str) or display not in THINKING_DISPLAYS):
+        raise bad_request("thinking.display: must be 'summarized' or 'omitted'", "invalid_value", "thinking")
+    if budget is not None and (not is_int(budget) or budget < 0):
+        raise bad_request("thinking.budget_tokens: must be an integer", "invalid_value", "thinking")
+    return THINKING_TYPES[kind], display != "omitted"
 
 
-EFFORTS = (None, "low", "medium", "high", "xhigh", "max")
-
-
-def _output_format(raw: Any, limits: Limits) -> dict | None:
-    """output_config.format (a JSON schema the answer must follow) as the chat form's response
-    format; `effort` is accepted and changes nothing (a local model has no effort setting)."""
+def _output_config(raw: Any, limits: Limits, ignored: list[str]) -> tuple[str | None, dict | None]:
+    """output_config: (effort, the template's effort switch or thinking; format: a JSON schema the
+    answer follows, as the chat form's response format)."""
     if raw is None:
-        return None
-    if not isinstance(raw, dict) or raw.get("effort") not in EFFORTS:
+        return None, None
+    effort = raw.get("effort") if isinstance(raw, dict) else None
+    if not isinstance(raw, dict) or (effort is not None and (not isinstance(effort, str) or effort not in EFFORTS)):
         raise bad_request(
-            "output_config: must be an object; effort one of low, medium, high, xhigh, max",
-            "invalid_value",
-            "output_config",
+            f"output_config: must be an object; effort one of {', '.join(EFFORTS)}", "invalid_value", "output_config"
         )
+    ignored.extend(f"output_config.{name}" for name in ignored_fields(raw, ("effort", "format"), {}))
     shape = raw.get("format")
     if shape is None:
-        return None
+        return effort, None
     if not isinstance(shape, dict) or shape.get("type") != "json_schema":
         raise bad_request(
             'output_config.format: must be {"type": "json_schema", "schema": {...}}', "invalid_value", "output_config"
         )
-    return {"type": "json_schema", "schema": schema_json("output_config.format.schema", shape.get("schema"), limits)}
+    schema = schema_json("output_config.format.schema", shape.get("schema"), limits)
+    return effort, {"type": "json_schema", "schema": schema}
+
+
+def _user_and_session(metadata: dict[str, Any], limits: Limits, ignored: list[str]) -> tuple[str | None, str]:
+    """metadata.user_id: the end user. Claude Code sends a JSON object there (its device and account
+    ids and its session id): the session id is then the request's session (sessions are purged and
+    expired as one) and the rest the end user, so one person's sessions stay one end user."""
+    ignored.extend(f"metadata.{shown_name(name)}" for name in metadata if name != "user_id")
+    raw = metadata.get("user_id")
+    fields = _json_object(raw) or {}
+    session = fields.get("session_id")
+    if not isinstance(session, str) or not session:
+        return _end_user(raw, limits), ""
+    rest = {key: value for key, value in sorted(fields.items()) if key != "session_id" and value}
+    return (_digest(json.dumps(rest)) if rest else None), _bounded(session, limits)
+
+
+def _json_object(raw: Any) -> dict | None:
+    if not isinstance(raw, str) or not raw.startswith("{"):
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _end_user(raw: Any, limits: Limits) -> str | None:
-    """metadata.user_id as the end user; one longer than the limit (agents put JSON with device,
-    account and session ids there) stands as its digest rather than being refused."""
+    """metadata.user_id as the end user; one longer than the limit stands as its digest rather than
+    being refused."""
     if isinstance(raw, str) and len(raw) > limits.max_user_chars:
-        return "sha256:" + hashlib.sha256(raw.encode()).hexdigest()[:32]
+        return _digest(raw)
     return parse_user(raw, limits, "metadata.user_id")
+
+
+def _bounded(text: str, limits: Limits) -> str:
+    return text if len(text) <= limits.max_user_chars else _digest(text)
+
+
+def _digest(text: str) -> str:
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _kept_thinking_turns(raw: Any, ignored: list[str]) -> int | None:
+    """How many of the latest assistant turns keep their thinking, by a clear_thinking edit (keep
+    "all", or {"type": "thinking_turns", "value": N}; 1 when it says nothing); None: every turn keeps
+    it (the template decides what it renders). Other edits (clearing tool results) are not done here."""
+    if raw is None:
+        return None
+    edits = raw.get("edits", []) if isinstance(raw, dict) else None
+    if not isinstance(edits, list) or not all(isinstance(edit, dict) for edit in edits):
+        raise bad_request("context_management.edits: must be an array of edits", "invalid_type", "context_management")
+    kept = None
+    for index, edit in enumerate(edits):
+        if edit.get("type") != CLEAR_THINKING:
+            ignored.append(f"context_management.edits.{index} ({shown_name(edit.get('type'))})")
+            continue
+        keep = edit.get("keep", {"type": "thinking_turns", "value": 1})
+        if keep == "all":
+            continue
+        value = keep.get("value") if isinstance(keep, dict) and keep.get("type") == "thinking_turns" else None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise bad_request(
+                'context_management: keep must be "all" or {"type": "thinking_turns", "value": N}',
+                "invalid_value",
+                "context_management",
+            )
+        kept = value
+    return kept
+
+
+def _keep_thinking(messages: tuple[Message, ...], keep: int | None) -> tuple[Message, ...]:
+    """The conversation with thinking left only on the latest `keep` assistant turns that have it."""
+    if keep is None:
+        return messages
+    thinking = [i for i, m in enumerate(messages) if m.reasoning]
+    dropped = set(thinking[: max(len(thinking) - keep, 0)])
+    return tuple(replace(m, reasoning="") if i in dropped else m for i, m in enumerate(messages))
 
 
 class _Breakpoints:
@@ -159,10 +317,10 @@ class _Breakpoints:
 
 
 def _ttl(raw: Any, param: str) -> float:
+    ttl = raw.get("ttl", "5m") if isinstance(raw, dict) else None
     if not isinstance(raw, dict) or raw.get("type") != "ephemeral":
         raise bad_request(f'{param}: must be {{"type": "ephemeral", "ttl": "5m" | "1h"}}', "invalid_value", param)
-    ttl = raw.get("ttl", "5m")
-    if ttl not in TTL_S:
+    if not isinstance(ttl, str) or ttl not in TTL_S:
         raise bad_request(f"{param}.ttl: must be '5m' or '1h'; got {echo(ttl)}", "invalid_value", param)
     return TTL_S[ttl]
 
@@ -175,47 +333,160 @@ def _mark(block: dict, param: str, marks: _Breakpoints, num_messages: int) -> No
 def _system(raw: Any, marks: _Breakpoints) -> tuple[Message, ...]:
     if raw is None or raw == "" or raw == []:
         return ()
+    return (_system_message(raw, "system", marks, 1),)
+
+
+def _system_message(raw: Any, param: str, marks: _Breakpoints, num_messages: int) -> Message:
+    """A system prompt (a string or text blocks); its blocks' cache_control marks the prompt through
+    its first `num_messages` messages."""
     if isinstance(raw, str):
-        return (Message("system", (TextPart(raw),)),)
+        return Message("system", (TextPart(raw),))
     if not isinstance(raw, list):
-        raise bad_request("system: must be a string or an array of text blocks", "invalid_type", "system")
+        raise bad_request(f"{param}: must be a string or an array of text blocks", "invalid_type", param)
     parts = []
     for index, block in enumerate(raw):
-        param = f"system.{index}"
+        where = f"{param}.{index}"
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise bad_request(f"{param}: must be a text block", "invalid_type", param)
-        _mark(block, param, marks, 1)
+            raise bad_request(f"{where}: must be a text block", "invalid_type", where)
+        _mark(block, where, marks, num_messages)
         parts.append(TextPart(block["text"]))
-    return (Message("system", tuple(parts)),)
+    return Message("system", tuple(parts) or (TextPart(""),))
 
 
-def _messages(raw: Any, limits: Limits, marks: _Breakpoints, offset: int) -> tuple[Message, ...]:
-    """Anthropic turns as chat messages; `offset`: messages before them (the system message)."""
-    if not isinstance(raw, list) or not raw:
-        raise bad_request("messages: must be a non-empty array", "invalid_messages", "messages")
-    if len(raw) > limits.max_messages:
-        raise bad_request(f"messages: at most {limits.max_messages} messages", "too_many_messages", "messages")
-    out: list[Message] = []
-    for index, item in enumerate(raw):
+class _Turns:
+    """The Messages API's turns as chat messages: `tool_use` blocks as the assistant's calls, each
+    `tool_result` as a tool message in its place (a tool_reference in it loads the tool it names),
+    thinking as the assistant message's reasoning, system messages where they stand. Blocks of a
+    kind the model cannot take (server tools' results, PDF documents) are left out and named."""
+
+    def __init__(self, limits: Limits, marks: _Breakpoints, offset: int, tools: dict[str, Tool], ignored: list[str]):
+        self.limits = limits
+        self.marks = marks
+        self.offset = offset  # messages before the conversation (the system prompt)
+        self.tools = tools  # every tool by name, deferred ones too (a tool_reference renders its definition)
+        self.ignored = ignored
+        self.loaded: set[str] = set()  # tools a tool_reference named: deferred ones are callable from there
+
+    def parse(self, raw: Any) -> tuple[Message, ...]:
+        if not isinstance(raw, list) or not raw:
+            raise bad_request("messages: must be a non-empty array", "invalid_messages", "messages")
+        if len(raw) > self.limits.max_messages:
+            raise bad_request(f"messages: at most {self.limits.max_messages} messages", "too_many_messages", "messages")
+        out: list[Message] = []
+        for index, item in enumerate(raw):
+            self._turn(index, item, out)
+        if out[-1].role == "assistant" or all(message.role == "system" for message in out):
+            raise bad_request(
+                "messages: the last message must be the user's (a final assistant message, a response "
+                "prefill, is not supported)",
+                "invalid_messages",
+                "messages",
+            )
+        return tuple(out)
+
+    def _turn(self, index: int, item: Any, out: list[Message]) -> None:
         param = f"messages.{index}"
         role = item.get("role") if isinstance(item, dict) else None
-        if role not in ("user", "assistant"):
-            raise bad_request(f"{param}.role: must be 'user' or 'assistant'; got {echo(role)}", "invalid_role", param)
-        blocks = _blocks(item.get("content"), param, limits)
-        if role == "assistant":
-            out.append(_assistant(blocks, param))
-        else:
-            out.extend(_user(blocks, param))
+        if not isinstance(role, str) or role not in ("user", "assistant", "system"):
+            raise bad_request(
+                f"{param}.role: must be 'user', 'assistant' or 'system'; got {echo(role)}", "invalid_role", param
+            )
+        assert isinstance(item, dict)
+        if role == "system":  # Claude Code's mid-conversation system messages, kept where they stand
+            out.append(_system_message(item.get("content"), f"{param}.content", self.marks, self.offset + len(out) + 1))
+            return
+        blocks = _blocks(item.get("content"), param, self.limits)
+        out.extend(self._assistant(blocks, param) if role == "assistant" else self._user(blocks, param))
         for position, block in enumerate(blocks):
-            _mark(block, f"{param}.content.{position}", marks, offset + len(out))
-    if out[-1].role == "assistant":
-        raise bad_request(
-            "messages: the last message must be the user's (a final assistant message, a response "
-            "prefill, is not supported)",
-            "invalid_messages",
-            "messages",
-        )
-    return tuple(out)
+            _mark(block, f"{param}.content.{position}", self.marks, self.offset + len(out))
+
+    def _assistant(self, blocks: list[dict], param: str) -> list[Message]:
+        parts, calls, thoughts = [], [], []
+        for position, block in enumerate(blocks):
+            where, kind = f"{param}.content.{position}", block.get("type")
+            if kind == "text":
+                parts.append(_text(block, where))
+            elif kind == "tool_use":
+                calls.append(_tool_use(block, where))
+            elif kind == "thinking":
+                thoughts.append(_string(block, "thinking", where))
+            elif kind != "redacted_thinking":
+                self._skip(kind, where)
+        return [Message("assistant", tuple(parts) or (TextPart(""),), tuple(calls), reasoning="".join(thoughts))]
+
+    def _user(self, blocks: list[dict], param: str) -> list[Message]:
+        """Tool results become tool messages where they stand; the other blocks one user message after them."""
+        results, parts = [], []
+        for position, block in enumerate(blocks):
+            where, kind = f"{param}.content.{position}", block.get("type")
+            if kind == "tool_result":
+                results.append(self._tool_result(block, where))
+            elif (part := self._content(block, where)) is not None:
+                parts.append(part)
+        return results + ([Message("user", tuple(parts))] if parts or not results else [])
+
+    def _content(self, block: dict, where: str) -> TextPart | ImagePart | None:
+        """A user block (or a block of a tool result) as a part; None when it is left out."""
+        kind = block.get("type")
+        if kind == "text":
+            return _text(block, where)
+        if kind == "image":
+            return _image(block, where)
+        if kind == "document":
+            return self._document(block, where)
+        if kind == "search_result":
+            texts = [_text(part, where).text for part in _text_blocks(block.get("content"), where)]
+            heading = [str(block.get(key)) for key in ("title", "source") if isinstance(block.get(key), str)]
+            return TextPart("\n".join(heading + texts))
+        if kind == "tool_reference":
+            return self._tool_reference(block, where)
+        self._skip(kind, where)
+        return None
+
+    def _document(self, block: dict, where: str) -> TextPart | None:
+        """A plain-text document as text (its title first); a PDF or a URL cannot be read here."""
+        source = block.get("source")
+        if not isinstance(source, dict) or not isinstance(source.get("type"), str):
+            raise bad_request(f"{where}.source: must be a document source with a type", "invalid_value", where)
+        title = block.get("title") if isinstance(block.get("title"), str) else ""
+        if source.get("type") == "text" and isinstance(source.get("data"), str):
+            return TextPart(f"{title}\n{source['data']}" if title else source["data"])
+        if source.get("type") == "content":
+            texts = [_text(part, where).text for part in _text_blocks(source.get("content"), where)]
+            return TextPart("\n".join(([title] if title else []) + texts))
+        self.ignored.append(f"{where} (document: {shown_name(source.get('type'))} source)")
+        return None
+
+    def _tool_reference(self, block: dict, where: str) -> TextPart | None:
+        """A tool search's result: the tool's definition, where it stands (the prompt before it is
+        unchanged, so its prefix stays cached; a deferred tool is offered from here on)."""
+        name = block.get("tool_name")
+        tool = self.tools.get(name) if isinstance(name, str) else None
+        if tool is None:
+            self.ignored.append(f"{where} (tool_reference to a tool not in tools)")
+            return None
+        self.loaded.add(tool.name)
+        return TextPart(tools_text((tool,)))
+
+    def _tool_result(self, block: dict, where: str) -> Message:
+        call_id, content = block.get("tool_use_id"), block.get("content", "")
+        if not isinstance(call_id, str) or not call_id:
+            raise bad_request(f"{where}.tool_use_id: must be a string", "invalid_type", where)
+        if isinstance(content, str):
+            parts: tuple = (TextPart(content),)
+        elif isinstance(content, list) and all(isinstance(part, dict) for part in content):
+            found = (self._content(part, f"{where}.content.{n}") for n, part in enumerate(content))
+            parts = tuple(part for part in found if part is not None)
+        else:
+            raise bad_request(f"{where}.content: must be a string or an array of content blocks", "invalid_type", where)
+        if block.get("is_error") is True:
+            parts = (TextPart("Error: "), *parts)
+        return Message("tool", parts or (TextPart(""),), tool_call_id=call_id)
+
+    def _skip(self, kind: Any, where: str) -> None:
+        if not isinstance(kind, str):
+            raise bad_request(f"{where}.type: must be a string", "invalid_type", where)
+        self.ignored.append(f"{where} ({shown_name(kind)})")
 
 
 def _blocks(raw: Any, param: str, limits: Limits) -> list[dict]:
@@ -228,37 +499,20 @@ def _blocks(raw: Any, param: str, limits: Limits) -> list[dict]:
     return raw
 
 
-def _assistant(blocks: list[dict], param: str) -> Message:
-    parts, calls = [], []
-    for position, block in enumerate(blocks):
-        where, kind = f"{param}.content.{position}", block.get("type")
-        if kind == "text":
-            parts.append(_text(block, where))
-        elif kind == "tool_use":
-            calls.append(_tool_use(block, where))
-        elif kind not in ("thinking", "redacted_thinking"):
-            raise _unsupported_block(kind, where, "text, tool_use, thinking")
-    return Message("assistant", tuple(parts) or (TextPart(""),), tuple(calls))
-
-
-def _user(blocks: list[dict], param: str) -> list[Message]:
-    """Tool results become tool messages where they stand; the other blocks one user message after them."""
-    results, parts = [], []
-    for position, block in enumerate(blocks):
-        where, kind = f"{param}.content.{position}", block.get("type")
-        if kind == "tool_result":
-            results.append(_tool_result(block, where))
-        elif kind in ("text", "image"):
-            parts.append(_text(block, where) if kind == "text" else _image(block, where))
-        else:
-            raise _unsupported_block(kind, where, "text, image, tool_result")
-    return results + ([Message("user", tuple(parts))] if parts or not results else [])
+def _text_blocks(raw: Any, param: str) -> list[dict]:
+    if not isinstance(raw, list) or not all(isinstance(block, dict) for block in raw):
+        raise bad_request(f"{param}.content: must be an array of text blocks", "invalid_type", param)
+    return raw
 
 
 def _text(block: dict, param: str) -> TextPart:
-    if not isinstance(block.get("text"), str):
-        raise bad_request(f"{param}.text: must be a string", "invalid_type", param)
-    return TextPart(block["text"])
+    return TextPart(_string(block, "text", param))
+
+
+def _string(block: dict, key: str, param: str) -> str:
+    if not isinstance(block.get(key), str):
+        raise bad_request(f"{param}.{key}: must be a string", "invalid_type", param)
+    return block[key]
 
 
 def _image(block: dict, param: str) -> ImagePart:
@@ -266,7 +520,7 @@ def _image(block: dict, param: str) -> ImagePart:
     kind = source.get("type") if isinstance(source, dict) else None
     if kind == "base64" and isinstance(source, dict):
         media_type, data = source.get("media_type"), source.get("data")
-        if media_type not in IMAGE_TYPES or not isinstance(data, str) or not data:
+        if not isinstance(media_type, str) or media_type not in IMAGE_TYPES or not isinstance(data, str) or not data:
             raise bad_request(
                 f"{param}.source: base64 images need 'data' and a 'media_type' of {', '.join(IMAGE_TYPES)}",
                 "invalid_value",
@@ -285,59 +539,48 @@ def _tool_use(block: dict, param: str) -> ToolCall:
     return ToolCall(call_id, name, json.dumps(arguments, ensure_ascii=False))
 
 
-def _tool_result(block: dict, param: str) -> Message:
-    call_id, content = block.get("tool_use_id"), block.get("content", "")
-    if not isinstance(call_id, str) or not call_id:
-        raise bad_request(f"{param}.tool_use_id: must be a string", "invalid_type", param)
-    if isinstance(content, str):
-        parts: tuple = (TextPart(content),)
-    elif isinstance(content, list) and all(isinstance(part, dict) for part in content):
-        parts = tuple(
-            _image(part, f"{param}.content.{n}") if part.get("type") == "image" else _text(part, f"{param}.content.{n}")
-            for n, part in enumerate(content)
-        )
-    else:
-        raise bad_request(
-            f"{param}.content: must be a string or an array of text and image blocks", "invalid_type", param
-        )
-    if block.get("is_error") is True:
-        parts = (TextPart("Error: "), *parts)
-    return Message("tool", parts or (TextPart(""),), tool_call_id=call_id)
-
-
-def _unsupported_block(kind: Any, param: str, allowed: str) -> ApiError:
-    return bad_request(
-        f"{param}.type: {echo(kind)} is not supported here ({allowed})", "unsupported_content_type", param
-    )
-
-
-def _tools(raw: Any, limits: Limits, marks: _Breakpoints) -> tuple[Tool, ...]:
+def _tools(
+    raw: Any, limits: Limits, marks: _Breakpoints, ignored: list[str]
+) -> tuple[tuple[Tool, ...], tuple[Tool, ...]]:
+    """(The tools the prompt offers, the deferred ones: `defer_loading` tools stay out of the prompt
+    until a tool_reference loads them). Server tools (web search, code execution...) and Anthropic's
+    schema-less client tools are not offered: they are named in `ignored`."""
     if raw is None:
-        return ()
+        return (), ()
     if not isinstance(raw, list) or len(raw) > limits.max_tools:
         raise bad_request(f"tools: must be an array of at most {limits.max_tools} tools", "invalid_type", "tools")
-    tools = []
+    offered: list[Tool] = []
+    deferred: list[Tool] = []
     for index, item in enumerate(raw):
         param = f"tools.{index}"
-        if not isinstance(item, dict) or item.get("type", "custom") != "custom":
-            kind = item.get("type") if isinstance(item, dict) else None
-            raise bad_request(f"{param}: only custom tools are supported; got {echo(kind)}", "unsupported_tool", param)
-        tools.append(function_tool(param, param, item, "input_schema", limits))
+        kind = item.get("type", "custom") if isinstance(item, dict) else None
+        if not isinstance(item, dict) or not isinstance(kind, str):
+            raise bad_request(f"{param}: must be a tool object", "invalid_type", param)
+        if kind != "custom":
+            ignored.append(not_offered(param, kind))
+            continue
+        tool = function_tool(param, param, item, "input_schema", limits)
+        (deferred if item.get("defer_loading") is True else offered).append(tool)
         _mark(item, param, marks, 0)
-    return unique_tools(tools, "tools")
+    unique_tools([*offered, *deferred], "tools")
+    return tuple(offered), tuple(deferred)
 
 
-def _tool_choice(raw: Any, tools: tuple[Tool, ...]) -> str:
-    """auto | any (a call to some tool) | tool (that one) | none, as the chat form says them."""
+def _tool_choice(raw: Any, tools: tuple[Tool, ...], deferred: tuple[Tool, ...]) -> tuple[str, int | None]:
+    """(auto | any (a call to some tool) | tool (that one) | none, as the chat form says them; 1 when
+    disable_parallel_tool_use keeps the answer to one call, else None)."""
     if raw is None:
-        return "auto"
+        return "auto", None
     kind = raw.get("type") if isinstance(raw, dict) else None
+    name = raw.get("name") if isinstance(raw, dict) else None
+    once = isinstance(raw, dict) and raw.get("disable_parallel_tool_use") is True
+    names = {tool.name for tool in (*tools, *deferred)}
     if kind in ("auto", "none"):
-        return kind
+        return str(kind), 1 if once else None
     if kind == "any" and tools:
-        return "required"
-    if kind == "tool" and isinstance(raw, dict) and raw.get("name") in {tool.name for tool in tools}:
-        return raw["name"]
+        return "required", 1 if once else None
+    if kind == "tool" and isinstance(name, str) and name in names:
+        return name, 1 if once else None
     raise bad_request(
         'tool_choice: must be {"type": "auto" | "any" | "none"} or {"type": "tool", "name": ...} '
         f"naming one of the tools; got {echo(raw)}",
@@ -346,10 +589,7 @@ def _tool_choice(raw: Any, tools: tuple[Tool, ...]) -> str:
     )
 
 
-def _sampling(body: dict[str, Any], limits: Limits) -> Sampling:
-    max_tokens = body.get("max_tokens")
-    if not isinstance(max_tokens, int) or not is_int(max_tokens) or max_tokens < 1:
-        raise bad_request("max_tokens: Field required (an integer of at least 1)", "invalid_value", "max_tokens")
+def _sampling(body: dict[str, Any], limits: Limits, max_tokens: int) -> Sampling:
     top_k = body.get("top_k", 0)
     if not is_int(top_k) or top_k < 0:
         raise bad_request("top_k: must be an integer of at least 0", "invalid_value", "top_k")
@@ -357,7 +597,7 @@ def _sampling(body: dict[str, Any], limits: Limits) -> Sampling:
     if top_p == 0.0:
         raise bad_request("top_p: must be greater than 0", "invalid_value", "top_p")
     return Sampling(
-        min(max_tokens, limits.max_output_tokens),
+        max_tokens,
         number(body, "temperature", 1.0, 0.0, 1.0),
         top_p,
         None,
@@ -412,33 +652,13 @@ def usage(completion: Completion, trace: Trace, pins: tuple[Pin, ...]) -> dict:
     }
 
 
-def content_blocks(completion: Completion, tools: ToolFormat | None) -> list[dict]:
+def content_blocks(completion: Completion, tools: ToolFormat | None, show_thinking: bool = True) -> list[dict]:
     thought, answer = split_thinking(completion.text)
     text, calls = tools.parse(answer) if tools is not None else (answer, [])
-    blocks: list[dict] = [{"type": "thinking", "thinking": thought, "signature": ""}] if thought is not None else []
+    shown = thought if show_thinking else ""
+    blocks: list[dict] = [{"type": "thinking", "thinking": shown, "signature": ""}] if thought is not None else []
     blocks += [{"type": "text", "text": text}] if text or not (calls or blocks) else []
     return blocks + [_tool_use_block(call.name, call.arguments) for call in calls]
-
-
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-
-
-def split_thinking(text: str) -> tuple[str | None, str]:
-    """(the thinking, the answer) of a text that opens with <think>; (None, text) otherwise. An
-    unclosed <think> (the answer was cut short) is all thinking."""
-    opening = text.lstrip()
-    if not opening.startswith(THINK_OPEN):
-        return None, text
-    thought, closed, answer = opening[len(THINK_OPEN) :].partition(THINK_CLOSE)
-    return thought, answer.lstrip("\n") if closed else ""
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """How many of text's last characters are the start of `marker` (held back: they may become it)."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
 
 
 def _tool_use_block(name: str, arguments: str) -> dict:
@@ -457,19 +677,11 @@ def stop_reason(completion: Completion, blocks: list[dict]) -> tuple[str, str | 
     return STOP_REASONS.get(completion.finish_reason, "end_turn"), None
 
 
-def message_body(message_id: str, model: str, completion: Completion, tools: ToolFormat | None, usage_: dict) -> dict:
-    blocks = content_blocks(completion, tools)
-    reason, sequence = stop_reason(completion, blocks)
-    return {
-        "id": message_id,
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": blocks,
-        "stop_reason": reason,
-        "stop_sequence": sequence,
-        "usage": usage_,
-    }
+def message_body(stream: MessageStream, usage_: dict) -> dict:
+    """The whole `message` of a finished answer (with `diagnostics` when the request asked for them)."""
+    blocks = content_blocks(stream.completion, stream.tools, stream.show_thinking)
+    reason, sequence = stop_reason(stream.completion, blocks)
+    return stream.header() | {"content": blocks, "stop_reason": reason, "stop_sequence": sequence, "usage": usage_}
 
 
 def sse(event: str, data: dict) -> bytes:
@@ -488,23 +700,34 @@ class MessageStream:
     as it comes (from where a tool call may start, held back with `tools`), then each parsed call as
     a tool_use block with its input as input_json_delta."""
 
-    def __init__(self, message_id: str, model: str, completion: Completion, tools: ToolFormat | None):
+    def __init__(
+        self,
+        message_id: str,
+        model: str,
+        completion: Completion,
+        tools: ToolFormat | None,
+        show_thinking: bool = True,
+        diagnostics: dict | None = None,
+    ):
         self.message_id = message_id
         self.model = model
         self.completion = completion
         self.tools = tools
+        self.show_thinking = show_thinking  # False: thinking blocks open and close with no text (display "omitted")
+        self.diagnostics = diagnostics  # the `diagnostics` object, when the request asked for one
         self.phase = "undecided"  # until the text shows whether it opens with <think>; then thinking, text
         self.answer_start = 0  # where the answer begins in the text (after the thinking)
         self.sent = 0  # characters of the text sent (thinking and answer)
         self.num_blocks = 0  # content blocks opened so far
         self.open_kind = ""  # the open block's type ("": none open)
 
+    def header(self) -> dict[str, Any]:
+        """The message's fields that are known before its content."""
+        header: dict[str, Any] = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model}
+        return header | ({"diagnostics": self.diagnostics} if self.diagnostics is not None else {})
+
     def start(self, usage_: dict) -> bytes:
-        message: dict[str, Any] = {
-            "id": self.message_id,
-            "type": "message",
-            "role": "assistant",
-            "model": self.model,
+        message = self.header() | {
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
@@ -533,7 +756,7 @@ class MessageStream:
         """Thinking deltas up to </think> (a part of it at the end held back); at </think>, the
         block closes and the answer starts after it."""
         close = text.find(THINK_CLOSE, self.sent)
-        end = close if close >= 0 else (len(text) if final else len(text) - _partial_suffix(text, THINK_CLOSE))
+        end = close if close >= 0 else (len(text) if final else len(text) - partial_suffix(text, THINK_CLOSE))
         out = self._piece("thinking", text[self.sent : end]) if end > self.sent else b""
         if close < 0 and not final:
             return out
@@ -560,6 +783,8 @@ class MessageStream:
             self.open_kind = kind
             self.num_blocks += 1
         self.sent += len(piece)
+        if piece and kind == "thinking" and not self.show_thinking:
+            return out
         delta = (
             {"type": "text_delta", "text": piece} if kind == "text" else {"type": "thinking_delta", "thinking": piece}
         )

@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import Awaitable
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import TypeVar
 
@@ -47,8 +47,9 @@ from semantic import Embedder, StoreUnavailable
 
 from . import anthropic_api, openai_format, responses_api
 from .admin import ADMIN_CACHE_ROUTES, end_idle_sessions, purge_announced, require_admin
-from .auth import Authenticator, load_server_secret
+from .auth import Authenticator, Caller, load_server_secret
 from .blas import blas_in_use
+from .cache_diagnostics import PromptPrint, PromptPrints, cache_miss
 from .checkpoints import resolve_model_path
 from .conversations import ConversationStore
 from .dashboard import DASHBOARD_ROUTES, History
@@ -67,11 +68,12 @@ from .public_prefixes import PublicPrefixes, load_file
 from .purge_feed import PurgeFeed
 from .requestlog import BlockTrace, RequestStart, ResponseLog
 from .responses import ResponseCaches
-from .schemas import parse_chat_request, parse_json_body
+from .schemas import ChatRequest, parse_chat_request, parse_json_body
 from .sessions import SessionClock
 from .settings import Settings
 from .stats import LayerCounters
 from .sweeper import Sweeper
+from .trace import ignored_value
 
 log = logging.getLogger("strata")
 T = TypeVar("T")
@@ -93,6 +95,7 @@ class Services:
     metrics: CollectorRegistry  # GET /metrics renders it
     purge_feed: PurgeFeed | None = None  # with Redis: purges announced to, and heard from, the other replicas
     keyring: Sealer = NO_SEALING  # seals what every layer keeps at rest; a tenant purge shreds its key here
+    prompt_prints: PromptPrints = field(default_factory=PromptPrints)  # Anthropic cache diagnostics
 
 
 def _services(request: Request) -> Services:
@@ -149,8 +152,9 @@ async def _client_left(request: Request, turn) -> bool:
 
 
 def _tools(turn, chat_request):
-    """The model's tool-call format when the reply may hold calls to parse out."""
-    return turn.model.engine.tools if chat_request.parses_tool_calls else None
+    """The model's tool-call format when the reply may hold calls to parse out (keeping as many as
+    the request lets one answer make)."""
+    return turn.model.engine.tools.limited(chat_request.max_tool_calls) if chat_request.parses_tool_calls else None
 
 
 def _authorization(request: Request) -> str | None:
@@ -159,45 +163,84 @@ def _authorization(request: Request) -> str | None:
     return request.headers.get("authorization") or (f"Bearer {key}" if key else None)
 
 
+@dataclass(frozen=True, slots=True)
+class _Message:
+    """One /v1/messages request: the neutral request, its caller, its id and whether it asked for
+    cache diagnostics (and against which earlier message)."""
+
+    request: ChatRequest
+    caller: Caller
+    message_id: str
+    diagnose: bool
+    previous_id: str | None
+
+    def stream(self, services: Services, turn) -> anthropic_api.MessageStream:
+        """The answer's shaping, once its prompt is in (the diagnostics need its cached tokens)."""
+        return anthropic_api.MessageStream(
+            self.message_id,
+            turn.model.stamp.name,
+            turn.completion,
+            _tools(turn, self.request),
+            self.request.show_thinking,
+            self._diagnostics(services, turn) if self.diagnose else None,
+        )
+
+    def _diagnostics(self, services: Services, turn) -> dict:
+        """Why this prompt did not continue the previous message's (None: it did); this message's
+        print is kept for the next request to ask about."""
+        key, tenant = bytes(self.caller.salt), self.caller.tenant
+        request, _ = services.pipeline.normalizer.apply(self.request, tenant)
+        current = PromptPrint.of(request, turn.model.stamp.fingerprint, key, turn.completion.prompt_tokens)
+        previous = services.prompt_prints.recall(tenant, self.previous_id) if self.previous_id else None
+        reason = None
+        if self.previous_id is not None:
+            reason = cache_miss(previous, request, current, key, turn.completion.cached_tokens)
+        services.prompt_prints.remember(tenant, self.message_id, current)
+        return {"cache_miss_reason": reason}
+
+
 @post("/v1/messages", status_code=200)
 async def create_message(request: Request) -> Response:
     services = _services(request)
     caller = services.auth.caller(_authorization(request))
     raw = await request.body()
-    chat_request = await off_loop(len(raw), partial(_parse_anthropic, raw, services))
+    chat_request, (diagnose, previous_id) = await off_loop(len(raw), partial(_parse_anthropic, raw, services))
+    message = _Message(chat_request, caller, anthropic_api.new_id(), diagnose, previous_id)
     starting = asyncio.ensure_future(services.pipeline.start(chat_request, caller, request.headers, len(raw)))
     if chat_request.stream:
-        return await _message_stream(services, chat_request, starting)
+        return await _message_stream(services, message, starting)
     turn = await _unless_client_leaves(request, starting)
     if turn is None:
         return Response(b"", status_code=499)
     request.state.turn = turn  # for the request's log line
     if await _client_left(request, turn):
         return Response(b"", status_code=499)
-    message = anthropic_api.message_body(
-        anthropic_api.new_id(), turn.model.stamp.name, turn.completion, _tools(turn, chat_request), _usage(turn)
-    )
-    return Response(message, headers=_headers(services, turn))
+    body = anthropic_api.message_body(message.stream(services, turn), _usage(turn))
+    return Response(body, headers=_headers(services, turn))
 
 
 def _usage(turn) -> dict:
     return anthropic_api.usage(turn.completion, turn.trace, turn.pins)
 
 
-async def _message_stream(services: Services, chat_request, starting: asyncio.Future) -> Response:
+async def _message_stream(services: Services, message: _Message, starting: asyncio.Future) -> Response:
     """The SSE answer: with the cache headers when the prompt is in within one ping interval, else
-    started at once with `ping` events while it prefills (its cache facts then in the usage only)."""
+    started at once with `ping` events while it prefills (its cache facts then in the usage only;
+    the fields ignored are known at once)."""
     ping_s = services.settings.stream_ping_s
     await asyncio.wait({starting}, timeout=ping_s)
     if starting.done():
         turn = starting.result()  # an error before the answer is an HTTP error
-        chunks = _message_chunks(services, chat_request, turn)
+        chunks = _message_chunks(services, message, turn)
         return Stream(chunks, media_type="text/event-stream", headers=_stream_headers(services, turn))
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return Stream(_pinging(services, chat_request, starting, ping_s), media_type="text/event-stream", headers=headers)
+    if message.request.ignored:
+        headers["X-Strata-Ignored"] = ignored_value(list(message.request.ignored))
+    pinging = _pinging(services, message, starting, ping_s)
+    return Stream(pinging, media_type="text/event-stream", headers=headers)
 
 
-async def _pinging(services: Services, chat_request, starting: asyncio.Future, ping_s: float):
+async def _pinging(services: Services, message: _Message, starting: asyncio.Future, ping_s: float):
     try:
         while not starting.done():
             yield anthropic_api.PING
@@ -211,14 +254,12 @@ async def _pinging(services: Services, chat_request, starting: asyncio.Future, p
             starting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await starting
-    async for chunk in _message_chunks(services, chat_request, turn):
+    async for chunk in _message_chunks(services, message, turn):
         yield chunk
 
 
-async def _message_chunks(services: Services, chat_request, turn):
-    stream = anthropic_api.MessageStream(
-        anthropic_api.new_id(), turn.model.stamp.name, turn.completion, _tools(turn, chat_request)
-    )
+async def _message_chunks(services: Services, message: _Message, turn):
+    stream = message.stream(services, turn)
     yield stream.start(_usage(turn))
     async for chunk in anthropic_api.stream_events(turn.events(), stream, partial(_usage, turn)):
         yield chunk
@@ -238,10 +279,10 @@ async def count_message_tokens(request: Request) -> dict:
         return {"input_tokens": await model.chat.count_tokens(chat_request)}
 
 
-def _parse_anthropic(raw: bytes, services: Services):
+def _parse_anthropic(raw: bytes, services: Services) -> tuple[ChatRequest, tuple[bool, str | None]]:
     limits = services.settings.limits
     body = services.models.with_defaults(parse_json_body(raw, limits.max_json_depth))
-    return anthropic_api.parse_messages_request(body, limits)
+    return anthropic_api.parse_messages_request(body, limits), anthropic_api.diagnostics_asked(body)
 
 
 @post("/v1/responses", status_code=200)
@@ -292,7 +333,8 @@ async def create_response(request: Request) -> Response:
         return Stream(events, media_type="text/event-stream", headers=_stream_headers(services, turn))
     if await _client_left(request, turn):
         return Response(b"", status_code=499)
-    items, message = responses_api.output(turn.completion, tools)
+    kinds, summary = responses_api.ToolKinds.of(body), responses_api.wants_summary(body)
+    items, message = responses_api.output(turn.completion, tools, kinds, summary)
     response = responses_api.response_object(response_id, body, turn.completion, turn.trace, items, previous_id)
     await finished(message, response)
     return Response(response, headers=_headers(services, turn))
@@ -414,9 +456,11 @@ async def _disconnected(request: Request) -> None:
 async def list_models(request: Request) -> dict:
     services = _services(request)
     services.auth.caller(request.headers.get("authorization"))
+    models = services.models
     served = [
         {"id": status.name, "object": "model", "created": 0, "owned_by": "strata", "state": status.state}
-        for status in services.models.statuses()
+        | ({"aliases": aliases} if (aliases := models.aliases_of(status.name)) else {})
+        for status in models.statuses()
     ]
     embedding = {"id": EMBEDDING_MODELS[0], "object": "model", "created": 0, "owned_by": "strata", "state": "loaded"}
     return {"object": "list", "data": [*served, embedding]}
@@ -527,14 +571,25 @@ def admin_stats(request: Request) -> dict:
     }
 
 
-async def _report_warm_up(engine: Engine) -> None:
-    """Log the end of the warm-up; a failed one leaves the server up, answering 503 with the reason on
-    /health and /health/ready (and to requests), so a probe sees why."""
+async def _report_warm_up(engine: Engine, configured_context: int | None) -> None:
+    """Log the end of the warm-up and the context a request may use; a failed warm-up leaves the
+    server up, answering 503 with the reason on /health and /health/ready (and to requests), so a
+    probe sees why."""
     try:
         await anyio.to_thread.run_sync(engine.worker.wait_warm)
         log.info("engine warm-up done: ready")
+        log.info(context_line(engine, configured_context))
     except RuntimeError as exc:
         log.critical("%s", exc)
+
+
+def context_line(engine: Engine, configured: int | None) -> str:
+    """What a request may hold, and what bounds it: the setting or the model's config, and the KV budget."""
+    limit = engine.context_tokens(configured)
+    source = "STRATA_MAX_CONTEXT_TOKENS" if configured else "the model's own"
+    bound = configured or engine.info.max_context_tokens
+    held = f"; the KV budget holds {limit}" if limit < bound else ""
+    return f"model {engine.info.name!r}: context {limit} tokens per request ({source}: {bound}{held})"
 
 
 def create_app(settings: Settings, engine: Engine | None = None, embedder: Embedder | None = None) -> Litestar:
@@ -606,7 +661,7 @@ def create_app(settings: Settings, engine: Engine | None = None, embedder: Embed
                 if settings.metrics_enabled:
                     background.start_soon(app.state.history.run)
                 if owned:
-                    background.start_soon(_report_warm_up, live)
+                    background.start_soon(_report_warm_up, live, settings.limits.max_context_tokens)
                 yield
                 background.cancel_scope.cancel()
         finally:

@@ -51,7 +51,7 @@ from .openai_format import Completion
 from .public_prefixes import PublicPrefixes
 from .schemas import ChatRequest
 from .settings import Settings
-from .trace import BYPASS, HIT, MISS, LayerOutcome, PrefixFacts, Trace
+from .trace import BYPASS, HIT, MISS, LayerOutcome, MaxTokens, PrefixFacts, Trace
 
 
 @dataclass(slots=True)
@@ -104,11 +104,12 @@ class ChatService:
         ]
 
     async def prepare(
-        self, request: ChatRequest, images: list[DecodedImage | DecodedVideo]
+        self, request: ChatRequest, images: list[DecodedImage | DecodedVideo], trace: Trace
     ) -> tuple[PreparedPrompt, Sampling]:
         """Tokenise and compile the output's grammar (off the event loop), after a free bound: a token
         holds at most max_token_bytes bytes, so text that cannot fit whatever its tokens is refused
-        before the tokenizer runs."""
+        before the tokenizer runs. max_tokens is lowered to what the context leaves after the prompt
+        (the trace says so when that is less than the client asked)."""
         biased = [token for token, _ in request.sampling.logit_bias if token >= self.engine.info.vocab_size]
         if biased:
             raise bad_request(
@@ -117,23 +118,32 @@ class ChatService:
                 "invalid_value",
                 "logit_bias",
             )
-        limit = min(self.settings.limits.max_context_tokens, self.engine.info.max_context_tokens)
+        limit = self.context_tokens()
         at_least = -(-request.num_text_bytes // self.engine.info.max_token_bytes)
-        least_output = 1 if request.fit_max_tokens else request.sampling.max_tokens
-        if at_least + least_output > limit:
-            raise _context_error(limit, f"at least {at_least}", least_output)
+        if at_least >= limit:
+            raise _context_error(limit, f"at least {at_least}")
         prompt = await self._prompt(request, images)
-        if prompt.num_tokens + least_output > limit:
-            raise _context_error(limit, str(prompt.num_tokens), least_output)
+        if prompt.num_tokens >= limit:
+            raise _context_error(limit, str(prompt.num_tokens))
         max_tokens = min(request.sampling.max_tokens, limit - prompt.num_tokens)
+        if request.max_tokens_asked > max_tokens:
+            by_context = max_tokens < request.sampling.max_tokens
+            trace.max_tokens = MaxTokens(
+                request.max_tokens_asked, max_tokens, "context" if by_context else "output_limit"
+            )
+        trace.system = prompt.system
         grammar = await self._compiled_grammar(request) if _constrained(request) else None
         return prompt, replace(request.sampling, grammar=grammar, max_tokens=max_tokens)
+
+    def context_tokens(self) -> int:
+        """Prompt + answer one request may hold on this model (the server's setting or the model's own)."""
+        return self.engine.context_tokens(self.settings.limits.max_context_tokens)
 
     async def _prompt(self, request: ChatRequest, images: list[DecodedImage | DecodedVideo]) -> PreparedPrompt:
         """The request's prompt, rendered and tokenised off the event loop; 400 when the model cannot take it."""
         try:
             prompt = await anyio.to_thread.run_sync(
-                self.engine.prepare, request.messages, images, request.tools, request.thinking
+                self.engine.prepare, request.messages, images, request.tools, request.switches
             )
         except PromptError as exc:
             raise bad_request(str(exc), exc.code, "messages") from None
@@ -145,9 +155,10 @@ class ChatService:
         prompt = await self._prompt(request, images)
         return prompt.num_tokens
 
-    async def pins(self, request: ChatRequest, prompt: PreparedPrompt) -> tuple[Pin, ...]:
+    async def pins(self, request: ChatRequest, prompt: PreparedPrompt, salt: TenantSalt) -> tuple[Pin, ...]:
         """The request's cache breakpoints in prompt tokens, down to whole KV blocks (rendered off the
-        event loop); a breakpoint the template cannot render alone is left out."""
+        event loop, their counts kept per tenant `salt`); a breakpoint the template cannot render
+        alone is left out."""
         if not request.breakpoints:
             return ()
         first_is_system = request.messages[0].role == "system"
@@ -155,10 +166,10 @@ class ChatService:
 
         def render() -> list[int | None]:  # through every message: the prompt (but its few generation-prompt tokens)
             whole = len(request.messages)
-            return [prompt.num_tokens if n >= whole else self.engine.tokens_through(prompt, n) for n in counts]
+            return [prompt.num_tokens if n >= whole else self.engine.tokens_through(prompt, n, salt) for n in counts]
 
         through = await anyio.to_thread.run_sync(render)
-        block = self.settings.kv_block_size  # a pin keeps whole blocks: the tail of a partial one is not kept
+        block = self.engine.block_size  # a pin keeps whole blocks: the tail of a partial one is not kept
         return tuple(
             Pin(tokens // block * block, mark.ttl_s, mark.on_ssd)
             for tokens, mark in zip(through, request.breakpoints)
@@ -188,7 +199,7 @@ class ChatService:
         """The grammar of a forced tool call, else of the response format; 400 when it cannot compile."""
         try:
             if request.forced_tool is not None:
-                grammar = self.engine.tools.grammar(request.tools, request.forced_tool or None)
+                grammar = self.engine.tools.grammar(request.callable_tools, request.forced_tool or None)
             else:
                 schema = (request.response_format or {}).get("schema")
                 grammar = json_schema_grammar(json.loads(schema) if schema else {"type": "object"})
@@ -265,8 +276,15 @@ class ChatService:
             first.num_prompt_tokens,
             first.num_cached_tokens,
             logprobs=[] if sampling.top_logprobs is not None else None,
+            written_tokens=self._written(first.prefix),
         )
         return Run(events, completion, deadline)
+
+    def _written(self, report: PrefixReport) -> int:
+        """The prompt's tokens this job stores in the prefix cache: its whole blocks not read from it."""
+        if report.status == BYPASS:
+            return 0
+        return max(0, len(report.chain) * self.engine.block_size - report.num_cached_tokens)
 
     async def _references(self, drafts: Drafts) -> tuple[tuple[int, ...], ...]:
         """The drafts as token ids (texts tokenised off the event loop), the generated ids first."""
@@ -352,10 +370,10 @@ def _brief(exc: Exception) -> str:
     return text if len(text) <= 300 else text[:300] + "..."
 
 
-def _context_error(limit: int, prompt_tokens: str, max_tokens: int) -> ApiError:
+def _context_error(limit: int, prompt_tokens: str) -> ApiError:
     return bad_request(
-        f"this model's context is {limit} tokens; the prompt has {prompt_tokens} tokens and "
-        f"max_tokens asks for {max_tokens} more",
+        f"this model's context is {limit} tokens; the prompt has {prompt_tokens} tokens, which leaves no room "
+        "for an answer",
         "context_length_exceeded",
         "messages",
     )

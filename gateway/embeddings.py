@@ -213,7 +213,7 @@ class Embeddings:
 
     async def _engine_embed(self, inputs: tuple[str, ...]) -> tuple[list[np.ndarray], int]:
         texts = await anyio.to_thread.run_sync(lambda: tuple(self.engine.embedding_tokens(text) for text in inputs))
-        limit = min(self.settings.limits.max_context_tokens, self.engine.info.max_context_tokens)
+        limit = self.engine.context_tokens(self.settings.limits.max_context_tokens)
         if (longest := max(len(ids) for ids in texts)) > limit:
             raise bad_request(
                 f"an input has {longest} tokens; this model's context is {limit}", "context_length_exceeded", "input"

@@ -22,6 +22,7 @@ it is loaded again; a purge reaches the SSD blocks of the models not loaded too.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -55,8 +56,11 @@ from .settings import Settings
 log = logging.getLogger("strata")
 
 POLL_S = 0.05  # how often a request waiting for its model to load looks again (on the event loop)
-ENTRY_FIELDS = {"name", "path", "pinned", "idle_ttl_s", "kv_budget_bytes", "max_context_tokens", "defaults"}
+ENTRY_FIELDS = {"name", "path", "pinned", "idle_ttl_s", "kv_budget_bytes", "max_context_tokens", "defaults", "aliases"}
 DEFAULTABLE = {"temperature", "top_p", "max_tokens"}  # request fields a model's entry may give defaults for
+# The model names coding agents ask for by default (Claude Code's claude-* main and side-task models,
+# Codex's gpt-* and o-series): a server of one model answers them all with it.
+AGENT_ALIASES = ("claude-*", "gpt-*", "o[0-9]*", "codex-*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +72,7 @@ class ModelEntry:
     kv_budget_bytes: int | None = None  # its own KV budget (default STRATA_KV_BUDGET_BYTES)
     max_context_tokens: int | None = None  # its own bound on prompt + answer (default the server's)
     defaults: dict[str, float] = field(default_factory=dict)  # request fields a request leaves out take these
+    aliases: tuple[str, ...] = ()  # other names (glob patterns, `claude-*`) requests may use for it
 
 
 def model_entries(settings: Settings) -> list[ModelEntry]:
@@ -84,6 +89,8 @@ def model_entries(settings: Settings) -> list[ModelEntry]:
     names = [entry.name for entry in entries]
     if repeated := sorted({name for name in names if names.count(name) > 1}):
         raise ValueError(f"model names must differ; repeated: {', '.join(repeated)}")
+    if len(entries) == 1 and not entries[0].aliases:
+        entries[0] = replace(entries[0], aliases=AGENT_ALIASES)
     return entries
 
 
@@ -122,7 +129,15 @@ def _entry(row: object, where: str) -> ModelEntry:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{where}: '{key}' must be a whole number >= 1")
     budget, context = row.get("kv_budget_bytes"), row.get("max_context_tokens")
-    return ModelEntry(name, row["path"], pinned, float(ttl), budget, context, _defaults(row.get("defaults", {}), where))
+    defaults, aliases = _defaults(row.get("defaults", {}), where), _aliases(row.get("aliases", []), where)
+    return ModelEntry(name, row["path"], pinned, float(ttl), budget, context, defaults, aliases)
+
+
+def _aliases(raw: object, where: str) -> tuple[str, ...]:
+    """Other names for a model: glob patterns (`*`, `?`, `[...]`), matched in the file's order."""
+    if not isinstance(raw, list) or not all(isinstance(alias, str) and alias for alias in raw):
+        raise ValueError(f"{where}: 'aliases' must be a list of names or glob patterns (claude-*)")
+    return tuple(raw)
 
 
 def _defaults(raw: object, where: str) -> dict[str, float]:
@@ -174,6 +189,9 @@ class ServedModels:
         self.engine_config = engine_config
         self.config = engine_config(settings)  # the server's
         self.entries = {entry.name: entry for entry in entries[1:]}
+        # (pattern, model) in the entries' order: the first pattern a name matches picks the model
+        served = [default_engine.info.name, *(entry.name for entry in entries[1:])]
+        self.aliases = [(alias, name) for entry, name in zip(entries, served) for alias in entry.aliases]
         specs = [
             ModelSpec(entry.name, entry.path, self._estimate(entry), entry.pinned, entry.idle_ttl_s)
             for entry in entries[1:]
@@ -214,11 +232,25 @@ class ServedModels:
             engine.stop()
             raise
         log.info("model %r loaded: %d bytes booked", spec.name, engine.nbytes)
-        return ServedModel(engine, self._settings(entry))
+        served = ServedModel(engine, self._settings(entry))
+        log.info("model %r: context %d tokens per request", spec.name, served.chat.context_tokens())
+        return served
+
+    def resolve(self, name: str) -> str:
+        """The served model a request's model name stands for: itself, else the model whose alias
+        matches it first; a name neither serves nor matches stays as it is (a 404 at lease)."""
+        if name in self.pool.slots:
+            return name
+        return next((model for alias, model in self.aliases if fnmatch.fnmatchcase(name, alias)), name)
+
+    def aliases_of(self, name: str) -> list[str]:
+        return [alias for alias, model in self.aliases if model == name]
 
     @contextlib.asynccontextmanager
     async def lease(self, name: str) -> AsyncIterator[ServedModel]:
-        """The named model for one request's start (its jobs then keep it loaded while they run)."""
+        """The named model (or the one its alias names) for one request's start (its jobs then keep
+        it loaded while they run)."""
+        name = self.resolve(name)
         model = await self._acquire(name)
         try:
             yield model
@@ -252,7 +284,7 @@ class ServedModels:
         """A request body with its model's default decoding for the fields it leaves out (max_tokens
         as each API names it: max_completion_tokens, max_output_tokens)."""
         model = body.get("model")
-        entry = self.entries.get(model) if isinstance(model, str) else None
+        entry = self.entries.get(self.resolve(model)) if isinstance(model, str) else None
         if entry is None or not entry.defaults:
             return body
         defaults = dict(entry.defaults)

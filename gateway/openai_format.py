@@ -28,6 +28,7 @@ class Completion:
     logprobs: list[dict] | None = None  # OpenAI `logprobs.content` entries, when the request asked for them
     stop_sequence: str | None = None  # the client's stop sequence that ended the answer (the engine's)
     token_ids: tuple[int, ...] = ()  # the engine's answer as generated (none for a replay)
+    written_tokens: int = 0  # prompt tokens this request put into the prefix cache (its new whole blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +49,7 @@ def usage(completions: list[Completion], trace: Trace) -> dict:
         "prompt_tokens": first.prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": first.prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens, "cache_write_tokens": first.written_tokens},
         "strata": summary,
     }
 
@@ -78,6 +79,27 @@ def assistant_message(text: str, tools: ToolFormat | None) -> dict:
     if not calls:
         return {"role": "assistant", "content": text}
     return {"role": "assistant", "content": content or None, "tool_calls": tool_calls(calls)}
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def split_thinking(text: str) -> tuple[str | None, str]:
+    """(the thinking, the answer) of a text that opens with <think>; (None, text) otherwise. An
+    unclosed <think> (the answer was cut short) is all thinking."""
+    opening = text.lstrip()
+    if not opening.startswith(THINK_OPEN):
+        return None, text
+    thought, closed, answer = opening[len(THINK_OPEN) :].partition(THINK_CLOSE)
+    return thought, answer.lstrip("\n") if closed else ""
+
+
+def partial_suffix(text: str, marker: str) -> int:
+    """How many of text's last characters are the start of `marker` (held back: they may become it)."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
 
 
 def sendable(text: str, tools: ToolFormat | None) -> int:

@@ -145,6 +145,10 @@ class Pipeline:
         chat = model.chat
         trace = Trace()
         request, trace.normalized = self.normalizer.apply(request, caller.tenant)
+        trace.ignored = [
+            *request.ignored,
+            *(f"{ask} (no switch in this model's template)" for ask in model.engine.unused_switches(request.switches)),
+        ]
         with trace.timed("prepare"):
             images = await chat.load_images(request)
             context = partial(self.responses.context, request, caller, headers, images, model.stamp.fingerprint)
@@ -154,9 +158,9 @@ class Pipeline:
         if cached is not None:
             return Turn(self, model, ctx, trace, [chat.replay(cached, trace)], cached=True)
         with trace.timed("tokenize"):
-            prompt, sampling = await chat.prepare(request, images)
-            pins = await chat.pins(request, prompt)
-        drafts = Drafts(ctx.draft, tuple(ctx.references))
+            prompt, sampling = await chat.prepare(request, images, trace)
+            pins = await chat.pins(request, prompt, caller.salt)
+        drafts = Drafts(ctx.draft, (*ctx.references, *([request.prediction] if request.prediction else [])))
         runs = [await chat.start(prompt, sampling, caller, ctx.owner, trace, deadline, pins, drafts)]
         try:
             for index in range(1, request.n):

@@ -56,7 +56,12 @@ class PublicPrefixes:
 
     def declare(self, declaration: Any) -> PublicPrefix:
         checked = _checked(declaration)
-        tools = parse_tools({"tools": checked.get("tools")}, self.limits)
+        others: list[str] = []
+        tools = parse_tools({"tools": checked.get("tools")}, self.limits, others)
+        if others:
+            raise bad_request(
+                f"a public prefix offers function tools only; not {', '.join(others)}", "invalid_value", "tools"
+            )
         system = (Message("system", (TextPart(checked["system"]),)),) if "system" in checked else ()
         first, second = (self.prepare((*system, Message("user", (TextPart(text),))), [], tools) for text in "ab")
         prefix = PublicPrefix(_digest(checked), checked, _common(first.token_ids, second.token_ids))

@@ -411,8 +411,8 @@ def request_owner(request: ChatRequest, headers, max_chars: int) -> Owner:
 
 
 def _canonical(message, hashes) -> dict:
-    """A message as the keys see it: images by pixel hash; tool calls and results only when present,
-    so plain messages keep the keys they always had."""
+    """A message as the keys see it: images by pixel hash; tool calls, results and earlier thinking
+    only when present, so plain messages keep the keys they always had."""
     canonical = {
         "role": message.role,
         "content": [_canonical_part(p, hashes) for p in message.parts],
@@ -421,6 +421,8 @@ def _canonical(message, hashes) -> dict:
         canonical["tool_calls"] = [[call.id, call.name, call.arguments] for call in message.tool_calls]
     if message.tool_call_id is not None:
         canonical["tool_call_id"] = message.tool_call_id
+    if message.reasoning:
+        canonical["reasoning"] = message.reasoning
     return canonical
 
 
@@ -431,17 +433,18 @@ def _canonical_part(part, hashes) -> dict:
 
 
 def _output_shape(request: ChatRequest) -> dict:
-    """The tools offered, the tool choice, the response format and the thinking switch: they shape
+    """The tools offered, the tool choice, the response format and the template's switches: they shape
     the answer, so they are in both keys (only when set: plain requests keep their keys)."""
     shape: dict = {}
-    if request.tools:
-        shape.update(
-            tools=[[t.name, t.description, t.parameters] for t in request.tools], tool_choice=request.tool_choice
-        )
+    if request.callable_tools:
+        tools = [[t.name, t.description, t.parameters] for t in request.callable_tools]
+        shape.update(tools=tools, tool_choice=request.tool_choice)
     if request.response_format is not None:
         shape["response_format"] = request.response_format
-    if request.thinking is not None:
-        shape["thinking"] = request.thinking
+    if request.switches.thinking is not None:
+        shape["thinking"] = request.switches.thinking
+    if request.switches.effort is not None:
+        shape["effort"] = request.switches.effort
     return shape
 
 

@@ -12,13 +12,15 @@ is refused before anything tokenises it. Large bodies are parsed off the event l
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .engine import ImagePart, Message, Sampling, TextPart, Tool, ToolCall
+from .engine import ImagePart, Message, Sampling, Switches, TextPart, Tool, ToolCall
 from .errors import bad_request, echo
 from .settings import Limits
 
@@ -52,19 +54,33 @@ class ChatRequest:
     response_format: dict | None = None  # {"type": "json_object"} or {"type": "json_schema", ...}; None: text
     n: int = 1
     breakpoints: tuple[CacheBreakpoint, ...] = ()  # in prompt order: pinned prefixes, shortest first
-    # Anthropic's max_tokens is the most the client takes, not a demand: lowered to fit the context
-    # rather than refused (agents send 32,000 whatever the model's context)
-    fit_max_tokens: bool = False
-    thinking: bool | None = None  # the template's thinking switch (Anthropic `thinking`); None: its default
+    # A client's max_tokens is the most it takes, not a demand: sampling.max_tokens is it within the
+    # server's output limit, lowered again to the context left (agents send 32,000 or 128,000 whatever
+    # the model); this is what the client asked (0: it left max_tokens out), to say so when lowered.
+    max_tokens_asked: int = 0
+    switches: Switches = Switches()  # what the request asks of the template's thinking and effort switches
+    max_tool_calls: int | None = None  # calls one answer may make (1: parallel calls off); None: any
+    show_thinking: bool = True  # False: thinking blocks go out empty (Anthropic thinking.display "omitted")
+    prediction: str | None = None  # the answer the client expects (OpenAI `prediction`): a draft to verify
+    # Tools the conversation itself declares where it stands (Responses `additional_tools` items,
+    # Anthropic tool_reference blocks): rendered there, callable like `tools`, kept out of the
+    # template's tool list so the prompt before them stays the same
+    inline_tools: tuple[Tool, ...] = ()
+    ignored: tuple[str, ...] = ()  # the client's fields and parts no layer acts on (X-Strata-Ignored)
+
+    @property
+    def callable_tools(self) -> tuple[Tool, ...]:
+        """Every tool the model may call: the template's and the conversation's own."""
+        return self.tools + self.inline_tools
 
     @property
     def parses_tool_calls(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
+        return bool(self.callable_tools) and self.tool_choice != "none"
 
     @property
     def forced_tool(self) -> str | None:
         """The function a call is forced to ("" for any of the tools); None when none is forced."""
-        if not self.tools or self.tool_choice in ("auto", "none"):
+        if not self.callable_tools or self.tool_choice in ("auto", "none"):
             return None
         return "" if self.tool_choice == "required" else self.tool_choice
 
@@ -118,21 +134,30 @@ def _short(exc: Exception) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-# Fields that shape an answer and that Strata does not implement yet, with the values that change
-# nothing (what a client sends when it means the default). Any other value is a 400 naming the field:
-# a parameter is never silently dropped. (The pre-tools `functions`/`function_call` are supported:
-# parse_tools reads them as tools.)
-UNSUPPORTED_UNLESS = {
-    "repetition_penalty": (None, 1),
-}
+# -- what no layer acts on ----------------------------------------------------------------------
+# A field a real client sends is accepted: honoured where it means something here, otherwise ignored
+# and named in the answer's X-Strata-Ignored header (OpenAI and Anthropic add fields every month;
+# a client's new field must not turn into a 400). Malformed values of the fields acted on stay 400s.
+
+FIELD_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
-def refuse_unsupported(body: dict[str, Any], unsupported: dict[str, tuple]) -> None:
-    for field, neutral in unsupported.items():
-        if not _is_neutral(body.get(field), neutral):
-            raise bad_request(
-                f"'{field}' is not supported yet (send it unset{_or_shown(neutral)})", "unsupported_parameter", field
-            )
+def shown_name(name: object) -> str:
+    """A client's field name as a header may show it: itself when plain, else a short digest."""
+    if isinstance(name, str) and FIELD_NAME.fullmatch(name):
+        return name
+    return "?" + hashlib.sha256(repr(name).encode()).hexdigest()[:8]
+
+
+def ignored_fields(body: dict[str, Any], handled: Collection[str], neutral: dict[str, tuple]) -> list[str]:
+    """The body's fields that no layer acts on: those named in `neutral` sent with another value than
+    the ones that change nothing (what a client sends when it means the default), and any field
+    neither handled nor named there. Unset (null) fields are never listed."""
+    return [
+        shown_name(name)
+        for name, value in body.items()
+        if value is not None and name not in handled and not (name in neutral and _is_neutral(value, neutral[name]))
+    ]
 
 
 def _is_neutral(value: Any, neutral: tuple) -> bool:
@@ -142,25 +167,66 @@ def _is_neutral(value: Any, neutral: tuple) -> bool:
     return any(allowed is not None and not isinstance(allowed, bool) and value == allowed for allowed in neutral)
 
 
-def _or_shown(neutral: tuple) -> str:
-    if len(neutral) < 2:
-        return ""
-    return " or as " + ("false" if neutral[1] is False else json.dumps(neutral[1]))
+# Chat-completions fields Strata acts on; the others' values that change nothing. Honoured beyond
+# the obvious: parallel_tool_calls false keeps one call; reasoning_effort sets the template's switch;
+# prediction is a draft for speculative decoding.
+CHAT_FIELDS = frozenset(
+    (
+        "model",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "top_k",
+        "min_p",
+        "n",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "response_format",
+        "stream",
+        "stream_options",
+        "metadata",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "user",
+        "parallel_tool_calls",
+        "reasoning_effort",
+        "prediction",
+    )
+)
+CHAT_NEUTRAL = {
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+    "modalities": (["text"],),
+    "verbosity": ("medium",),
+    "repetition_penalty": (1,),
+}
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 def parse_chat_request(body: dict[str, Any], limits: Limits) -> ChatRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a string", "invalid_type", "model")
-    refuse_unsupported(body, UNSUPPORTED_UNLESS)
-    messages = parse_messages(body.get("messages"), limits)
-    tools = parse_tools(body, limits)
+    ignored = ignored_fields(body, CHAT_FIELDS, CHAT_NEUTRAL)
+    messages = parse_messages(body.get("messages"), limits, ignored)
+    tools = parse_tools(body, limits, ignored)
     stream = typed(body, "stream", bool, False)
     options = typed(body, "stream_options", dict, None) or {}
     n = body.get("n", 1) if body.get("n") is not None else 1
     if not is_int(n) or not 1 <= n <= limits.max_n:
         raise bad_request(f"'n' must be an integer from 1 to {limits.max_n}", "invalid_value", "n")
-    sampling = _parse_sampling(body, limits)
+    sampling, asked = _parse_sampling(body, limits)
     _check_logprob_entries(sampling, n, limits)
     return checked_request(
         limits,
@@ -176,7 +242,49 @@ def parse_chat_request(body: dict[str, Any], limits: Limits) -> ChatRequest:
         response_format=parse_response_format(body.get("response_format"), limits),
         n=n,
         breakpoints=parse_retention(body, len(messages)),
+        max_tokens_asked=asked,
+        switches=Switches(effort=parse_effort(body.get("reasoning_effort"), "reasoning_effort")),
+        max_tool_calls=parallel_calls(body.get("parallel_tool_calls"), "parallel_tool_calls"),
+        prediction=_prediction(body.get("prediction")),
+        ignored=tuple(ignored + _ignored_stream_options(options)),
     )
+
+
+def parse_effort(raw: Any, param: str) -> str | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or raw not in EFFORTS:
+        raise bad_request(f"'{param}' must be one of {', '.join(EFFORTS)}; got {echo(raw)}", "invalid_value", param)
+    return raw
+
+
+def parallel_calls(raw: Any, param: str) -> int | None:
+    """parallel_tool_calls: false keeps an answer to one call (None: as many as the model makes)."""
+    if raw is None or raw is True:
+        return None
+    if raw is False:
+        return 1
+    raise bad_request(f"'{param}' must be true or false", "invalid_type", param)
+
+
+def _prediction(raw: Any) -> str | None:
+    """OpenAI's predicted output ({"type": "content", "content": text or text parts}) as one text."""
+    if raw is None:
+        return None
+    content = raw.get("content") if isinstance(raw, dict) and raw.get("type") == "content" else None
+    if isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise bad_request(
+            '\'prediction\' must be {"type": "content", "content": a string or text parts}',
+            "invalid_value",
+            "prediction",
+        )
+    return content
+
+
+def _ignored_stream_options(options: dict[str, Any]) -> list[str]:
+    return [f"stream_options.{name}" for name in ignored_fields(options, ("include_usage",), {})]
 
 
 RETENTION_24H_S = 24 * 3600.0
@@ -207,6 +315,7 @@ def checked_request(limits: Limits, **fields: Any) -> ChatRequest:
     """The neutral request, after the checks every front end shares (OpenAI chat, Anthropic
     messages): each tool result answers an earlier call, the image count, the text's byte size."""
     request = ChatRequest(**fields)
+    request = replace(request, messages=_tool_images_out(request.messages))
     _check_tool_results(request.messages)
     if request.num_images > limits.max_images:
         raise bad_request(f"at most {limits.max_images} images per request", "too_many_images", "messages")
@@ -217,7 +326,7 @@ def checked_request(limits: Limits, **fields: Any) -> ChatRequest:
             "context_length_exceeded",
             "messages",
         )
-    uses_tools = bool(request.tools) or any(m.role == "tool" or m.tool_calls for m in request.messages)
+    uses_tools = bool(request.callable_tools) or any(m.role == "tool" or m.tool_calls for m in request.messages)
     return replace(request, num_text_bytes=num_text_bytes, uses_tools=uses_tools)
 
 
@@ -227,8 +336,9 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
-def parse_tools(body: dict[str, Any], limits: Limits) -> tuple[Tool, ...]:
-    """`tools` (or the older `functions`) -> Tools with canonical JSON parameter schemas."""
+def parse_tools(body: dict[str, Any], limits: Limits, ignored: list[str]) -> tuple[Tool, ...]:
+    """`tools` (or the older `functions`) -> Tools with canonical JSON parameter schemas; a tool of
+    another type than function (custom, web search) is not offered to the model, named in `ignored`."""
     if body.get("tools") is not None and body.get("functions") is not None:
         raise bad_request("send 'tools' or the older 'functions', not both", "invalid_value", "functions")
     field, raw = (
@@ -238,11 +348,21 @@ def parse_tools(body: dict[str, Any], limits: Limits) -> tuple[Tool, ...]:
         return ()
     if not isinstance(raw, list) or len(raw) > limits.max_tools:
         raise bad_request(f"'{field}' must be an array of at most {limits.max_tools} functions", "invalid_type", field)
-    tools = [
-        _parse_tool(f"{field}[{i}]", item if field == "tools" else {"type": "function", "function": item}, limits)
-        for i, item in enumerate(raw)
-    ]
+    if field == "functions":
+        raw = [{"type": "function", "function": item} for item in raw]
+    tools = []
+    for index, item in enumerate(raw):
+        kind = item.get("type") if isinstance(item, dict) else None
+        if isinstance(kind, str) and kind != "function":
+            ignored.append(not_offered(f"{field}[{index}]", kind))
+        else:
+            tools.append(_parse_tool(f"{field}[{index}]", item, limits))
     return unique_tools(tools, field)
+
+
+def not_offered(param: str, kind: str) -> str:
+    """The note for a tool the model is not offered (a kind it cannot call here)."""
+    return f"{param} ({shown_name(kind)}: not offered)"
 
 
 def unique_tools(tools: list[Tool], field: str) -> tuple[Tool, ...]:
@@ -348,12 +468,41 @@ def parse_user(raw: Any, limits: Limits, param: str) -> str | None:
     return raw
 
 
-def parse_messages(raw: Any, limits: Limits) -> tuple[Message, ...]:
+def parse_messages(raw: Any, limits: Limits, ignored: list[str]) -> tuple[Message, ...]:
+    """Chat messages; content parts of a kind the model cannot take are left out and named in `ignored`."""
     if not isinstance(raw, list) or not raw:
         raise bad_request("'messages' must be a non-empty array", "invalid_messages", "messages")
     if len(raw) > limits.max_messages:
         raise bad_request(f"at most {limits.max_messages} messages per request", "too_many_messages", "messages")
-    return tuple(_parse_message(i, item, limits) for i, item in enumerate(raw))
+    return tuple(_parse_message(i, item, limits, ignored) for i, item in enumerate(raw))
+
+
+TOOL_IMAGE = "[image: in the next user turn]"  # where a tool result's image stood
+
+
+def _tool_images_out(messages: tuple[Message, ...]) -> tuple[Message, ...]:
+    """Images in tool results (a screenshot, an image file read) moved to the user turn right after
+    the run of tool results, first in it (or a user turn of their own): chat templates render a tool
+    turn's text only. Each leaves TOOL_IMAGE where it stood. Later turns only append, so the prompt of
+    one turn stays the prefix of the next."""
+    out: list[Message] = []
+    moved: list[ImagePart] = []
+    for message in messages:
+        if message.role == "tool" and any(isinstance(part, ImagePart) for part in message.parts):
+            moved += [part for part in message.parts if isinstance(part, ImagePart)]
+            parts = tuple(TextPart(TOOL_IMAGE) if isinstance(part, ImagePart) else part for part in message.parts)
+            out.append(replace(message, parts=parts))
+            continue
+        if moved and message.role == "user":
+            message = replace(message, parts=(*moved, *message.parts))
+        elif moved and message.role != "tool":
+            out.append(Message("user", tuple(moved)))
+        if message.role != "tool":
+            moved = []
+        out.append(message)
+    if moved:
+        out.append(Message("user", tuple(moved)))
+    return tuple(out)
 
 
 def _check_tool_results(messages: tuple[Message, ...]) -> None:
@@ -370,7 +519,7 @@ def _check_tool_results(messages: tuple[Message, ...]) -> None:
             )
 
 
-def _parse_message(index: int, item: Any, limits: Limits) -> Message:
+def _parse_message(index: int, item: Any, limits: Limits, ignored: list[str]) -> Message:
     param = f"messages[{index}]"
     if not isinstance(item, dict):
         raise bad_request(f"{param} must be an object", "invalid_type", param)
@@ -390,9 +539,10 @@ def _parse_message(index: int, item: Any, limits: Limits) -> Message:
         raise bad_request(f"{param}.content must be a string or an array of parts", "invalid_type", param)
     if len(content) > limits.max_parts_per_message:
         raise bad_request(f"{param}: at most {limits.max_parts_per_message} content parts", "too_many_parts", param)
-    parts = tuple(_parse_part(f"{param}.content[{j}]", part) for j, part in enumerate(content))
-    if role != "user" and any(isinstance(p, ImagePart) for p in parts):
-        raise bad_request(f"{param}: images are only accepted in user messages", "invalid_content", param)
+    kept = [(f"{param}.content[{j}]", part) for j, part in enumerate(content)]
+    parts = tuple(parsed for where, part in kept if (parsed := _parse_part(where, part, ignored)) is not None)
+    if role not in ("user", "tool") and any(isinstance(p, ImagePart) for p in parts):
+        raise bad_request(f"{param}: images are only accepted in user and tool messages", "invalid_content", param)
     return Message(role, parts, calls, call_id if role == "tool" else None)
 
 
@@ -421,10 +571,15 @@ def _parse_tool_calls(param: str, raw: Any, role: str) -> tuple[ToolCall, ...]:
     return tuple(calls)
 
 
-def _parse_part(param: str, part: Any) -> TextPart | ImagePart:
+def _parse_part(param: str, part: Any, ignored: list[str]) -> TextPart | ImagePart | None:
+    """A text, image or video part; None for a part of another kind (audio, file, refusal), named in
+    `ignored` (a part without a type is malformed: 400)."""
     if not isinstance(part, dict):
         raise bad_request(f"{param} must be an object", "invalid_type", param)
     kind = part.get("type")
+    if isinstance(kind, str) and kind not in ("text", "image_url", "video_url"):
+        ignored.append(f"{param} ({shown_name(kind)})")
+        return None
     if kind == "text":
         if not isinstance(part.get("text"), str):
             raise bad_request(f"{param}.text must be a string", "invalid_type", param)
@@ -435,20 +590,23 @@ def _parse_part(param: str, part: Any) -> TextPart | ImagePart:
         if not isinstance(url, str) or not url:
             raise bad_request(f"{param}.{kind}.url must be a string", "invalid_type", param)
         return ImagePart(url, video=kind == "video_url")
-    raise bad_request(
-        f"{param}.type {echo(kind)} is not supported (use 'text', 'image_url' or 'video_url')",
-        "unsupported_content_type",
-        param,
-    )
+    raise bad_request(f"{param}.type must be a string such as 'text' or 'image_url'", "invalid_type", param)
 
 
-def _parse_sampling(body: dict[str, Any], limits: Limits) -> Sampling:
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    if max_tokens is None:
-        max_tokens = limits.default_max_tokens
-    if not is_int(max_tokens) or not 1 <= max_tokens <= limits.max_output_tokens:
-        raise bad_request(f"'{param}' must be an integer from 1 to {limits.max_output_tokens}", "invalid_value", param)
+def output_tokens(value: Any, param: str, limits: Limits) -> tuple[int, int]:
+    """A client's max_tokens: (what may run: it within the server's output limit, or the default when
+    it is left out; what it asked, 0 when left out). Not an integer of at least 1: 400."""
+    if value is None:
+        return min(limits.default_max_tokens, limits.max_output_tokens), 0
+    if not is_int(value) or value < 1:
+        raise bad_request(f"'{param}' must be an integer of at least 1", "invalid_value", param)
+    return min(value, limits.max_output_tokens), value
+
+
+def _parse_sampling(body: dict[str, Any], limits: Limits) -> tuple[Sampling, int]:
+    """The decoding parameters, and the max_tokens the client asked (0: none)."""
+    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens, asked = output_tokens(body.get(param), param, limits)
     temperature = number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0.0:
@@ -459,7 +617,7 @@ def _parse_sampling(body: dict[str, Any], limits: Limits) -> Sampling:
     top_k = body.get("top_k", 0)
     if not is_int(top_k) or top_k < -1:
         raise bad_request("'top_k' must be an integer: -1 or 0 for off, else at least 1", "invalid_value", "top_k")
-    return Sampling(
+    sampling = Sampling(
         max_tokens,
         temperature,
         top_p,
@@ -472,6 +630,7 @@ def _parse_sampling(body: dict[str, Any], limits: Limits) -> Sampling:
         min_p=number(body, "min_p", 0.0, 0.0, 1.0),
         top_logprobs=_parse_logprobs(body, limits),
     )
+    return sampling, asked
 
 
 def _parse_logprobs(body: dict[str, Any], limits: Limits) -> int | None:

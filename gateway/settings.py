@@ -46,8 +46,12 @@ class Limits:
     max_video_seconds: float = 120.0  # from the container's header, before any frame is decoded
     max_video_frames: int = 32  # frames sampled at video_sample_fps; a longer clip is refused, never cut
     video_sample_fps: float = 2.0  # frames taken per second of video (Qwen's processors assume 2)
-    max_context_tokens: int = 16384
-    max_output_tokens: int = 4096
+    # prompt + answer of one request; None: the model's own context (its config), never more than
+    # the KV budget holds for one sequence (Engine.context_tokens)
+    max_context_tokens: int | None = None
+    # the most tokens one answer may run to; a client asking more (agents ask 32,000 or 128,000) is
+    # given this, or what the context has left, and told so (X-Strata-Max-Tokens)
+    max_output_tokens: int = 32768
     default_max_tokens: int = 256
     max_stop_sequences: int = 4
     max_tools: int = 128  # functions offered in one request
@@ -241,8 +245,9 @@ def _writer_name(text: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Setting:
-    """One setting, declared once: the Settings field (and its default), the environment variable,
-    the `strata serve` flag (none for secrets: flags show in the process list), a parser, one line of help."""
+    """One setting, declared once: the Settings field (and its default; `limits.NAME` for a field of
+    Limits), the environment variable, the `strata serve` flag (none for secrets: flags show in the
+    process list), a parser, one line of help."""
 
     field: str
     env: str
@@ -252,7 +257,16 @@ class Setting:
 
     @property
     def flag(self) -> str | None:
-        return None if self.secret else "--" + self.field.replace("_", "-")
+        return None if self.secret else "--" + self.field.removeprefix(LIMITS).replace("_", "-")
+
+    @property
+    def default(self) -> Any:
+        if self.field.startswith(LIMITS):
+            return next(f.default for f in fields(Limits) if f.name == self.field.removeprefix(LIMITS))
+        return next((f.default for f in fields(Settings) if f.name == self.field), None)
+
+
+LIMITS = "limits."  # a setting named limits.NAME sets a field of Settings.limits
 
 
 SETTINGS = (
@@ -296,6 +310,18 @@ SETTINGS = (
         "STRATA_SWEEP_INTERVAL_S",
         float,
         "how often expired cache entries and conversations are deleted",
+    ),
+    Setting(
+        "limits.max_context_tokens",
+        "STRATA_MAX_CONTEXT_TOKENS",
+        int,
+        "prompt + answer of one request (unset: the model's own context, as far as the KV budget holds it)",
+    ),
+    Setting(
+        "limits.max_output_tokens",
+        "STRATA_MAX_OUTPUT_TOKENS",
+        int,
+        "the most tokens one answer may run to; a larger max_tokens is lowered to it (and to the context left)",
     ),
     Setting("max_queue", "STRATA_MAX_QUEUE", int, "requests that may wait for the engine; more answer 429"),
     Setting("max_num_seqs", "STRATA_MAX_NUM_SEQS", int, "sequences on the model at once, one model call a step"),
@@ -524,10 +550,9 @@ SETTINGS = (
 
 def add_setting_flags(parser) -> None:
     """One flag per non-secret setting on an argparse parser; its help names the variable and default."""
-    defaults = {f.name: f.default for f in fields(Settings)}
     for setting in SETTINGS:
         if setting.flag:
-            default = defaults[setting.field]
+            default = setting.default
             shown = "" if default is None or default is MISSING else f"; default {default}"
             help_text = f"{setting.help} [{setting.env}{shown}]".replace("%", "%%")  # argparse formats help with %
             parser.add_argument(setting.flag, dest=setting.field, metavar="VALUE", default=None, help=help_text)
@@ -543,7 +568,7 @@ def settings_from_env(
     ValueError naming its flag or variable."""
     env = os.environ if env is None else env
     flags = flags or {}
-    values = {}
+    values: dict[str, Any] = {}
     for setting in SETTINGS:
         source, text = (
             (setting.flag, flags[setting.field])
@@ -556,9 +581,16 @@ def settings_from_env(
             values[setting.field] = setting.parse(text.strip())
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}") from None
+    limits = {name.removeprefix(LIMITS): values.pop(name) for name in list(values) if name.startswith(LIMITS)}
     try:
         return Settings(
-            model=model, data_dir=Path(data_dir), host=host, port=port, more_models=tuple(more_models), **values
+            model=model,
+            data_dir=Path(data_dir),
+            host=host,
+            port=port,
+            more_models=tuple(more_models),
+            limits=Limits(**limits),
+            **values,
         )
     except ValueError as exc:
         raise ValueError(f"bad setting: {exc}") from None

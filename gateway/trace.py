@@ -6,6 +6,9 @@ Layers record typed outcomes; only `headers()` knows how they look on the wire:
     Cache-Status: strata-prefix; fwd=partial; detail="cached=3072; prompt=3100; tier=ram", ...  (RFC 9211)
     Server-Timing: exact;dur=0.1, semantic;dur=6.2, prefill;dur=80.5
     X-Strata-Speculative: proposer=cache,prompt; drafted=40; accepted=36   (an engine answer, when whole)
+    X-Strata-Ignored: include, tools[8] (web_search: not offered)        (fields no layer acted on)
+    X-Strata-Max-Tokens: asked=32000; allowed=15873; by=context         (max_tokens lowered)
+    X-Strata-System-Messages: in_place=1                                 (later system messages)
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from .engine import SpeculativeReport
+from .engine import SpeculativeReport, SystemPlacement
 
 LAYERS = ("exact", "semantic", "vision", "prefix")
 Status = Literal["hit", "miss", "bypass"]
@@ -69,6 +72,9 @@ class Trace:
     last_token_at: float = 0.0
     normalized: bool = False  # a normalisation rule changed the prompt (X-Cache-Prefix says normalized=1)
     speculative: SpeculativeReport | None = None  # an engine answer's drafts, once it finished
+    ignored: list[str] = field(default_factory=list)  # the client's fields no layer acted on (X-Strata-Ignored)
+    max_tokens: MaxTokens | None = None  # set when the answer may run to fewer tokens than the client asked
+    system: SystemPlacement = SystemPlacement()  # how the prompt's later system messages were rendered
 
     def token(self, from_engine: bool) -> None:
         """A piece of the answer left (a stored answer's pieces count for the first token only)."""
@@ -123,6 +129,18 @@ class Trace:
             headers["Server-Timing"] = self.server_timing()
         if self.speculative is not None:
             headers["X-Strata-Speculative"] = speculative_value(self.speculative)
+        return headers | self.adjustments()
+
+    def adjustments(self) -> dict[str, str]:
+        """What the server did with the request other than asked, as headers: fields it ignored,
+        max_tokens it lowered, system messages it placed. Known before the answer starts."""
+        headers = {}
+        if self.ignored:
+            headers["X-Strata-Ignored"] = ignored_value(self.ignored)
+        if self.max_tokens is not None:
+            headers["X-Strata-Max-Tokens"] = self.max_tokens.header_value
+        if self.system.header_value:
+            headers["X-Strata-System-Messages"] = self.system.header_value
         return headers
 
     def summary(self) -> dict:
@@ -134,7 +152,35 @@ class Trace:
         }
         if self.speculative is not None:
             summary["speculative"] = speculative_value(self.speculative)
+        if self.ignored:
+            summary["ignored"] = list(self.ignored)
+        if self.max_tokens is not None:
+            summary["max_tokens"] = self.max_tokens.header_value
+        if self.system.header_value:
+            summary["system_messages"] = self.system.header_value
         return summary
+
+
+@dataclass(frozen=True, slots=True)
+class MaxTokens:
+    """An answer's max_tokens lowered from what the client asked: to the server's output limit
+    (STRATA_MAX_OUTPUT_TOKENS) or to what the model's context has left after the prompt."""
+
+    asked: int
+    allowed: int
+    by: Literal["output_limit", "context"]
+
+    @property
+    def header_value(self) -> str:
+        return f"asked={self.asked}; allowed={self.allowed}; by={self.by}"
+
+
+MAX_IGNORED_SHOWN = 24  # names X-Strata-Ignored lists; past them, how many more
+
+
+def ignored_value(ignored: list[str]) -> str:
+    shown = ", ".join(ignored[:MAX_IGNORED_SHOWN])
+    return shown + (f", and {len(ignored) - MAX_IGNORED_SHOWN} more" if len(ignored) > MAX_IGNORED_SHOWN else "")
 
 
 def speculative_value(report: SpeculativeReport) -> str:
