@@ -9,7 +9,10 @@ OPENBLAS = $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/openblas-pthread/lib
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: setup test-tools cluster-tools serve cluster lint format test mutants bench clean
+AGENTS := tests/agents
+AGENTS_STAMP := $(AGENTS)/node_modules/.strata-installed
+
+.PHONY: setup test-tools agents cluster-tools serve cluster lint format test mutants bench clean
 
 setup: $(STAMP)
 
@@ -57,6 +60,20 @@ test-tools:
 			--no-install-recommends prometheus chromium fonts-dejavu-core redis-server haproxy; \
 	fi
 
+# The coding agents the acceptance tests drive (tests/agents): Claude Code, Codex CLI and opencode,
+# the npm releases pinned in tests/agents/package.json and its lock. Node.js and npm from Debian when
+# missing; the agents' own native binaries come inside their npm packages.
+agents: $(AGENTS_STAMP)
+
+$(AGENTS_STAMP): $(AGENTS)/package.json $(AGENTS)/package-lock.json
+	@if ! command -v npm >/dev/null; then \
+		echo "installing nodejs and npm"; \
+		$(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			--no-install-recommends nodejs npm; \
+	fi
+	cd $(AGENTS) && npm install --no-audit --no-fund --loglevel=error
+	touch $@
+
 # Style and types (pinned ruff and mypy, configured in pyproject.toml): the first step of `make test`.
 lint: setup
 	$(BIN)/ruff check .
@@ -68,7 +85,7 @@ format: setup
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: lint test-tools
+test: lint test-tools agents
 	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest -q --durations=20 $(PYTEST_ARGS)
 
 # Each critical one-line breakage applied to a copy of the checkout must fail its tests (tests/mutants.py).
@@ -79,4 +96,4 @@ bench: setup
 	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m evals.bench_engine
 
 clean:
-	rm -rf $(VENV) $(DATA_DIR) .pytest_cache
+	rm -rf $(VENV) $(DATA_DIR) .pytest_cache $(AGENTS)/node_modules
