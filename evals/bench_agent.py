@@ -1,6 +1,17 @@
 """Agent sessions over the Anthropic Messages API: Strata and mlx-vlm's own server, one run.
 
     python -m evals.bench_agent [--model demo] [--turns 20] [--system-words 2000] [--variants ...]
+    python -m evals.bench_agent --client claude-code [--model demo-agent] [--turns 10]
+
+With `--client claude-code`, the agent itself (the release pinned in tests/agents/package.json, `make
+agents` installs it) holds a session: `claude -p` for the first turn, `claude -p --resume` for each
+next one, in a scratch project, on a model whose answers end after a few tokens (`demo-agent`: the
+demo model with its end-of-turn token favoured, 128k positions). Both servers get the same turns; each
+is named by its model path (ANTHROPIC_MODEL), as mlx-vlm's server needs. Per turn: the share of the
+prompt Claude Code reports read from the cache, and its own time to first token (`ttft_ms`); an error
+it reports is printed and counted. Ends with one JSON line.
+
+Without it:
 
 A session is what a coding agent sends: a long system prompt (--system-words words, ~6,000 tokens
 on the demo tokenizer) with 15 tool definitions, then turns that each add the assistant's tool call,
@@ -34,6 +45,7 @@ import anthropic
 from gateway.checkpoints import resolve_model_path
 
 from . import corpus_lines
+from .agent_clients import ClaudeCode, Recorder, Scratch, installed_versions
 from .bench_load import Server, start_mlx_vlm, start_strata
 
 SENTENCES = corpus_lines()
@@ -168,16 +180,125 @@ def summary(rows: list[dict]) -> dict:
     }
 
 
+CLAUDE_PROMPTS = (
+    "What does hello.py print?",
+    "How would I make it print twice?",
+    "And in upper case?",
+    "Could it read the text from a file instead?",
+    "What would a test for it look like?",
+    "How do I run that test?",
+    "Where would I add logging?",
+    "What if the file is missing?",
+    "Summarise what we changed.",
+    "Anything else worth doing?",
+)
+
+
+def claude_code_session(server: Server, turns: int, folder: Path) -> list[dict]:
+    """Claude Code's own report of each turn of one session against `server` (through a recording
+    proxy, which also times each request's first byte and counts the requests of a turn)."""
+    agent = ClaudeCode(named=True)
+    recorder = Recorder(server.url.removeprefix("http://"))
+    scratch = Scratch(folder / server.name, recorder.url, api_key=server.api_key or "none", model=server.model)
+    rows = []
+    try:
+        for turn in range(1, turns + 1):
+            usage = agent.turn(scratch, CLAUDE_PROMPTS[(turn - 1) % len(CLAUDE_PROMPTS)], first=turn == 1)
+            sent = recorder.take()
+            first_byte = sent[-1].first_byte_s * 1000 if sent else None
+            row: dict = {
+                "turn": turn,
+                "prompt": usage.prompt_tokens,
+                "read": usage.read_tokens,
+                "ttft_ms": usage.ttft_ms,
+            }
+            rows.append(row | {"first_byte_ms": first_byte, "requests": len(sent), "error": usage.error[:300]})
+            shown = f"{usage.read_share:6.1%}" if usage.prompt_tokens else "   n/a"
+            print(
+                f"  {server.name:<8} turn {turn:>2}: prompt {usage.prompt_tokens:>6}  read {usage.read_tokens:>6} "
+                f"({shown})  TTFT {_ms(rows[-1]):>9}  first byte {first_byte or 0:8.0f} ms  requests {len(sent)}  "
+                f"{('ERROR ' + usage.error[:120]) if usage.error else ''}{'' if usage.answer else 'EMPTY ANSWER'}",
+                flush=True,
+            )
+    finally:
+        recorder.close()
+    return rows
+
+
+def run_claude_code(model: str, data_dir: Path, turns: int) -> None:
+    model_dir = resolve_model_path(model, data_dir)
+    work = Path(tempfile.mkdtemp(prefix="strata-bench-claude-code-"))
+    print(f"model {model_dir}  turns {turns}  Claude Code {installed_versions()[ClaudeCode.package]}  logs in {work}")
+    results = {}
+    for name in ("strata", "mlx-vlm"):
+        server = (
+            start_strata("strata", model_dir, work, None)
+            if name == "strata"
+            else start_mlx_vlm(model_dir, work, None, prefix_cache=True)
+        )
+        try:
+            results[name] = claude_code_session(server, turns, work)
+        finally:
+            server.stop()
+    print_claude_code(results)
+    print(json.dumps({"client": "claude-code", "model": model, "turns": turns, "results": results}))
+
+
+def _share(row: dict) -> float | None:
+    return row["read"] / row["prompt"] if row["prompt"] and not row["error"] else None
+
+
+def print_claude_code(results: dict[str, list[dict]]) -> None:
+    """Per turn: the share read and the TTFT on each server, and their ratio (Claude Code's own
+    TTFT; where it reports none, the turn's last request's first byte, marked *)."""
+    strata, peer = results["strata"], results["mlx-vlm"]
+    heading = f"{'turn':>4} {'strata read':>12} {'mlx-vlm read':>13} {'strata TTFT':>12} {'mlx-vlm TTFT':>13}"
+    print(f"\n{heading} {'ratio':>7}")
+    for ours, theirs in zip(strata, peer):
+        mine, their = _latency(ours), _latency(theirs)
+        ratio = f"{mine / their:.2f}x" if mine and their else "n/a"
+        print(
+            f"{ours['turn']:>4} {_pct(_share(ours)):>12} {_pct(_share(theirs)):>13} {_ms(ours):>12} "
+            f"{_ms(theirs):>13} {ratio:>7}"
+        )
+    print("* Claude Code reported no TTFT: the turn's last request's first byte")
+    later = [_share(row) for row in strata[1:]]
+    print(f"\nstrata: least share read from turn 2: {_pct(min(later, key=lambda v: v or 0.0)) if later else 'n/a'}")
+    for name, rows in results.items():
+        errors, requests = sum(bool(r["error"]) for r in rows), sum(r["requests"] for r in rows)
+        print(f"{name}: turns with an error: {errors} of {len(rows)}; requests: {requests}")
+    print(flush=True)
+
+
+def _pct(value: float | None) -> str:
+    return f"{value:.1%}" if value is not None else "n/a"
+
+
+def _latency(row: dict) -> float | None:
+    return None if row["error"] else row["ttft_ms"] or row["first_byte_ms"]
+
+
+def _ms(row: dict) -> str:
+    latency = _latency(row)
+    shown = f"{latency:.0f} ms" if latency else "n/a"
+    return shown + ("" if row["ttft_ms"] or not latency else "*")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="demo")
+    parser.add_argument("--client", choices=("sdk", "claude-code"), default="sdk")
+    parser.add_argument("--model", default=None, help="default: demo (sdk), demo-agent (claude-code)")
     parser.add_argument("--data-dir", type=Path, default=Path(".strata"))
-    parser.add_argument("--turns", type=int, default=20)
+    parser.add_argument("--turns", type=int, default=None, help="default: 20 (sdk), 10 (claude-code)")
     parser.add_argument(
         "--system-words", type=int, default=2000, help="with the tools, ~6,000 tokens on the demo tokenizer"
     )
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     args = parser.parse_args()
+    if args.client == "claude-code":
+        run_claude_code(args.model or "demo-agent", args.data_dir, args.turns or 10)
+        return
+    args.model, args.turns = args.model or "demo", args.turns or 20
     model_dir = resolve_model_path(args.model, args.data_dir)
     work = Path(tempfile.mkdtemp(prefix="strata-bench-agent-"))
     print(f"model {model_dir}  turns {args.turns}  logs in {work}", flush=True)

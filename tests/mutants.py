@@ -42,6 +42,8 @@ ROUND_TWO = "tests/gateway/test_hardening_round_two.py"
 LIVE_HARDENING = "tests/gateway/test_live_hardening.py"
 VERIFY = "tests/gateway/test_verify.py"
 AT_REST = "tests/gateway/test_at_rest.py"
+SYSTEM_TURNS = "tests/gateway/test_system_turns.py"
+AGENT_API = "tests/gateway/test_agent_api.py"
 # semantic/guards.py's GUARDS, in order: each mutant takes one out
 GUARD_NAMES = (
     "numbers",
@@ -908,6 +910,62 @@ MUTANTS = (
         (
             f"{LIVE_HARDENING}::test_a_kept_alive_connection_older_than_the_read_deadline_still_takes_a_request_in_pieces",
         ),
+    ),
+    Mutant(
+        "a late system message hoisted into the system prompt",
+        "gateway/engine/system_turns.py",
+        "                out[-1] = _with_text(out[-1], wrapped, before=False)",
+        "                out[0] = _with_text(out[0], wrapped, before=False)",
+        (f"{SYSTEM_TURNS}::test_a_template_that_cannot_gets_them_folded_into_the_user_turn_beside",),
+    ),
+    Mutant(
+        "any template taken to render late system turns in place",
+        "gateway/engine/system_turns.py",
+        '        self.in_place = _renders_in_order(render, ["u", _ROLE, "a", "v"]) and _renders_in_order(render, ["u", _ROLE])',
+        "        self.in_place = True",
+        (f"{SYSTEM_TURNS}::test_a_template_that_cannot_gets_them_folded_into_the_user_turn_beside",),
+    ),
+    Mutant(
+        "max_tokens not lowered to the context left",
+        "gateway/chat.py",
+        "        max_tokens = min(request.sampling.max_tokens, limit - prompt.num_tokens)",
+        "        max_tokens = request.sampling.max_tokens",
+        (f"{AGENT_API}::test_max_tokens_past_the_context_is_lowered_to_what_is_left_and_the_answer_ends_there",),
+    ),
+    Mutant(
+        "a deferred tool rendered in the tool list",
+        "gateway/anthropic_api.py",
+        '        (deferred if item.get("defer_loading") is True else offered).append(tool)',
+        "        offered.append(tool)",
+        (f"{AGENT_API}::test_a_deferred_tool_stays_out_of_the_prompt_until_a_reference_loads_it",),
+    ),
+    Mutant(
+        "cache diagnostics read another tenant's message",
+        "gateway/cache_diagnostics.py",
+        "            return self.prints.get((tenant, message_id))",
+        "            return next((p for (_, m), p in self.prints.items() if m == message_id), None)",
+        (f"{AGENT_API}::test_cache_diagnostics_name_each_reason",),
+    ),
+    Mutant(
+        "a client's field name echoed into a header",
+        "gateway/schemas.py",
+        "    if isinstance(name, str) and FIELD_NAME.fullmatch(name):",
+        "    if isinstance(name, str):",
+        (f"{AGENT_API}::test_an_odd_field_name_is_shown_as_a_digest_never_echoed_into_a_header",),
+    ),
+    Mutant(
+        "every model name served by the first alias",
+        "gateway/models.py",
+        "        return next((model for alias, model in self.aliases if fnmatch.fnmatchcase(name, alias)), name)",
+        "        return next((model for alias, model in self.aliases), name)",
+        (f"{AGENT_API}::test_a_one_model_server_answers_the_agents_default_names",),
+    ),
+    Mutant(
+        "images of tool results left in the tool turn",
+        "gateway/schemas.py",
+        "    request = replace(request, messages=_tool_images_out(request.messages))",
+        "    request = replace(request, messages=request.messages)",
+        (f"{AGENT_API}::test_an_image_in_a_tool_result_reaches_the_model",),
     ),
     Mutant(
         "stray bytes held until a whole character",

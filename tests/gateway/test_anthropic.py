@@ -156,7 +156,8 @@ BAD_BODIES = [
     ({"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "role"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
+    ({"messages": [{"role": "system", "content": "x"}]}, "last message"),
     ({"messages": [{"role": "assistant", "content": "prefill"}]}, "last message"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "document"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64"}}]}]}, "source"),
@@ -165,12 +166,11 @@ BAD_BODIES = [
     ({"temperature": 1.5}, "temperature"),
     ({"top_k": -2}, "top_k"),
     ({"stop_sequences": "STOP"}, "stop_sequences"),
-    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "custom tools"),
+    ({"tools": [{"type": 42, "name": "web_search"}]}, "tools.0"),
     ({"tools": [{"name": "bad name!", "input_schema": {}}]}, "tools.0.name"),
     ({"tool_choice": {"type": "tool", "name": "missing"}}, "tool_choice"),
     ({"cache_control": {"type": "ephemeral", "ttl": "2h"}}, "ttl"),
     ({"metadata": {"user_id": 7}}, "metadata.user_id"),
-    ({"mcp_servers": [{"url": "http://x"}]}, "mcp_servers"),
     (
         {
             "messages": [

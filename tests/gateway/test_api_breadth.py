@@ -429,12 +429,12 @@ def test_responses_call_a_forced_tool_and_continue_with_its_output(server):
     [
         ({"input": "hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
         ({"input": []}, 400, "input"),
-        ({"input": [{"type": "computer_call"}]}, 400, "input[0]"),
-        ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools[0]"),
+        ({"input": [{"type": 7}]}, 400, "input[0]"),
+        ({"input": "hi", "tools": [{"name": "no type"}]}, 400, "tools[0]"),
         ({"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
         ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "1"}]}, 400, "input"),
-        ({"input": "hi", "include": ["message.output_text.logprobs"]}, 400, "include"),
-        ({"input": "hi", "background": True}, 400, "background"),
+        ({"input": "hi", "include": "reasoning.encrypted_content"}, 400, "include"),
+        ({"input": "hi", "reasoning": {"effort": "enormous"}}, 400, "reasoning.effort"),
     ],
 )
 def test_bad_responses_requests(server, body, status, param):
@@ -446,6 +446,27 @@ def test_bad_responses_requests(server, body, status, param):
     )
     assert reply.status_code == status, reply.text
     assert reply.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        ({"input": [{"type": "computer_call"}, {"role": "user", "content": "hi"}]}, "input[0] (computer_call)"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0] (web_search: not offered)"),
+        ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include.message.output_text.logprobs"),
+        ({"input": "hi", "background": True}, "background"),
+    ],
+)
+def test_responses_fields_no_layer_acts_on_are_named_not_refused(server, body, named):
+    """Items, tools and options a client may send that mean nothing here (once 400s)."""
+    reply = httpx.post(
+        server.url + "/v1/responses",
+        json={"model": TINY, "max_output_tokens": 2, **body},
+        headers={"Authorization": "Bearer key-a"},
+        timeout=30,
+    )
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["x-strata-ignored"] == named
 
 
 def test_a_stored_response_can_be_read_back_and_deleted_by_its_tenant_only(server):

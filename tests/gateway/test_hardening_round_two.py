@@ -129,10 +129,13 @@ def test_errors_quote_at_most_a_cut_of_what_was_sent(settings, engine):
         for body in (
             {"model": "m" * 1_000_000, "messages": [{"role": "user", "content": "hi"}]},
             {"model": TINY, "messages": [{"role": "r" * 1_000_000, "content": "hi"}]},
-            {"model": TINY, "messages": [{"role": "user", "content": [{"type": "t" * 1_000_000}]}]},
         ):
             refused = client.post("/v1/chat/completions", json=body)
             assert 400 <= refused.status_code < 500 and len(refused.content) < 1000, refused.content[:200]
+        # a part of an unknown type is left out and named: by a short digest, never the type sent
+        odd = [{"role": "user", "content": [{"type": "t" * 1_000_000}]}]
+        accepted = client.post("/v1/chat/completions", json={"model": TINY, "max_tokens": 1, "messages": odd})
+        assert accepted.status_code == 200 and len(accepted.headers["x-strata-ignored"]) < 100
 
 
 @pytest.mark.parametrize(

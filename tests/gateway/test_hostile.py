@@ -43,6 +43,24 @@ HOSTILE_VALUES = {
     "object": {"a": 1},
     "deep": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]],
 }
+# The values that confuse types (the agents' fields are checked with these: each is a string, a
+# number, a list or an object where another is expected, or an empty or huge one).
+TYPE_VALUES = {
+    name: HOSTILE_VALUES[name]
+    for name in (
+        "null",
+        "true",
+        "minus-one",
+        "int64",
+        "float",
+        "empty",
+        "long-string",
+        "control-token",
+        "empty-list",
+        "string-list",
+        "object",
+    )
+}
 FIELDS = (
     "model",
     "messages",
@@ -67,6 +85,31 @@ FIELDS = (
     "top_logprobs",
     "logit_bias",
 )
+AGENT_FIELDS = {  # the fields the real-agents issue added, per route: checked with TYPE_VALUES
+    "/v1/chat/completions": (
+        "reasoning_effort",
+        "parallel_tool_calls",
+        "prediction",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "store",
+        "verbosity",
+        "service_tier",
+        "modalities",
+    ),
+    "/v1/responses": (
+        "include",
+        "reasoning",
+        "parallel_tool_calls",
+        "max_tool_calls",
+        "prompt_cache_key",
+        "client_metadata",
+        "truncation",
+        "background",
+        "metadata",
+    ),
+    "/v1/messages": ("context_management", "diagnostics", "service_tier", "container", "mcp_servers", "speed"),
+}
 RESPONSES = "/v1/responses"
 RESPONSES_BASE = {"model": TINY, "input": "hi", "max_output_tokens": 2, "temperature": 0}
 RESPONSES_FIELDS = (
@@ -196,6 +239,110 @@ def _tool_cases() -> list[tuple]:
                 },
             )
         )
+    return cases
+
+
+def _agent_cases() -> list[tuple]:
+    """Hostile values in every place the agents' fields reach: nested fields of thinking, output_config,
+    context_management, diagnostics, metadata.user_id, tool_choice and cache_control; deferred tools
+    and tool references; system messages mid-conversation; Responses reasoning and tool items."""
+    bases = {CHAT: BASE, RESPONSES: RESPONSES_BASE, MESSAGES: MESSAGES_BASE}
+    cases = [
+        (f"agent-{path[4:]}-{field}-{name}", "POST", path, {}, {**bases[path], field: value})
+        for path, fields in AGENT_FIELDS.items()
+        for field in fields
+        for name, value in TYPE_VALUES.items()
+    ]
+    for name, value in TYPE_VALUES.items():
+        anthropic = {
+            "thinking-type": {"thinking": {"type": value}},
+            "thinking-display": {"thinking": {"type": "adaptive", "display": value}},
+            "thinking-budget": {"thinking": {"type": "enabled", "budget_tokens": value}},
+            "effort": {"output_config": {"effort": value}},
+            "edits": {"context_management": {"edits": value}},
+            "edit-keep": {"context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": value}]}},
+            "edit-item": {"context_management": {"edits": [value]}},
+            "diagnostics-id": {"diagnostics": {"previous_message_id": value}},
+            "user-id": {"metadata": {"user_id": value}},
+            "user-id-json": {"metadata": {"user_id": json.dumps({"session_id": value, "device_id": value})}},
+            "tool-choice-name": {"tool_choice": {"type": "tool", "name": value}},
+            "tool-choice-parallel": {"tool_choice": {"type": "auto", "disable_parallel_tool_use": value}},
+            "ttl": {"cache_control": {"type": "ephemeral", "ttl": value}},
+            "defer-loading": {"tools": [{"name": "f", "input_schema": {"type": "object"}, "defer_loading": value}]},
+            "tool-type": {"tools": [{"type": value, "name": "f"}]},
+            "system-message": {"messages": [{"role": "user", "content": "x"}, {"role": "system", "content": value}]},
+            "tool-reference": {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "tool_result",
+                                "tool_use_id": "t",
+                                "content": [{"type": "tool_reference", "tool_name": value}],
+                            }
+                        ],
+                    },
+                ]
+            },
+            "document": {"messages": [{"role": "user", "content": [{"type": "document", "source": value}]}]},
+            "thinking-block": {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {"role": "assistant", "content": [{"type": "thinking", "thinking": value}]},
+                    {"role": "user", "content": "y"},
+                ]
+            },
+        }
+        for place, change in anthropic.items():
+            cases.append((f"agent-messages-{place}-{name}", "POST", MESSAGES, {}, {**MESSAGES_BASE, **change}))
+        for place in ("thinking-type", "ttl", "tool-choice-name", "system-message", "tool-reference"):
+            body = {**MESSAGES_BASE, **anthropic[place]}
+            cases.append((f"agent-count_tokens-{place}-{name}", "POST", COUNT_TOKENS, {}, body))
+        responses = {
+            "reasoning-effort": {"reasoning": {"effort": value}},
+            "reasoning-summary": {"reasoning": {"summary": value}},
+            "include-item": {"include": [value]},
+            "namespace-tools": {"tools": [{"type": "namespace", "name": "n", "tools": value}]},
+            "custom-tool": {"tools": [{"type": "custom", "name": value}]},
+            "tool-choice-name": {"tool_choice": {"type": "function", "name": value}},
+            "additional-tools": {"input": [{"type": "additional_tools", "role": "developer", "tools": value}, "hi"]},
+            "reasoning-item": {"input": [{"type": "reasoning", "content": value}, {"role": "user", "content": "hi"}]},
+            "custom-call": {
+                "input": [
+                    {"type": "custom_tool_call", "call_id": "c", "name": "f", "input": value},
+                    {"type": "custom_tool_call_output", "call_id": "c", "output": value},
+                    {"role": "user", "content": "hi"},
+                ]
+            },
+            "developer-message": {
+                "input": [{"role": "user", "content": "hi"}, {"role": "developer", "content": value}]
+            },
+            "item-type": {"input": [{"type": value}, {"role": "user", "content": "hi"}]},
+        }
+        for place, change in responses.items():
+            cases.append((f"agent-responses-{place}-{name}", "POST", RESPONSES, {}, {**RESPONSES_BASE, **change}))
+        chat = {
+            "prediction-content": {"prediction": {"type": "content", "content": value}},
+            "stream-options": {"stream": True, "stream_options": {"include_usage": value, "other": value}},
+            "late-developer": {
+                "messages": [{"role": "user", "content": "hi"}, {"role": "developer", "content": value}]
+            },
+            "tool-message-image": {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+                    },
+                    {"role": "tool", "tool_call_id": "c1", "content": [{"type": "image_url", "image_url": value}]},
+                ]
+            },
+        }
+        for place, change in chat.items():
+            cases.append((f"agent-chat-{place}-{name}", "POST", CHAT, {}, {**BASE, **change}))
     return cases
 
 
@@ -385,7 +532,14 @@ def _block_cases() -> list[tuple]:
 
 
 CASES = (
-    _field_cases() + _block_cases() + _tool_cases() + _message_cases() + _raw_cases() + _header_cases() + _route_cases()
+    _field_cases()
+    + _block_cases()
+    + _tool_cases()
+    + _agent_cases()
+    + _message_cases()
+    + _raw_cases()
+    + _header_cases()
+    + _route_cases()
 )
 
 
@@ -402,10 +556,11 @@ def server(tiny_model_path, tmp_path_factory):
             "STRATA_FILE_IMAGES_UNDER": str(folder),
             "STRATA_REMOTE_IMAGE_TIMEOUT_S": "2",
             "STRATA_MAX_QUEUE": "64",
+            "STRATA_MAX_OUTPUT_TOKENS": "4096",
         },
     )
-    # 120 s: the Anthropic route clamps max_tokens to 4096 and the tiny model decodes them all (~25 s
-    # on a 2-core machine); a hang still fails on it
+    # 120 s: a huge max_tokens is lowered to 4096 (STRATA_MAX_OUTPUT_TOKENS here) and the tiny model
+    # decodes them all (~25 s on a 2-core machine); a hang still fails on it
     with httpx.Client(base_url=live.url, timeout=120) as client:
         live.client = client
         yield live

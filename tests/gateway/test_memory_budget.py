@@ -117,6 +117,8 @@ def test_cached_blocks_are_evicted_to_admit_a_running_sequence(tiny_model_path):
 
 
 def test_a_request_larger_than_the_whole_budget_is_a_400(tiny_model_path, settings):
+    """The budget bounds the context: a prompt past what it holds is refused; one that fits with
+    little room left gets its max_tokens lowered to that room."""
     engine = _engine(tiny_model_path, 256 << 10)  # 128 tokens of the tiny model's KV
     engine.start()
     try:
@@ -131,8 +133,19 @@ def test_a_request_larger_than_the_whole_budget_is_a_400(tiny_model_path, settin
             )
             assert response.status_code == 400, response.text
             error = response.json()["error"]
-            assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
-            assert "memory budget" in error["message"]
+            assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+            assert f"context is {engine.context_tokens()} tokens" in error["message"]
+            assert engine.context_tokens() <= 128
+            lowered = client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": TINY,
+                    "messages": [{"role": "user", "content": "Tell me about the sea " * 8}],
+                    "max_tokens": 120,
+                },
+            )
+            assert lowered.status_code == 200, lowered.text
+            assert lowered.headers["x-strata-max-tokens"].endswith("by=context")
             small = client.post(
                 "/v1/chat/completions",
                 json={"model": TINY, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
