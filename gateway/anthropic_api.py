@@ -62,6 +62,7 @@ from .schemas import (
     unique_tools,
 )
 from .settings import Limits
+from .shapes import BOOL, INT, NUM, OBJECT, STR, Checked, Either, List, Obj, Tagged, check
 from .trace import Trace
 
 # Fields of the Messages API acted on here (see parse_messages_request); the others' values that change
@@ -102,12 +103,81 @@ EFFORTS = ("low", "medium", "high", "xhigh", "max")
 CLEAR_THINKING = "clear_thinking_20251015"  # the context-management edit that drops earlier thinking
 
 
+# The type of every field and block the parser reads (gateway/shapes.py checks them first).
+CACHE_CONTROL = Obj({"type": STR, "ttl": STR})
+TEXT_BLOCK = Obj({"text": STR, "cache_control": CACHE_CONTROL})
+TEXT_ONLY = Obj({"text": STR})
+SOURCE = Obj({"type": STR, "media_type": STR, "data": STR, "url": STR})
+RESULT_BLOCK = Tagged(  # what a tool result, or a user message, may hold
+    {
+        "text": TEXT_BLOCK,
+        "image": Obj({"source": SOURCE, "cache_control": CACHE_CONTROL}),
+        "document": Obj(
+            {
+                "source": Obj({"type": STR, "data": STR, "content": List(TEXT_ONLY)}),
+                "title": STR,
+                "cache_control": CACHE_CONTROL,
+            }
+        ),
+        "search_result": Obj({"title": STR, "source": STR, "content": List(TEXT_ONLY), "cache_control": CACHE_CONTROL}),
+        "tool_reference": Obj({"tool_name": STR, "cache_control": CACHE_CONTROL}),
+    },
+    other=Obj({"cache_control": CACHE_CONTROL}),
+)
+BLOCK = Tagged(
+    {
+        **RESULT_BLOCK.kinds,
+        "tool_use": Obj({"id": STR, "name": STR, "input": OBJECT, "cache_control": CACHE_CONTROL}),
+        "tool_result": Obj(
+            {
+                "tool_use_id": STR,
+                "content": Either((STR, List(RESULT_BLOCK))),
+                "is_error": BOOL,
+                "cache_control": CACHE_CONTROL,
+            }
+        ),
+        "thinking": Obj({"thinking": STR, "signature": STR}),
+    },
+    other=Obj({"cache_control": CACHE_CONTROL}),
+)
+CUSTOM_TOOL = Obj(
+    {"name": STR, "description": STR, "input_schema": OBJECT, "defer_loading": BOOL, "cache_control": CACHE_CONTROL}
+)
+MESSAGE_SHAPE = Checked(
+    Obj(
+        {
+            "model": STR,
+            "messages": List(Obj({"role": STR, "content": Either((STR, List(BLOCK)))})),
+            "max_tokens": INT,
+            "system": Either((STR, List(TEXT_BLOCK))),
+            "stop_sequences": List(STR),
+            "stream": BOOL,
+            "temperature": NUM,
+            "top_p": NUM,
+            "top_k": INT,
+            "metadata": Obj({"user_id": STR}),
+            "tools": List(Tagged({"custom": CUSTOM_TOOL}, missing="custom")),
+            "tool_choice": Obj({"type": STR, "name": STR, "disable_parallel_tool_use": BOOL}),
+            "thinking": Obj({"type": STR, "display": STR, "budget_tokens": INT}),
+            "output_config": Obj({"effort": STR, "format": Obj({"type": STR, "schema": OBJECT})}),
+            "cache_control": CACHE_CONTROL,
+            "context_management": Obj(
+                {"edits": List(Obj({"type": STR, "keep": Either((STR, Obj({"type": STR, "value": INT})))}))}
+            ),
+            "diagnostics": Obj({"previous_message_id": STR}),
+        }
+    ),
+    codes={"messages": "invalid_messages"},
+)
+
+
 def parse_messages_request(body: dict[str, Any], limits: Limits) -> ChatRequest:
     """The Messages API body as the neutral request. Honoured beyond the plain fields: system messages
     inside `messages` (kept where they stand), `thinking` (the template's switch; display "omitted"),
     `output_config` (effort, format), `context_management` edits that clear earlier thinking,
     `defer_loading` tools (offered once a tool_reference loads them), `tool_choice`'s
     disable_parallel_tool_use, and Claude Code's `metadata.user_id` JSON (its session id is the session)."""
+    check(body, MESSAGE_SHAPE, "anthropic")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("model: Field required (a string)", "invalid_type", "model")

@@ -291,7 +291,7 @@ async def create_response(request: Request) -> Response:
     caller = services.auth.caller(request.headers.get("authorization"))
     raw = await request.body()
     limits = services.settings.limits
-    body = await off_loop(len(raw), partial(parse_json_body, raw, limits.max_json_depth))
+    body = await off_loop(len(raw), partial(_responses_body, raw, limits.max_json_depth))
     previous_id = body.get("previous_response_id")
     history = await _history(services, previous_id, caller.tenant)
     stored = body.get("store", True) is not False
@@ -338,6 +338,13 @@ async def create_response(request: Request) -> Response:
     response = responses_api.response_object(response_id, body, turn.completion, turn.trace, items, previous_id)
     await finished(message, response)
     return Response(response, headers=_headers(services, turn))
+
+
+def _responses_body(raw: bytes, max_depth: int) -> dict:
+    """The body, every field's type checked before previous_response_id and store are read."""
+    body = parse_json_body(raw, max_depth)
+    responses_api.check_shape(body)
+    return body
 
 
 @get("/v1/responses/{response_id:str}")

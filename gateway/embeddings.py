@@ -38,6 +38,7 @@ from .chat import deadline_error
 from .engine import Embedded, Engine
 from .errors import ENGINE_REFUSALS, ApiError, bad_request, engine_refusal, refuse_unless_serving
 from .settings import Limits, Settings
+from .shapes import ANY, INT, STR, Checked, Obj, check
 
 MODEL_NAMES = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
 CHUNK_TEXTS = 8  # texts per turn of the lane: ~0.05-0.3 s of MiniLM on this CPU, what another tenant may wait
@@ -53,8 +54,15 @@ class EmbeddingsRequest:
     base64: bool  # encoding_format "base64": little-endian float32, as OpenAI sends (the openai client asks for it)
 
 
+EMBEDDINGS_SHAPE = Checked(
+    # input: checked whole by the parser (it says token arrays are not taken)
+    Obj({"model": STR, "input": ANY, "encoding_format": STR, "dimensions": INT, "user": STR})
+)
+
+
 def parse_embeddings_request(body: dict[str, Any], limits: Limits, engine_model: str | None) -> EmbeddingsRequest:
     """`engine_model`: the served model's name when its family pools (else None)."""
+    check(body, EMBEDDINGS_SHAPE, "openai")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a string", "invalid_type", "model")

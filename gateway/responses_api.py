@@ -67,6 +67,7 @@ from .schemas import (
     unique_tools,
 )
 from .settings import Limits
+from .shapes import ANY, BOOL, INT, NUM, OBJECT, STR, Checked, Either, List, Obj, Tagged, check
 from .trace import Trace
 
 # Fields acted on (previous_response_id and store by the route); the others' values that change nothing.
@@ -108,6 +109,71 @@ CUSTOM_INPUT = {"type": "object", "properties": {"input": {"type": "string"}}, "
 SKIPPED_ITEMS = ("web_search_call", "file_search_call", "computer_call", "item_reference", "compaction")
 
 
+# The type of every field and item the parser reads (gateway/shapes.py checks them first).
+TEXT_PART = Obj({"text": STR})
+PART = Tagged(
+    {
+        "input_text": TEXT_PART,
+        "output_text": TEXT_PART,
+        "text": TEXT_PART,
+        "input_image": Obj({"image_url": Either((STR, Obj({"url": STR})))}),
+    }
+)
+FUNCTION_TOOL = Obj({"name": STR, "description": STR, "parameters": OBJECT})
+CUSTOM_TOOL = Obj({"name": STR, "description": STR})
+TOOL = Tagged(
+    {
+        "function": FUNCTION_TOOL,
+        "custom": CUSTOM_TOOL,
+        "namespace": Obj({"name": STR, "tools": List(Tagged({"function": FUNCTION_TOOL, "custom": CUSTOM_TOOL}))}),
+    }
+)
+OUTPUT = Either((STR, List(PART), ANY))  # a string, content parts, or any JSON (sent as its text)
+ITEM = Tagged(
+    {
+        "message": Obj({"role": STR, "content": Either((STR, List(PART)))}),
+        "function_call": Obj({"call_id": STR, "name": STR, "arguments": STR, "namespace": STR}),
+        "custom_tool_call": Obj({"call_id": STR, "name": STR, "input": STR}),
+        "function_call_output": Obj({"call_id": STR, "output": OUTPUT}),
+        "custom_tool_call_output": Obj({"call_id": STR, "output": OUTPUT}),
+        "reasoning": Obj({"content": List(TEXT_PART), "summary": List(TEXT_PART), "encrypted_content": STR}),
+        "additional_tools": Obj({"tools": List(TOOL)}),
+    },
+    missing="message",
+)
+RESPONSE_SHAPE = Checked(
+    Obj(
+        {
+            "model": STR,
+            "input": Either((STR, List(ITEM))),
+            "instructions": STR,
+            "previous_response_id": STR,
+            "store": BOOL,
+            "max_output_tokens": INT,
+            "temperature": NUM,
+            "top_p": NUM,
+            "tools": List(TOOL),
+            "tool_choice": Either((STR, Obj({"type": STR, "name": STR}))),
+            "text": Obj({"format": Obj({"type": STR, "name": STR, "schema": OBJECT}), "verbosity": STR}),
+            "stream": BOOL,
+            "metadata": Obj(values=STR),
+            "user": STR,
+            "prompt_cache_key": STR,
+            "prompt_cache_retention": STR,
+            "include": List(STR),
+            "reasoning": Obj({"effort": STR, "summary": STR, "generate_summary": STR}),
+            "parallel_tool_calls": BOOL,
+            "max_tool_calls": INT,
+        }
+    )
+)
+
+
+def check_shape(body: dict[str, Any]) -> None:
+    """Every field's type, before the route reads previous_response_id and store, and the parser the rest."""
+    check(body, RESPONSE_SHAPE, "openai")
+
+
 def new_id() -> str:
     return f"resp_{uuid.uuid4().hex}"
 
@@ -115,6 +181,7 @@ def new_id() -> str:
 def parse_request(body: dict[str, Any], history: list[dict] | None, limits: Limits) -> tuple[ChatRequest, list[dict]]:
     """The neutral request, and the conversation to store with the response (chat-shaped messages,
     without the instructions). Errors name the Responses API's own parameters."""
+    check_shape(body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a string", "invalid_type", "model")

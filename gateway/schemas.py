@@ -23,6 +23,7 @@ from typing import Any
 from .engine import ImagePart, Message, Sampling, Switches, TextPart, Tool, ToolCall
 from .errors import bad_request, echo
 from .settings import Limits
+from .shapes import BOOL, INT, NUM, OBJECT, STR, Checked, Either, List, Obj, Tagged, check
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -212,9 +213,64 @@ CHAT_NEUTRAL = {
     "repetition_penalty": (1,),
 }
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+# The type of every field and part the chat parser reads (gateway/shapes.py checks them first).
+IMAGE_REF = Either((STR, Obj({"url": STR, "detail": STR})))
+CHAT_PART = Tagged(
+    {"text": Obj({"text": STR}), "image_url": Obj({"image_url": IMAGE_REF}), "video_url": Obj({"video_url": IMAGE_REF})}
+)
+CHAT_CALL = Obj({"id": STR, "type": STR, "function": Obj({"name": STR, "arguments": STR})})
+CHAT_MESSAGE = Obj(
+    {
+        "role": STR,
+        "content": Either((STR, List(CHAT_PART))),
+        "tool_calls": List(CHAT_CALL),
+        "tool_call_id": STR,
+        "name": STR,
+        "reasoning_content": STR,
+    }
+)
+FUNCTION = Obj({"name": STR, "description": STR, "parameters": OBJECT})
+CHAT_SHAPE = Checked(
+    Obj(
+        {
+            "model": STR,
+            "messages": List(CHAT_MESSAGE),
+            "max_tokens": INT,
+            "max_completion_tokens": INT,
+            "temperature": NUM,
+            "top_p": NUM,
+            "top_k": INT,
+            "min_p": NUM,
+            "seed": INT,
+            "stop": Either((STR, List(STR))),
+            "presence_penalty": NUM,
+            "frequency_penalty": NUM,
+            "logit_bias": Obj(values=NUM),
+            "n": INT,
+            "logprobs": BOOL,
+            "top_logprobs": INT,
+            "tools": List(Tagged({"function": Obj({"function": FUNCTION})})),
+            "tool_choice": Either((STR, Obj({"type": STR, "function": Obj({"name": STR})}))),
+            "functions": List(FUNCTION),
+            "function_call": Either((STR, Obj({"name": STR}))),
+            "response_format": Obj({"type": STR, "json_schema": Obj({"name": STR, "schema": OBJECT})}),
+            "stream": BOOL,
+            "stream_options": Obj({"include_usage": BOOL}),
+            "metadata": Obj(values=STR),
+            "user": STR,
+            "prompt_cache_key": STR,
+            "prompt_cache_retention": STR,
+            "parallel_tool_calls": BOOL,
+            "reasoning_effort": STR,
+            "prediction": Obj({"type": STR, "content": Either((STR, List(Obj({"text": STR}))))}),
+        }
+    ),
+    codes={"messages": "invalid_messages"},
+)
 
 
 def parse_chat_request(body: dict[str, Any], limits: Limits) -> ChatRequest:
+    check(body, CHAT_SHAPE, "openai")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a string", "invalid_type", "model")

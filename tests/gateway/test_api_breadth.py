@@ -263,7 +263,7 @@ BAD = [
     ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0]"),
     (
         {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": {}}}]}]},
-        "messages[0]",
+        "messages[0].tool_calls[0].function.arguments",
     ),
 ]
 
@@ -429,8 +429,8 @@ def test_responses_call_a_forced_tool_and_continue_with_its_output(server):
     [
         ({"input": "hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
         ({"input": []}, 400, "input"),
-        ({"input": [{"type": 7}]}, 400, "input[0]"),
-        ({"input": "hi", "tools": [{"name": "no type"}]}, 400, "tools[0]"),
+        ({"input": [{"type": 7}]}, 400, "input[0].type"),
+        ({"input": "hi", "tools": [{"name": "no type"}]}, 400, "tools[0].type"),
         ({"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
         ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "1"}]}, 400, "input"),
         ({"input": "hi", "include": "reasoning.encrypted_content"}, 400, "include"),
