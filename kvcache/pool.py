@@ -8,8 +8,9 @@ Invariants (checked by `check()` in tests):
 - a block is `purged` iff a purge took its last owner while it was in use: it leaves the pool
   when its last holder releases it, never through the free queue (a new owner clears the mark);
 - a pinned block holds one reference of its own until its pin ends (TTL passed, purged, or given
-  up to make room): `pins` maps it to its end, and `pinned_bytes[scope]` sums its scope's pinned
-  blocks, at most `pin_budget_bytes` per scope (a scope is a tenant's chain root: pins never cross).
+  up to make room): `pins` maps it to its end, and `pinned_bytes[tenant]` sums the pinned blocks of
+  the tenant whose key seals them (`Block.tenant`), at most `pin_budget_bytes` per tenant: a tenant's
+  end users, each with a chain root of their own when kept apart, share their tenant's budget.
 
 Eviction is a segmented LRU (SLRU), scan-resistant: a free block that was never reused since it was
 stored waits in `probation`, one reused at least once in `protected` (at most PROTECTED_FRACTION of
@@ -201,7 +202,7 @@ class Purged:
 @dataclass(slots=True)
 class PoolStats:
     num_pinned: int = 0  # pins taken (a block pinned again only moves its end)
-    num_pins_refused: int = 0  # pins past the scope's pin budget
+    num_pins_refused: int = 0  # pins past the tenant's pin budget
     num_pins_expired: int = 0
     num_pins_given_up: int = 0  # pins ended early so running sequences fit (the blocks spill to SSD)
     num_inserted: int = 0
@@ -223,10 +224,10 @@ class BlockPool:
         segmented: bool = True,
     ):
         self.budget_bytes = budget_bytes
-        self.pin_budget_bytes = pin_budget_bytes  # per scope; 0: nothing is pinned
+        self.pin_budget_bytes = pin_budget_bytes  # per tenant; 0: nothing is pinned
         self.clock = clock  # pins' TTLs run on it (tests inject one)
         self.pins: dict[BlockHash, float] = {}  # pinned block -> when its pin ends (clock time)
-        self.pinned_bytes: dict[str, int] = {}  # scope -> bytes of its pinned blocks
+        self.pinned_bytes: dict[str, int] = {}  # tenant -> bytes of its pinned blocks
         self.on_evict = on_evict  # e.g. spill to the SSD tier; called before the block's data is dropped
         self.on_discard = on_discard  # (block, "evicted" | "expired" | "purged") once it has left the pool
         self.by_hash: dict[BlockHash, Block] = {}
@@ -290,18 +291,18 @@ class BlockPool:
 
     def pin(self, block: Block, ttl_s: float) -> bool:
         """Keep a cached block from LRU eviction for ttl_s (a pinned block pinned again keeps the later
-        end); False, pinning nothing, past its scope's pin budget."""
+        end); False, pinning nothing, past its tenant's pin budget."""
         until = self.clock() + ttl_s
         if block.block_hash in self.pins:
             self.pins[block.block_hash] = max(until, self.pins[block.block_hash])
             return True
-        pinned = self.pinned_bytes.get(block.scope, 0)
+        pinned = self.pinned_bytes.get(block.tenant, 0)
         if pinned + block.nbytes > self.pin_budget_bytes:
             self.counters.num_pins_refused += 1
             return False
         self.acquire(block)
         self.pins[block.block_hash] = until
-        self.pinned_bytes[block.scope] = pinned + block.nbytes
+        self.pinned_bytes[block.tenant] = pinned + block.nbytes
         self.counters.num_pinned += 1
         return True
 
@@ -316,9 +317,9 @@ class BlockPool:
 
     def _unpin(self, block: Block) -> None:
         del self.pins[block.block_hash]
-        self.pinned_bytes[block.scope] -= block.nbytes
-        if not self.pinned_bytes[block.scope]:
-            del self.pinned_bytes[block.scope]
+        self.pinned_bytes[block.tenant] -= block.nbytes
+        if not self.pinned_bytes[block.tenant]:
+            del self.pinned_bytes[block.tenant]
         self.release(block)
 
     def _give_up_pins(self, nbytes: int) -> None:
@@ -435,9 +436,9 @@ class BlockPool:
         for block_hash in self.pins:
             block = self.by_hash[block_hash]
             assert block.ref_count >= 1, "a pinned block holds a reference"
-            pinned[block.scope] = pinned.get(block.scope, 0) + block.nbytes
+            pinned[block.tenant] = pinned.get(block.tenant, 0) + block.nbytes
         assert pinned == self.pinned_bytes, (pinned, self.pinned_bytes)
-        assert all(used <= self.pin_budget_bytes for used in pinned.values()), "a scope's pins passed its budget"
+        assert all(used <= self.pin_budget_bytes for used in pinned.values()), "a tenant's pins passed its budget"
         assert self.num_bytes + self.reserved_bytes <= self.budget_bytes, (
             self.num_bytes,
             self.reserved_bytes,

@@ -531,8 +531,8 @@ class PrefixSession:
         return mx.contiguous(x)
 
     def pin(self, num_tokens: int, ttl_s: float) -> int:
-        """Pin the held blocks of the first num_tokens tokens (whole blocks) for ttl_s, within the
-        tenant's pin budget (the scope is this chain's salted root); how many were pinned."""
+        """Pin the held blocks of the first num_tokens tokens (whole blocks) for ttl_s, within their
+        tenant's pin budget (its end users' chains share it); how many were pinned."""
         num_blocks = min(num_tokens // self.cache.block_size, len(self.held))
         pinned = 0
         for block in self.held[:num_blocks]:
@@ -551,7 +551,7 @@ class PrefixSession:
         blocks = self.held[: min(num_tokens // self.cache.block_size, len(self.held))]
         for block in blocks:
             ssd.offer(_spill_request(block, self.cache.block_size))
-        return ssd.pin(self.scope, [(b.block_hash.hex(), b.nbytes) for b in blocks], time.time() + ttl_s)
+        return ssd.pin(self.tenant, [(b.block_hash.hex(), b.nbytes) for b in blocks], time.time() + ttl_s)
 
     def write_to_ssd(self) -> int:
         """Offer every held block to the SSD tier now, past its admission rule: the KV of a preempted

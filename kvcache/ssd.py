@@ -195,6 +195,12 @@ def segments_to_remove(
     return removed
 
 
+# What every tenant's pins may hold together, of the tier's capacity. Pins are counted by their blocks'
+# bytes, and a segment is kept whole while one of its blocks is pinned: half leaves room for the segments'
+# other blocks, and for the unpinned traffic.
+PINNED_SHARE = 0.5
+
+
 @dataclass(frozen=True, slots=True)
 class SsdConfig:
     root: Path
@@ -203,7 +209,7 @@ class SsdConfig:
     queue_blocks: int = 256
     admission: AdmissionPolicy = AdmissionPolicy()
     writer: str = ""  # this process's name among the writers of a shared root ("": the only writer)
-    pin_budget_bytes: int = 0  # what one scope (tenant) may pin on this tier (0: no pins)
+    pin_budget_bytes: int = 0  # what one tenant may pin on this tier (0: no pins); all together at most PINNED_SHARE
     sealer: Sealer | None = None  # seals each block under its tenant's key on the writer thread (None: plain)
 
 
@@ -261,8 +267,10 @@ class SsdTier:
         self.index = SegmentIndex(self.folder / (f"index-{config.writer}.sqlite" if config.writer else "index.sqlite"))
         self.journal_lock = threading.Lock()
         self.journals: dict[str, tuple[int, int]] = {}  # another writer's journal -> (inode, bytes taken in)
-        # Pins (OpenAI prompt_cache_retention "24h"), under `lock`: block -> (scope, bytes, until: time.time());
+        # Pins (OpenAI prompt_cache_retention "24h"), under `lock`: block -> (tenant, bytes, until: time.time());
         # a segment holding a pinned block is neither evicted nor expired. Kept in memory: a restart ends them.
+        # Invariant: a tenant's live pins hold at most pin_budget_bytes, all of them at most PINNED_SHARE of
+        # the capacity (a pinned segment may hold other blocks too: the rest of the capacity has room for them).
         self.pins: dict[str, tuple[str, int, float]] = {}
         self.pending: queue.Queue[SpillRequest | None] = queue.Queue(maxsize=config.queue_blocks)
         self.readers = ThreadPoolExecutor(max_workers=READER_THREADS, thread_name_prefix="strata-ssd-reader")
@@ -382,22 +390,26 @@ class SsdTier:
             return False
         return True
 
-    def pin(self, scope: str, blocks: list[tuple[str, int]], until: float) -> int:
-        """Pin (hex hash, bytes) blocks until `until` (time.time()) within the scope's pin budget, in
-        order, stopping at the first that does not fit; how many were pinned."""
-        budget_bytes = self.config.pin_budget_bytes
+    def pin(self, tenant: str, blocks: list[tuple[str, int]], until: float) -> int:
+        """Pin (hex hash, bytes) blocks until `until` (time.time()) within the tenant's pin budget and
+        every tenant's pins within PINNED_SHARE of the capacity, in order, stopping at the first that
+        does not fit; how many were pinned."""
         with self.lock:
-            used = sum(nbytes for owner, nbytes, _ in self.pins.values() if owner == scope)
+            now = time.time()
+            live = [(owner, nbytes) for owner, nbytes, end in self.pins.values() if end > now]
+            used = sum(nbytes for owner, nbytes in live if owner == tenant)
+            total = sum(nbytes for _, nbytes in live)
+            room = min(self.config.pin_budget_bytes - used, int(self.config.capacity_bytes * PINNED_SHARE) - total)
             pinned = 0
             for hex_hash, nbytes in blocks:
                 if hex_hash in self.pins:
                     owner, held, end = self.pins[hex_hash]
                     self.pins[hex_hash] = (owner, held, max(end, until))
-                elif used + nbytes > budget_bytes:
+                elif nbytes > room:
                     break
                 else:
-                    self.pins[hex_hash] = (scope, nbytes, until)
-                    used += nbytes
+                    self.pins[hex_hash] = (tenant, nbytes, until)
+                    room -= nbytes
                 pinned += 1
             return pinned
 

@@ -140,8 +140,9 @@ def _pinning_pool(budget=500, pin_budget=200, **kwargs):
     return BlockPool(budget, pin_budget_bytes=pin_budget, clock=clock, **kwargs), clock
 
 
-def _cached(pool, i, scope="tenant-a"):
-    block = pool.insert(Block(_h(i), (), 100, scope=scope))
+def _cached(pool, i, tenant="tenant-a", scope=""):
+    """A cached block of `tenant`'s, on the chain `scope` (an end user's own root; the tenant's by default)."""
+    block = pool.insert(Block(_h(i), (), 100, scope=scope or tenant, tenant=tenant))
     pool.release(block)
     return block
 
@@ -178,6 +179,15 @@ def test_each_tenant_pins_within_its_own_budget():
     assert pool.pin(a[0], 60) and pool.pin(a[1], 60) and not pool.pin(a[2], 60)
     assert pool.pin(b[0], 60) and pool.pin(b[1], 60)  # tenant a's pins never spend tenant b's budget
     assert pool.pinned_bytes == {"tenant-a": 200, "tenant-b": 200} and pool.counters.num_pins_refused == 1
+    pool.check()
+
+
+def test_a_tenants_end_users_share_its_pin_budget():
+    """End users kept apart have chain roots of their own: their pins still spend one tenant's budget."""
+    pool, _ = _pinning_pool(budget=1000, pin_budget=200)
+    users = [_cached(pool, i, "tenant-a", scope=f"root-of-user-{i}") for i in range(4)]
+    assert [pool.pin(block, 60) for block in users] == [True, True, False, False]
+    assert pool.pinned_bytes == {"tenant-a": 200}
     pool.check()
 
 

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from kvcache.ssd import AdmissionPolicy, SpillRequest, SsdConfig, SsdTier
+from kvcache.ssd import PINNED_SHARE, AdmissionPolicy, SpillRequest, SsdConfig, SsdTier
 
 NAMESPACE = "model-1|block=4|quant=none"
 
@@ -346,6 +346,16 @@ def test_ssd_pins_stay_within_each_scopes_budget(tmp_path):
     assert tier.pin("tenant-a", [(_hex(1), 100), (_hex(2), 100), (_hex(3), 100), (_hex(4), 100)], until) == 3
     assert tier.pin("tenant-b", [(_hex(5), 300)], until) == 1  # a's pins spend none of b's budget
     assert tier.pin("tenant-a", [(_hex(1), 100)], until + 60) == 1 and tier.pins[_hex(1)][2] == until + 60
+    tier.close()
+
+
+def test_every_tenants_ssd_pins_together_stay_inside_the_capacity(tmp_path):
+    """Five tenants at a budget of 25% each would pin 125% of the tier: together they stop at PINNED_SHARE."""
+    tier = _tier(tmp_path, capacity_bytes=1000, pin_budget_bytes=250)
+    until = time.time() + 3600
+    pinned = [tier.pin(f"tenant-{t}", [(_hex(10 * t + i), 50) for i in range(5)], until) for t in range(5)]
+    assert sum(pinned) * 50 == 1000 * PINNED_SHARE and pinned[0] == 5
+    assert tier.pin("tenant-0", [(_hex(1000), 50)], until) == 0  # past the tenant's own budget too
     tier.close()
 
 
