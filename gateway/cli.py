@@ -103,19 +103,22 @@ def _configure_logging(level: str, log_format: str) -> None:
 
 def _rotate_keys(data_dir: Path, new_key_file: Path) -> int:
     """Wrap the data keys of the key store the environment names (STRATA_KEY_FILE, STRATA_REDIS_URL,
-    STRATA_SECRET_FILE, as the servers see them) under the new key; then restart the servers with
-    STRATA_KEY_FILE pointing at it."""
-    from semantic.store import StoreUnavailable
+    STRATA_SECRET_FILE, as the servers see them) under the new key. Servers may be running: they
+    follow once their STRATA_KEY_FILE holds the new key."""
+    from kvcache.sealing import StoreUnavailable, Unreadable
 
     from .keyring import rotate
     from .settings import settings_from_env
 
     try:
         count = rotate(settings_from_env("demo", data_dir, "127.0.0.1", 0), new_key_file)
-    except (RuntimeError, ValueError, StoreUnavailable) as exc:
-        print(f"strata: keys not rotated: {exc}", file=sys.stderr)
+    except (RuntimeError, ValueError, StoreUnavailable, Unreadable) as exc:
+        print(f"strata: keys not rotated (the key store is unchanged): {exc}", file=sys.stderr)
         return 2
-    print(f"{count} tenant keys wrapped under {new_key_file}; restart the servers with STRATA_KEY_FILE={new_key_file}")
+    print(
+        f"{count} tenant keys wrapped under {new_key_file}; running servers follow once the file their "
+        f"STRATA_KEY_FILE names holds this key (mv {new_key_file} there); start new ones with it"
+    )
     return 0
 
 

@@ -5,6 +5,7 @@ with its types, so each client raises its own exception classes.
 ApiError                      raised by our code with the status it should answer
 litestar HTTPException        mapped (404 route, 405 method, 413 body too large, ...)
 semantic StoreUnavailable     503 store_unavailable (a shared store such as Redis is down; admin routes)
+kvcache KeysRotated           503 key_store_rotated (the key store was rewrapped; the key file not yet)
 the engine refusing a job     engine_refusal(): 503 engine_unavailable, 429 queue_full / tenant_share,
                               400 context_length_exceeded (its KV exceeds the whole memory budget)
 anything else                 500 server_error, logged; the server keeps serving
@@ -18,6 +19,7 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException
 from litestar.types import ExceptionHandler
 
+from kvcache.sealing import KeysRotated
 from semantic import StoreUnavailable
 
 from .engine import EngineStopped, OverBudget, QueueFull
@@ -122,6 +124,10 @@ def _store_unavailable_handler(request: Request, exc: StoreUnavailable) -> Respo
     return _error_response(request, 503, message, "store_unavailable", headers={"Retry-After": "1"})
 
 
+def _keys_rotated_handler(request: Request, exc: KeysRotated) -> Response:
+    return _error_response(request, 503, str(exc), "key_store_rotated", headers={"Retry-After": "5"})
+
+
 def _unexpected_handler(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return _error_response(request, 500, "internal server error", "internal_error")
@@ -130,6 +136,7 @@ def _unexpected_handler(request: Request, exc: Exception) -> Response:
 EXCEPTION_HANDLERS: dict[int | type[Exception], ExceptionHandler] = {
     ApiError: _api_error_handler,
     HTTPException: _http_exception_handler,
+    KeysRotated: _keys_rotated_handler,
     StoreUnavailable: _store_unavailable_handler,
     Exception: _unexpected_handler,
 }

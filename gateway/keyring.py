@@ -4,57 +4,84 @@ response stores, so a tenant purge's shredding takes effect in both at once.
     keyring_for(settings) -> Sealer       Keyring (encryption at rest on) or Plain (off)
     RedisKeys(url)                        the key store of a cluster: one Redis hash, strata:keys
     rotate(settings, new_key_file)        `strata keys rotate`: every data key wrapped under a new key
+                                          (safe while servers run: see below)
 
 Where the data keys live: in Redis with STRATA_REDIS_URL (every replica shares them, as it shares the
 entries), else in `keys.json` beside the server secret (replicas sharing a KV folder share the secret
 file's folder as well). The wrapping key: STRATA_KEY_FILE, else derived from the server secret. A key
 file kept apart from the data dir (a mounted secret) means a copy of the data dir alone opens nothing.
+
+Rotation while servers run: the store is rewrapped in one atomic write, and a key only enters the
+store under the key the store is wrapped under then. A running server keeps every data key it holds
+(they do not change); for another tenant's key it reads its key file again, so replacing the file
+STRATA_KEY_FILE names with the new key (mv, not an edit in place) completes the rotation with no
+restart. Until then those requests get 503 key_store_rotated and the cache layers bypass them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 
-from kvcache.sealing import NO_SEALING, FileKeys, Keyring, Sealer, WrongKey, read_key_file, wrapping_key
+import redis
+
+from kvcache.sealing import CHECK, NO_SEALING, FileKeys, Keyring, Sealer, WrongKey, read_key_file, wrapping_key
 from semantic.redis_store import RedisLink
 
 from .auth import load_server_secret
 from .settings import Settings
 
 KEYS_HASH = "strata:keys"
+ADD_SCRIPT = """
+if ARGV[4] ~= '' and redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[4] then return false end
+redis.call('HSETNX', KEYS[1], ARGV[2], ARGV[3])
+return redis.call('HGET', KEYS[1], ARGV[2])
+"""  # ARGV: the check record's name, tenant, record, the check record the adder knows ('' for none)
 _keyrings: dict[tuple, Sealer] = {}
 _lock = threading.Lock()
 
 
 class RedisKeys:
-    """A key store in one Redis hash (tenant -> record): HSETNX keeps the first key of a tenant."""
+    """A key store in one Redis hash (tenant -> record): an add keeps the first key of a tenant, and
+    only while the check record is the one the adder knows (one Lua script: atomic)."""
 
     def __init__(self, url: str):
         self.link = RedisLink(url)
+        self.add_script = self.link.client.register_script(ADD_SCRIPT)
 
     def get(self, tenant: str) -> bytes | None:
         return self.link.call(self.link.client.hget, KEYS_HASH, tenant)
 
-    def add(self, tenant: str, record: bytes) -> bytes:
-        self.link.call(self.link.client.hsetnx, KEYS_HASH, tenant, record)
-        return self.link.call(self.link.client.hget, KEYS_HASH, tenant)
+    def add(self, tenant: str, record: bytes, check: bytes | None) -> bytes | None:
+        return self.link.call(self.add_script, keys=[KEYS_HASH], args=[CHECK, tenant, record, check or b""])
 
     def delete(self, tenant: str) -> bool:
         return bool(self.link.call(self.link.client.hdel, KEYS_HASH, tenant))
 
     def records(self) -> dict[str, bytes]:
-        return {
-            tenant.decode(): record for tenant, record in self.link.call(self.link.client.hgetall, KEYS_HASH).items()
-        }
+        return _decoded(self.link.call(self.link.client.hgetall, KEYS_HASH))
 
-    def replace_all(self, records: dict[str, bytes]) -> None:
-        def write(pipe) -> None:
-            pipe.delete(KEYS_HASH)
-            pipe.hset(KEYS_HASH, mapping=records)
+    def rewrite(self, change: Callable[[dict[str, bytes]], dict[str, bytes]]) -> dict[str, bytes]:
+        """Read, change and write back under WATCH: a write by anyone in between starts it again."""
 
-        self.link.transaction(write)
+        def run() -> dict[str, bytes]:
+            with self.link.client.pipeline() as pipe:
+                while True:
+                    try:
+                        pipe.watch(KEYS_HASH)
+                        records = change(_decoded(pipe.hgetall(KEYS_HASH)))
+                        pipe.multi()
+                        pipe.delete(KEYS_HASH)
+                        pipe.hset(KEYS_HASH, mapping=records)  # type: ignore[arg-type]  # redis-py's Mapping key type is invariant
+                        pipe.execute()
+                        return records
+                    except redis.WatchError:
+                        continue
+
+        return self.link.call(run)
 
     def version(self) -> object:
         return None  # no cheap test of change: keys are re-read after KEY_CACHE_S
@@ -73,7 +100,7 @@ def keyring_for(settings: Settings) -> Sealer:
         if found is None:
             store = RedisKeys(settings.redis_url) if settings.redis_url else FileKeys(_keys_path(settings))
             try:
-                found = Keyring(store, key)
+                found = Keyring(store, key, reload=partial(_wrapping_key, settings))
             except WrongKey as exc:
                 source = f"the key file {settings.key_file}" if settings.key_file else "the server secret's key"
                 raise RuntimeError(f"{source} does not open the key store at {where[1]}: {exc}") from None
@@ -83,7 +110,7 @@ def keyring_for(settings: Settings) -> Sealer:
 
 def rotate(settings: Settings, new_key_file: Path) -> int:
     """Wrap every tenant's data key under the key in `new_key_file` (the data is not touched); how
-    many keys. Restart the servers with STRATA_KEY_FILE pointing at the new file afterwards."""
+    many keys. Then put the new key where STRATA_KEY_FILE points (running servers read it again)."""
     keyring = keyring_for(settings)
     if not isinstance(keyring, Keyring):
         raise RuntimeError("encryption at rest is off (STRATA_ENCRYPT_AT_REST=0): there are no keys to rotate")
@@ -113,3 +140,16 @@ def _secret_path(settings: Settings) -> Path:
 
 def _keys_path(settings: Settings) -> Path:
     return _secret_path(settings).with_name("keys.json")
+
+
+def _decoded(records: Mapping[bytes | str, bytes | str]) -> dict[str, bytes]:
+    """Redis's hash as tenant -> record (the client answers bytes; its type says bytes or str)."""
+    return {_text(tenant): _bytes(record) for tenant, record in records.items()}
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value.encode() if isinstance(value, str) else value

@@ -7,7 +7,9 @@
       .digest(tenant, data)           -> a keyed hash for lookups by content (HMAC under the data key)
       .shred(tenant)                  the key leaves the store: everything sealed under it is unreadable
                                          at once, wherever a copy of it lies (crypto-shredding)
-      .rewrap(new_wrapping_key)       every data key wrapped again (rotation of the wrapping key)
+      .rewrap(new_wrapping_key)       every data key wrapped again (rotation of the wrapping key); other
+                                         processes follow with their key file read again (KeysRotated
+                                         until it holds the new key)
     Plain()                           the same interface without encryption (encryption at rest off)
     FileKeys(path)                    a key store in one JSON file (next to the data it opens)
 
@@ -31,6 +33,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import Protocol
@@ -53,6 +56,15 @@ class WrongKey(RuntimeError):
     """The wrapping key does not open this key store (another key file, another server secret)."""
 
 
+class StoreUnavailable(Exception):
+    """A store (the key store, or one whose data it opens) cannot be used now; the layer is
+    bypassed, the request still answered."""
+
+
+class KeysRotated(StoreUnavailable):
+    """The key store was rewrapped under a wrapping key this process does not hold (yet)."""
+
+
 class KeyStoreDamaged(RuntimeError):
     """The key store's file does not parse: nothing in it can be trusted or opened."""
 
@@ -64,13 +76,16 @@ class Sealer(Protocol):
 
 
 class KeyStore(Protocol):
-    """tenant -> wrapped key record. `add` keeps the first record of a tenant (another process's may win)."""
+    """tenant -> wrapped key record. `add` keeps the first record of a tenant (another process's may
+    win) and returns the one kept; None, adding nothing, when `check` is given and the store's check
+    record is no longer it (the store was rewrapped under another key). `rewrite` replaces every
+    record by `change(records)` atomically (no add lands between the read and the write); the result."""
 
     def get(self, tenant: str) -> bytes | None: ...
-    def add(self, tenant: str, record: bytes) -> bytes: ...
+    def add(self, tenant: str, record: bytes, check: bytes | None) -> bytes | None: ...
     def delete(self, tenant: str) -> bool: ...
     def records(self) -> dict[str, bytes]: ...
-    def replace_all(self, records: dict[str, bytes]) -> None: ...
+    def rewrite(self, change: Callable[[dict[str, bytes]], dict[str, bytes]]) -> dict[str, bytes]: ...
     def version(self) -> object: ...  # changes whenever the store does (None: cannot tell cheaply)
 
 
@@ -94,17 +109,23 @@ NO_SEALING = Plain()  # the stores' default
 
 
 class Keyring:
-    """Invariant: `keys` holds tenant -> (key id, data key) as the store held them when `fetched`
-    (a time.monotonic()); the store's record is the truth, the cache only saves unwrapping it."""
+    """Invariant: `keys` holds tenant -> (key id, data key) as unwrapped from the store's record;
+    `confirmed[tenant]` says when the store last showed that record: (the file store's version, a
+    time.monotonic()). A key is used unconfirmed while the file is unchanged, or for KEY_CACHE_S
+    with a shared store; then the record is read again: gone (shredded) drops the key, another key
+    id unwraps the new one, the same key id keeps the key without unwrapping it (so a rotation of
+    the wrapping key leaves every key in use working). `wrapper` opens the store's records while
+    the check record is `check_record`; when the store was rewrapped under another key, `reload`
+    (the key file read again) gives the new one."""
 
-    def __init__(self, store: KeyStore, wrapping_key: bytes):
+    def __init__(self, store: KeyStore, wrapping_key: bytes, reload: Callable[[], bytes] | None = None):
         self.store = store
         self.wrapper = AESGCM(wrapping_key)
+        self.reload = reload
         self.lock = threading.Lock()
         self.keys: dict[str, tuple[bytes, bytes]] = {}
-        self.fetched: dict[str, float] = {}
-        self.seen_version = store.version()
-        self.checked = False
+        self.confirmed: dict[str, tuple[object, float]] = {}
+        self.check_record: bytes | None = None
         try:
             self._check()
         except RuntimeError:  # WrongKey, KeyStoreDamaged: start-up must stop here
@@ -137,42 +158,38 @@ class Keyring:
 
     def shred(self, tenant: str) -> bool:
         """The tenant's key out of the store and memory (whether it had one); a new one is made at its next seal."""
-        with self.lock:
-            self.keys.pop(tenant, None)
-            self.fetched.pop(tenant, None)
+        self.forget(tenant)
         return self.store.delete(tenant)
 
     def forget(self, tenant: str) -> None:
         """Drop the cached key (another replica shredded it): the next use asks the store."""
         with self.lock:
             self.keys.pop(tenant, None)
-            self.fetched.pop(tenant, None)
+            self.confirmed.pop(tenant, None)
 
     def rewrap(self, new_wrapping_key: bytes) -> int:
-        """Every data key wrapped under the new key, in one replacement of the store; how many."""
-        records = {}
-        for tenant, record in self.store.records().items():
-            if tenant == CHECK:
-                continue
-            key_id, key = self._unwrap(tenant, record)
-            records[tenant] = wrap(AESGCM(new_wrapping_key), tenant, key_id, key)
-        records[CHECK] = wrap(AESGCM(new_wrapping_key), CHECK, b"\0" * KEY_ID_BYTES, CHECK_TEXT)
-        self.store.replace_all(records)
-        self.wrapper = AESGCM(new_wrapping_key)
-        return len(records) - 1
+        """Every data key wrapped under the new key, in one atomic rewrite of the store (a key added
+        meanwhile is rewrapped too, or added after and refused: see `_add`); how many. Unreadable,
+        and nothing changed, when a record does not open under the key held."""
+        new_wrapper = AESGCM(new_wrapping_key)
+
+        def rewrapped(records: dict[str, bytes]) -> dict[str, bytes]:
+            tenants = [tenant for tenant in records if tenant != CHECK]
+            out = {tenant: wrap(new_wrapper, tenant, *self._unwrap(tenant, records[tenant])) for tenant in tenants}
+            return out | {CHECK: wrap(new_wrapper, CHECK, b"\0" * KEY_ID_BYTES, CHECK_TEXT)}
+
+        written = self.store.rewrite(rewrapped)
+        self.wrapper, self.check_record = new_wrapper, written[CHECK]
+        return len(written) - 1
 
     def _check(self) -> None:
         """WrongKey unless the store's check record opens (written first when the store is new)."""
         record = self.store.get(CHECK)
         if record is None:
-            record = self.store.add(CHECK, wrap(self.wrapper, CHECK, b"\0" * KEY_ID_BYTES, CHECK_TEXT))
-        try:
-            self._unwrap(CHECK, record)
-        except Unreadable:
-            raise WrongKey(
-                "the wrapping key does not open this key store (another key file or server secret)"
-            ) from None
-        self.checked = True
+            record = self.store.add(CHECK, wrap(self.wrapper, CHECK, b"\0" * KEY_ID_BYTES, CHECK_TEXT), None)
+        if record is None or not _opens(self.wrapper, record):
+            raise WrongKey("the wrapping key does not open this key store (another key file or server secret)")
+        self.check_record = record
 
     def _own_key(self, tenant: str) -> tuple[bytes, bytes]:
         found = self._key(tenant, create=True)
@@ -180,35 +197,70 @@ class Keyring:
         return found
 
     def _key(self, tenant: str, create: bool) -> tuple[bytes, bytes] | None:
-        if not self.checked:
+        if self.check_record is None:
             self._check()
+        version = self.store.version()
         with self.lock:
-            self._drop_stale()
-            if tenant in self.keys:
+            if self._fresh(tenant, version):
                 return self.keys[tenant]
+            cached = self.keys.get(tenant)
         record = self.store.get(tenant)
         if record is None and create:
-            key_id, key = secrets.token_bytes(KEY_ID_BYTES), secrets.token_bytes(32)
-            record = self.store.add(tenant, wrap(self.wrapper, tenant, key_id, key))
+            record = self._add(tenant)
         if record is None:
+            self.forget(tenant)
             return None
-        found = self._unwrap(tenant, record)
+        found = cached if cached is not None and cached[0] == record[:KEY_ID_BYTES] else self._unwrapped(tenant, record)
         with self.lock:
-            self.keys[tenant], self.fetched[tenant] = found, time.monotonic()
+            self.keys[tenant], self.confirmed[tenant] = found, (version, time.monotonic())
         return found
 
-    def _drop_stale(self) -> None:
-        """The caller holds the lock. A file store: drop all when the file changed; a shared store:
-        drop keys fetched more than KEY_CACHE_S ago."""
-        version = self.store.version()
-        if version is not None:
-            if version != self.seen_version:
-                self.keys, self.fetched, self.seen_version = {}, {}, version
-            return
-        now = time.monotonic()
-        for tenant in [t for t, at in self.fetched.items() if now - at > KEY_CACHE_S]:
-            self.keys.pop(tenant, None)
-            self.fetched.pop(tenant, None)
+    def _fresh(self, tenant: str, version: object) -> bool:
+        """The caller holds the lock. Whether the cached key may be used without asking the store."""
+        if tenant not in self.confirmed:
+            return False
+        seen_version, at = self.confirmed[tenant]
+        return version == seen_version if version is not None else time.monotonic() - at <= KEY_CACHE_S
+
+    def _add(self, tenant: str) -> bytes:
+        """A new key for the tenant, wrapped under the key the store is wrapped under now; the
+        record the store keeps (another process's may win). Never a record under a key the store
+        left: the store refuses an add made against an old check record (`KeyStore.add`)."""
+        key_id, key = secrets.token_bytes(KEY_ID_BYTES), secrets.token_bytes(32)
+        for _ in range(3):
+            record = self.store.add(tenant, wrap(self.wrapper, tenant, key_id, key), self.check_record)
+            if record is not None:
+                return record
+            self._follow_rotation()
+        raise KeysRotated("the key store keeps being rewrapped: retry")
+
+    def _unwrapped(self, tenant: str, record: bytes) -> tuple[bytes, bytes]:
+        try:
+            return self._unwrap(tenant, record)
+        except Unreadable:
+            if not self._follow_rotation():
+                raise
+        return self._unwrap(tenant, record)
+
+    def _follow_rotation(self) -> bool:
+        """After a record failed to open or an add was refused: True when the store was rewrapped
+        under the key `reload` now gives (held from here on); False when the store still opens under
+        the key held (the record itself is bad). KeysRotated when it opens under neither."""
+        record = self.store.get(CHECK)
+        if record is not None and _opens(self.wrapper, record):
+            self.check_record = record
+            return False
+        try:
+            new_wrapper = AESGCM(self.reload()) if self.reload is not None else None
+        except (OSError, ValueError, RuntimeError) as exc:  # a key file being replaced, unreadable
+            raise KeysRotated(f"the key store was rewrapped and the key file cannot be read now: {exc}") from None
+        if record is None or new_wrapper is None or not _opens(new_wrapper, record):
+            raise KeysRotated(
+                "the key store was rewrapped under another wrapping key (strata keys rotate): "
+                "put the new key in the file STRATA_KEY_FILE names, which this server reads again"
+            )
+        self.wrapper, self.check_record = new_wrapper, record
+        return True
 
     def _unwrap(self, tenant: str, record: bytes) -> tuple[bytes, bytes]:
         key_id, nonce, wrapped = record[:KEY_ID_BYTES], record[KEY_ID_BYTES : KEY_ID_BYTES + NONCE_BYTES], record[20:]
@@ -216,6 +268,14 @@ class Keyring:
             return key_id, self.wrapper.decrypt(nonce, wrapped, _wrapped_for(tenant, key_id))
         except InvalidTag:
             raise Unreadable(f"the key record of {tenant!r} does not open under the wrapping key") from None
+
+
+def _opens(wrapper: AESGCM, check_record: bytes) -> bool:
+    key_id, nonce = check_record[:KEY_ID_BYTES], check_record[KEY_ID_BYTES : KEY_ID_BYTES + NONCE_BYTES]
+    try:
+        return wrapper.decrypt(nonce, check_record[20:], _wrapped_for(CHECK, key_id)) == CHECK_TEXT
+    except InvalidTag:
+        return False
 
 
 @lru_cache(maxsize=1024)
@@ -273,9 +333,11 @@ class FileKeys:
     def get(self, tenant: str) -> bytes | None:
         return self.records().get(tenant)
 
-    def add(self, tenant: str, record: bytes) -> bytes:
+    def add(self, tenant: str, record: bytes, check: bytes | None) -> bytes | None:
         with self._locked():
             records = self.records()
+            if check is not None and records.get(CHECK) != check:
+                return None
             if tenant not in records:
                 records[tenant] = record
                 self._write(records)
@@ -301,9 +363,11 @@ class FileKeys:
                 "afresh (every tenant's stored data then becomes unreadable)"
             ) from None
 
-    def replace_all(self, records: dict[str, bytes]) -> None:
+    def rewrite(self, change: Callable[[dict[str, bytes]], dict[str, bytes]]) -> dict[str, bytes]:
         with self._locked():
+            records = change(self.records())
             self._write(records)
+            return records
 
     def version(self) -> object:
         try:

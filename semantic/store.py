@@ -24,12 +24,9 @@ from pathlib import Path
 from typing import Protocol
 
 from kvcache.sealing import NO_SEALING, Sealer, Unreadable
+from kvcache.sealing import StoreUnavailable as StoreUnavailable  # the stores' one "cannot be used now" error
 
 from .owners import Owner, OwnerTable, Selector
-
-
-class StoreUnavailable(Exception):
-    """The store cannot be reached now; the layer is bypassed, the request still answered."""
 
 
 @dataclass(frozen=True, slots=True)

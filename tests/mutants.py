@@ -849,7 +849,7 @@ MUTANTS = (
     Mutant(
         "a pin spends another tenant's budget",
         "kvcache/pool.py",
-        "pinned = self.pinned_bytes.get(block.scope, 0)",
+        "pinned = self.pinned_bytes.get(block.tenant, 0)",
         "pinned = sum(self.pinned_bytes.values())",
         ("tests/kvcache/test_pool.py::test_each_tenant_pins_within_its_own_budget",),
     ),

@@ -6,10 +6,12 @@ across tenants and nothing after them is."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,7 +33,7 @@ from semantic.owners import tenant_of
 from tests.conftest import TINY
 from tests.gateway.test_live_server import LiveServer
 
-KEYS = {"acme": "key-acme", "globex": "key-globex"}
+KEYS = {"acme": "key-acme", "globex": "key-globex", "initech": "key-initech"}  # initech: the rotation test's
 ENV = {
     "STRATA_API_KEYS": "key-acme:acme,key-globex:globex",
     "STRATA_ADMIN_KEY": "admin-key",
@@ -178,14 +180,24 @@ def _redis_values(client) -> list[bytes]:
 
 
 def _owned_blocks(folder: Path, namespace: str, tenant: str, served: bool = False) -> list[str]:
-    """The tenant's blocks in a KV folder (served: only those its requests stored, not the seeded)."""
+    """The blocks in a KV folder sealed under the tenant's own key (served: only those its requests
+    stored, not the seeded). A declared public prefix's blocks the tenant also owns are sealed under
+    the public key: they stay readable after its purge, for the other tenants sharing them."""
     blocks = []
     for path in folder.rglob("seg-*.safetensors"):
         described = describe(path, namespace)
+        sealed_for = _sealing_tenants(path) if described is not None else {}
         for block, owners in described[1].items() if described is not None else ():
             mine = [o for o in owners if tenant_of(o) == tenant and not (served and "seeded" in o)]
-            blocks += [block] if mine else []
+            blocks += [block] if mine and sealed_for[block] == tenant else []
     return blocks
+
+
+def _sealing_tenants(path: Path) -> dict[str, str]:
+    """hash -> the tenant whose key seals the block, from a segment's header."""
+    with open(path, "rb") as file:
+        header = json.loads(file.read(int.from_bytes(file.read(8), "little")))
+    return {block["hash"]: block["tenant"] for block in json.loads(header["__metadata__"]["blocks"])}
 
 
 def test_a_tenant_purge_shreds_its_key_at_once_and_reclaims_the_files_later(server, tiny_model_path, tmp_path):
@@ -243,6 +255,89 @@ def test_the_wrapping_key_rotates_and_a_wrong_or_missing_key_file_stops_start_up
     assert wrong.returncode == 2 and "does not open the key store" in wrong.stderr, wrong.stderr
     missing = _cli("serve", "--model", str(tiny_model_path), "--data-dir", str(data_dir), key_file="/nonexistent/k")
     assert missing.returncode == 2 and "/nonexistent/k cannot be read" in missing.stderr, missing.stderr
+
+
+ROTATION_ENV = ENV | {"STRATA_API_KEYS": "key-acme:acme,key-globex:globex,key-initech:initech"}
+
+
+def test_keys_rotate_while_the_server_runs_under_load_and_no_tenant_is_left_half_wrapped(tiny_model_path, tmp_path):
+    data_dir, key_file, new_key = tmp_path / "data", tmp_path / "current.key", tmp_path / "new.key"
+    key_file.write_text(os.urandom(32).hex())
+    new_key.write_text(os.urandom(32).hex())
+    env = ROTATION_ENV | {"STRATA_KEY_FILE": str(key_file)}
+    live = LiveServer(tiny_model_path, data_dir, env)
+    try:
+        globex_id = _store_response(live, "globex", "Describe the lamp room.")  # a key this server held
+    finally:
+        assert live.stop()
+    live = LiveServer(tiny_model_path, data_dir, env)  # a fresh process: globex's key not in memory
+    try:
+        acme_id = _store_response(live, "acme", "Describe the fog bell.")
+        with _Load(live) as load:  # acme's chats and stored responses all along
+            rotated = _cli(
+                "keys", "rotate", "--new-key-file", str(new_key), "--data-dir", str(data_dir), key_file=str(key_file)
+            )
+            assert rotated.returncode == 0, rotated.stderr
+            assert _get_response(live, "acme", acme_id).status_code == 200  # the keys it holds did not change
+            waiting = _get_response(live, "globex", globex_id)
+            assert waiting.status_code == 503 and waiting.json()["error"]["code"] == "key_store_rotated"
+            first_seen = _ask(live, "initech", QUESTION)  # a tenant first seen now is answered, its caches bypassed
+            assert first_seen.status_code == 200
+            os.replace(new_key, key_file)  # the operator puts the new key in place: no restart
+            assert _get_response(live, "globex", globex_id).status_code == 200
+            initech_id = _store_response(live, "initech", "Describe the keeper's cottage.")
+            assert _ask(live, "initech", QUESTION).headers["x-cache-layer"] == "engine"  # written this time
+        assert load.statuses and set(load.statuses) == {200}, load.statuses
+    finally:
+        assert live.stop()
+    live = LiveServer(tiny_model_path, data_dir, env)  # restarted with the new key: every tenant opens
+    try:
+        for tenant, response_id in (("acme", acme_id), ("globex", globex_id), ("initech", initech_id)):
+            assert _get_response(live, tenant, response_id).status_code == 200, tenant
+        assert _ask(live, "initech", QUESTION).headers["x-cache-layer"] == "exact"
+    finally:
+        assert live.stop()
+
+
+def _store_response(server, tenant: str, text: str) -> str:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS[tenant], max_retries=0)
+    return client.responses.create(model=TINY, input=text, max_output_tokens=6, store=True).id
+
+
+def _get_response(server, tenant: str, response_id: str) -> httpx.Response:
+    auth = {"Authorization": f"Bearer {KEYS[tenant]}"}
+    return httpx.get(f"{server.url}/v1/responses/{response_id}", headers=auth, timeout=30)
+
+
+class _Load:
+    """acme's traffic in a thread while the block runs: varied chats and stored responses."""
+
+    def __init__(self, server):
+        self.server, self.statuses, self.done = server, [], threading.Event()
+        self.thread = threading.Thread(target=self._run)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.done.set()
+        self.thread.join(60)
+
+    def _run(self) -> None:
+        auth = {"Authorization": f"Bearer {KEYS['acme']}"}
+        with httpx.Client(base_url=self.server.url, headers=auth, timeout=60) as client:
+            n = 0
+            while not self.done.is_set():
+                n += 1
+                chat = {
+                    "model": TINY,
+                    "messages": [{"role": "user", "content": f"Log entry {n % 3}?"}],
+                    "max_tokens": 4,
+                }
+                self.statuses.append(client.post("/v1/chat/completions", json=chat).status_code)
+                stored = {"model": TINY, "input": f"Note {n}.", "max_output_tokens": 4, "store": True}
+                self.statuses.append(client.post("/v1/responses", json=stored).status_code)
 
 
 def _cli(*args: str, key_file: str | None = None) -> subprocess.CompletedProcess:

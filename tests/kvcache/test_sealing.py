@@ -3,6 +3,8 @@ by processes, rotation of the wrapping key, SSD segments sealed per tenant, and 
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -13,7 +15,17 @@ import pytest
 
 from kvcache.chain import ExtraSpan, Roots, hash_blocks, public_blocks
 from kvcache.keys import PUBLIC_SALT, chain_root, rejoin, tenant_salt
-from kvcache.sealing import FileKeys, Keyring, KeyStoreDamaged, Plain, Unreadable, WrongKey, read_key_file
+from kvcache.sealing import (
+    CHECK,
+    FileKeys,
+    Keyring,
+    KeysRotated,
+    KeyStoreDamaged,
+    Plain,
+    Unreadable,
+    WrongKey,
+    read_key_file,
+)
 from kvcache.ssd import AdmissionPolicy, SpillRequest, SsdConfig, SsdTier
 
 KEY, OTHER_KEY = bytes(range(32)), bytes(range(1, 33))
@@ -79,6 +91,71 @@ def test_rotating_the_wrapping_key_keeps_the_data_and_retires_the_old_key(tmp_pa
     assert bytes(KEY).hex() not in (tmp_path / "keys.json").read_text()
     with pytest.raises(WrongKey):
         _keyring(tmp_path, KEY)
+
+
+def test_a_running_process_follows_a_rotation_once_its_key_file_holds_the_new_key(tmp_path):
+    key_file = [KEY]  # what the running process's key file holds
+    running = Keyring(FileKeys(tmp_path / "keys.json"), KEY, reload=lambda: key_file[0])
+    acme = running.seal("acme", b"p", b"acme data")
+    globex = _keyring(tmp_path).seal("globex", b"p", b"globex data")  # a key the running process never unwrapped
+    assert _keyring(tmp_path).rewrap(OTHER_KEY) == 2  # `strata keys rotate` in another process
+
+    assert running.open("acme", b"p", acme) == b"acme data"  # the data keys it holds did not change
+    assert running.open("acme", b"p", running.seal("acme", b"p", b"more")) == b"more"
+    with pytest.raises(KeysRotated):
+        running.open("globex", b"p", globex)  # its record opens only under the new key
+    with pytest.raises(KeysRotated):
+        running.seal("initech", b"p", b"x")  # never a new key wrapped under the old one
+    assert set(FileKeys(tmp_path / "keys.json").records()) == {CHECK, "acme", "globex"}
+
+    key_file[0] = OTHER_KEY  # the operator puts the new key in place
+    assert running.open("globex", b"p", globex) == b"globex data"
+    initech = running.seal("initech", b"p", b"initech data")
+    assert _keyring(tmp_path, OTHER_KEY).open("initech", b"p", initech) == b"initech data"
+
+
+def test_a_key_added_while_the_store_is_rewrapped_is_never_left_under_the_old_key(tmp_path):
+    class RotatedJustBeforeTheAdd(FileKeys):  # the rotation lands between the wrap and the add
+        def add(self, tenant, record, check):
+            if tenant == "initech" and not rotated:
+                rotated.append(_keyring(tmp_path).rewrap(OTHER_KEY))
+            return super().add(tenant, record, check)
+
+    rotated: list[int] = []
+    running = Keyring(RotatedJustBeforeTheAdd(tmp_path / "keys.json"), KEY, reload=lambda: OTHER_KEY)
+    running.seal("acme", b"p", b"x")
+    sealed = running.seal("initech", b"p", b"initech data")
+    assert rotated == [1]
+    assert _keyring(tmp_path, OTHER_KEY).open("initech", b"p", sealed) == b"initech data"
+
+
+def test_keys_created_during_rotations_all_open_under_the_final_key(tmp_path):
+    keys = [bytes([n]) * 32 for n in range(1, 5)]
+    running = Keyring(FileKeys(tmp_path / "keys.json"), keys[0], reload=lambda: current[0])
+    current = [keys[0]]
+    sealed: dict[str, bytes] = {}
+
+    def rotate_three_times() -> None:
+        for old, new in itertools.pairwise(keys):
+            Keyring(FileKeys(tmp_path / "keys.json"), old).rewrap(new)
+            current[0] = new
+
+    def add_tenants() -> None:
+        for n in range(60):
+            # a seal that read the key file just before it changed is refused by the store
+            with contextlib.suppress(KeysRotated):
+                sealed[f"t{n}"] = running.seal(f"t{n}", b"p", b"%d" % n)
+
+    threads = [threading.Thread(target=rotate_three_times), threading.Thread(target=add_tenants)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    final = _keyring(tmp_path, keys[-1])
+    assert len(sealed) >= 30
+    assert all(final.open(tenant, b"p", blob) == tenant[1:].encode() for tenant, blob in sealed.items())
+    stored = FileKeys(tmp_path / "keys.json").records()
+    assert all(final._unwrap(tenant, record) for tenant, record in stored.items() if tenant != CHECK)
 
 
 def test_a_wrong_wrapping_key_is_refused_before_anything_is_read(tmp_path):
