@@ -141,7 +141,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"strata: {exc}", file=sys.stderr)
         return 2
     _configure_logging(args.log_level, settings.log_format)
+    from .engine import map_large_allocations
     from .keyring import keyring_for
+
+    map_large_allocations()  # what one large request allocates goes back to the system after it
 
     try:
         keyring_for(settings)

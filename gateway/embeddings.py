@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import ctypes
-import ctypes.util
 import threading
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
@@ -35,7 +33,7 @@ import numpy as np
 from semantic import MiniLMEmbedder
 
 from .chat import deadline_error
-from .engine import Embedded, Engine
+from .engine import Embedded, Engine, return_heap
 from .errors import ENGINE_REFUSALS, ApiError, bad_request, engine_refusal, refuse_unless_serving
 from .settings import Limits, Settings
 from .shapes import ANY, INT, STR, Checked, Obj, check
@@ -186,7 +184,7 @@ class Embeddings:
             raise deadline_error(self.settings.request_timeout_s) from None
         finally:
             if len(texts) > CHUNK_TEXTS:  # bulk work: hand the heap it freed back
-                await anyio.to_thread.run_sync(_return_memory)
+                await anyio.to_thread.run_sync(return_heap)  # torch's activations for thousands of texts
         return vectors, sum(min(count, embedder.max_tokens) for count in counts)  # what the model reads
 
     async def _counted_tokens(self, embedder: MiniLMEmbedder, texts: list[str], tenant: str) -> list[int]:
@@ -242,17 +240,6 @@ class Embeddings:
         if not isinstance(event, Embedded):
             raise ApiError(503, getattr(event, "message", "embedding failed"), "engine_unavailable")
         return event.vectors, sum(len(ids) for ids in texts)
-
-
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
-
-
-def _return_memory() -> None:
-    """Give the heap that bulk work freed back to the system (glibc's malloc_trim; elsewhere nothing):
-    torch's activations for thousands of texts are freed but would stay in the process."""
-    trim = getattr(_LIBC, "malloc_trim", None)
-    if trim is not None:
-        trim(0)
 
 
 def _encoded(vector: np.ndarray, as_base64: bool) -> list[float] | str:

@@ -47,9 +47,10 @@ def load_image(url: str, settings: Settings, param: str) -> DecodedImage:
     raise bad_request(f"{param}: unsupported image URL scheme", "invalid_image_url", param)
 
 
-def load_video(url: str, settings: Settings, param: str) -> DecodedVideo:
+def load_video(url: str, settings: Settings, param: str, num_videos: int = 1) -> DecodedVideo:
     """A video_url part: data: URLs always, file URLs under the allowed folder (as images); frames
-    sampled at the settings' rate and bounded in count, duration, pixels and bytes."""
+    sampled at the settings' rate and bounded in count, duration, pixels and bytes; the request's
+    frame-pixel budget is shared equally by its `num_videos` clips."""
     bounds = settings.limits
     limits = VideoLimits(
         bounds.max_video_bytes,
@@ -57,6 +58,9 @@ def load_video(url: str, settings: Settings, param: str) -> DecodedVideo:
         bounds.max_video_frames,
         bounds.max_video_seconds,
         bounds.video_sample_fps,
+        max_total_pixels=bounds.max_video_pixels // num_videos,
+        max_fps=bounds.max_video_fps,
+        max_decode_pixels=bounds.max_video_decode_pixels,
     )
     try:
         if url.startswith("data:"):

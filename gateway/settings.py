@@ -46,6 +46,13 @@ class Limits:
     max_video_seconds: float = 120.0  # from the container's header, before any frame is decoded
     max_video_frames: int = 32  # frames sampled at video_sample_fps; a longer clip is refused, never cut
     video_sample_fps: float = 2.0  # frames taken per second of video (Qwen's processors assume 2)
+    # the sampled frames of all a request's videos together (each clip gets an equal share; frames
+    # are shrunk to it as they are decoded): 16 Mpx is 32 frames of ~724x724, what Qwen's processors keep
+    max_video_pixels: int = 16 * 1024 * 1024
+    max_video_fps: float = 240.0  # declared frame rate: a 40,000 fps clip is refused before decoding
+    # pixels one clip's decoding goes through to reach its last sample (frames between samples are
+    # decoded too): 2^33 is 34 s of 4K at 30 fps, or all of a 120 s 1080p clip
+    max_video_decode_pixels: int = 1 << 33
     # prompt + answer of one request; None: the model's own context (its config), never more than
     # the KV budget holds for one sequence (Engine.context_tokens)
     max_context_tokens: int | None = None

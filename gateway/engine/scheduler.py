@@ -168,16 +168,29 @@ class Scheduler:
         plan = StepPlan()
         decoding = any(sequence.decoding for sequence in self.running)
         budget = self.limits.step_tokens if decoding else max(self.limits.step_tokens, ALONE_STEP_TOKENS)
+        reserve = self._admission_reserve(budget)
         for sequence in sorted(self.running, key=lambda s: s.order):  # oldest first: victims come later
             if sequence.status is not Status.RUNNING:
                 continue  # preempted while an older one grew
-            num_tokens = self._tokens_for(sequence, budget)
+            num_tokens = self._tokens_for(sequence, budget - reserve)
             if num_tokens and self._grow(sequence, num_tokens, plan):
                 self._add(plan, sequence, num_tokens)
                 budget -= num_tokens if not sequence.decoding else 0
-        self._admit(plan, budget, block, timeout_s)
+        self._admit(plan, max(budget, reserve), block, timeout_s)
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))
         return plan
+
+    def _admission_reserve(self, budget: int) -> int:
+        """Prompt tokens of this step kept for requests not yet running, while any waits and a place
+        is free: a quarter of the budget (whole blocks). Without it, long prompts under way (two
+        96-tool agent requests: ~11,000 tokens each) took every step's budget and another tenant's
+        two-line chat waited 16.7 s to start; with it, a short prompt starts at the next step and a
+        long new one moves on beside those under way."""
+        waiting = self.preempted or self.memory_wait is not None or self.waiting.qsize()
+        if not waiting or len(self.running) >= self.limits.max_num_seqs:
+            return 0
+        block = self.limits.block_tokens
+        return max(block, budget // 4 // block * block)
 
     def _tokens_for(self, sequence: Sequence, budget: int) -> int:
         """A decoding sequence: its pending token and its drafts. A prompt: what is left, or the largest whole

@@ -103,6 +103,16 @@ def test_image_blocks_base64_and_the_count_includes_the_image(server):
     assert _adds_up(message.usage) == counted > without.input_tokens + 1  # the image's tokens are in the count
 
 
+def test_counting_text_that_cannot_fit_the_context_is_refused_before_tokenising(server):
+    client = _client(server)
+    start = time.perf_counter()
+    with pytest.raises(anthropic.BadRequestError) as refused:  # 3.9 MB took 12.3 s of CPU to count
+        client.messages.count_tokens(model=TINY, messages=[{"role": "user", "content": "word " * 800_000}])
+    assert time.perf_counter() - start < 2 and "context" in str(refused.value)
+    fits = client.messages.count_tokens(model=TINY, messages=[{"role": "user", "content": "word " * 2000}])
+    assert 2000 < fits.input_tokens < 5000  # counted (this tokenizer splits "word " in two)
+
+
 def test_forced_tool_use_streams_input_json_and_round_trips(server):
     client = _client(server)
     ask = [{"role": "user", "content": "Read the README"}]

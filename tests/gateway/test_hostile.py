@@ -11,10 +11,12 @@ import base64
 import json
 
 import httpx
+import numpy as np
 import pytest
 
 from tests.conftest import TINY, png_data_url
 from tests.gateway.test_live_server import ADMIN, LiveServer
+from vision.video import encode_test_video
 
 CHAT = "/v1/chat/completions"
 BASE = {"model": TINY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
@@ -409,7 +411,38 @@ def _message_cases() -> list[tuple]:
     cases.append(
         ("status-flood", "POST", CHAT, {}, {**BASE, "messages": [{"role": "user", "content": "status " * 10_000}]})
     )
-    return cases
+    return cases + _video_cases()
+
+
+def _video_cases() -> list[tuple]:
+    """Bombs and lies per media type: a video_url part each (the tiny model's family takes video)."""
+    small = [np.zeros((32, 32, 3), np.uint8)] * 40
+    clips = {
+        "frame-rate-bomb": encode_test_video(small, fps=40_000.0),  # 40,000 fps: refused from its header
+        "truncated": encode_test_video(small, fps=4.0)[:600],
+        "an-image": base64.b64decode(PNG.split(",", 1)[1]),
+        "garbage": b"\x00\x00\x00\x18ftypmp42" + b"\xff" * 4000,
+    }
+    urls = {name: "data:video/mp4;base64," + base64.b64encode(clip).decode() for name, clip in clips.items()}
+    urls |= {"image-media-type": "data:image/png;base64,AAAA", "file-outside": "file:///etc/passwd"}
+    return [
+        (
+            f"video-{name}",
+            "POST",
+            CHAT,
+            {},
+            {
+                **BASE,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "?"}],
+                    }
+                ],
+            },
+        )
+        for name, url in urls.items()
+    ]
 
 
 def _raw_cases() -> list[tuple]:

@@ -126,6 +126,25 @@ def test_decode_rows_run_every_step_beside_a_long_prompt():
         _execute(scheduler, plan)
 
 
+def test_a_short_prompt_starts_at_the_next_step_beside_long_prompts_under_way():
+    """Long prompts under way leave a quarter of the budget to requests waiting to start (before,
+    two 11,000-token agent prompts kept another tenant's short chat waiting until both were in)."""
+    scheduler, _ = _scheduler(step_tokens=128)
+    decoding = _submit(scheduler, 10, max_tokens=500)
+    _execute(scheduler, scheduler.schedule())
+    longs = [_submit(scheduler, 11_000, tenant=b"agent") for _ in range(2)]
+    for _ in range(3):
+        _execute(scheduler, scheduler.schedule())
+    short = _submit(scheduler, 20, tenant=b"b")
+    plan = scheduler.schedule()
+    assert plan.admitted == [short] and (short, 20) in plan.chunks and plan.decode == [decoding]
+    assert all(sequence in [s for s, _ in plan.chunks] for sequence in longs)  # they move on too
+    assert sum(n for _, n in plan.chunks) <= 128 + BLOCK
+    _execute(scheduler, plan)
+    plan = scheduler.schedule()  # nobody waits: the long prompts take the whole budget again
+    assert [n for _, n in plan.chunks] == [128, BLOCK]  # (every prompt moves on by a block at least)
+
+
 def test_a_prompt_with_a_cached_prefix_runs_only_the_rest():
     scheduler, _ = _scheduler(step_tokens=512, cached=96)
     sequence = _submit(scheduler, 100)

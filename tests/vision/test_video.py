@@ -1,6 +1,7 @@
 """Video payloads: frames sampled at the stated rate, hashed by pixels, every bound a coded error."""
 
 import base64
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -41,6 +42,10 @@ def test_one_changed_frame_changes_the_videos_hash():
         (_frames(24), 1.0, LIMITS, "video_too_long", "10 s"),  # 24 s
         (_frames(20), 2.0, LIMITS, "video_too_many_frames", "16 frames"),  # 10 s: 20 frames sampled
         (_frames(4, height=600, width=800), 2.0, LIMITS, "video_too_large", "307200 pixels"),
+        # a frame-rate bomb: refused from the header, before one of its frames is decoded
+        (_frames(40, height=32, width=32), 40_000.0, LIMITS, "video_frame_rate_too_high", "limit is 240"),
+        # reaching the last sample decodes 9 frames of 64x48 (every frame at 4 fps, sampled at 2)
+        (_frames(10), 4.0, replace(LIMITS, max_decode_pixels=8 * 64 * 48), "video_too_costly", "9 frames"),
     ],
 )
 def test_a_video_past_a_limit_is_refused_with_the_limit_named(frames, fps, limits, code, named):
@@ -63,3 +68,18 @@ def test_undecodable_or_oversized_payloads_are_refused():
     with pytest.raises(VideoError) as refused:
         decode_video_bytes(encode_test_video(_frames(8)), small)
     assert refused.value.code == "video_too_large"
+
+
+def test_frames_are_shrunk_to_the_clips_pixel_budget_as_they_are_decoded():
+    frames = _frames(4, height=600, width=800)
+    limits = replace(LIMITS, max_pixels=10**6, max_total_pixels=4 * 120_000)
+    video = decode_video_bytes(encode_test_video(frames, 2.0), limits)
+    assert len(video.frames) == 4
+    for frame in video.frames:  # aspect kept, within the share, not shrunk more than needed
+        assert frame.width * frame.height <= 120_000 < (frame.width + 2) * (frame.height + 2)
+        assert abs(frame.width / frame.height - 800 / 600) < 0.01
+    assert (video.width, video.height) == video.frames[0].size
+    again = decode_video_bytes(encode_test_video(frames, 2.0), limits)
+    assert again.pixel_hash == video.pixel_hash  # the shrinking is deterministic: caches still hit
+    whole = decode_video_bytes(encode_test_video(frames, 2.0), replace(limits, max_total_pixels=10**7))
+    assert whole.frames[0].size == (800, 600)
