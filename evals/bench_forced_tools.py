@@ -80,7 +80,7 @@ def run(model: str, num_tools: int) -> tuple[list[float], list[float], list[floa
                 threads = [threading.Thread(target=_forced, args=(client, tools, n, heavy)) for n in range(2)]
                 for thread in threads:
                     thread.start()
-                during = []
+                during: list[float] = []
                 while any(thread.is_alive() for thread in threads):
                     during.append(_chat(client, f"Say hello again, number {len(during)}."))
                 for thread in threads:
