@@ -12,9 +12,11 @@ forever, and a few hundred of them fill the connection cap for everyone. `Guarde
   the connection is closed;
 - a body deadline: headers and body together within `http_read_timeout_s` (default 30 s). Time spent
   answering is not counted: a long stream is never cut;
-- a per-client cap: one client address may hold `max_connections_per_client` open connections; one
-  more is answered 429 and closed before it can hold anything (0: no cap, as behind a proxy, where
-  every client is the proxy and the proxy caps each client itself);
+- a per-client cap: one client address may hold `max_connections_per_client` open connections; a
+  connection past it is given OVER_CAP_HEADER_S to send its headers, then a health check is answered
+  and anything else gets 429 and is closed, so a liveness probe from a host that also holds hundreds
+  of slow connections is never refused (0: no cap, as behind a proxy, where every client is the
+  proxy and the proxy caps each client itself);
 - health checks whatever the cap: GET /health, /healthz and /health/ready are served even when the
   open connections exceed `limit_concurrency` (everything else then gets uvicorn's 503).
 In front of several replicas HAProxy adds its own `timeout http-request` (deploy/haproxy).
@@ -36,21 +38,26 @@ from .settings import Settings
 MAX_HEADER_BYTES = 64 * 1024  # one request's headers; larger answer 400 (uvicorn's h11 bound)
 GRACEFUL_SHUTDOWN_S = 10
 HEALTH_PATHS = frozenset({"/health", "/healthz", "/health/ready"})
+OVER_CAP_HEADER_S = 1.0  # a connection past its client's cap: a probe sends its request at once
 _REQUEST_RECEIVED = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR, h11.SWITCHED_PROTOCOL)
 _TOO_MANY = (
     b'{"error": {"message": "too many open connections from this client", "type": "rate_limit_error", '
     b'"code": "too_many_connections", "param": null}}'
 )
-TOO_MANY_RESPONSE = (
-    b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nconnection: close\r\n"
-    b"retry-after: 1\r\ncontent-length: " + str(len(_TOO_MANY)).encode() + b"\r\n\r\n" + _TOO_MANY
-)
+
+
+async def _too_many_connections(scope, receive, send) -> None:
+    """The ASGI answer to a request (not a health check) on a connection past its client's cap."""
+    headers = [(b"content-type", b"application/json"), (b"connection", b"close"), (b"retry-after", b"1")]
+    await send({"type": "http.response.start", "status": 429, "headers": headers})
+    await send({"type": "http.response.body", "body": _TOO_MANY})
 
 
 class GuardedProtocol(H11Protocol):
     """uvicorn's h11 protocol with the deadlines and caps above; the class attributes are set per
     server by `guarded_protocol`. Invariants: `per_client[host]` counts this server's open
-    connections from `host` that were admitted (the refused one is never counted); while a request is
+    connections from `host` within the cap (one past it is never counted: it may only ask for a health
+    check, answered or closed within OVER_CAP_HEADER_S); while a request is
     being received a deadline runs (`waiting_for` is set), and `request_started` is when its first
     byte came (on a kept-alive connection, not the connection's first request: its headers and body
     may arrive in one read or many)."""
@@ -67,9 +74,11 @@ class GuardedProtocol(H11Protocol):
         self.request_started = time.monotonic()
         self.host = self.client[0] if self.client else ""
         self.counted = not self.max_per_client or self.per_client[self.host] < self.max_per_client
-        if not self.counted:
-            transport.write(TOO_MANY_RESPONSE)
-            transport.close()
+        if not self.counted:  # past the cap: a health check only, and quickly
+            # nor is it one of the open connections uvicorn's limit_concurrency counts: a flood from
+            # one host must not turn every other client away with 503s
+            self.connections.discard(self)
+            self._arm(self.request_started + OVER_CAP_HEADER_S)
             return
         self.per_client[self.host] += 1
         self._arm()  # a connection that never sends anything is closed too
@@ -95,6 +104,18 @@ class GuardedProtocol(H11Protocol):
             if self.per_client[self.host] <= 0:
                 del self.per_client[self.host]
         super().connection_lost(exc)
+
+    @property  # uvicorn's plain attribute, read where a request's headers are in
+    def app(self):
+        """The app, but for a connection past its client's cap: a health check or a 429."""
+        scope = getattr(self, "scope", None)
+        if getattr(self, "counted", True) or (scope is not None and scope.get("path") in HEALTH_PATHS):
+            return self._app
+        return _too_many_connections
+
+    @app.setter
+    def app(self, value) -> None:
+        self._app = value
 
     @property  # uvicorn's plain attribute, read where a request's headers are in
     def limit_concurrency(self) -> int | None:

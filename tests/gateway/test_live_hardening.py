@@ -261,13 +261,22 @@ def test_data_files_are_private(tiny_model_path, tmp_path):
         assert mode & 0o077 == 0, f"{path} is {oct(mode)}"
 
 
-class SlowHeaderFlood:
-    """`num_sockets` connections from another loopback address (127.0.0.2: another client), each
-    sending one header byte every `every_s`; a connection the server closes is opened again, so the
-    pressure lasts until stop()."""
+def _closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
-    def __init__(self, port: int, num_sockets: int, every_s: float):
-        self.port, self.num_sockets, self.every_s = port, num_sockets, every_s
+
+class SlowHeaderFlood:
+    """`num_sockets` connections from `source` (by default another loopback address: another client),
+    each sending one header byte every `every_s`; a connection the server closes is opened again, so
+    the pressure lasts until stop()."""
+
+    def __init__(self, port: int, num_sockets: int, every_s: float, source: str = "127.0.0.2"):
+        self.port, self.num_sockets, self.every_s, self.source = port, num_sockets, every_s, source
         self.stopped = threading.Event()
         self.num_opened = 0
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -275,7 +284,7 @@ class SlowHeaderFlood:
 
     def _open(self) -> socket.socket | None:
         sock = socket.socket()
-        sock.bind(("127.0.0.2", 0))
+        sock.bind((self.source, 0))
         sock.settimeout(1)
         try:
             sock.connect(("127.0.0.1", self.port))
@@ -289,7 +298,9 @@ class SlowHeaderFlood:
         sockets: list[socket.socket | None] = [None] * self.num_sockets
         while not self.stopped.is_set():
             for index, sock in enumerate(sockets):
-                if sock is None:
+                if sock is None or _closed_by_peer(sock):
+                    if sock is not None:
+                        sock.close()
                     sock = sockets[index] = self._open()
                 try:
                     if sock is not None:
@@ -344,6 +355,33 @@ def test_slow_header_connections_cannot_lock_out_other_clients(tiny_model_path, 
     finally:
         flood.stop()
         assert live.stop()
+
+
+def test_a_health_probe_from_the_flooding_host_is_answered_and_its_other_requests_get_429(tiny_model_path, tmp_path):
+    """A liveness probe from the same host as 300 slow-header connections once got 429: the cap
+    refused the connection before its path was known. Now a connection past the cap may ask for a
+    health check (within OVER_CAP_HEADER_S); anything else gets the 429."""
+    live = LiveServer(
+        tiny_model_path,
+        tmp_path / "data",
+        {"STRATA_MODEL_NAME": TINY, "STRATA_MAX_CONNECTIONS_PER_CLIENT": "16", "STRATA_HTTP_HEADER_TIMEOUT_S": "2"},
+    )
+    flood = SlowHeaderFlood(live.port, 300, 0.5, source="127.0.0.1")
+    try:
+        time.sleep(3)
+        for path in ("/health", "/healthz", "/health/ready"):
+            assert httpx.get(live.url + path, timeout=10).status_code == 200, path
+        body = {"model": TINY, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+        refused = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=10)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_connections"
+        with socket.create_connection(("127.0.0.1", live.port)) as silent:  # past the cap, sends nothing
+            started = time.monotonic()
+            assert _closed_within(silent, 5) and time.monotonic() - started < 2.5
+    finally:
+        flood.stop()
+    body = {"model": TINY, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    assert httpx.post(live.url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+    assert live.stop()
 
 
 def _rss_bytes(pid: int) -> int:
