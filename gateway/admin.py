@@ -33,6 +33,7 @@ from semantic import Selector, StoreUnavailable
 
 from .diagnosis import RamBudget, diagnose
 from .errors import ApiError, bad_request, echo
+from .keyring import at_rest
 from .schemas import parse_json_body
 from .sessions import SessionClock
 
@@ -126,18 +127,21 @@ async def purge(request: Request) -> dict:
     layer unless `layers` names some (exact, semantic, conversations, vision, prefix, ssd)."""
     services = request.app.state.services
     body = parse_json_body(await request.body(), services.settings.limits.max_json_depth)
-    selector = _selector(body)
+    selector = _selector(services, body)
     layers = body.get("layers", list(PURGEABLE))
     if not isinstance(layers, list) or not layers or any(layer not in PURGEABLE for layer in layers):
         raise bad_request(f"'layers' must be a non-empty array of {', '.join(PURGEABLE)}", "invalid_value", "layers")
-    return await anyio.to_thread.run_sync(purge_layers, services, selector, layers)
+    removed = await anyio.to_thread.run_sync(purge_layers, services, selector, layers)
+    return removed | {"session": body.get("session"), "user": body.get("user")}  # as named, not as kept
 
 
 @post("/admin/sessions/{session:str}/end", status_code=200, guards=[require_admin])
 async def end_session(request: Request, session: FromPath[str], tenant: FromQuery[str]) -> dict:
     """End a session: what it stored goes from every layer (shared entries stay for their other owners)."""
-    selector = _selector({"tenant": tenant, "session": session})
-    return await anyio.to_thread.run_sync(purge_layers, request.app.state.services, selector, list(PURGEABLE))
+    services = request.app.state.services
+    selector = _selector(services, {"tenant": tenant, "session": session})
+    removed = await anyio.to_thread.run_sync(purge_layers, services, selector, list(PURGEABLE))
+    return removed | {"session": session}
 
 
 def end_idle_sessions(services, clock: SessionClock, now: float) -> int:
@@ -148,14 +152,22 @@ def end_idle_sessions(services, clock: SessionClock, now: float) -> int:
     return len(idle)
 
 
-def _selector(body: dict) -> Selector:
+def _selector(services, body: dict) -> Selector:
+    """The tenant, session and end user a purge names; the ids as the layers keep them (keyed digests:
+    `at_rest`, as requests' owners are recorded). A selector that already holds digests (the sweep's
+    idle sessions, another replica's announced purge) is built directly, never digested twice."""
     fields = {name: body.get(name) for name in ("tenant", "session", "user")}
     for name, value in fields.items():
         if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 256):
             raise bad_request(f"'{name}' must be a string of 1 to 256 characters", "invalid_value", name)
-    if fields["tenant"] is None:
+    tenant = fields["tenant"]
+    if tenant is None:
         raise bad_request("'tenant' is required: a purge never crosses tenants", "invalid_value", "tenant")
-    return Selector(fields["tenant"], fields["session"], fields["user"])
+    session, user = (
+        None if value is None else at_rest(services.keyring, tenant, kind, value)
+        for kind, value in (("session", fields["session"]), ("end_user", fields["user"]))
+    )
+    return Selector(tenant, session, user)
 
 
 AT_REST = {"exact", "semantic", "conversations", "ssd"}  # sealed under the tenant's key when stored

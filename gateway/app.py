@@ -1,7 +1,7 @@
 """The Litestar app: its routes, the lifespan that builds and closes the services, and the glue
 that belongs to no layer: the Responses API's orchestration (the stored conversation in front of a
-chat completion; its shapes are responses_api.py's), the Anthropic stream's pings while a prompt
-prefills (its shapes are anthropic_api.py's), settings mapped to the engine's config
+chat completion; its shapes are responses_api.py's), the streams' pings while a prompt waits or
+prefills (Anthropic `ping` events, OpenAI `: ping` comment lines), settings mapped to the engine's config
 (engine_config), and the metrics collector's view of the services. A request's way through the
 cache layers is pipeline.py.
 
@@ -26,11 +26,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 from litestar import Litestar, Request, Response, delete, get, post
@@ -58,7 +58,7 @@ from .embeddings import Embeddings, parse_embeddings_request
 from .engine import CacheConfig, Engine, EngineConfig
 from .errors import EXCEPTION_HANDLERS, ApiError, bad_request, echo
 from .files import private_dir, private_file
-from .keyring import keyring_for
+from .keyring import at_rest, keyring_for
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import ModelGauge, RequestMetrics, StateCollector
 from .models import ServedModels, model_entries
@@ -109,24 +109,73 @@ async def chat_completions(request: Request) -> Response:
     raw = await request.body()
     chat_request = await off_loop(len(raw), partial(_parse, raw, services))
     starting = services.pipeline.start(chat_request, caller, request.headers, len(raw))
+    if chat_request.stream:
+
+        def chunks(turn) -> AsyncGenerator[bytes, None]:
+            tools = _tools(turn, chat_request)
+            stamp, usage = turn.model.stamp, chat_request.include_usage
+            return openai_format.sse(turn.events(), turn.completions, turn.trace, stamp, usage, tools)
+
+        return await _openai_stream(services, request, chat_request, starting, chunks, openai_format.error_chunks)
     turn = await _unless_client_leaves(request, starting)
     if turn is None:  # it left while the choices were admitted and prefilled: their jobs were cancelled
         return Response(b"", status_code=499)
     request.state.turn = turn  # for the request's log line
-    if chat_request.stream:
-        chunks = openai_format.sse(
-            turn.events(),
-            turn.completions,
-            turn.trace,
-            turn.model.stamp,
-            chat_request.include_usage,
-            _tools(turn, chat_request),
-        )
-        return Stream(chunks, media_type="text/event-stream", headers=_stream_headers(services, turn))
     if await _client_left(request, turn):
         return Response(b"", status_code=499)  # nobody reads it: the job was cancelled
     body = openai_format.response_body(turn.completions, turn.trace, turn.model.stamp, _tools(turn, chat_request))
     return Response(body, headers=_headers(services, turn))
+
+
+async def _openai_stream(
+    services: Services,
+    request: Request,
+    chat_request: ChatRequest,
+    starting: Awaitable,
+    chunks: Callable[[Any], AsyncGenerator[bytes, None]],
+    error_chunks: Callable[[ApiError], list[bytes]],
+) -> Response:
+    """An OpenAI SSE answer (chat completions, Responses): with the cache headers when the prompt is
+    in within one ping interval (an error before then is an HTTP error), else started at once with
+    SSE comment lines (`: ping`, which the SSE format tells every client to skip) while it waits in
+    the queue or prefills, so no client or proxy in between gives up on a silent stream; an error
+    then ends the stream in the API's own error events."""
+    task = asyncio.ensure_future(starting)
+    ping_s = services.settings.stream_ping_s
+    await asyncio.wait({task}, timeout=ping_s)
+    if task.done():
+        turn = task.result()
+        request.state.turn = turn  # for the request's log line
+        return Stream(chunks(turn), media_type="text/event-stream", headers=_stream_headers(services, turn))
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    if chat_request.ignored:
+        headers["X-Strata-Ignored"] = ignored_value(list(chat_request.ignored))
+    return Stream(
+        _keeping_alive(request, task, ping_s, chunks, error_chunks), media_type="text/event-stream", headers=headers
+    )
+
+
+async def _keeping_alive(request: Request, task: asyncio.Future, ping_s: float, chunks, error_chunks):
+    try:
+        while not task.done():
+            yield SSE_PING
+            await asyncio.wait({task}, timeout=ping_s)
+        turn = task.result()
+    except ApiError as exc:
+        for chunk in error_chunks(exc):
+            yield chunk
+        return
+    finally:
+        if not task.done():  # the client left while its prompt waited or prefilled: cancel its jobs
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    request.state.turn = turn
+    async for chunk in chunks(turn):
+        yield chunk
+
+
+SSE_PING = b": ping\n\n"  # a comment line: every SSE client skips it
 
 
 def _headers(services: Services, turn) -> dict[str, str]:
@@ -293,24 +342,20 @@ async def create_response(request: Request) -> Response:
     limits = services.settings.limits
     body = await off_loop(len(raw), partial(_responses_body, raw, limits.max_json_depth))
     previous_id = body.get("previous_response_id")
-    history = await _history(services, previous_id, caller.tenant)
+    history = await _history(services, previous_id, caller.tenant, _apart_user(services, caller.tenant, body))
     stored = body.get("store", True) is not False
     if stored:
         await _check_quota(services, caller.tenant, len(raw))
     body = services.models.with_defaults(body)
     chat_request, conversation = await off_loop(len(raw), partial(responses_api.parse_request, body, history, limits))
     added = conversation[len(history or []) :]  # what this turn adds: a stored turn keeps only that
-    turn = await _unless_client_leaves(
-        request, services.pipeline.start(chat_request, caller, request.headers, len(raw))
-    )
-    if turn is None:
-        return Response(b"", status_code=499)
-    request.state.turn = turn  # for the request's log line
-    response_id, tools, owner = responses_api.new_id(), _tools(turn, chat_request), turn.ctx.owner
+    starting = services.pipeline.start(chat_request, caller, request.headers, len(raw))
+    response_id = responses_api.new_id()
 
-    async def finished(message: dict, response: dict) -> None:
+    async def finished(turn, message: dict, response: dict) -> None:
         if not stored:
             return
+        owner = turn.ctx.owner
         try:
             await anyio.to_thread.run_sync(
                 services.conversations.save,
@@ -327,16 +372,26 @@ async def create_response(request: Request) -> Response:
             log.warning("response %s not stored: %s", response_id, exc)
 
     if chat_request.stream:
-        events = responses_api.stream_events(
-            turn.events(), turn.completion, turn.trace, response_id, body, previous_id, tools, finished
-        )
-        return Stream(events, media_type="text/event-stream", headers=_stream_headers(services, turn))
+
+        def events(turn) -> AsyncGenerator[bytes, None]:
+            tools, done = _tools(turn, chat_request), partial(finished, turn)
+            return responses_api.stream_events(
+                turn.events(), turn.completion, turn.trace, response_id, body, previous_id, tools, done
+            )
+
+        failed = partial(responses_api.failed_events, response_id=response_id, body=body, previous_id=previous_id)
+        return await _openai_stream(services, request, chat_request, starting, events, failed)
+    turn = await _unless_client_leaves(request, starting)
+    if turn is None:
+        return Response(b"", status_code=499)
+    request.state.turn = turn  # for the request's log line
+    tools = _tools(turn, chat_request)
     if await _client_left(request, turn):
         return Response(b"", status_code=499)
     kinds, summary = responses_api.ToolKinds.of(body), responses_api.wants_summary(body)
     items, message = responses_api.output(turn.completion, tools, kinds, summary)
     response = responses_api.response_object(response_id, body, turn.completion, turn.trace, items, previous_id)
-    await finished(message, response)
+    await finished(turn, message, response)
     return Response(response, headers=_headers(services, turn))
 
 
@@ -393,13 +448,26 @@ def _no_response(response_id: str) -> ApiError:
     )
 
 
-async def _history(services: Services, previous_id, tenant: str) -> list[dict] | None:
-    """The stored conversation `previous_id` continues; 404 when this tenant has none by that id."""
+def _apart_user(services: Services, tenant: str, body: dict) -> str | None:
+    """For a tenant that keeps its end users apart: the end user the request names, as stored
+    (at_rest; "" for none): a stored response continues only under the end user it was stored for
+    (another's previous_response_id is not found, as a response of another tenant is not). None: the
+    tenant's end users share its stored responses, as OpenAI's do within a project."""
+    user = body.get("user")
+    if not services.settings.isolates_end_users(tenant) or not isinstance(user, str | None):
+        return None
+    return at_rest(services.keyring, tenant, "end_user", user or "")
+
+
+async def _history(services: Services, previous_id, tenant: str, end_user: str | None) -> list[dict] | None:
+    """The stored conversation `previous_id` continues; 404 when this tenant has none by that id
+    (for `end_user`, see _apart_user)."""
     if previous_id is None:
         return None
     if not isinstance(previous_id, str) or not previous_id:
         raise bad_request("'previous_response_id' must be a string", "invalid_type", "previous_response_id")
-    history = await anyio.to_thread.run_sync(services.conversations.load, previous_id, tenant, time.time())
+    load = partial(services.conversations.load, previous_id, tenant, time.time(), end_user)
+    history = await anyio.to_thread.run_sync(load)
     if history is None:
         raise ApiError(
             404,

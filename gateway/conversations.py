@@ -153,11 +153,12 @@ class ConversationStore:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def load(self, response_id: str, tenant: str, now: float) -> list[dict] | None:
+    def load(self, response_id: str, tenant: str, now: float, end_user: str | None = None) -> list[dict] | None:
         """The whole conversation up to and including `response_id`'s output; None when it is not
-        this tenant's, has expired, was deleted, or a turn before it was purged."""
+        this tenant's, has expired, was deleted, or a turn before it was purged; with `end_user`
+        (a tenant that keeps its end users apart; "" for none), also when it was stored for another."""
         with self.lock:
-            if self._visible(response_id, tenant, now) is None:
+            if self._visible(response_id, tenant, now) is None or not self._stored_for(response_id, tenant, end_user):
                 return None
             turns = self._chain(response_id, tenant)
             if turns is None:
@@ -182,6 +183,14 @@ class ConversationStore:
                 "SELECT COALESCE(SUM(num_bytes), 0) FROM blobs WHERE tenant = ?", (tenant,)
             ).fetchone()
         return rows + images
+
+    def _stored_for(self, response_id: str, tenant: str, end_user: str | None) -> bool:
+        if end_user is None:
+            return True
+        (stored,) = self.db.execute(
+            f"SELECT COALESCE(end_user, '') FROM responses WHERE {BY_ID}", (response_id, tenant)
+        ).fetchone()
+        return stored == end_user
 
     def _visible(self, response_id: str, tenant: str, now: float) -> tuple | None:
         return self.db.execute(

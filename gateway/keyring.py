@@ -28,7 +28,17 @@ from pathlib import Path
 
 import redis
 
-from kvcache.sealing import CHECK, NO_SEALING, FileKeys, Keyring, Sealer, WrongKey, read_key_file, wrapping_key
+from kvcache.sealing import (
+    CHECK,
+    NO_SEALING,
+    FileKeys,
+    Keyring,
+    Sealer,
+    StoreUnavailable,
+    WrongKey,
+    read_key_file,
+    wrapping_key,
+)
 from semantic.redis_store import RedisLink
 
 from .auth import load_server_secret
@@ -85,6 +95,23 @@ class RedisKeys:
 
     def version(self) -> object:
         return None  # no cheap test of change: keys are re-read after KEY_CACHE_S
+
+
+def at_rest(sealer: Sealer, tenant: str, kind: str, value: str) -> str:
+    """What the stores keep for a client's id (`kind` "session", "end_user") or a cache key ("exact",
+    "draft"): a keyed digest under the tenant's data key, so the data folder or a Redis dump neither
+    names an end user nor confirms a guessed prompt (a key is recomputable from a prompt, a digest
+    under a key the folder does not hold is not). Equal values give equal digests while the tenant's
+    key lives (lookups, ownership and purges match); a purge that shreds the key unlinks them. "" stays
+    "". When the key store cannot be reached the digest is unkeyed and marked: the stores cannot seal
+    then either, so nothing is written under it, and the engine's salts still keep end users apart."""
+    if not value:
+        return ""
+    data = f"{kind}|{value}".encode()
+    try:
+        return sealer.digest(tenant, data)
+    except StoreUnavailable:
+        return "unkeyed:" + hashlib.sha256(b"strata-unkeyed|" + tenant.encode() + b"|" + data).hexdigest()
 
 
 def keyring_for(settings: Settings) -> Sealer:

@@ -142,9 +142,9 @@ async def sse(
             if isinstance(event, Finished):
                 for chunk in streams[index].finish(stamp, None if include_usage or len(streams) > 1 else trace):
                     yield chunk
-    except ApiError as exc:
-        yield _sse(exc.body())
-        yield b"data: [DONE]\n\n"  # the stream ends as every stream does: a client waiting for it stops
+    except ApiError as exc:  # the stream ends as every stream does: a client waiting for it stops
+        for chunk in error_chunks(exc):
+            yield chunk
         return
     finally:
         await events.aclose()
@@ -234,6 +234,11 @@ def _chunk(
     if summary is not None:
         body["usage"] = summary
     return _sse(body)
+
+
+def error_chunks(error: ApiError) -> list[bytes]:
+    """A stream's end on an error: the error's body as a data line (the client raises it), then [DONE]."""
+    return [_sse(error.body()), b"data: [DONE]\n\n"]
 
 
 def _sse(body: dict) -> bytes:

@@ -37,6 +37,7 @@ from typing import TypeVar
 
 import anyio
 
+from kvcache.sealing import Sealer
 from semantic import (
     Answer,
     CacheControl,
@@ -75,7 +76,7 @@ from .auth import Caller
 from .engine import Sampling, TextPart
 from .errors import bad_request
 from .files import private_file
-from .keyring import keyring_for
+from .keyring import at_rest, keyring_for
 from .schemas import ChatRequest
 from .settings import Settings
 from .trace import BYPASS, HIT, MISS, LayerOutcome, Trace
@@ -126,6 +127,7 @@ class ResponseCaches:
     def __init__(self, settings: Settings, embedder: Embedder | None = None):
         self.settings = settings
         self.risk = RiskPolicy(load_risk_patterns(settings.risk_patterns_file or DEFAULT_PATTERNS_FILE))
+        self.sealer = keyring_for(settings)  # ids and cache keys are kept as keyed digests (at_rest)
         self.exact = _exact_cache(settings)
         self.semantic = _semantic_cache(settings, embedder)
         self.num_store_errors: Counter[str] = Counter()  # by layer
@@ -186,8 +188,9 @@ class ResponseCaches:
         messages = [_canonical(m, hashes) for m in request.messages]
         last = request.messages[-1]
         query = " ".join(p.text for p in last.parts if isinstance(p, TextPart)) if last.role == "user" else None
-        owner = request_owner(request, headers, self.settings.limits.max_user_chars)
-        end_user = request.user or owner.session or None
+        named = request_owner(request, headers, self.settings.limits.max_user_chars)
+        owner = owner_at_rest(self.sealer, caller.tenant, named)
+        end_user = request.user or named.session or None
         category = self.risk.category(query) if query else None
         bypass = self._semantic_bypass(request, query, category, end_user is not None)
         output = _output_shape(request)
@@ -196,7 +199,7 @@ class ResponseCaches:
         elif apart := self.settings.end_user_apart(caller.tenant, owner.end_user):
             output["end_user"] = apart  # the tenant keeps its end users apart
         decoding = _decoding(request.sampling) | output
-        key = exact_key(scope, messages, decoding)
+        key = at_rest(self.sealer, caller.tenant, "exact", exact_key(scope, messages, decoding))
         image_keys = [c.get("image") or c["video"] for m in messages for c in m["content"] if "text" not in c]
         context = context_fingerprint(messages[:-1] + [decoding], image_keys)
         sampling = request.sampling
@@ -213,7 +216,7 @@ class ResponseCaches:
             bypass=_response_bypass(request),
             exact_bypass="personal_unscoped" if category == PERSONAL_DATA and end_user is None else None,
             owner=owner,
-            draft_key=draft_key(scope, messages, output),
+            draft_key=at_rest(self.sealer, caller.tenant, "draft", draft_key(scope, messages, output)),
             references=_earlier_answers(request),
         )
 
@@ -399,6 +402,11 @@ def _decoding(sampling: Sampling) -> dict:
             logit_bias=[list(pair) for pair in sampling.logit_bias],
         )
     return decoding
+
+
+def owner_at_rest(sealer: Sealer, tenant: str, owner: Owner) -> Owner:
+    """The owner as every layer records it: its session and end user as keyed digests (at_rest)."""
+    return Owner(at_rest(sealer, tenant, "session", owner.session), at_rest(sealer, tenant, "end_user", owner.end_user))
 
 
 def request_owner(request: ChatRequest, headers, max_chars: int) -> Owner:

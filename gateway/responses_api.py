@@ -645,9 +645,8 @@ class _Stream:
     items: list[dict] = field(default_factory=list)  # the items announced so far, in output order
 
     def event(self, kind: str, **fields: Any) -> bytes:
-        body = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
+        return _event(kind, self.sequence - 1, **fields)
 
     def added(self, item: dict) -> bytes:
         self.items.append(item)
@@ -728,6 +727,28 @@ def _in_progress_message() -> dict:
     }
 
 
+def _event(kind: str, sequence: int, **fields: Any) -> bytes:
+    body = {"type": kind, "sequence_number": sequence, **fields}
+    return f"event: {kind}\ndata: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
+
+
+def failed_events(error: ApiError, response_id: str, body: dict, previous_id: str | None) -> list[bytes]:
+    """A stream that failed before its answer began (it waited in the queue with keep-alive pings):
+    `response.created`, then `error` and `response.failed`."""
+    created = _event("response.created", 0, response=response_object(response_id, body, None, None, [], previous_id))
+    return [created, *_failed(1, error, response_id, body, previous_id)]
+
+
+def _failed(sequence: int, error: ApiError, response_id: str, body: dict, previous_id: str | None) -> list[bytes]:
+    failed = response_object(response_id, body, None, None, [], previous_id)
+    return [
+        _event("error", sequence, **error.body()["error"]),
+        _event(
+            "response.failed", sequence + 1, response={**failed, "status": "failed", "error": error.body()["error"]}
+        ),
+    ]
+
+
 async def stream_events(
     events: AsyncGenerator,
     completion: Completion,
@@ -748,9 +769,8 @@ async def stream_events(
             if isinstance(event, Delta) and (chunk := stream.delta()):
                 yield chunk
     except ApiError as exc:
-        yield stream.event("error", **exc.body()["error"])
-        failed = response_object(response_id, body, None, None, [], previous_id)
-        yield stream.event("response.failed", response={**failed, "status": "failed", "error": exc.body()["error"]})
+        for chunk in _failed(stream.sequence, exc, response_id, body, previous_id):
+            yield chunk
         return
     finally:
         await events.aclose()

@@ -96,7 +96,7 @@ class Settings:
     max_queue: int = _default(EngineConfig, "max_queue")  # waiting requests; more answer 429
     max_num_seqs: int = _default(EngineConfig, "max_num_seqs")  # sequences decoding together
     request_timeout_s: float = 300.0  # server-side deadline of one request, queue wait included; then 504
-    stream_ping_s: float = 5.0  # an Anthropic stream whose prompt still prefills sends `ping` this often
+    stream_ping_s: float = 5.0  # a stream whose prompt still waits or prefills sends a ping this often
     http_read_timeout_s: float = 30.0  # a request's headers and body must arrive within this; then closed
     http_header_timeout_s: float = 5.0  # its headers alone within this (a slow-header client goes early)
     keep_alive_s: int = 5  # idle keep-alive connections are closed after this
@@ -156,8 +156,10 @@ class Settings:
     def end_user_apart(self, tenant: str, end_user: str) -> str:
         """The end user whose caches a request keeps apart from the tenant's other end users: the
         one it names when the tenant is in STRATA_ISOLATE_END_USERS; "" otherwise (the tenant's)."""
-        isolating = "*" in self.isolated_end_user_tenants or tenant in self.isolated_end_user_tenants
-        return end_user if isolating else ""
+        return end_user if self.isolates_end_users(tenant) else ""
+
+    def isolates_end_users(self, tenant: str) -> bool:
+        return "*" in self.isolated_end_user_tenants or tenant in self.isolated_end_user_tenants
 
     def __post_init__(self):
         if self.exact_store not in EXACT_STORES:

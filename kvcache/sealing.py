@@ -244,17 +244,21 @@ class Keyring:
 
     def _follow_rotation(self) -> bool:
         """After a record failed to open or an add was refused: True when the store was rewrapped
-        under the key `reload` now gives (held from here on); False when the store still opens under
-        the key held (the record itself is bad). KeysRotated when it opens under neither."""
+        under the key `reload` now gives (held from here on), or was emptied (its check record is
+        written again); False when the store still opens under the key held (the record itself is
+        bad). KeysRotated when it opens under neither."""
         record = self.store.get(CHECK)
-        if record is not None and _opens(self.wrapper, record):
+        if record is None:  # the store was emptied (a Redis restarted without its data): new again
+            self._check()
+            return True
+        if _opens(self.wrapper, record):
             self.check_record = record
             return False
         try:
             new_wrapper = AESGCM(self.reload()) if self.reload is not None else None
         except (OSError, ValueError, RuntimeError) as exc:  # a key file being replaced, unreadable
             raise KeysRotated(f"the key store was rewrapped and the key file cannot be read now: {exc}") from None
-        if record is None or new_wrapper is None or not _opens(new_wrapper, record):
+        if new_wrapper is None or not _opens(new_wrapper, record):
             raise KeysRotated(
                 "the key store was rewrapped under another wrapping key (strata keys rotate): "
                 "put the new key in the file STRATA_KEY_FILE names, which this server reads again"

@@ -326,6 +326,49 @@ def test_pings_while_a_long_prompt_prefills_and_the_client_still_reads_it(server
         assert stream.get_final_message().usage.output_tokens > 0
 
 
+def test_openai_streams_send_comment_pings_while_a_long_prompt_waits_and_clients_skip_them(server):
+    """A queued or prefilling OpenAI stream once sent nothing until its prompt was in; now it sends
+    `: ping` comment lines (as the Anthropic stream sends `ping` events), which every SSE client skips."""
+
+    def uncached(tag: str) -> str:  # a prompt no other test sends: its prefill takes longer than a ping
+        return " ".join(f"{tag} rule {n} of the ping drill." for n in range(150))
+
+    messages = [{"role": "system", "content": uncached("raw")}, {"role": "user", "content": "Go"}]
+    body = {"model": TINY, "max_tokens": 4, "stream": True, "messages": messages}
+    auth = {"Authorization": "Bearer key-a"}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=auth) as response:
+        text = response.read().decode()
+    assert text.startswith(": ping\n\n") and '"content"' in text and text.endswith("data: [DONE]\n\n")
+    chat = openai.OpenAI(base_url=server.url + "/v1", api_key="key-a", max_retries=0)
+    messages[0]["content"] = uncached("sdk")
+    chunks = list(chat.chat.completions.create(model=TINY, max_tokens=4, stream=True, messages=messages))
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    stream = chat.responses.create(
+        model=TINY, max_output_tokens=4, stream=True, instructions=uncached("responses"), input="Go"
+    )
+    kinds = [event.type for event in stream]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+
+
+def test_an_error_after_pings_ends_an_openai_stream_in_the_apis_own_events(server):
+    too_long = "word " * 60_000  # ~120,000 tokens: past the tiny model's context, found once tokenised
+    auth = {"Authorization": "Bearer key-a"}
+    chat = {"model": TINY, "max_tokens": 4, "stream": True, "messages": [{"role": "user", "content": too_long}]}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=chat, headers=auth) as response:
+        text = response.read().decode()
+    assert response.status_code == 200 and text.startswith(": ping")
+    assert '"code":"context_length_exceeded"' in text and text.endswith("data: [DONE]\n\n")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="key-a", max_retries=0)
+    with pytest.raises(openai.APIError, match="context"):
+        list(client.chat.completions.create(model=TINY, max_tokens=4, stream=True, messages=chat["messages"]))
+    responses = {"model": TINY, "max_output_tokens": 4, "stream": True, "input": too_long}
+    with httpx.stream("POST", server.url + "/v1/responses", json=responses, headers=auth) as response:
+        events = [
+            line.removeprefix("event: ") for line in response.read().decode().splitlines() if line.startswith("event: ")
+        ]
+    assert events == ["response.created", "error", "response.failed"]
+
+
 def _attributed(cch: str) -> list[dict]:
     line = f"x-anthropic-billing-header: cc_version=2.1.37.8f1; cc_entrypoint=cli; cch={cch};"
     return [{"type": "text", "text": line}, {"type": "text", "text": "Attributed. " + SYSTEM}]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,10 +23,15 @@ import openai
 import pytest
 import redis
 
+from gateway.auth import Caller
 from gateway.engine import model_fingerprint
-from gateway.keyring import keyring_for
+from gateway.keyring import at_rest, keyring_for
+from gateway.responses import ResponseCaches
+from gateway.schemas import parse_chat_request
 from gateway.settings import settings_from_env
+from kvcache import tenant_salt
 from kvcache.blocktrace import read_trace
+from kvcache.sealing import FileKeys, Keyring
 from kvcache.segment import describe
 from kvcache.ssd import AdmissionPolicy, SpillRequest, SsdConfig, SsdTier
 from semantic import Owner, owner_label
@@ -115,14 +121,31 @@ def _files_holding(folder: Path, *needles: bytes) -> list[str]:
     return found
 
 
+END_USER = "ada-marmalade-4412@example.com"  # an end user's and a session's ids: never kept plain
+SESSION = "sess-gooseberry-9931"
+
+
 def _traffic(server) -> list[bytes]:
-    """A chat answer, a semantic entry and a stored Responses conversation; their distinctive strings."""
-    answer = _ask(server, "acme", QUESTION).parse().choices[0].message.content
-    _client(server, "acme").responses.create(
-        model=TINY, input="Describe the tessellated-okapi-5520 lamp room.", max_output_tokens=8, store=True
+    """A chat answer, a semantic entry and a stored Responses conversation, each for an end user in a
+    session; their distinctive strings and the ids."""
+    client = _client(server, "acme").with_options(default_headers={"X-Strata-Session": SESSION})
+    answer = client.chat.completions.create(
+        model=TINY,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
+        max_tokens=12,
+        temperature=0,
+        user=END_USER,
     )
-    needles = [b"zanzibar-quokka-7731", b"tessellated-okapi-5520", b"Quillfeather"]
-    return needles + ([answer.encode()] if len(answer) >= 12 else [])
+    client.responses.create(
+        model=TINY,
+        input="Describe the tessellated-okapi-5520 lamp room.",
+        max_output_tokens=8,
+        store=True,
+        user=END_USER,
+    )
+    text = answer.choices[0].message.content or ""
+    needles = [b"zanzibar-quokka-7731", b"tessellated-okapi-5520", b"Quillfeather", END_USER.encode(), SESSION.encode()]
+    return needles + ([text.encode()] if len(text) >= 12 else [])
 
 
 def test_nothing_a_tenant_sent_or_got_is_stored_in_the_clear(server):
@@ -155,7 +178,30 @@ def test_a_redis_holds_no_question_or_answer_in_the_clear(tiny_model_path, tmp_p
         assert live.stop()
     values = _redis_values(redis.Redis.from_url(redis_server.url))
     assert any(b"acme" in value for value in values)  # the dump is read: tenant ids are plain
+    owner = re.compile(rb'\["[0-9a-f]{64}", "[0-9a-f]{64}"\]')  # an owner set's member: [session, end user] digests
+    assert any(owner.fullmatch(value) for value in values)
     assert [needle for needle in needles if any(needle in value for value in values)] == []
+
+
+def test_cache_keys_and_ids_at_rest_are_digests_under_the_tenants_key(tmp_path):
+    """An exact or draft key recomputed from a guessed prompt (the scope is readable) once found the
+    entry in responses.db; ids were kept plain. Now both are keyed by the tenant's data key, which the
+    data folder does not hold: another key gives other digests for the same request."""
+    settings = settings_from_env(TINY, tmp_path / "data", "127.0.0.1", 0, env={})
+    caches = ResponseCaches(settings)
+    body = {"model": TINY, "messages": [{"role": "user", "content": QUESTION}], "temperature": 0, "user": END_USER}
+    request = parse_chat_request(body, settings.limits)
+    caller = Caller("acme", tenant_salt(b"s" * 32, "acme"))
+    headers = {"x-strata-session": SESSION}
+    first, again = (caches.context(request, caller, headers, [], "model-fp") for _ in range(2))
+    assert (first.exact_key, first.draft_key, first.owner) == (again.exact_key, again.draft_key, again.owner)
+    assert END_USER not in repr(first.owner) and SESSION not in repr(first.owner) and first.owner.end_user
+    elsewhere = Keyring(FileKeys(tmp_path / "other-keys.json"), b"\x07" * 32)
+    caches.sealer = elsewhere  # the same request, another tenant key: nothing matches
+    other = caches.context(request, caller, headers, [], "model-fp")
+    assert other.exact_key != first.exact_key and other.draft_key != first.draft_key
+    assert other.owner.session != first.owner.session and other.owner.end_user != first.owner.end_user
+    assert at_rest(elsewhere, "acme", "session", SESSION) == other.owner.session  # what a purge selects by
 
 
 def _redis_values(client) -> list[bytes]:

@@ -84,6 +84,33 @@ def test_end_users_of_other_tenants_share_as_before(server):
     assert _cached(anonymous) >= 256
 
 
+def test_a_stored_response_continues_only_under_its_own_end_user_in_an_isolating_tenant(server):
+    """Decided: in a tenant that keeps its end users apart, previous_response_id continues a stored
+    response only for the end user it was stored for (another end user's, or none, is 404 as an
+    unknown id is: no oracle); other tenants' end users share stored responses, as in OpenAI's API."""
+
+    def client(tenant: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS[tenant], max_retries=0)
+
+    def follow(tenant: str, first_id: str, user: str | None):
+        extra = {"user": user} if user else {}
+        return client(tenant).responses.create(
+            model=TINY, input="Which berth?", max_output_tokens=4, previous_response_id=first_id, **extra
+        )
+
+    for tenant, isolating in (("apart", True), ("shared", False)):
+        first = client(tenant).responses.create(
+            model=TINY, input="Remember the berth number 41.", max_output_tokens=4, user="u1", store=True
+        )
+        assert follow(tenant, first.id, "u1").output_text is not None  # its own end user continues it
+        for stranger in ("u2", None):
+            if isolating:
+                with pytest.raises(openai.NotFoundError, match="no stored response"):
+                    follow(tenant, first.id, stranger)
+            else:
+                assert follow(tenant, first.id, stranger).output_text is not None
+
+
 @pytest.mark.slow
 def test_the_timing_side_channel_closes_for_an_isolating_tenant(server):
     """40 trials each: where end users share, the attacker's time tells whether the victim sent the

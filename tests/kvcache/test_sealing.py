@@ -280,3 +280,13 @@ def test_a_damaged_key_store_is_refused_with_its_path(tmp_path):
     (tmp_path / "keys.json").write_text('{"acme": "not hex"')
     with pytest.raises(KeyStoreDamaged, match=r"keys\.json is damaged"):
         _keyring(tmp_path)
+
+
+def test_a_store_emptied_under_a_running_keyring_is_new_again(tmp_path):
+    """A Redis key store restarted without its data loses the check record with the keys: a key
+    made after it must not be refused as if the store had been rewrapped."""
+    running = Keyring(FileKeys(tmp_path / "keys.json"), KEY, reload=lambda: KEY)
+    running.seal("acme", b"p", b"x")
+    (tmp_path / "keys.json").unlink()
+    sealed = running.seal("initech", b"p", b"initech data")
+    assert _keyring(tmp_path).open("initech", b"p", sealed) == b"initech data"
