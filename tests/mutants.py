@@ -62,10 +62,10 @@ GUARD_NAMES = (
 
 MUTANTS = (
     Mutant(
-        "tenant out of the exact key",
-        "semantic/exact.py",
-        'digest("exact", {"scope": scope.as_dict(), "messages"',
-        'digest("exact", {"scope": {**scope.as_dict(), "tenant": ""}, "messages"',
+        "tenant out of the exact key",  # both of its guards: the key's scope and its keyed digest
+        "gateway/responses.py",
+        'key = at_rest(self.sealer, caller.tenant, "exact", exact_key(scope, messages, decoding))',
+        'key = at_rest(self.sealer, "", "exact", exact_key(Scope("", scope.model), messages, decoding))',
         (f"{HARDENING}::test_tenants_never_share_response_layers",),
     ),
     Mutant(

@@ -569,8 +569,6 @@ class ModelRunner:
         )
         return positions, int(deltas.reshape(-1)[0].item())
 
-    # -- decode ------------------------------------------------------------------------------
-
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:

@@ -232,7 +232,8 @@ class EngineWorker:
         max_verify_tokens: int = 0,
     ):
         self.runner = runner
-        # Recurrent layers have no batched cache here: such models decode one sequence at a time.
+        # A model with a layer cache the libraries cannot batch (runner.batchable: plain KV, sliding
+        # windows and recurrent states can) decodes one sequence at a time.
         self.max_num_seqs = max_num_seqs if runner.batchable else 1
         self.step_tokens = step_prompt_tokens  # prompt tokens per model call, over every admission
         # a tenant holds at most half of the waiting places
