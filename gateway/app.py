@@ -142,7 +142,8 @@ async def _openai_stream(
     then ends the stream in the API's own error events."""
     task = asyncio.ensure_future(starting)
     ping_s = services.settings.stream_ping_s
-    await asyncio.wait({task}, timeout=ping_s)
+    if await _left_first(request, task, ping_s):  # once streaming, Litestar notices a client leaving
+        return Response(b"", status_code=499)
     if task.done():
         turn = task.result()
         request.state.turn = turn  # for the request's log line
@@ -511,14 +512,22 @@ async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T | Non
     cancels every job it started (all n choices; those still queued or prefilling too). Errors of
     `work` (ApiError, the deadline) are raised."""
     task = asyncio.ensure_future(work)
+    if await _left_first(request, task):
+        return None
+    return task.result()
+
+
+async def _left_first(request: Request, task: asyncio.Future, timeout_s: float | None = None) -> bool:
+    """Wait for `task` (at most timeout_s) while watching the client: True when it disconnected
+    first (the task is then cancelled, and with it every job it started)."""
     watcher = asyncio.ensure_future(_disconnected(request))
-    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    left = not task.done()
-    for pending in (task, watcher):
+    await asyncio.wait({task, watcher}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    left = watcher.done() and not task.done()
+    for pending in (watcher, task) if left else (watcher,):
         pending.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await pending
-    return None if left else task.result()
+    return left
 
 
 async def _disconnected(request: Request) -> None:

@@ -739,8 +739,8 @@ MUTANTS = (
     Mutant(
         "a failed stream ends without [DONE]",
         "gateway/openai_format.py",
-        'yield b"data: [DONE]\\n\\n"  # the stream ends',
-        "pass  # the stream ends",
+        'return [_sse(error.body()), b"data: [DONE]\\n\\n"]',
+        "return [_sse(error.body())]",
         (f"{ROUND_TWO}::test_a_stream_that_fails_after_its_first_byte_ends_with_an_error_and_done",),
     ),
     Mutant(
@@ -795,10 +795,8 @@ MUTANTS = (
     Mutant(
         "a client leaving while its choices start goes unnoticed",
         "gateway/app.py",
-        "starting = services.pipeline.start(chat_request, caller, request.headers, len(raw))\n"
-        "    turn = await _unless_client_leaves(request, starting)",
-        "starting = services.pipeline.start(chat_request, caller, request.headers, len(raw))\n"
-        "    turn = await starting",
+        "await asyncio.wait({task, watcher}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)",
+        "await asyncio.wait({task}, timeout=timeout_s)",
         (f"{LIVE_HARDENING}::test_abandoned_requests_for_several_choices_cancel_every_job",),
     ),
     Mutant(
