@@ -439,10 +439,10 @@ MUTANTS = (
         ),
     ),
     Mutant(
-        "the engine's parked thread keeps its worker (an unloaded model's memory is never freed)",
+        "the engine's idle thread keeps its last worker (an unloaded model's memory is never freed)",
         "gateway/engine/worker.py",
-        "    del worker\n    threading.Event().wait()",
-        "    threading.Event().wait()",
+        "            del worker\n            with self.lock:",
+        "            with self.lock:",
         (
             "tests/gateway/test_model_pool_engines.py::test_two_families_take_turns_under_a_limit_for_one_and_a_reloaded_model_restores_from_ssd",
         ),

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -209,17 +210,46 @@ class WorkerSnapshot:
     kv_bytes_per_token: int = 0  # what each token of a running sequence holds of the memory budget
 
 
-def _run_then_park(holder: list[EngineWorker]) -> None:
-    """The worker thread: the loop, then parking for good. MLX keeps compiled functions in a C++
-    thread-local cache whose destructor calls into Python when its thread exits; once the interpreter
-    is shutting down that aborts the process ("terminate called without an active exception", seen
-    about one exit in four). A parked daemon thread never exits: the process ends around it. It parks
-    holding no reference to its worker (taken out of `holder`), so a stopped engine's model and
-    caches are freed: the model pool loads and unloads engines in one process."""
-    worker = holder.pop()
-    worker._run()
-    del worker
-    threading.Event().wait()
+class EngineThreads:
+    """The threads engine workers run on, reused and never ended. MLX keeps compiled functions in a
+    C++ thread-local cache whose destructor calls into Python when its thread exits; once the
+    interpreter is shutting down that aborts the process ("terminate called without an active
+    exception", seen about one exit in four). So a thread whose worker's loop ended waits for the
+    next worker instead of exiting (a daemon: the process ends around it), holding no reference to
+    the last one, so a stopped engine's model and caches are freed. Invariant: `num_idle` counts the
+    threads waiting on `ready`; a worker is handed to one of them, or to a new thread when none waits,
+    so the number of threads is the most engines ever running at once, not the number of loads."""
+
+    def __init__(self) -> None:
+        self.ready: queue.SimpleQueue[EngineWorker] = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.num_idle = 0
+        self.num_threads = 0
+
+    def run(self, worker: EngineWorker) -> None:
+        with self.lock:
+            reuse = self.num_idle > 0
+            if reuse:
+                self.num_idle -= 1
+            else:
+                self.num_threads += 1
+        if reuse:
+            self.ready.put(worker)
+        else:
+            holder = [worker]
+            threading.Thread(target=self._serve, args=(holder,), name="strata-engine", daemon=True).start()
+
+    def _serve(self, holder: list[EngineWorker]) -> None:
+        worker = holder.pop()
+        while True:
+            worker._run()
+            del worker
+            with self.lock:
+                self.num_idle += 1
+            worker = self.ready.get()
+
+
+ENGINE_THREADS = EngineThreads()
 
 
 class EngineWorker:
@@ -257,8 +287,8 @@ class EngineWorker:
         self.max_verify_tokens = max_verify_tokens
         self.acceptance = Acceptance()  # each proposer's rate over every row: where a new row's starts
         self.next_expiry = 0.0  # time.monotonic() of the next retention sweep of the RAM tiers
-        self.thread = threading.Thread(target=_run_then_park, args=([self],), name="strata-engine", daemon=True)
-        self.ended = threading.Event()  # the loop has ended (the thread itself parks: see _run)
+        self.launched = False
+        self.ended = threading.Event()  # the loop has ended (its thread waits for the next worker: EngineThreads)
         self.warmed_up = threading.Event()  # set once warm-up ended, well or not (warm_up_error says)
         self.warm_up_error: BaseException | None = None
         self.loop_error: BaseException | None = None  # what ended the loop, when not stop()
@@ -271,8 +301,10 @@ class EngineWorker:
         self.wait_warm(warm_up_timeout_s)
 
     def launch(self) -> None:
-        """Start the thread without waiting: jobs queue until its warm-up ends (health says when)."""
-        self.thread.start()
+        """Start the loop without waiting: jobs queue until its warm-up ends (health says when)."""
+        assert not self.launched, "a worker runs once"
+        self.launched = True
+        ENGINE_THREADS.run(self)
 
     def wait_warm(self, warm_up_timeout_s: float = 600.0) -> None:
         if not self.warmed_up.wait(warm_up_timeout_s):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import weakref
 
 from gateway.checkpoints import BuildSpec
@@ -56,6 +57,7 @@ def _pool_for_one(paths: dict, folder) -> tuple[ModelPool, int]:
 def test_two_families_take_turns_under_a_limit_for_one_and_a_reloaded_model_restores_from_ssd(tmp_path):
     paths = {family: built_model(BuildSpec(family, "tiny")) for family in ("llama", "gemma3")}
     pool, limit = _pool_for_one(paths, tmp_path / "kv")
+    threads_before = _engine_threads()
     try:
         with pool.use("llama", 120) as llama:
             cold, cold_answer = _ask(llama, TEXT)
@@ -66,7 +68,7 @@ def test_two_families_take_turns_under_a_limit_for_one_and_a_reloaded_model_rest
             assert gemma.info.name == "gemma3" and gemma.nbytes <= limit
             _, gemma_answer = _ask(gemma, TEXT)
         gc.collect()
-        assert unloaded() is None  # the unloaded engine, its model and caches are freed (its thread parks without them)
+        assert unloaded() is None  # the unloaded engine, its model and caches are freed (its thread kept none)
         states = {s.name: s.state for s in pool.statuses()}
         assert states == {"llama": "unloaded", "gemma3": "loaded"}
         with pool.use("llama", 120) as llama_again:
@@ -75,8 +77,19 @@ def test_two_families_take_turns_under_a_limit_for_one_and_a_reloaded_model_rest
         assert warm.prefix.num_ssd_tokens > 0 and warm.num_cached_tokens >= warm.prefix.num_ssd_tokens
         assert {s.name: s.state for s in pool.statuses()} == {"llama": "loaded", "gemma3": "unloaded"}
         assert sum(s.nbytes for s in pool.statuses()) <= limit
+        # three loads, one engine at a time: one engine thread, reused (each load once parked one more)
+        assert _engine_threads() - threads_before <= 1
+        last = weakref.ref(llama_again.runner)
+        del llama_again
+        pool.close()
+        gc.collect()
+        assert last() is None  # the idle engine thread holds nothing of the last engine it ran
     finally:
         pool.close()
+
+
+def _engine_threads() -> int:
+    return sum(thread.name == "strata-engine" for thread in threading.enumerate())
 
 
 def test_a_model_never_restores_another_models_blocks_even_with_the_same_tokens(tmp_path):
