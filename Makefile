@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 AGENTS := tests/agents
 AGENTS_STAMP := $(AGENTS)/node_modules/.strata-installed
 
-.PHONY: setup test-tools agents cluster-tools serve cluster lint format test mutants bench clean
+.PHONY: setup test-tools agents cluster-tools serve cluster lint format check test mutants bench clean
 
 setup: $(STAMP)
 
@@ -84,6 +84,11 @@ lint: setup
 format: setup
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+
+# The inner loop: lint, types and the tests that start no model, server or outside process (the
+# `live` marker, set in tests/conftest.py).
+check: lint
+	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest -q -m "not live" --durations=5 $(PYTEST_ARGS)
 
 test: lint test-tools agents
 	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest -q --durations=20 $(PYTEST_ARGS)

@@ -29,11 +29,11 @@ from litestar.params import FromPath, FromQuery
 
 from kvcache.chain import public_blocks
 from kvcache.sealing import Keyring
-from semantic import Selector, StoreUnavailable
+from semantic import Selector
 
 from .diagnosis import RamBudget, diagnose
 from .errors import ApiError, bad_request, echo
-from .keyring import at_rest
+from .keyring import UNAVAILABLE, at_rest
 from .schemas import parse_json_body
 from .sessions import SessionClock
 
@@ -193,7 +193,7 @@ def purge_layers(
     for layer in (layer for layer in layers if layer in RESPONSE_LAYERS):
         try:
             result = purges[layer](selector) if purges[layer] is not None else None
-        except StoreUnavailable:
+        except UNAVAILABLE:
             unreachable.append(layer)
             continue
         removed[layer] = {"entries": result.num_entries, "bytes": result.num_bytes} if result is not None else None
@@ -224,7 +224,7 @@ def purge_layers(
     if announced:
         try:
             services.purge_feed.announce(selector.tenant, selector.session, selector.end_user, layers)
-        except StoreUnavailable:
+        except UNAVAILABLE:
             raise ApiError(
                 503,
                 f"purged on this replica ({sorted(removed)}), but the other replicas could not be "
@@ -252,7 +252,7 @@ def _shred(services, tenant: str) -> bool:
         return False
     try:
         services.keyring.shred(tenant)
-    except StoreUnavailable:
+    except UNAVAILABLE:
         raise ApiError(
             503,
             "the key store (Redis) cannot be reached: nothing was purged; a purge can be repeated: retry",

@@ -43,7 +43,7 @@ from kvcache import default_budget_bytes
 from kvcache.quant import QuantConfig
 from kvcache.sealing import NO_SEALING, Sealer
 from kvcache.ssd import AdmissionPolicy, SsdConfig
-from semantic import Embedder, StoreUnavailable
+from semantic import Embedder
 
 from . import anthropic_api, openai_format, responses_api
 from .admin import ADMIN_CACHE_ROUTES, end_idle_sessions, purge_announced, require_admin
@@ -58,7 +58,7 @@ from .embeddings import Embeddings, parse_embeddings_request
 from .engine import CacheConfig, Engine, EngineConfig
 from .errors import EXCEPTION_HANDLERS, ApiError, bad_request, echo
 from .files import private_dir, private_file
-from .keyring import at_rest, keyring_for
+from .keyring import UNAVAILABLE, at_rest, keyring_for
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import ModelGauge, RequestMetrics, StateCollector
 from .models import ServedModels, model_entries
@@ -369,7 +369,7 @@ async def create_response(request: Request) -> Response:
                 time.time(),
                 previous_id,
             )
-        except StoreUnavailable as exc:  # the key store (Redis) is out of reach: the answer still goes out
+        except UNAVAILABLE as exc:  # the key store (Redis) is out of reach: the answer still goes out
             log.warning("response %s not stored: %s", response_id, exc)
 
     if chat_request.stream:

@@ -4,7 +4,7 @@ with its types, so each client raises its own exception classes.
 
 ApiError                      raised by our code with the status it should answer
 litestar HTTPException        mapped (404 route, 405 method, 413 body too large, ...)
-semantic StoreUnavailable     503 store_unavailable (a shared store such as Redis is down; admin routes)
+StoreUnavailable (semantic's, kvcache's) 503 store_unavailable (a shared store or the key store is down)
 kvcache KeysRotated           503 key_store_rotated (the key store was rewrapped; the key file not yet)
 the engine refusing a job     engine_refusal(): 503 engine_unavailable, 429 queue_full / tenant_share,
                               400 context_length_exceeded (its KV exceeds the whole memory budget)
@@ -19,6 +19,7 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException
 from litestar.types import ExceptionHandler
 
+from kvcache import sealing as kv_sealing
 from kvcache.sealing import KeysRotated
 from semantic import StoreUnavailable
 
@@ -119,7 +120,7 @@ def _http_exception_handler(request: Request, exc: HTTPException) -> Response:
     return _error_response(request, exc.status_code, str(exc.detail), code, headers=exc.headers)
 
 
-def _store_unavailable_handler(request: Request, exc: StoreUnavailable) -> Response:
+def _store_unavailable_handler(request: Request, exc: Exception) -> Response:
     message = f"the cache store cannot be reached ({exc}); nothing was changed: retry"
     return _error_response(request, 503, message, "store_unavailable", headers={"Retry-After": "1"})
 
@@ -138,6 +139,7 @@ EXCEPTION_HANDLERS: dict[int | type[Exception], ExceptionHandler] = {
     HTTPException: _http_exception_handler,
     KeysRotated: _keys_rotated_handler,
     StoreUnavailable: _store_unavailable_handler,
+    kv_sealing.StoreUnavailable: _store_unavailable_handler,
     Exception: _unexpected_handler,
 }
 

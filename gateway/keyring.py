@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -35,10 +36,12 @@ from kvcache.sealing import (
     Keyring,
     Sealer,
     StoreUnavailable,
+    Unreadable,
     WrongKey,
     read_key_file,
     wrapping_key,
 )
+from semantic import sealing as semantic_sealing
 from semantic.redis_store import RedisLink
 
 from .auth import load_server_secret
@@ -63,16 +66,16 @@ class RedisKeys:
         self.add_script = self.link.client.register_script(ADD_SCRIPT)
 
     def get(self, tenant: str) -> bytes | None:
-        return self.link.call(self.link.client.hget, KEYS_HASH, tenant)
+        return self._call(self.link.client.hget, KEYS_HASH, tenant)
 
     def add(self, tenant: str, record: bytes, check: bytes | None) -> bytes | None:
-        return self.link.call(self.add_script, keys=[KEYS_HASH], args=[CHECK, tenant, record, check or b""])
+        return self._call(self.add_script, keys=[KEYS_HASH], args=[CHECK, tenant, record, check or b""])
 
     def delete(self, tenant: str) -> bool:
-        return bool(self.link.call(self.link.client.hdel, KEYS_HASH, tenant))
+        return bool(self._call(self.link.client.hdel, KEYS_HASH, tenant))
 
     def records(self) -> dict[str, bytes]:
-        return _decoded(self.link.call(self.link.client.hgetall, KEYS_HASH))
+        return _decoded(self._call(self.link.client.hgetall, KEYS_HASH))
 
     def rewrite(self, change: Callable[[dict[str, bytes]], dict[str, bytes]]) -> dict[str, bytes]:
         """Read, change and write back under WATCH: a write by anyone in between starts it again."""
@@ -91,10 +94,51 @@ class RedisKeys:
                     except redis.WatchError:
                         continue
 
-        return self.link.call(run)
+        return self._call(run)
 
     def version(self) -> object:
         return None  # no cheap test of change: keys are re-read after KEY_CACHE_S
+
+    def _call(self, *args, **kwargs):
+        """The link's call, its Redis outage as the key store's (kvcache's StoreUnavailable)."""
+        try:
+            return self.link.call(*args, **kwargs)
+        except semantic_sealing.StoreUnavailable as exc:
+            raise StoreUnavailable(str(exc)) from exc
+
+
+# A store out of reach, as either library says it: semantic's stores (Redis) or kvcache's key store.
+UNAVAILABLE = (semantic_sealing.StoreUnavailable, StoreUnavailable)
+
+
+class SemanticSealer:
+    """The tenants' keyring (kvcache's) as semantic's stores take it (semantic.sealing.Sealer): the
+    same keys, sealed blobs and digests; its errors raised as semantic's, which the stores know."""
+
+    def __init__(self, sealer: Sealer):
+        self.sealer = sealer
+
+    def seal(self, tenant: str, aad: bytes, plaintext: bytes) -> bytes:
+        with _as_semantic():
+            return self.sealer.seal(tenant, aad, plaintext)
+
+    def open(self, tenant: str, aad: bytes, sealed: bytes | memoryview) -> bytes:
+        with _as_semantic():
+            return self.sealer.open(tenant, aad, sealed)
+
+    def digest(self, tenant: str, data: bytes) -> str:
+        with _as_semantic():
+            return self.sealer.digest(tenant, data)
+
+
+@contextmanager
+def _as_semantic() -> Iterator[None]:
+    try:
+        yield
+    except Unreadable as exc:
+        raise semantic_sealing.Unreadable(str(exc)) from exc
+    except StoreUnavailable as exc:
+        raise semantic_sealing.StoreUnavailable(str(exc)) from exc
 
 
 def at_rest(sealer: Sealer, tenant: str, kind: str, value: str) -> str:

@@ -31,7 +31,6 @@ from pathlib import Path
 
 import anyio
 
-from .caches import Removed
 from .chat import ChatService
 from .checkpoints import parse_model_name, resolve_model_path
 from .engine import (
@@ -42,6 +41,7 @@ from .engine import (
     ModelSpec,
     ModelStatus,
     ModelUnavailable,
+    Removed,
     UnknownModel,
     model_fingerprint,
     purge_ssd_of,

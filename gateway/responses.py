@@ -76,7 +76,7 @@ from .auth import Caller
 from .engine import Sampling, TextPart
 from .errors import bad_request
 from .files import private_file
-from .keyring import at_rest, keyring_for
+from .keyring import SemanticSealer, at_rest, keyring_for
 from .schemas import ChatRequest
 from .settings import Settings
 from .trace import BYPASS, HIT, MISS, LayerOutcome, Trace
@@ -140,7 +140,7 @@ class ResponseCaches:
         self.layers = tuple(layers)  # the enabled ones, cheapest first
 
     def caches(self) -> list:
-        """The response caches that are on (each speaks the cache protocol, gateway/caches.py)."""
+        """The response caches that are on (each speaks the cache protocol, gateway/engine/caches.py)."""
         return [cache for cache in (self.exact, self.semantic) if cache is not None]
 
     def stats(self) -> dict:
@@ -526,7 +526,7 @@ def _exact_cache(settings: Settings) -> ExactCache | None:
         return None
     store: ResponseStore
     drafts: ResponseStore  # answers' token ids (speculative decoding's drafts), beside the answers
-    sealer = keyring_for(settings)  # what is kept at rest is sealed by tenant (memory is not at rest)
+    sealer = SemanticSealer(keyring_for(settings))  # what is kept at rest is sealed by tenant (memory is not)
     if settings.redis_url:  # shared by every replica pointing at the same Redis
         store = RedisStore(settings.redis_url, sealer=sealer)
         drafts = RedisStore(settings.redis_url, "strata:draft:", sealer)
@@ -547,10 +547,11 @@ def _semantic_cache(settings: Settings, embedder: Embedder | None) -> SemanticCa
         default_ttl_s=settings.semantic_ttl_s,
     )
     store: EntryStore
+    sealer = SemanticSealer(keyring_for(settings))
     if settings.redis_url:  # shared by every replica; each follows the others' changes into its own index
-        store = RedisEntries(settings.redis_url, sealer=keyring_for(settings))
+        store = RedisEntries(settings.redis_url, sealer=sealer)
     else:
-        store = SqliteEntries(private_file(settings.data_dir / "semantic.db"), keyring_for(settings))
+        store = SqliteEntries(private_file(settings.data_dir / "semantic.db"), sealer)
     from semantic.verifier import CALIBRATED_FILE, WEIGHTS_FILE, Verifier  # torch: only when the layer is on
 
     embedder = embedder or MiniLMEmbedder()

@@ -353,7 +353,7 @@ SETTINGS = (
         "stream_ping_s",
         "STRATA_STREAM_PING_S",
         float,
-        "an Anthropic stream sends a ping this often while its prompt is still prefilling",
+        "a stream whose prompt still waits or prefills sends a ping this often (Anthropic events, OpenAI comments)",
     ),
     Setting(
         "http_read_timeout_s",

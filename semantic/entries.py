@@ -32,10 +32,9 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from kvcache.sealing import NO_SEALING, Sealer, Unreadable
-
 from .owners import Owner, OwnerTable, Selector
 from .scope import Scope
+from .sealing import NO_SEALING, Sealer, Unreadable
 from .store import Answer
 
 STATUSES = ("unreviewed", "approved", "rejected")

@@ -31,12 +31,11 @@ import json
 
 import numpy as np
 
-from kvcache.sealing import NO_SEALING, Sealer
-
 from .entries import STATUSES, EntryCipher, SemanticEntry, valid_id
 from .owners import Owner, Selector
 from .redis_store import SOCKET_TIMEOUT_S, RedisLink, _owner, release_owners
 from .scope import Scope
+from .sealing import NO_SEALING, Sealer
 from .store import Answer
 
 MAX_CHANGES = 100_000  # change records kept in the stream (~100 bytes each)

@@ -27,9 +27,8 @@ import time
 
 import redis
 
-from kvcache.sealing import NO_SEALING, Sealer
-
 from .owners import Owner, Selector
+from .sealing import NO_SEALING, Sealer
 from .store import Purged, StoredResponse, StoreUnavailable, opened_response, sealed_response
 
 EXPIRY_GRACE_S = 60.0

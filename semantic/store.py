@@ -23,10 +23,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
-from kvcache.sealing import NO_SEALING, Sealer, Unreadable
-from kvcache.sealing import StoreUnavailable as StoreUnavailable  # the stores' one "cannot be used now" error
-
 from .owners import Owner, OwnerTable, Selector
+from .sealing import NO_SEALING, Sealer, Unreadable
+from .sealing import StoreUnavailable as StoreUnavailable  # the stores' one "cannot be used now" error
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,42 @@ TINY = "strata-tiny"
 MODEL_CACHE = Path(os.environ.get("STRATA_TEST_MODELS", Path(__file__).parent.parent / ".strata" / "test-models"))
 
 
+# What makes a test "live" (`make check` leaves it out): a fixture that starts a model, a server or an
+# outside process, or a module that starts one itself.
+LIVE_FIXTURES = {
+    "tiny_model_path",
+    "engine",
+    "server",
+    "live",
+    "redis_server",
+    "embedder",
+    "app",
+    "client",
+    "agent_server",
+}
+LIVE_CALLS = (
+    "LiveServer(",
+    "start_server(",
+    "start_agent_server(",
+    "Engine(",
+    "ModelRunner(",
+    "built_model(",
+    "subprocess",
+    "RedisServer(",
+)
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Mark the live tests (see LIVE_FIXTURES): `pytest -m "not live"` is the inner loop."""
+    starts_something: dict[str, bool] = {}
+    for item in items:
+        path = str(item.path)
+        if path not in starts_something:
+            starts_something[path] = any(call in item.path.read_text() for call in LIVE_CALLS)
+        if starts_something[path] or LIVE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.live)
+
+
 def pytest_collection_finish(session) -> None:
     """Everything imported by now (MLX, torch, transformers, every test module) lives for the whole
     run: frozen out of the garbage collector, a full collection in this process scans only what the

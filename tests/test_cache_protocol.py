@@ -1,4 +1,4 @@
-"""Every cache layer and tier speaks the same protocol (gateway/caches.py): a name, a typed frozen
+"""Every cache layer and tier speaks the same protocol (gateway/engine/caches.py): a name, a typed frozen
 snapshot from stats(), purge() reporting what it removed, close(). One contract, run over the real
 exact (SQLite and memory), semantic (MiniLM, faiss, SQLite), vision, prefix-in-RAM and SSD caches."""
 
@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from gateway.caches import CacheLayer
+from gateway.engine import CacheLayer
 from kvcache import PrefixCache, TenantSalt
 from kvcache.ssd import AdmissionPolicy, SpillRequest, SsdConfig, SsdTier
 from semantic import (

@@ -1,6 +1,6 @@
 """Who may import whom, by a walk over every import statement (relative ones resolved):
-the libraries never import the gateway; the engine never imports the rest of the gateway (HTTP);
-benchmarks use the engine through its package's public interface only."""
+the libraries never import the gateway nor each other; the engine imports nothing of the rest of
+the gateway; benchmarks use the engine through its package's public interface only."""
 
 import ast
 import sys
@@ -9,7 +9,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARIES = ("kvcache", "vision", "semantic")
 # besides the standard library and itself: the caches it runs and the model libraries beneath them
-PROTOCOL = "gateway.caches"  # the cache protocol every layer speaks: typing only, no HTTP
+PROTOCOL = "gateway/engine/caches.py"  # the cache protocol every layer speaks: typing only
+TYPING_ONLY = {"__future__", "_typeshed"}  # _typeshed: type checkers' own, under TYPE_CHECKING
 ENGINE_MAY_IMPORT = {
     "kvcache",
     "vision",
@@ -59,19 +60,54 @@ def test_libraries_never_import_gateway():
     assert violations == []
 
 
-def test_the_engine_never_imports_the_http_side():
-    violations = [
+def _library_imports(library: str) -> list[str]:
+    """`library`'s imports of another of the libraries."""
+    others = set(LIBRARIES) - {library}
+    return [
         f"{path.relative_to(ROOT)} imports {name}"
-        for path in (ROOT / "gateway" / "engine").rglob("*.py")
+        for path in (ROOT / library).rglob("*.py")
+        for name in _imported_modules(path)
+        if name.split(".")[0] in others
+    ]
+
+
+def test_libraries_never_import_each_other():
+    """semantic's stores take a sealer through semantic's own protocol (semantic/sealing.py); the
+    gateway wires kvcache's keyring in (gateway/keyring.py: SemanticSealer)."""
+    assert [violation for library in LIBRARIES for violation in _library_imports(library)] == []
+
+
+def test_a_library_importing_another_is_found(tmp_path, monkeypatch):
+    fake_root = tmp_path / "repo"
+    (fake_root / "semantic").mkdir(parents=True)
+    (fake_root / "semantic" / "store.py").write_text("from kvcache.sealing import Sealer\nimport numpy\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", fake_root)
+    assert _library_imports("semantic") == ["semantic/store.py imports kvcache.sealing"]
+
+
+def _engine_violations(engine: Path) -> list[str]:
+    return [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in engine.rglob("*.py")
         for name in _imported_modules(path)
         if not (
             name == "gateway.engine"
             or name.startswith("gateway.engine.")
-            or name == PROTOCOL
-            or name.split(".")[0] in ENGINE_MAY_IMPORT | sys.stdlib_module_names
+            or name.split(".")[0] in ENGINE_MAY_IMPORT | sys.stdlib_module_names | TYPING_ONLY
         )
     ]
-    assert violations == []
+
+
+def test_the_engine_imports_nothing_of_the_rest_of_the_gateway():
+    assert _engine_violations(ROOT / "gateway" / "engine") == []
+
+
+def test_an_engine_import_of_the_gateway_is_found(tmp_path, monkeypatch):
+    fake_engine = tmp_path / "gateway" / "engine"
+    fake_engine.mkdir(parents=True)
+    (fake_engine / "caching.py").write_text("from ..caches import CacheLayer\nfrom .types import Pin\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _engine_violations(fake_engine) == ["gateway/engine/caching.py imports gateway.caches"]
 
 
 def test_code_outside_the_engine_uses_its_package_only():
@@ -89,9 +125,8 @@ def test_code_outside_the_engine_uses_its_package_only():
 
 def test_the_cache_protocol_imports_nothing_of_the_project():
     """The engine may import it only because it holds types alone."""
-    names = _imported_modules(ROOT / "gateway" / "caches.py")
-    typing_only = {"__future__", "_typeshed"}  # _typeshed: type checkers' own, under TYPE_CHECKING
-    assert [n for n in names if n.split(".")[0] not in sys.stdlib_module_names | typing_only] == []
+    names = _imported_modules(ROOT / PROTOCOL)
+    assert [n for n in names if n.split(".")[0] not in sys.stdlib_module_names | TYPING_ONLY] == []
 
 
 def test_relative_imports_are_resolved():

@@ -31,6 +31,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .batch import DecodeBatch, decode_alone
+from .caches import CacheLayer, Removed
 from .caching import CacheConfig, PrefixReport, VisionReport, purge_ssd_of
 from .constraint import CompiledGrammar, GrammarError, json_schema_grammar
 from .families import VISION_FAMILIES, UnsupportedModel, family_of
@@ -72,6 +73,7 @@ __all__ = [
     "SYSTEM_WRAPPER",
     "VISION_FAMILIES",
     "CacheConfig",
+    "CacheLayer",
     "CompiledGrammar",
     "DecodeBatch",
     "Delta",
@@ -100,6 +102,7 @@ __all__ = [
     "PreparedPrompt",
     "PromptError",
     "QueueFull",
+    "Removed",
     "Sampler",
     "Sampling",
     "SpeculativeReport",

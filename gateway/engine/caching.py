@@ -19,7 +19,7 @@ from kvcache.quant import QuantConfig
 from kvcache.ssd import SsdConfig, SsdTier
 from vision import ImageKey, VisionCache, image_key
 
-from ..caches import CacheLayer, Removed
+from .caches import CacheLayer, Removed
 from .prompt import PreparedPrompt, PromptImage
 from .types import Pin
 
@@ -162,7 +162,7 @@ class EngineCaches:
         return self.prefix.pool.budget_bytes if self.prefix is not None else None
 
     def layers(self) -> list[CacheLayer]:
-        """The engine's cache layers that are on (each speaks the cache protocol, gateway/caches.py)."""
+        """The engine's cache layers that are on (each speaks the cache protocol, gateway/engine/caches.py)."""
         ssd = self.prefix.ssd if self.prefix is not None else None
         return [layer for layer in (self.prefix, ssd, self.vision) if layer is not None]
 

@@ -21,7 +21,9 @@ MIN_READ_SHARE = 0.98
 
 @pytest.fixture(scope="module")
 def agent_server(tmp_path_factory):
-    server = start_agent_server(tmp_path_factory.mktemp("agents"))
+    # pings every 50 ms: each agent's first turn (a ~12,500-token prompt) streams `: ping` comment
+    # lines (or Anthropic `ping` events) before its answer, as a queued or slow prompt does in use
+    server = start_agent_server(tmp_path_factory.mktemp("agents"), {"STRATA_STREAM_PING_S": "0.05"})
     yield server
     assert server.stop()
 

@@ -8,8 +8,10 @@ import uuid
 import numpy as np
 import pytest
 
-from kvcache.sealing import NO_SEALING, FileKeys, Keyring
+from gateway.keyring import SemanticSealer
+from kvcache.sealing import FileKeys, Keyring
 from semantic import Answer, Owner, RedisEntries, Scope, Selector, SemanticCache, SemanticSettings, SqliteEntries
+from semantic.sealing import NO_SEALING
 from semantic.store import StoreUnavailable
 
 SCOPE = Scope("tenant-a", "model-1")
@@ -22,7 +24,9 @@ def _vector(seed: int) -> np.ndarray:
 
 
 def _open(kind: str, tmp_path, request):
-    sealer = Keyring(FileKeys(tmp_path / "keys.json"), bytes(32)) if kind.endswith("sealed") else NO_SEALING
+    sealer = (
+        SemanticSealer(Keyring(FileKeys(tmp_path / "keys.json"), bytes(32))) if kind.endswith("sealed") else NO_SEALING
+    )
     if kind.startswith("redis"):
         url = request.getfixturevalue("redis_server").url
         return RedisEntries(url, prefix=f"test-{uuid.uuid4().hex}:", sealer=sealer)
@@ -228,7 +232,7 @@ def test_a_cache_started_while_redis_is_down_bypasses_until_it_comes(tmp_path, e
 
 def test_sealed_entries_keep_no_text_and_vanish_from_every_read_once_their_tenant_is_shredded(tmp_path):
     keyring = Keyring(FileKeys(tmp_path / "keys.json"), bytes(32))
-    store = SqliteEntries(tmp_path / "semantic.db", keyring)
+    store = SqliteEntries(tmp_path / "semantic.db", SemanticSealer(keyring))
     other = Scope("tenant-b", "model-1")
     mine, _ = store.put(
         PARTITION, SCOPE, "Where is the quokka-ledger kept?", Answer("In vault 7."), 1.0, None, _vector(1)

@@ -5,14 +5,20 @@ import uuid
 
 import pytest
 
-from kvcache.sealing import NO_SEALING, FileKeys, Keyring
+from gateway.keyring import SemanticSealer
+from kvcache.sealing import FileKeys, Keyring
 from semantic import MemoryStore, SqliteStore, StoredResponse
 from semantic.redis_store import RedisStore
+from semantic.sealing import NO_SEALING
 
 
 @pytest.fixture(params=["memory", "sqlite", "redis", "sqlite-sealed", "redis-sealed"])
 def store(request, tmp_path):
-    sealer = Keyring(FileKeys(tmp_path / "keys.json"), bytes(32)) if request.param.endswith("sealed") else NO_SEALING
+    sealer = (
+        SemanticSealer(Keyring(FileKeys(tmp_path / "keys.json"), bytes(32)))
+        if request.param.endswith("sealed")
+        else NO_SEALING
+    )
     if request.param.startswith("redis"):
         server = request.getfixturevalue("redis_server")
         backend = RedisStore(server.url, prefix=f"test-{uuid.uuid4().hex}:", sealer=sealer)  # its own namespace
@@ -107,7 +113,7 @@ def test_a_hit_makes_the_entry_the_hitting_sessions_too(store):
 
 def test_a_sealed_entry_keeps_no_text_and_reads_as_absent_once_its_tenant_is_shredded(tmp_path):
     keyring = Keyring(FileKeys(tmp_path / "keys.json"), bytes(32))
-    store = SqliteStore(tmp_path / "responses.db", keyring)
+    store = SqliteStore(tmp_path / "responses.db", SemanticSealer(keyring))
     store.put("k1", "acme", _response("the harbour-ledger answer"))
     store.put("k2", "globex", _response("globex's answer"))
     store.db.execute("PRAGMA wal_checkpoint(FULL)")
