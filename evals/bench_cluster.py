@@ -34,7 +34,7 @@ import httpx
 import numpy as np
 
 from gateway.checkpoints import resolve_model_path
-from gateway.cluster import Cluster, free_ports
+from gateway.operations.cluster import Cluster, free_ports
 
 from .bench_layers import start_server
 

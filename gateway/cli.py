@@ -70,13 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
     if args.command == "cluster":
-        from .cluster import run
+        from .operations.cluster import run
 
         return run(args.model, args.data_dir, args.port)
     if args.command == "keys":
         return _rotate_keys(args.data_dir, args.new_key_file)
     if args.command == "what-if":
-        from .whatif import Costs, what_if
+        from .operations.whatif import Costs, what_if
 
         return what_if(args.trace, Costs(args.block_bytes, args.prefill_us, args.ssd_read_us))
     if args.command == "build-model":
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _configure_logging(level: str, log_format: str) -> None:
     if log_format == "json":
-        from .requestlog import JsonFormatter
+        from .observability.requestlog import JsonFormatter
 
         handler = logging.StreamHandler()
         handler.setFormatter(JsonFormatter())
@@ -107,8 +107,8 @@ def _rotate_keys(data_dir: Path, new_key_file: Path) -> int:
     follow once their STRATA_KEY_FILE holds the new key."""
     from kvcache.sealing import StoreUnavailable, Unreadable
 
-    from .keyring import rotate
     from .settings import settings_from_env
+    from .tenancy.keyring import rotate
 
     try:
         count = rotate(settings_from_env("demo", data_dir, "127.0.0.1", 0), new_key_file)
@@ -123,18 +123,18 @@ def _rotate_keys(data_dir: Path, new_key_file: Path) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .app import create_app
-    from .server import serve
+    from .http.app import create_app
+    from .http.server import serve
     from .settings import settings_from_env
 
-    os.umask(0o077)  # everything the server writes holds tenants' data: owner-only (gateway/files.py)
+    os.umask(0o077)  # everything the server writes holds tenants' data: owner-only (gateway/tenancy/files.py)
     try:
         flags = {s.field: getattr(args, s.field) for s in SETTINGS if s.flag}
         models = args.model or ([] if flags.get("models_file") or os.environ.get("STRATA_MODELS_FILE") else ["demo"])
         settings = settings_from_env(
             models[0] if models else "", args.data_dir, args.host, args.port, flags=flags, more_models=tuple(models[1:])
         )
-        from .models import model_entries
+        from .serving.models import model_entries
 
         model_entries(settings)  # a repeated name or a bad models file stops start-up here, with the reason
     except ValueError as exc:
@@ -142,7 +142,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     _configure_logging(args.log_level, settings.log_format)
     from .engine import map_large_allocations
-    from .keyring import keyring_for
+    from .tenancy.keyring import keyring_for
 
     map_large_allocations()  # what one large request allocates goes back to the system after it
 
@@ -152,7 +152,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"strata: cannot open the data keys: {exc}", file=sys.stderr)
         return 2
     if settings.public_prefixes_file is not None:
-        from .public_prefixes import load_file
+        from .tenancy.public_prefixes import load_file
 
         try:
             load_file(settings.public_prefixes_file)
@@ -160,7 +160,7 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"strata: {exc}", file=sys.stderr)
             return 2
     from .engine import UnsupportedModel, family_of
-    from .models import model_entries
+    from .serving.models import model_entries
 
     for entry in model_entries(settings):
         if Path(entry.path).is_dir():  # a local folder: refuse an unsupported family before anything loads

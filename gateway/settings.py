@@ -79,14 +79,16 @@ class Settings:
     port: int = 8000
     model_name: str | None = None  # the id clients send; defaults to the folder name
     more_models: tuple[str, ...] = ()  # `--model` given again: served too, loaded when first asked for
-    models_file: Path | None = None  # more models, with names, pinning and idle TTLs (gateway/models.py)
+    models_file: Path | None = None  # more models, with names, pinning and idle TTLs (gateway/serving/models.py)
     model_memory_bytes: int = 0  # what loaded models may hold together (weights + KV + vision); 0: all of them
     model_load_timeout_s: float = 120.0  # a request waits this long for its model to load; then 503
     conversation_ttl_s: float = 30 * 86400  # stored Responses-API conversations (previous_response_id) live this long
     conversation_quota_bytes: int = 1 << 30  # what one tenant's stored responses may hold (0: no quota)
     stuck_after_s: float = 60.0  # /health is 503 once no engine step ended for this long while work waits
     dashboard_sample_s: float = 5.0  # the dashboard's history: one point this often (an hour of them kept)
-    log_format: str = "text"  # json: log records as JSON lines, and one line per request (gateway/requestlog.py)
+    log_format: str = (
+        "text"  # json: log records as JSON lines, and one line per request (gateway/observability/requestlog.py)
+    )
     metrics_enabled: bool = True  # GET /metrics and the per-request accounting behind it (and the dashboard's)
     metrics_tenant_label: bool = False  # /metrics: a tenant label on per-request series (tenants are operator-set)
     session_ttl_s: float = 0.0  # a session idle this long ends (purged from every layer); 0: only when ended
@@ -141,7 +143,7 @@ class Settings:
     semantic_ttl_s: float = _default(SemanticSettings, "default_ttl_s")
     cache_nondeterministic: bool = False  # also cache sampled (temperature > 0, no seed) answers
     risk_patterns_file: Path | None = None  # None: semantic/risk_patterns.json
-    normalize_rules_file: Path | None = None  # None: gateway/normalize_rules.json (prompts kept cacheable)
+    normalize_rules_file: Path | None = None  # None: gateway/requests/normalize_rules.json (prompts kept cacheable)
     normalize_off_tenants: tuple[str, ...] = ()  # tenants whose system prompts are left exactly as sent
     # tenants ("*": every tenant) whose end users (`user`, Anthropic's metadata.user_id) keep their own
     # caches: prefix and vision salts, exact keys and semantic contexts carry the end user
@@ -536,7 +538,7 @@ SETTINGS = (
         "normalize_rules_file",
         "STRATA_NORMALIZE_RULES_FILE",
         Path,
-        "prompt normalisation rules as JSON (default gateway/normalize_rules.json)",
+        "prompt normalisation rules as JSON (default gateway/requests/normalize_rules.json)",
     ),
     Setting(
         "normalize_off_tenants",

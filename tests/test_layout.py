@@ -73,7 +73,7 @@ def _library_imports(library: str) -> list[str]:
 
 def test_libraries_never_import_each_other():
     """semantic's stores take a sealer through semantic's own protocol (semantic/sealing.py); the
-    gateway wires kvcache's keyring in (gateway/keyring.py: SemanticSealer)."""
+    gateway wires kvcache's keyring in (gateway/tenancy/keyring.py: SemanticSealer)."""
     assert [violation for library in LIBRARIES for violation in _library_imports(library)] == []
 
 
@@ -129,6 +129,59 @@ def test_the_cache_protocol_imports_nothing_of_the_project():
     assert [n for n in names if n.split(".")[0] not in sys.stdlib_module_names | TYPING_ONLY] == []
 
 
+# gateway's own layers, lowest first: a module imports from its own layer or those below it, never
+# up (settings and blas, at the root, are below all; cli, at the root, is above all; the engine and
+# the checkpoint builder import none of these).
+GATEWAY_LAYERS = ("requests", "observability", "tenancy", "formats", "serving", "operations", "http")
+
+
+def _layer(module: str) -> int | None:
+    """The layer index of a gateway module name (`gateway.serving.chat`), None outside the layers."""
+    parts = module.split(".")
+    if parts[0] != "gateway" or len(parts) < 2:
+        return None
+    if parts[1] in ("settings", "blas"):
+        return -1
+    if parts[1] == "cli":
+        return len(GATEWAY_LAYERS)
+    return GATEWAY_LAYERS.index(parts[1]) if parts[1] in GATEWAY_LAYERS else None
+
+
+def _upward_imports(gateway: Path) -> list[str]:
+    violations = []
+    for path in gateway.rglob("*.py"):
+        module = ".".join(path.relative_to(gateway.parent).with_suffix("").parts)
+        own = _layer(module)
+        if own is None:
+            continue
+        for name in _imported_modules(path):
+            layer = _layer(name)
+            if layer is not None and layer > own:
+                violations.append(f"{module} imports {name}")
+    return violations
+
+
+def test_gateway_layers_import_only_their_own_or_lower_layers():
+    assert sorted(p.name for p in (ROOT / "gateway").iterdir() if p.is_dir() and not p.name.startswith("_")) == sorted(
+        (*GATEWAY_LAYERS, "engine", "checkpoints")
+    )
+    assert sorted(p.name for p in (ROOT / "gateway").glob("*.py")) == [
+        "__init__.py",
+        "blas.py",
+        "cli.py",
+        "settings.py",
+    ]
+    assert _upward_imports(ROOT / "gateway") == []
+
+
+def test_an_upward_import_is_found(tmp_path, monkeypatch):
+    gateway = tmp_path / "gateway"
+    (gateway / "serving").mkdir(parents=True)
+    (gateway / "serving" / "chat.py").write_text("from ..http.app import create_app\nfrom ..tenancy import auth\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _upward_imports(gateway) == ["gateway.serving.chat imports gateway.http.app"]
+
+
 def test_relative_imports_are_resolved():
     module = ["gateway", "engine", "x"]
     assert "gateway.schemas" in _imports("from ..schemas import Sampling\n", module)
@@ -138,8 +191,8 @@ def test_relative_imports_are_resolved():
 
 def test_import_walk_detects_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("import os\nfrom gateway.app import create_app\n")
-    assert "gateway.app" in _imported_modules(bad)
+    bad.write_text("import os\nfrom gateway.http.app import create_app\n")
+    assert "gateway.http.app" in _imported_modules(bad)
 
 
 def test_top_level_layout():

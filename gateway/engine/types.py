@@ -1,4 +1,4 @@
-"""The engine's own request types: a chat as the model runs it. The HTTP edge (gateway/schemas.py)
+"""The engine's own request types: a chat as the model runs it. The HTTP edge (gateway/requests/schemas.py)
 validates OpenAI bodies into these; nothing here knows HTTP."""
 
 from __future__ import annotations

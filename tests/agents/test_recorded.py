@@ -25,8 +25,9 @@ import pytest
 from litestar.testing import TestClient
 from PIL import Image
 
-from gateway import anthropic_api, responses_api, schemas
-from gateway.app import create_app
+from gateway.formats import anthropic_api, responses_api
+from gateway.http.app import create_app
+from gateway.requests import schemas
 from gateway.settings import Limits, Settings
 from tests.agents.live import AGENT_MODEL
 from tests.conftest import built_model

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from litestar.testing import TestClient
 
-from gateway.app import create_app
+from gateway.http.app import create_app
 
 
 @pytest.fixture

@@ -10,11 +10,11 @@ import json
 import pytest
 from litestar.testing import TestClient
 
-from gateway.app import create_app
 from gateway.engine import Message, TextPart
-from gateway.openai_format import Completion
-from gateway.responses_api import ToolKinds, output
-from gateway.schemas import parse_chat_request
+from gateway.formats.openai_format import Completion
+from gateway.formats.responses_api import ToolKinds, output
+from gateway.http.app import create_app
+from gateway.requests.schemas import parse_chat_request
 from gateway.settings import Limits
 from tests.conftest import TINY
 
@@ -112,7 +112,7 @@ def test_a_one_model_server_answers_the_agents_default_names(settings, engine):
 
 
 def test_models_file_aliases_pick_the_first_matching_model(tmp_path, settings, tiny_model_path):
-    from gateway.models import model_entries
+    from gateway.serving.models import model_entries
 
     models = tmp_path / "models.json"
     entries = [
@@ -160,7 +160,7 @@ def test_the_ignored_fields_are_named_on_a_cached_answer_too(settings, engine):
 
 
 def test_claude_codes_metadata_names_the_session_and_a_stable_end_user(settings):
-    from gateway.anthropic_api import parse_messages_request
+    from gateway.formats.anthropic_api import parse_messages_request
 
     def parsed(session: str):
         user_id = json.dumps({"device_id": "d" * 64, "account_uuid": "", "session_id": session})
@@ -338,7 +338,7 @@ def test_a_late_developer_message_is_rendered_where_it_stands(client):
 
 
 def test_a_thinking_block_goes_back_to_the_template_as_the_turns_reasoning(settings):
-    from gateway.anthropic_api import parse_messages_request
+    from gateway.formats.anthropic_api import parse_messages_request
 
     body = {
         "model": TINY,

@@ -8,7 +8,7 @@ import json
 import pytest
 from litestar.testing import TestClient
 
-from gateway.app import create_app
+from gateway.http.app import create_app
 from tests.conftest import TINY, png_data_url
 
 

@@ -23,12 +23,12 @@ import openai
 import pytest
 import redis
 
-from gateway.auth import Caller
 from gateway.engine import model_fingerprint
-from gateway.keyring import at_rest, keyring_for
-from gateway.responses import ResponseCaches
-from gateway.schemas import parse_chat_request
+from gateway.requests.schemas import parse_chat_request
+from gateway.serving.responses import ResponseCaches
 from gateway.settings import settings_from_env
+from gateway.tenancy.auth import Caller
+from gateway.tenancy.keyring import at_rest, keyring_for
 from kvcache import tenant_salt
 from kvcache.blocktrace import read_trace
 from kvcache.sealing import FileKeys, Keyring

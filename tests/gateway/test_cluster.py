@@ -1,4 +1,4 @@
-"""`strata cluster up`'s cluster (gateway/cluster.py): Debian's HAProxy with the shipped config in
+"""`strata cluster up`'s cluster (gateway/operations/cluster.py): Debian's HAProxy with the shipped config in
 front of two replicas sharing one real redis-server and one KV folder. A conversation sticks to one
 replica; an exact answer and a paraphrase stored through one are served through the other; a purge
 through either reaches both; a replica killed mid-conversation hands the session to the other, which
@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from gateway.cluster import Cluster, free_ports, port_free
+from gateway.operations.cluster import Cluster, free_ports, port_free
 from tests.conftest import TINY
 
 KEYS = {"acme": "key-acme", "cold": "key-cold"}  # "cold" shares nothing with acme: its runs compute everything

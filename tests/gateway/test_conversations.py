@@ -1,6 +1,6 @@
 """The Responses API's conversation store: per tenant, expiring, and bounded by its own sweep."""
 
-from gateway.conversations import ConversationStore
+from gateway.serving.conversations import ConversationStore
 from kvcache.sealing import FileKeys, Keyring
 
 MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]

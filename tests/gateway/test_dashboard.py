@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect
 
-from gateway.dashboard import History
+from gateway.operations.dashboard import History
 from tests.conftest import TINY
 from tests.gateway.test_live_server import LiveServer, _free_port
 
@@ -152,7 +152,7 @@ def test_the_dashboard_shows_what_metrics_says_in_a_real_browser(tiny_model_path
 
 
 def test_ttft_quantiles_interpolate_like_prometheus():
-    from gateway.dashboard import _quantile
+    from gateway.operations.dashboard import _quantile
 
     buckets = [(0.1, 2.0), (0.5, 6.0), (1.0, 8.0), (float("inf"), 8.0)]
     assert _quantile(0.5, buckets) == pytest.approx(0.1 + 0.4 * (4 - 2) / 4)

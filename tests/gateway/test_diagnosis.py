@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 from litestar.testing import TestClient
 
-from gateway.app import create_app
-from gateway.diagnosis import RequestRecord, diagnose
 from gateway.engine import CacheConfig, Engine, EngineConfig
-from gateway.trace import PrefixFacts
+from gateway.http.app import create_app
+from gateway.observability.diagnosis import RequestRecord, diagnose
+from gateway.observability.trace import PrefixFacts
 from tests.conftest import TINY, png_data_url
 
 ADMIN = {"Authorization": "Bearer admin-key"}
@@ -142,7 +142,7 @@ def test_the_window_says_what_more_ram_would_have_bought():
     chains is near the pool's replayed truth, now and with more RAM."""
     from evals.cache_sim import rate, replay, working_set
     from evals.trace_gen import generate
-    from gateway.diagnosis import RamBudget, sampled_chain
+    from gateway.observability.diagnosis import RamBudget, sampled_chain
 
     trace = generate("chat")
     records = [

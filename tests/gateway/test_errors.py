@@ -11,7 +11,7 @@ import pytest
 from litestar.testing import TestClient
 from PIL import Image
 
-from gateway.app import create_app
+from gateway.http.app import create_app
 from tests.conftest import TINY, png_data_url
 
 USER = [{"role": "user", "content": "hi"}]

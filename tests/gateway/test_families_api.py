@@ -10,8 +10,8 @@ import sys
 import pytest
 from litestar.testing import TestClient
 
-from gateway.app import create_app
 from gateway.checkpoints import BuildSpec, parse_model_name, resolve_model_path
+from gateway.http.app import create_app
 from tests.conftest import built_model, png_data_url
 
 

@@ -15,8 +15,8 @@ import httpx
 import pytest
 from litestar.testing import TestClient
 
-from gateway.app import create_app
-from gateway.fetch import FetchFailed, FetchPolicy, address_allowed, fetch_image
+from gateway.http.app import create_app
+from gateway.requests.fetch import FetchFailed, FetchPolicy, address_allowed, fetch_image
 from tests.conftest import TINY, png_data_url
 from tests.gateway.test_live_server import _free_port
 

@@ -8,8 +8,8 @@ import time
 
 from litestar.testing import TestClient
 
-from gateway.app import create_app
 from gateway.engine import Message, TextPart
+from gateway.http.app import create_app
 from tests.conftest import TINY, png_data_url
 from tests.gateway.test_response_caches import ask
 

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 from litestar.testing import TestClient
 
-from gateway.app import create_app
 from gateway.engine import CacheConfig, Engine, EngineConfig
+from gateway.http.app import create_app
 from tests.conftest import TINY
 
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}

@@ -16,7 +16,7 @@ import time
 import pytest
 from litestar.testing import TestClient
 
-from gateway.app import create_app
+from gateway.http.app import create_app
 from tests.conftest import TINY, png_data_url
 from tests.gateway.test_response_caches import ask
 

@@ -10,8 +10,8 @@ import time
 import pytest
 from litestar.testing import TestClient
 
-from gateway.app import create_app
 from gateway.engine import CacheConfig, Engine, EngineConfig
+from gateway.http.app import create_app
 from tests.conftest import TINY
 
 BODY = {"model": TINY, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 3, "temperature": 0}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.keyring import KEYS_HASH, RedisKeys
+from gateway.tenancy.keyring import KEYS_HASH, RedisKeys
 from kvcache.sealing import CHECK, Keyring, KeysRotated
 
 KEY, NEW_KEY = bytes(range(32)), bytes(range(1, 33))

@@ -9,8 +9,8 @@ import time
 
 from litestar.testing import TestClient
 
-from gateway.app import create_app
 from gateway.engine import CacheConfig, Engine, EngineConfig, Failed, Finished, Message, Sampling, TextPart
+from gateway.http.app import create_app
 from kvcache import TenantSalt
 from tests.conftest import TINY
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from gateway.models import ModelEntry, model_entries, read_models_file
+from gateway.serving.models import ModelEntry, model_entries, read_models_file
 
 
 def _file(tmp_path, rows) -> str:

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from gateway.engine import Message, Sampling, TextPart
-from gateway.normalize import Normalizer, load_rules
-from gateway.schemas import ChatRequest
+from gateway.requests.normalize import Normalizer, load_rules
+from gateway.requests.schemas import ChatRequest
 
 LINE = "x-anthropic-billing-header: cc_version=2.1.37.8f1; cc_entrypoint=cli; cch=1a2b3;"
 

@@ -11,8 +11,8 @@ import pytest
 from litestar.testing import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.app import create_app
-from gateway.requestlog import JsonFormatter
+from gateway.http.app import create_app
+from gateway.observability.requestlog import JsonFormatter
 from tests.conftest import TINY
 
 ADMIN = {"Authorization": "Bearer admin-key"}

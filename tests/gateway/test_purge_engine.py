@@ -11,8 +11,8 @@ import time
 import pytest
 from litestar.testing import TestClient
 
-from gateway.app import create_app
 from gateway.engine import CacheConfig, Engine, EngineConfig
+from gateway.http.app import create_app
 from kvcache.ssd import AdmissionPolicy, SsdConfig
 from tests.conftest import TINY, png_data_url
 

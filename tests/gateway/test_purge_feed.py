@@ -1,4 +1,4 @@
-"""Purges announced through Redis reach the other replicas (gateway/purge_feed.py), on a real
+"""Purges announced through Redis reach the other replicas (gateway/operations/purge_feed.py), on a real
 redis-server: the feed alone, then two apps whose own layers (here: stored Responses conversations,
 which live in each replica's data folder) are purged through the other."""
 
@@ -10,8 +10,8 @@ import time
 
 from litestar.testing import TestClient
 
-from gateway.app import create_app
-from gateway.purge_feed import PurgeFeed
+from gateway.http.app import create_app
+from gateway.operations.purge_feed import PurgeFeed
 from semantic.redis_store import RETRY_AFTER_S
 from semantic.store import StoreUnavailable
 from tests.conftest import TINY, RedisServer

@@ -11,7 +11,7 @@ import time
 import pytest
 from litestar.testing import TestClient
 
-from gateway.app import create_app
+from gateway.http.app import create_app
 from semantic.redis_store import RETRY_AFTER_S
 from tests.conftest import TINY, RedisServer
 

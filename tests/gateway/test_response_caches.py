@@ -8,9 +8,9 @@ from collections import Counter
 import anyio
 from litestar.testing import TestClient
 
-from gateway.app import create_app
-from gateway.responses import ExactLayer, RequestContext, StoreLane
-from gateway.trace import Trace
+from gateway.http.app import create_app
+from gateway.observability.trace import Trace
+from gateway.serving.responses import ExactLayer, RequestContext, StoreLane
 from semantic import Answer, CacheControl, ExactCache, MemoryStore, Owner, Scope
 from tests.conftest import TINY, png_data_url
 

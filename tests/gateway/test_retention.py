@@ -9,10 +9,10 @@ import time
 
 from litestar.testing import TestClient
 
-from gateway.app import EXACT_KEY_HEADER, create_app
-from gateway.conversations import ConversationStore
-from gateway.responses import ResponseCaches
-from gateway.sweeper import Sweeper
+from gateway.http.app import EXACT_KEY_HEADER, create_app
+from gateway.operations.sweeper import Sweeper
+from gateway.serving.conversations import ConversationStore
+from gateway.serving.responses import ResponseCaches
 from semantic import Answer, CacheControl, Scope, StoredResponse
 from tests.conftest import TINY
 

@@ -1,4 +1,4 @@
-"""Every field's type is checked before any parser reads it (gateway/shapes.py). The sweep below builds
+"""Every field's type is checked before any parser reads it (gateway/requests/shapes.py). The sweep below builds
 its cases from the shapes themselves: for every field and block the four APIs' parsers read, a body
 that is well formed but for a value of the wrong type there, so a field added to a shape is covered
 by construction. Each must parse or be refused with an ApiError (a 4xx), never raise anything else."""
@@ -9,12 +9,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway import anthropic_api, responses_api
-from gateway.embeddings import EMBEDDINGS_SHAPE, parse_embeddings_request
-from gateway.errors import ApiError
-from gateway.schemas import CHAT_SHAPE, parse_chat_request
+from gateway.formats import anthropic_api, responses_api
+from gateway.requests.errors import ApiError
+from gateway.requests.schemas import CHAT_SHAPE, parse_chat_request
+from gateway.requests.shapes import ANY, STR, Checked, Either, List, Obj, Shape, Tagged, _Scalar, check
+from gateway.serving.embeddings import EMBEDDINGS_SHAPE, parse_embeddings_request
 from gateway.settings import Limits
-from gateway.shapes import ANY, STR, Checked, Either, List, Obj, Shape, Tagged, _Scalar, check
 
 CONFUSING = {
     "null-in-list": None,

@@ -237,7 +237,7 @@ def test_a_pooling_family_embeds_as_mlx_vlms_embedding_model_does(runner_of, tmp
     from litestar.testing import TestClient
     from mlx_vlm.embedding_loader import load_embedding_model
 
-    from gateway.app import create_app
+    from gateway.http.app import create_app
     from gateway.settings import Settings
 
     engine = runner_of("qwen3")

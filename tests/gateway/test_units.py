@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from gateway.auth import Authenticator, load_server_secret
 from gateway.checkpoints import builder_digest
-from gateway.errors import ApiError
-from gateway.schemas import parse_chat_request
+from gateway.observability.trace import HIT, LayerOutcome, Trace
+from gateway.requests.errors import ApiError
+from gateway.requests.schemas import parse_chat_request
 from gateway.settings import LIMITS, SETTINGS, Limits, Settings, parse_api_keys, settings_from_env
-from gateway.trace import HIT, LayerOutcome, Trace
+from gateway.tenancy.auth import Authenticator, load_server_secret
 
 
 def test_trace_renders_layer_headers_and_server_timing():
@@ -148,7 +148,7 @@ def test_the_fair_lane_takes_tenants_in_turn():
     a waiter cancelled in the queue is skipped."""
     import asyncio
 
-    from gateway.embeddings import FairLane
+    from gateway.serving.embeddings import FairLane
 
     async def run() -> list[str]:
         lane, order = FairLane(), []
@@ -196,8 +196,8 @@ def _events(stream_bytes: bytes) -> list[dict]:
 def test_a_streamed_anthropic_answer_has_the_blocks_of_the_whole_one(text):
     """Streamed one character at a time, the events rebuild exactly the blocks the JSON answer has:
     a leading <think>...</think> becomes a thinking block, whatever else is text."""
-    from gateway.anthropic_api import MessageStream, content_blocks
-    from gateway.openai_format import Completion
+    from gateway.formats.anthropic_api import MessageStream, content_blocks
+    from gateway.formats.openai_format import Completion
 
     whole = Completion("id", 0, 4, 0, text=text, whole=True)
     partial = Completion("id", 0, 4, 0)

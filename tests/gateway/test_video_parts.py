@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from litestar.testing import TestClient
 
-from gateway.app import create_app
 from gateway.checkpoints import BuildSpec
 from gateway.engine import ImagePart, Message, PromptError, TextPart
 from gateway.engine.caching import CacheConfig
 from gateway.engine.runner import ModelRunner
+from gateway.http.app import create_app
 from tests.conftest import built_model
 from tests.gateway.test_families import TENANT_A, TENANT_B, Library, _assert_same, _library_logits, _run
 from vision import VideoLimits, decode_video_data_url

@@ -8,7 +8,7 @@ import re
 from evals.cache_sim import rate, replay, working_set
 from evals.trace_gen import generate
 from gateway.cli import main
-from gateway.whatif import GRID_RAM, GRID_SSD, RAM_SHARES
+from gateway.operations.whatif import GRID_RAM, GRID_SSD, RAM_SHARES
 
 
 def _write(tmp_path, records):

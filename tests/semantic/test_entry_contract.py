@@ -8,7 +8,7 @@ import uuid
 import numpy as np
 import pytest
 
-from gateway.keyring import SemanticSealer
+from gateway.tenancy.keyring import SemanticSealer
 from kvcache.sealing import FileKeys, Keyring
 from semantic import Answer, Owner, RedisEntries, Scope, Selector, SemanticCache, SemanticSettings, SqliteEntries
 from semantic.sealing import NO_SEALING
@@ -212,7 +212,7 @@ def test_an_index_entry_naming_another_partitions_entry_is_never_served(embedder
 
 
 def test_a_cache_started_while_redis_is_down_bypasses_until_it_comes(tmp_path, embedder):
-    from gateway.cluster import free_ports
+    from gateway.operations.cluster import free_ports
     from tests.conftest import RedisServer
 
     port = free_ports(1)

@@ -5,7 +5,7 @@ import uuid
 
 import pytest
 
-from gateway.keyring import SemanticSealer
+from gateway.tenancy.keyring import SemanticSealer
 from kvcache.sealing import FileKeys, Keyring
 from semantic import MemoryStore, SqliteStore, StoredResponse
 from semantic.redis_store import RedisStore

@@ -22,8 +22,8 @@ import anyio
 from litestar import Request, Response, get
 from prometheus_client import CollectorRegistry
 
+from ..observability.trace import LAYERS
 from .admin import require_admin
-from .trace import LAYERS
 
 HISTORY_POINTS = 720  # an hour at the default STRATA_DASHBOARD_SAMPLE_S (5 s)
 PAGE = (Path(__file__).parent / "dashboard.html").read_text()

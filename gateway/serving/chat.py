@@ -26,8 +26,7 @@ from kvcache import TenantSalt, end_user_salt
 from semantic import Owner, StoredResponse, owner_label
 from vision import DecodedImage, DecodedVideo
 
-from .auth import Caller
-from .engine import (
+from ..engine import (
     CompiledGrammar,
     Delta,
     Engine,
@@ -46,13 +45,14 @@ from .engine import (
     json_schema_grammar,
     return_heap,
 )
-from .errors import ENGINE_REFUSALS, ApiError, bad_request, engine_refusal, refuse_unless_serving
-from .images import load_image, load_video
-from .openai_format import Completion
-from .public_prefixes import PublicPrefixes
-from .schemas import ChatRequest
-from .settings import Settings
-from .trace import BYPASS, HIT, MISS, LayerOutcome, MaxTokens, PrefixFacts, Trace
+from ..formats.openai_format import Completion
+from ..observability.trace import BYPASS, HIT, MISS, LayerOutcome, MaxTokens, PrefixFacts, Trace
+from ..requests.errors import ENGINE_REFUSALS, ApiError, bad_request, engine_refusal, refuse_unless_serving
+from ..requests.images import load_image, load_video
+from ..requests.schemas import ChatRequest
+from ..settings import Settings
+from ..tenancy.auth import Caller
+from ..tenancy.public_prefixes import PublicPrefixes
 
 
 @dataclass(slots=True)

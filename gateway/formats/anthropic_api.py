@@ -29,7 +29,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import replace
 from typing import Any
 
-from .engine import (
+from ..engine import (
     Delta,
     Finished,
     ImagePart,
@@ -43,9 +43,9 @@ from .engine import (
     ToolFormat,
     tools_text,
 )
-from .errors import ApiError, anthropic_error, bad_request, echo
-from .openai_format import THINK_CLOSE, THINK_OPEN, Completion, partial_suffix, sendable, split_thinking
-from .schemas import (
+from ..observability.trace import Trace
+from ..requests.errors import ApiError, anthropic_error, bad_request, echo
+from ..requests.schemas import (
     CacheBreakpoint,
     ChatRequest,
     checked_request,
@@ -61,9 +61,9 @@ from .schemas import (
     typed,
     unique_tools,
 )
-from .settings import Limits
-from .shapes import BOOL, INT, NUM, OBJECT, STR, Checked, Either, List, Obj, Tagged, check
-from .trace import Trace
+from ..requests.shapes import BOOL, INT, NUM, OBJECT, STR, Checked, Either, List, Obj, Tagged, check
+from ..settings import Limits
+from .openai_format import THINK_CLOSE, THINK_OPEN, Completion, partial_suffix, sendable, split_thinking
 
 # Fields of the Messages API acted on here (see parse_messages_request); the others' values that change
 # nothing. Any other field is ignored and named in X-Strata-Ignored (never a 400).
@@ -103,7 +103,7 @@ EFFORTS = ("low", "medium", "high", "xhigh", "max")
 CLEAR_THINKING = "clear_thinking_20251015"  # the context-management edit that drops earlier thinking
 
 
-# The type of every field and block the parser reads (gateway/shapes.py checks them first).
+# The type of every field and block the parser reads (gateway/requests/shapes.py checks them first).
 CACHE_CONTROL = Obj({"type": STR, "ttl": STR})
 TEXT_BLOCK = Obj({"text": STR, "cache_control": CACHE_CONTROL})
 TEXT_ONLY = Obj({"text": STR})

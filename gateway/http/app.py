@@ -14,7 +14,7 @@ GET  /v1/models             the served model
 GET  /health, /healthz      liveness: 503 with the reason when the engine worker died or is stuck;
                             details (model, BLAS, queue) only with the admin key
 GET  /health/ready          readiness: 503 until the warm-up ended well
-GET  /metrics               Prometheus text format (gateway/metrics.py)
+GET  /metrics               Prometheus text format (gateway/observability/metrics.py)
 GET  /dashboard             the operator's page; its data: GET /admin/dashboard/data (admin key)
 GET  /admin/stats           per-layer counters (admin key)
 GET  /schema                OpenAPI (Litestar)
@@ -45,35 +45,35 @@ from kvcache.sealing import NO_SEALING, Sealer
 from kvcache.ssd import AdmissionPolicy, SsdConfig
 from semantic import Embedder
 
-from . import anthropic_api, openai_format, responses_api
-from .admin import ADMIN_CACHE_ROUTES, end_idle_sessions, purge_announced, require_admin
-from .auth import Authenticator, Caller, load_server_secret
-from .blas import blas_in_use
-from .cache_diagnostics import PromptPrint, PromptPrints, cache_miss
-from .checkpoints import resolve_model_path
-from .conversations import ConversationStore
-from .dashboard import DASHBOARD_ROUTES, History
-from .embeddings import MODEL_NAMES as EMBEDDING_MODELS
-from .embeddings import Embeddings, parse_embeddings_request
-from .engine import CacheConfig, Engine, EngineConfig
-from .errors import EXCEPTION_HANDLERS, ApiError, bad_request, echo
-from .files import private_dir, private_file
-from .keyring import UNAVAILABLE, at_rest, keyring_for
-from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .metrics import ModelGauge, RequestMetrics, StateCollector
-from .models import ServedModels, model_entries
-from .normalize import DEFAULT_RULES_FILE, Normalizer, load_rules
-from .pipeline import Pipeline, off_loop
-from .public_prefixes import PublicPrefixes, load_file
-from .purge_feed import PurgeFeed
-from .requestlog import BlockTrace, RequestStart, ResponseLog
-from .responses import ResponseCaches
-from .schemas import ChatRequest, parse_chat_request, parse_json_body
-from .sessions import SessionClock
-from .settings import Settings
-from .stats import LayerCounters
-from .sweeper import Sweeper
-from .trace import ignored_value
+from ..blas import blas_in_use
+from ..checkpoints import resolve_model_path
+from ..engine import CacheConfig, Engine, EngineConfig
+from ..formats import anthropic_api, openai_format, responses_api
+from ..observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from ..observability.metrics import ModelGauge, RequestMetrics, StateCollector
+from ..observability.requestlog import BlockTrace, RequestStart, ResponseLog
+from ..observability.stats import LayerCounters
+from ..observability.trace import ignored_value
+from ..operations.admin import ADMIN_CACHE_ROUTES, end_idle_sessions, purge_announced, require_admin
+from ..operations.dashboard import DASHBOARD_ROUTES, History
+from ..operations.purge_feed import PurgeFeed
+from ..operations.sweeper import Sweeper
+from ..requests.errors import EXCEPTION_HANDLERS, ApiError, bad_request, echo
+from ..requests.normalize import DEFAULT_RULES_FILE, Normalizer, load_rules
+from ..requests.schemas import ChatRequest, parse_chat_request, parse_json_body
+from ..serving.cache_diagnostics import PromptPrint, PromptPrints, cache_miss
+from ..serving.conversations import ConversationStore
+from ..serving.embeddings import MODEL_NAMES as EMBEDDING_MODELS
+from ..serving.embeddings import Embeddings, parse_embeddings_request
+from ..serving.models import ServedModels, model_entries
+from ..serving.pipeline import Pipeline, off_loop
+from ..serving.responses import ResponseCaches
+from ..settings import Settings
+from ..tenancy.auth import Authenticator, Caller, load_server_secret
+from ..tenancy.files import private_dir, private_file
+from ..tenancy.keyring import UNAVAILABLE, at_rest, keyring_for
+from ..tenancy.public_prefixes import PublicPrefixes, load_file
+from ..tenancy.sessions import SessionClock
 
 log = logging.getLogger("strata")
 T = TypeVar("T")
@@ -598,7 +598,7 @@ def _health_details(services: Services) -> dict:
 
 @get("/metrics", media_type=METRICS_CONTENT_TYPE)
 async def metrics(request: Request) -> Response:
-    """Prometheus text format (gateway/metrics.py): no prompts, sessions or keys in any label."""
+    """Prometheus text format (gateway/observability/metrics.py): no prompts, sessions or keys in any label."""
     services = _services(request)
     if not services.settings.metrics_enabled:
         raise ApiError(404, "metrics are off on this server (STRATA_METRICS=0)", "metrics_disabled")

@@ -33,7 +33,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .settings import Settings
+from ..settings import Settings
 
 MAX_HEADER_BYTES = 64 * 1024  # one request's headers; larger answer 400 (uvicorn's h11 bound)
 GRACEFUL_SHUTDOWN_S = 10

@@ -1,5 +1,5 @@
 """Per-layer counters for operators: how often each layer hit, missed or was bypassed; and the
-recent requests the miss diagnosis reads (gateway/diagnosis.py)."""
+recent requests the miss diagnosis reads (gateway/observability/diagnosis.py)."""
 
 from __future__ import annotations
 

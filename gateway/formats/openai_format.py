@@ -8,9 +8,9 @@ import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from .engine import Delta, Finished, ParsedCall, ToolFormat
-from .errors import ApiError
-from .trace import Trace
+from ..engine import Delta, Finished, ParsedCall, ToolFormat
+from ..observability.trace import Trace
+from ..requests.errors import ApiError
 
 
 @dataclass(slots=True)

@@ -25,9 +25,9 @@ from vision import (
     decode_video_data_url,
 )
 
+from ..settings import Settings
 from .errors import bad_request
 from .fetch import FetchFailed, FetchPolicy, fetch_image
-from .settings import Settings
 
 log = logging.getLogger("strata")
 

@@ -10,7 +10,7 @@
     GET    /admin/diagnosis?window_s=900                    why the caches missed lately, and what to change
 
 With STRATA_REDIS_URL, a purge reaches every replica: the exact and semantic entries are shared in
-Redis, and the replica that takes the purge announces it on the purge feed (gateway/purge_feed.py),
+Redis, and the replica that takes the purge announces it on the purge feed (gateway/operations/purge_feed.py),
 so every other replica purges its own layers too (`"announced": true` in the answer).
 """
 
@@ -31,11 +31,11 @@ from kvcache.chain import public_blocks
 from kvcache.sealing import Keyring
 from semantic import Selector
 
-from .diagnosis import RamBudget, diagnose
-from .errors import ApiError, bad_request, echo
-from .keyring import UNAVAILABLE, at_rest
-from .schemas import parse_json_body
-from .sessions import SessionClock
+from ..observability.diagnosis import RamBudget, diagnose
+from ..requests.errors import ApiError, bad_request, echo
+from ..requests.schemas import parse_json_body
+from ..tenancy.keyring import UNAVAILABLE, at_rest
+from ..tenancy.sessions import SessionClock
 
 log = logging.getLogger("strata")
 ADMIN_PAGE_SIZE = 1000  # the most entries one list call returns

@@ -44,8 +44,8 @@ from kvcache.sealing import (
 from semantic import sealing as semantic_sealing
 from semantic.redis_store import RedisLink
 
+from ..settings import Settings
 from .auth import load_server_secret
-from .settings import Settings
 
 KEYS_HASH = "strata:keys"
 ADD_SCRIPT = """

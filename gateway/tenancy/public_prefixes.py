@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .engine import Message, PreparedPrompt, TextPart
-from .errors import bad_request
-from .schemas import parse_tools
-from .settings import Limits
+from ..engine import Message, PreparedPrompt, TextPart
+from ..requests.errors import bad_request
+from ..requests.schemas import parse_tools
+from ..settings import Limits
 
 MAX_DECLARED = 64  # each is compared with every prompt's first tokens
 

@@ -36,18 +36,10 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine import Delta, Sampling, Switches, Tool, ToolFormat, tools_text
-from .errors import ApiError, bad_request, echo
-from .openai_format import (
-    THINK_CLOSE,
-    THINK_OPEN,
-    Completion,
-    assistant_message,
-    partial_suffix,
-    sendable,
-    split_thinking,
-)
-from .schemas import (
+from ..engine import Delta, Sampling, Switches, Tool, ToolFormat, tools_text
+from ..observability.trace import Trace
+from ..requests.errors import ApiError, bad_request, echo
+from ..requests.schemas import (
     ChatRequest,
     checked_request,
     function_tool,
@@ -66,9 +58,17 @@ from .schemas import (
     typed,
     unique_tools,
 )
-from .settings import Limits
-from .shapes import ANY, BOOL, INT, NUM, OBJECT, STR, Checked, Either, List, Obj, Tagged, check
-from .trace import Trace
+from ..requests.shapes import ANY, BOOL, INT, NUM, OBJECT, STR, Checked, Either, List, Obj, Tagged, check
+from ..settings import Limits
+from .openai_format import (
+    THINK_CLOSE,
+    THINK_OPEN,
+    Completion,
+    assistant_message,
+    partial_suffix,
+    sendable,
+    split_thinking,
+)
 
 # Fields acted on (previous_response_id and store by the route); the others' values that change nothing.
 RESPONSE_FIELDS = frozenset(
@@ -109,7 +109,7 @@ CUSTOM_INPUT = {"type": "object", "properties": {"input": {"type": "string"}}, "
 SKIPPED_ITEMS = ("web_search_call", "file_search_call", "computer_call", "item_reference", "compaction")
 
 
-# The type of every field and item the parser reads (gateway/shapes.py checks them first).
+# The type of every field and item the parser reads (gateway/requests/shapes.py checks them first).
 TEXT_PART = Obj({"text": STR})
 PART = Tagged(
     {

@@ -32,11 +32,11 @@ import numpy as np
 
 from semantic import MiniLMEmbedder
 
+from ..engine import Embedded, Engine, return_heap
+from ..requests.errors import ENGINE_REFUSALS, ApiError, bad_request, engine_refusal, refuse_unless_serving
+from ..requests.shapes import ANY, INT, STR, Checked, Obj, check
+from ..settings import Limits, Settings
 from .chat import deadline_error
-from .engine import Embedded, Engine, return_heap
-from .errors import ENGINE_REFUSALS, ApiError, bad_request, engine_refusal, refuse_unless_serving
-from .settings import Limits, Settings
-from .shapes import ANY, INT, STR, Checked, Obj, check
 
 MODEL_NAMES = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
 CHUNK_TEXTS = 8  # texts per turn of the lane: ~0.05-0.3 s of MiniLM on this CPU, what another tenant may wait

@@ -72,14 +72,14 @@ from semantic.risk import DEFAULT_PATTERNS_FILE, PERSONAL_DATA
 from semantic.scope import VERSION_FIELDS
 from vision import DecodedImage, DecodedVideo
 
-from .auth import Caller
-from .engine import Sampling, TextPart
-from .errors import bad_request
-from .files import private_file
-from .keyring import SemanticSealer, at_rest, keyring_for
-from .schemas import ChatRequest
-from .settings import Settings
-from .trace import BYPASS, HIT, MISS, LayerOutcome, Trace
+from ..engine import Sampling, TextPart
+from ..observability.trace import BYPASS, HIT, MISS, LayerOutcome, Trace
+from ..requests.errors import bad_request
+from ..requests.schemas import ChatRequest
+from ..settings import Settings
+from ..tenancy.auth import Caller
+from ..tenancy.files import private_file
+from ..tenancy.keyring import SemanticSealer, at_rest, keyring_for
 
 T = TypeVar("T")
 log = logging.getLogger("strata")

@@ -23,7 +23,7 @@ from kvcache import sealing as kv_sealing
 from kvcache.sealing import KeysRotated
 from semantic import StoreUnavailable
 
-from .engine import EngineStopped, OverBudget, QueueFull
+from ..engine import EngineStopped, OverBudget, QueueFull
 
 log = logging.getLogger("strata")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import re2
 
-from .engine import ImagePart, Message, TextPart
+from ..engine import ImagePart, Message, TextPart
 from .schemas import ChatRequest
 
 DEFAULT_RULES_FILE = Path(__file__).with_name("normalize_rules.json")

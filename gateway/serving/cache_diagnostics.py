@@ -24,8 +24,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .engine import ImagePart, Message
-from .schemas import ChatRequest
+from ..engine import ImagePart, Message
+from ..requests.schemas import ChatRequest
 
 
 @dataclass(frozen=True, slots=True)

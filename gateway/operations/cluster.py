@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-PROXY_CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "haproxy" / "haproxy.cfg"
+PROXY_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "haproxy" / "haproxy.cfg"
 REPLICAS = ("a", "b")  # the names the proxy config gives its servers
 START_TIMEOUT_S = 600.0  # a first start builds the demo model
 RESTART_AFTER_S = 10.0  # a replica that died is started again at most this often
@@ -80,7 +80,7 @@ class Cluster:
     def _build_once(self) -> None:
         """A built-in model ('demo', ...) is built once under FOLDER/models, not once per replica;
         the replicas serve that folder under the name the client knows."""
-        from .checkpoints import parse_model_name, resolve_model_path
+        from ..checkpoints import parse_model_name, resolve_model_path
 
         if parse_model_name(self.model) is not None:
             self.extra_env.setdefault("STRATA_MODEL_NAME", self.model)

@@ -31,9 +31,8 @@ from pathlib import Path
 
 import anyio
 
-from .chat import ChatService
-from .checkpoints import parse_model_name, resolve_model_path
-from .engine import (
+from ..checkpoints import parse_model_name, resolve_model_path
+from ..engine import (
     Engine,
     EngineConfig,
     ModelLoadFailed,
@@ -48,10 +47,11 @@ from .engine import (
     release_memory,
     weights_bytes,
 )
-from .errors import ApiError, echo
-from .metrics import ModelGauge
-from .openai_format import ModelStamp
-from .settings import Settings
+from ..formats.openai_format import ModelStamp
+from ..observability.metrics import ModelGauge
+from ..requests.errors import ApiError, echo
+from ..settings import Settings
+from .chat import ChatService
 
 log = logging.getLogger("strata")
 

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from .engine import SpeculativeReport, SystemPlacement
+from ..engine import SpeculativeReport, SystemPlacement
 
 LAYERS = ("exact", "semantic", "vision", "prefix")
 Status = Literal["hit", "miss", "bypass"]

@@ -24,18 +24,18 @@ import anyio
 
 from semantic import Answer, StoredResponse
 
-from .auth import Caller
+from ..engine import Delta, Finished, Pin, Sampling
+from ..formats.openai_format import Completion
+from ..observability.metrics import RequestMetrics
+from ..observability.stats import LayerCounters
+from ..observability.trace import BYPASS, LayerOutcome, Trace
+from ..requests.normalize import Normalizer
+from ..requests.schemas import ChatRequest
+from ..tenancy.auth import Caller
+from ..tenancy.sessions import SessionClock
 from .chat import Drafts, Run
-from .engine import Delta, Finished, Pin, Sampling
-from .metrics import RequestMetrics
 from .models import ServedModel, ServedModels
-from .normalize import Normalizer
-from .openai_format import Completion
 from .responses import RequestContext, ResponseCaches
-from .schemas import ChatRequest
-from .sessions import SessionClock
-from .stats import LayerCounters
-from .trace import BYPASS, LayerOutcome, Trace
 
 T = TypeVar("T")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kvcache import TenantSalt, tenant_salt
 
-from .errors import ApiError
+from ..requests.errors import ApiError
 
 log = logging.getLogger("strata")
 DEFAULT_TENANT = "default"

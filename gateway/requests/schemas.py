@@ -20,9 +20,9 @@ from collections.abc import Collection
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .engine import ImagePart, Message, Sampling, Switches, TextPart, Tool, ToolCall
+from ..engine import ImagePart, Message, Sampling, Switches, TextPart, Tool, ToolCall
+from ..settings import Limits
 from .errors import bad_request, echo
-from .settings import Limits
 from .shapes import BOOL, INT, NUM, OBJECT, STR, Checked, Either, List, Obj, Tagged, check
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -213,7 +213,7 @@ CHAT_NEUTRAL = {
     "repetition_penalty": (1,),
 }
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
-# The type of every field and part the chat parser reads (gateway/shapes.py checks them first).
+# The type of every field and part the chat parser reads (gateway/requests/shapes.py checks them first).
 IMAGE_REF = Either((STR, Obj({"url": STR, "detail": STR})))
 CHAT_PART = Tagged(
     {"text": Obj({"text": STR}), "image_url": Obj({"image_url": IMAGE_REF}), "video_url": Obj({"video_url": IMAGE_REF})}

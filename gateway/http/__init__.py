@@ -1,0 +1,1 @@
+"""The HTTP side: the Litestar app and its routes, and the server around it (uvicorn with connection limits)."""

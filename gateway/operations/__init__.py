@@ -1,0 +1,1 @@
+"""What operators run: admin routes (purges, ownership), the dashboard, the cluster launcher, the sweeper, the purge feed between replicas, what-if replays."""

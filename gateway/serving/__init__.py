@@ -1,0 +1,1 @@
+"""A request's way through the layers: the pipeline (exact -> semantic -> engine), the response caches, the chat service over the engine, stored conversations, the models served, embeddings, cache diagnostics."""
