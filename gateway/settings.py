@@ -258,7 +258,8 @@ def _writer_name(text: str) -> str:
 class Setting:
     """One setting, declared once: the Settings field (and its default; `limits.NAME` for a field of
     Limits), the environment variable, the `strata serve` flag (none for secrets: flags show in the
-    process list), a parser, one line of help."""
+    process list), a parser, and its description: `strata serve --help` shows it and the README's
+    settings table holds it word for word (tests/gateway/test_units.py checks both ways)."""
 
     field: str
     env: str
@@ -281,264 +282,487 @@ LIMITS = "limits."  # a setting named limits.NAME sets a field of Settings.limit
 
 
 SETTINGS = (
-    Setting("model_name", "STRATA_MODEL_NAME", str, "the model id clients send (default: the model folder's name)"),
     Setting(
-        "api_keys", "STRATA_API_KEYS", parse_api_keys, "key1:tenantA,key2:tenantB; unset: single-tenant", secret=True
+        "model_name",
+        "STRATA_MODEL_NAME",
+        str,
+        (
+            "the model id clients send for the first `--model` (default: the model folder's name, e.g. "
+            "`strata-demo`, or the hub id as given)"
+        ),
     ),
-    Setting("admin_key", "STRATA_ADMIN_KEY", str, "guards /admin/*; unset: admin routes answer 403", secret=True),
+    Setting(
+        "api_keys",
+        "STRATA_API_KEYS",
+        parse_api_keys,
+        (
+            "`key1:tenantA,key2:tenantB`. When set, every `/v1` request needs `Authorization: Bearer <key>`, and "
+            "the tenant comes only from the key. Unset: single-tenant (announced at start-up)."
+        ),
+        secret=True,
+    ),
+    Setting("admin_key", "STRATA_ADMIN_KEY", str, "guards `/admin/*`; unset, admin routes answer 403", secret=True),
     Setting(
         "conversation_ttl_s",
         "STRATA_CONVERSATION_TTL_S",
         float,
-        "how long a stored Responses-API conversation can be continued",
+        ("how long a stored Responses-API conversation can be continued with `previous_response_id` (default 30 days)"),
     ),
     Setting(
         "conversation_quota_bytes",
         "STRATA_CONVERSATION_QUOTA_BYTES",
         int,
-        "what one tenant's stored Responses-API turns and images may hold; past it, 413 (0: no quota)",
+        (
+            "what one tenant's stored Responses-API turns and images may hold (default 1 GiB; 0: no quota); a "
+            "request that could pass it is refused before any work with 413 `storage_quota_exceeded` (`store: "
+            "false`, or deleting stored responses, makes room)"
+        ),
     ),
     Setting(
         "stuck_after_s",
         "STRATA_STUCK_AFTER_S",
         float,
-        "/health reports the engine stuck after this long without a step while work waits",
+        (
+            "`/health` answers 503 (`stuck: …`) once no engine step has ended for this long while requests wait "
+            "(default 60 s)"
+        ),
     ),
-    Setting("dashboard_sample_s", "STRATA_DASHBOARD_SAMPLE_S", float, "seconds between the dashboard's history points"),
     Setting(
-        "log_format", "STRATA_LOG_FORMAT", _one_of(LOG_FORMATS), "text, or json: JSON log lines and one per request"
+        "dashboard_sample_s",
+        "STRATA_DASHBOARD_SAMPLE_S",
+        float,
+        "seconds between the points of `/dashboard`'s history (default 5; the last 720 points are kept)",
     ),
-    Setting("metrics_enabled", "STRATA_METRICS", bool, "0 turns /metrics, its accounting and the dashboard's data off"),
-    Setting("metrics_tenant_label", "STRATA_METRICS_TENANT_LABEL", bool, "label per-request metrics with the tenant"),
+    Setting(
+        "log_format",
+        "STRATA_LOG_FORMAT",
+        _one_of(LOG_FORMATS),
+        (
+            "`text` (default) or `json`: every log line a JSON object, and one line per request (request id, "
+            "tenant, status, duration, each layer's outcome, timings, token counts; never prompt or answer text)"
+        ),
+    ),
+    Setting(
+        "metrics_enabled",
+        "STRATA_METRICS",
+        bool,
+        "turn `/metrics`, the per-request accounting behind it and the dashboard's data off (default on)",
+    ),
+    Setting(
+        "metrics_tenant_label",
+        "STRATA_METRICS_TENANT_LABEL",
+        bool,
+        (
+            "add a `tenant` label to the per-request series of `/metrics` (tenants come from `STRATA_API_KEYS`, "
+            "never from requests)"
+        ),
+    ),
     Setting(
         "session_ttl_s",
         "STRATA_SESSION_TTL_S",
         float,
-        "a session idle this long ends: purged from every layer (0: never)",
+        (
+            "a session (`X-Strata-Session` / `metadata.session_id`) idle this long is ended: purged from every "
+            "layer and tier by the sweep (default 0: never)"
+        ),
     ),
     Setting(
         "sweep_interval_s",
         "STRATA_SWEEP_INTERVAL_S",
         float,
-        "how often expired cache entries and conversations are deleted",
+        (
+            "how often a background sweep deletes expired exact entries, semantic entries and stored "
+            "conversations, and ends idle sessions (default 60 s); `/admin/stats.sweeps` counts what it removed"
+        ),
     ),
     Setting(
         "limits.max_context_tokens",
         "STRATA_MAX_CONTEXT_TOKENS",
         int,
-        "prompt + answer of one request (unset: the model's own context, as far as the KV budget holds it)",
+        (
+            "prompt + answer of one request (default: the model's own context from its config, as far as the KV "
+            "budget holds one sequence of it; the server logs the figure at start-up); a longer prompt is a 400 "
+            "`context_length_exceeded`"
+        ),
     ),
     Setting(
         "limits.max_output_tokens",
         "STRATA_MAX_OUTPUT_TOKENS",
         int,
-        "the most tokens one answer may run to; a larger max_tokens is lowered to it (and to the context left)",
+        (
+            "the most tokens one answer may run to (default 32768); a client's larger `max_tokens` (agents ask "
+            "32,000 or 128,000) is lowered to it, and to what the context leaves after the prompt, never refused:"
+            " `X-Strata-Max-Tokens: asked=...; allowed=...; by=context|output_limit` says so"
+        ),
     ),
-    Setting("max_queue", "STRATA_MAX_QUEUE", int, "requests that may wait for the engine; more answer 429"),
-    Setting("max_num_seqs", "STRATA_MAX_NUM_SEQS", int, "sequences on the model at once, one model call a step"),
+    Setting(
+        "max_queue",
+        "STRATA_MAX_QUEUE",
+        int,
+        (
+            "requests that may wait for the engine (default 64); more answer 429 `queue_full` with `Retry-After`;"
+            " one tenant may hold at most half of them (more: 429 `tenant_share`)"
+        ),
+    ),
+    Setting(
+        "max_num_seqs",
+        "STRATA_MAX_NUM_SEQS",
+        int,
+        ("sequences on the model at once, decoding or their prompt coming in, one model call a step (default 16)"),
+    ),
     Setting(
         "step_prompt_tokens",
         "STRATA_STEP_PROMPT_TOKENS",
         int,
-        "prompt tokens one model call runs beside the decode rows, over every prompt coming in",
+        (
+            "prompt tokens one model call runs beside the decode rows, shared by every prompt coming in (default "
+            "128; a multiple of `STRATA_KV_BLOCK_SIZE`); smaller keeps running streams' pace steadier, larger "
+            "brings long prompts in sooner"
+        ),
     ),
     Setting(
         "max_verify_tokens",
         "STRATA_MAX_VERIFY_TOKENS",
         int,
-        "tokens a decode step feeds at most, drafts for speculative decoding included (0: no drafts)",
+        (
+            "tokens a decode step feeds at most over its rows, draft tokens of speculative decoding included "
+            "(default 64; 0 turns drafting off)"
+        ),
     ),
     Setting(
-        "request_timeout_s", "STRATA_REQUEST_TIMEOUT_S", float, "deadline of one request, queue wait included; then 504"
+        "request_timeout_s",
+        "STRATA_REQUEST_TIMEOUT_S",
+        float,
+        (
+            "server-side deadline of one request, queue wait included (default 300); then 504 `timeout` and the "
+            "job is cancelled"
+        ),
     ),
     Setting(
         "stream_ping_s",
         "STRATA_STREAM_PING_S",
         float,
-        "a stream whose prompt still waits or prefills sends a ping this often (Anthropic events, OpenAI comments)",
+        (
+            "a stream whose prompt still waits in the queue or prefills after this long starts at once and keeps "
+            "the connection alive this often: `ping` events on `/v1/messages`, `: ping` SSE comment lines (which "
+            "every SSE client skips) on `/v1/chat/completions` and `/v1/responses`; an error then ends the stream"
+            " in the API's own error events (default 5)"
+        ),
     ),
     Setting(
         "http_read_timeout_s",
         "STRATA_HTTP_READ_TIMEOUT_S",
         float,
-        "a request's headers and body must arrive within this",
+        "a request's headers and body must arrive within this (default 30); else the connection is closed",
     ),
     Setting(
         "http_header_timeout_s",
         "STRATA_HTTP_HEADER_TIMEOUT_S",
         float,
-        "a request's headers must arrive within this (its body within STRATA_HTTP_READ_TIMEOUT_S)",
+        "its headers alone within this (default 5): a client that drips its headers is cut early",
     ),
-    Setting("keep_alive_s", "STRATA_KEEP_ALIVE_S", int, "idle keep-alive connections are closed after this"),
+    Setting(
+        "keep_alive_s", "STRATA_KEEP_ALIVE_S", int, "idle keep-alive connections are closed after this (default 5)"
+    ),
     Setting(
         "max_connections",
         "STRATA_MAX_CONNECTIONS",
         int,
-        "open connections; more are answered 503 (health checks never)",
+        (
+            "open connections (default 256); beyond it uvicorn answers 503 (plain text), but never to `/health`, "
+            "`/healthz` and `/health/ready`"
+        ),
     ),
     Setting(
         "max_connections_per_client",
         "STRATA_MAX_CONNECTIONS_PER_CLIENT",
         int,
-        "open connections from one client address; more are answered 429 (0: none, as behind a proxy)",
+        (
+            "open connections from one client address (default 32; 0: none, as behind a proxy, which `strata "
+            "cluster` sets for its replicas); one more is answered 429 `too_many_connections` and closed"
+        ),
     ),
-    Setting("kv_block_size", "STRATA_KV_BLOCK_SIZE", int, "tokens per prefix KV block"),
+    Setting("kv_block_size", "STRATA_KV_BLOCK_SIZE", int, "tokens per KV block (default 32, see below)"),
     Setting(
         "kv_snapshot_blocks",
         "STRATA_KV_SNAPSHOT_BLOCKS",
         int,
-        "hybrid models: snapshot the recurrent state every this many blocks of a prompt (0: only at its end)",
+        (
+            "hybrid models: snapshot the recurrent state every this many blocks of a prompt, besides its end, its"
+            ' cache breakpoints and its reply\'s end (default 8; 0: only there; see "Hybrid / recurrent families")'
+        ),
     ),
     Setting(
         "kv_budget_bytes",
         "STRATA_KV_BUDGET_BYTES",
         int,
-        "RAM for KV: cached prefix blocks and running sequences (unset: 25% of available RAM; 0: prefix cache off)",
+        (
+            "RAM for KV: cached prefix blocks and the running sequences' own KV (default 25% of available RAM; 0 "
+            "turns the prefix cache off, and running sequences are then bounded by `STRATA_MAX_NUM_SEQS` only)"
+        ),
     ),
-    Setting("vision_budget_bytes", "STRATA_VISION_BUDGET_BYTES", int, "RAM for cached image features (0: off)"),
+    Setting(
+        "vision_budget_bytes",
+        "STRATA_VISION_BUDGET_BYTES",
+        int,
+        "RAM for cached image features (default 256 MiB; 0 = off)",
+    ),
     Setting(
         "kv_pin_fraction",
         "STRATA_KV_PIN_FRACTION",
         float,
-        "share of the prefix KV budget one tenant's pinned prefixes (cache breakpoints) may hold (0: no pins)",
+        (
+            "share of the prefix KV budget one tenant's pinned prefixes (Anthropic `cache_control` breakpoints) "
+            "may hold (default 0.25; 0: nothing is pinned)"
+        ),
     ),
     Setting(
         "kv_ram_retention_s",
         "STRATA_KV_RAM_RETENTION_S",
         float,
-        "prefix KV blocks in RAM unused this long are dropped (0: never)",
+        (
+            "prefix KV blocks in RAM that nobody used for this long are dropped (default a day; 0: kept until "
+            "evicted); the worker checks every 10 s, idle or not, and nothing expired is spilled to SSD (the SSD "
+            "tier keeps its own `STRATA_SSD_RETENTION_S`)"
+        ),
     ),
     Setting(
         "vision_retention_s",
         "STRATA_VISION_RETENTION_S",
         float,
-        "cached image features unused this long are dropped (0: never)",
+        (
+            "cached image features that nobody used for this long are dropped (default a day; 0: kept until "
+            "evicted), checked as above"
+        ),
     ),
-    Setting("ssd_capacity_bytes", "STRATA_SSD_CAPACITY_BYTES", int, "byte cap of the KV SSD tier (0: no SSD tier)"),
-    Setting("ssd_retention_s", "STRATA_SSD_RETENTION_S", float, "KV files on SSD unused this long are deleted"),
-    Setting("ssd_min_hits", "STRATA_SSD_MIN_HITS", int, "spill only blocks reused at least this often in RAM"),
     Setting(
-        "ssd_min_prefix_tokens", "STRATA_SSD_MIN_PREFIX_TOKENS", int, "spill only blocks at least this deep in a prefix"
+        "ssd_capacity_bytes",
+        "STRATA_SSD_CAPACITY_BYTES",
+        int,
+        "byte cap of the KV SSD tier under `DATA_DIR/kv` (default 20 GiB, LRU by file; 0 = no SSD tier)",
     ),
-    Setting("ssd_daily_write_bytes", "STRATA_SSD_DAILY_WRITE_BYTES", int, "the SSD tier's write budget per day"),
+    Setting(
+        "ssd_retention_s",
+        "STRATA_SSD_RETENTION_S",
+        float,
+        "KV files on SSD unused this long are deleted (default 7 days)",
+    ),
+    Setting(
+        "ssd_min_hits",
+        "STRATA_SSD_MIN_HITS",
+        int,
+        (
+            "admission: spill only blocks reused at least this often in RAM (default 1; with measured admission, "
+            "until there is evidence)"
+        ),
+    ),
+    Setting(
+        "ssd_min_prefix_tokens",
+        "STRATA_SSD_MIN_PREFIX_TOKENS",
+        int,
+        "admission: spill only blocks at least this deep in a prefix (default 0)",
+    ),
+    Setting(
+        "ssd_daily_write_bytes",
+        "STRATA_SSD_DAILY_WRITE_BYTES",
+        int,
+        "admission: the day's write budget (default 10 GiB)",
+    ),
     Setting(
         "ssd_measured_admission",
         "STRATA_SSD_MEASURED_ADMISSION",
         parse_flag,
-        "once measured, write the evicted blocks that later requests ask for again (0: STRATA_SSD_MIN_HITS alone)",
+        (
+            "admit by `STRATA_SSD_MIN_HITS` alone (default on: once 200 evictions of a kind were seen, the "
+            "evicted blocks later requests asked for again at least 20% of the time are written, and others not)"
+        ),
     ),
     Setting(
         "secret_file",
         "STRATA_SECRET_FILE",
         Path,
-        "the server secret (default DATA_DIR/server.secret); replicas sharing STRATA_SSD_DIR must share it",
+        (
+            "the server secret tenant salts derive from (default `DATA_DIR/server.secret`); replicas sharing a KV"
+            " tier or a Redis must share it, or their block hashes never agree and their data keys do not open; "
+            "the key store `keys.json` lives beside it"
+        ),
     ),
     Setting(
         "encrypt_at_rest",
         "STRATA_ENCRYPT_AT_REST",
         parse_flag,
-        "seal what is stored (KV on SSD, cached answers and questions, conversations) with a key per tenant",
+        (
+            "store in the clear (default on: KV on SSD, cached answers and questions, conversations sealed with "
+            'AES-256-GCM under a key per tenant; see "Data at rest")'
+        ),
     ),
     Setting(
         "key_file",
         "STRATA_KEY_FILE",
         Path,
-        "32 random bytes (raw or hex) wrapping the tenants' data keys (default: derived from the server secret)",
+        (
+            "32 random bytes (raw, or 64 hex digits) that wrap the tenants' data keys, e.g. a mounted secret "
+            "(default: a key derived from the server secret); a missing, malformed or wrong file stops start-up"
+        ),
     ),
     Setting(
         "trace_file",
         "STRATA_TRACE_FILE",
         Path,
-        "append a block trace of every request here (no text: hashes, times), for `python -m evals.cache_sim`",
+        (
+            "append a block trace of every request to this file (JSON lines: time, a tenant digest, the prompt's "
+            "blocks as short salted hashes, whether a response layer answered; no text) for `python -m "
+            "evals.cache_sim --trace` and `strata what-if`"
+        ),
     ),
     Setting(
         "models_file",
         "STRATA_MODELS_FILE",
         Path,
-        'more models to serve: {"models": [{"name", "path", "pinned", "idle_ttl_s"}]}',
+        (
+            'more models to serve, as JSON: `{"models": [{"name": "coder", "path": "DIR, built-in name or hub '
+            'id", "pinned": false, "idle_ttl_s": 0, "aliases": ["claude-*"]}]}` (see "Several models in one '
+            'server")'
+        ),
     ),
     Setting(
         "model_memory_bytes",
         "STRATA_MODEL_MEMORY_BYTES",
         int,
-        "what the loaded models may hold together (weights + KV + vision budgets); idle ones unload (0: no limit)",
+        (
+            "what the loaded models may hold together, weights + KV budget + vision budget each (default 0: no "
+            "limit, every model may stay loaded); to load one more, the least recently used idle models are "
+            "unloaded"
+        ),
     ),
     Setting(
         "model_load_timeout_s",
         "STRATA_MODEL_LOAD_TIMEOUT_S",
         float,
-        "how long a request waits for its model to load or for room under the memory limit; then 503",
+        (
+            "how long a request waits for its model to load, or for room under the limit (default 120); then 503 "
+            "`model_unavailable` with `Retry-After`"
+        ),
     ),
     Setting(
         "public_prefixes_file",
         "STRATA_PUBLIC_PREFIXES_FILE",
         Path,
-        "a JSON list of public prefixes ({system, tools}): their KV blocks are shared by every tenant",
+        (
+            'a JSON list of public prefixes (`{"system": ..., "tools": [...]}`) whose KV blocks every tenant '
+            'shares (see "Public prefixes")'
+        ),
     ),
     Setting(
-        "ssd_dir", "STRATA_SSD_DIR", Path, "the KV SSD tier's folder (default DATA_DIR/kv); replicas may share one"
+        "ssd_dir",
+        "STRATA_SSD_DIR",
+        Path,
+        (
+            "the KV SSD tier's folder (default `DATA_DIR/kv`); replicas may share one (a network file system), "
+            "each with its own `STRATA_SSD_WRITER`"
+        ),
     ),
     Setting(
         "ssd_writer",
         "STRATA_SSD_WRITER",
         _writer_name,
-        "this replica's name in a shared STRATA_SSD_DIR: several "
-        "writers made safe, every block written through for failover",
+        (
+            "this replica's name among the writers of a shared `STRATA_SSD_DIR` (letters, digits, `-`, `_`): its "
+            "own index and journal there, and every KV block written through to SSD as it is stored (not only at "
+            "eviction), so another replica can continue its conversations if it dies"
+        ),
     ),
-    Setting("kv_quant_bits", "STRATA_KV_QUANT_BITS", int, "8 or 4: quantise stored KV blocks (unset: off)"),
+    Setting(
+        "kv_quant_bits",
+        "STRATA_KV_QUANT_BITS",
+        int,
+        "8 or 4: quantise stored KV blocks (RAM and SSD) at least 1024 tokens deep (default off)",
+    ),
     Setting(
         "redis_url",
         "STRATA_REDIS_URL",
         str,
-        "redis://host:port/db: the exact cache and the semantic entries live there, shared by replicas",
+        (
+            "`redis://host:port/db`: the exact cache and the semantic entries live in Redis, shared by every "
+            "replica pointing at it (purges reach them all; each replica's faiss index follows the others' "
+            "changes through a Redis stream); an unreachable Redis makes both layers `bypass; "
+            "reason=store_unavailable` until it is back"
+        ),
     ),
-    Setting("exact_store", "STRATA_EXACT_STORE", _one_of(EXACT_STORES), "sqlite, memory or off"),
-    Setting("exact_ttl_s", "STRATA_EXACT_TTL_S", float, "default lifetime of exact entries"),
-    Setting("max_cache_ttl_s", "STRATA_MAX_CACHE_TTL_S", float, "the largest X-Strata-Cache-TTL a client may ask for"),
-    Setting("semantic_enabled", "STRATA_SEMANTIC", parse_flag, "the semantic layer (loads MiniLM at start-up)"),
-    Setting("semantic_threshold", "STRATA_SEMANTIC_THRESHOLD", float, "cosine threshold before the guards"),
+    Setting(
+        "exact_store",
+        "STRATA_EXACT_STORE",
+        _one_of(EXACT_STORES),
+        "`sqlite` (default, `DATA_DIR/responses.db`, survives restarts), `memory` or `off`",
+    ),
+    Setting("exact_ttl_s", "STRATA_EXACT_TTL_S", float, "default lifetime of exact entries (default 86400)"),
+    Setting(
+        "max_cache_ttl_s",
+        "STRATA_MAX_CACHE_TTL_S",
+        float,
+        "the largest `X-Strata-Cache-TTL` a client may ask for (default 2592000, 30 days); more is a 400",
+    ),
+    Setting(
+        "semantic_enabled",
+        "STRATA_SEMANTIC",
+        parse_flag,
+        "turn the semantic layer off (it loads MiniLM at start-up, ~5 s)",
+    ),
+    Setting(
+        "semantic_threshold",
+        "STRATA_SEMANTIC_THRESHOLD",
+        float,
+        "cosine threshold before the guards (default 0.80, tuned on `evals/data/dev.jsonl`)",
+    ),
     Setting(
         "semantic_require_approved",
         "STRATA_SEMANTIC_REQUIRE_APPROVED",
         parse_flag,
-        "serve only approved semantic entries",
+        "serve only semantic entries an admin approved",
     ),
     Setting(
         "semantic_max_false_hit_rate",
         "STRATA_SEMANTIC_MAX_FALSE_HIT_RATE",
         float,
-        "the share of look-alike lookups the semantic layer may serve (false hits per lookup), 95% confidence (unset: fixed bars)",
+        (
+            "the share of look-alike lookups (whose nearest entry has another answer) the semantic layer may "
+            "serve, held with 95% confidence (e.g. `0.05`): a bound on its false hits per lookup; unset: the "
+            'verifier\'s fixed bars decide (see "The false-hit bound")'
+        ),
     ),
     Setting(
         "semantic_tenant_bounds",
         "STRATA_SEMANTIC_TENANT_BOUNDS",
         parse_tenant_bounds,
-        "tenants' own false-hit bounds: billing:0.02,faq:0.10",
+        ("tenants' own bounds, `billing:0.02,faq:0.10` (needs `STRATA_SEMANTIC_MAX_FALSE_HIT_RATE` for the others)"),
     ),
     Setting(
         "semantic_verifier",
         "STRATA_SEMANTIC_VERIFIER",
         parse_flag,
-        "the learned verifier after the guards: it "
-        "refuses word-order look-alikes and may overrule the word-order guards",
+        "the rule guards alone: no learned verifier after them (on by default)",
     ),
     Setting(
         "cache_nondeterministic",
         "STRATA_CACHE_NONDETERMINISTIC",
         parse_flag,
-        "also cache sampled answers (exact layer)",
+        "also cache sampled answers (temperature > 0 without a seed) in the exact layer",
     ),
     Setting(
         "risk_patterns_file",
         "STRATA_RISK_PATTERNS_FILE",
         Path,
-        "risk rules as JSON (default semantic/risk_patterns.json)",
+        ("the risk rules (personal data, medical, ...) as JSON; default and format: `semantic/risk_patterns.json`"),
     ),
     Setting(
         "normalize_rules_file",
         "STRATA_NORMALIZE_RULES_FILE",
         Path,
-        "prompt normalisation rules as JSON (default gateway/requests/normalize_rules.json)",
+        (
+            "prompt normalisation rules (RE2, JSON; default `gateway/requests/normalize_rules.json`, which "
+            "removes Claude Code's attribution line): volatile lines taken out of system messages before any "
+            "cache key or token, so the prefix stays shared"
+        ),
     ),
     Setting(
         "normalize_off_tenants",
@@ -550,12 +774,30 @@ SETTINGS = (
         "isolated_end_user_tenants",
         "STRATA_ISOLATE_END_USERS",
         _names,
-        "tenants (comma-separated; * for all) whose end users never share cached prefixes or answers",
+        (
+            "tenants (comma-separated; `*` for all) whose end users never share cached prefixes or answers (see "
+            '"End users apart")'
+        ),
     ),
-    Setting("allow_remote_images", "STRATA_ALLOW_REMOTE_IMAGES", parse_flag, "accept http(s) image URLs"),
-    Setting("remote_image_allow", "STRATA_REMOTE_IMAGE_ALLOW", _cidrs, "CIDRs that may be fetched although not public"),
-    Setting("remote_image_timeout_s", "STRATA_REMOTE_IMAGE_TIMEOUT_S", float, "total deadline of one image fetch"),
-    Setting("allow_file_images_under", "STRATA_FILE_IMAGES_UNDER", Path, "accept file:// image URLs below this folder"),
+    Setting(
+        "allow_remote_images",
+        "STRATA_ALLOW_REMOTE_IMAGES",
+        parse_flag,
+        'accept `http(s)` image URLs (off: only `data:` URLs); see "Remote images"',
+    ),
+    Setting(
+        "remote_image_allow",
+        "STRATA_REMOTE_IMAGE_ALLOW",
+        _cidrs,
+        "comma-separated CIDRs that may be fetched although not public (default none)",
+    ),
+    Setting(
+        "remote_image_timeout_s",
+        "STRATA_REMOTE_IMAGE_TIMEOUT_S",
+        float,
+        "total deadline of one image fetch: DNS, connect, redirects, body (default 10)",
+    ),
+    Setting("allow_file_images_under", "STRATA_FILE_IMAGES_UNDER", Path, "accept `file://` image URLs below DIR"),
 )
 
 
