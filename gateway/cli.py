@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
 from pathlib import Path
 
 from .checkpoints import BUILDABLE_FAMILIES, DEFAULT_FAMILY, DTYPES, SIZES
-from .settings import SETTINGS, add_setting_flags
+from .settings import SETTINGS, add_setting_flags, default_data_dir
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -25,7 +26,9 @@ def _parser() -> argparse.ArgumentParser:
         "a model folder, or a hub id (default demo, unless STRATA_MODELS_FILE names the models); give it "
         "again to serve several models: the first is loaded at start, the others when first asked for",
     )
-    serve.add_argument("--data-dir", type=Path, default=Path(os.environ.get("STRATA_DATA_DIR", "strata-data")))
+    serve.add_argument(
+        "--data-dir", type=Path, default=default_data_dir(), help="default: STRATA_DATA_DIR, else ./strata-data"
+    )
     serve.add_argument("--log-level", default="info")
     add_setting_flags(serve)
     build = commands.add_parser("build-model", help="build a seeded random-init model folder of one family")
@@ -54,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     keys = commands.add_parser("keys", help="the data keys of encryption at rest")
     keys.add_argument("action", choices=["rotate"], help="rotate: wrap every tenant's data key under a new key file")
     keys.add_argument("--new-key-file", type=Path, required=True, help="32 random bytes, raw or as 64 hex digits")
-    keys.add_argument("--data-dir", type=Path, default=Path(os.environ.get("STRATA_DATA_DIR", "strata-data")))
+    keys.add_argument("--data-dir", type=Path, default=default_data_dir())
     what_if = commands.add_parser("what-if", help="the prefix hit rate a trace would get at other cache sizes")
     what_if.add_argument("--trace", type=Path, required=True, help="a STRATA_TRACE_FILE")
     what_if.add_argument("--block-bytes", type=int, default=0, help="one block's KV bytes (admin stats), for GiB")
@@ -130,10 +133,12 @@ def _serve(args: argparse.Namespace) -> int:
     os.umask(0o077)  # everything the server writes holds tenants' data: owner-only (gateway/tenancy/files.py)
     try:
         flags = {s.field: getattr(args, s.field) for s in SETTINGS if s.flag}
-        models = args.model or ([] if flags.get("models_file") or os.environ.get("STRATA_MODELS_FILE") else ["demo"])
+        models = args.model or [""]
         settings = settings_from_env(
-            models[0] if models else "", args.data_dir, args.host, args.port, flags=flags, more_models=tuple(models[1:])
+            models[0], args.data_dir, args.host, args.port, flags=flags, more_models=tuple(models[1:])
         )
+        if not args.model and not settings.models_file:  # no model named anywhere: the built-in demo
+            settings = dataclasses.replace(settings, model="demo")
         from .serving.models import model_entries
 
         model_entries(settings)  # a repeated name or a bad models file stops start-up here, with the reason

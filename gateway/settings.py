@@ -813,6 +813,12 @@ def add_setting_flags(parser) -> None:
     parser.epilog = f"Flags beat the environment. Secrets come only from the environment: {secrets}."
 
 
+def default_data_dir() -> Path:
+    """The data folder when --data-dir is not given: STRATA_DATA_DIR, else ./strata-data (the one
+    place the variable is read)."""
+    return Path(os.environ.get("STRATA_DATA_DIR", "strata-data"))
+
+
 def settings_from_env(
     model: str, data_dir: Path, host: str, port: int, env=None, flags=None, more_models: tuple[str, ...] = ()
 ) -> Settings:
