@@ -74,11 +74,13 @@ $(AGENTS_STAMP): $(AGENTS)/package.json $(AGENTS)/package-lock.json
 	cd $(AGENTS) && npm install --no-audit --no-fund --loglevel=error
 	touch $@
 
-# Style and types (pinned ruff and mypy, configured in pyproject.toml): the first step of `make test`.
+# Style, types (pinned ruff and mypy, configured in pyproject.toml) and the docs site (mkdocs.yml,
+# built strict: a broken page fails): the first step of `make test`.
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/mkdocs build --strict --quiet
 
 # Rewrites the tree: ruff's safe fixes, then the formatter.
 format: setup

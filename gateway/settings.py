@@ -106,7 +106,7 @@ class Settings:
     max_connections_per_client: int = 32  # open connections from one address; more are answered 429 (0: no cap)
     step_prompt_tokens: int = _default(EngineConfig, "step_prompt_tokens")  # a multiple of kv_block_size
     max_verify_tokens: int = _default(EngineConfig, "max_verify_tokens")  # speculative decoding; 0 = off
-    kv_block_size: int = 32  # tokens per prefix-cache block (README: how it was chosen)
+    kv_block_size: int = 32  # tokens per prefix-cache block (docs/caches.md: how it was chosen)
     kv_snapshot_blocks: int = _default(CacheConfig, "snapshot_blocks")  # hybrid models: a state snapshot every N blocks
     kv_budget_bytes: int | None = None  # RAM for KV blocks and running sequences; None = 25% of available RAM; 0 = off
     vision_budget_bytes: int = 256 << 20  # RAM for cached image features; 0 = off
@@ -258,8 +258,8 @@ def _writer_name(text: str) -> str:
 class Setting:
     """One setting, declared once: the Settings field (and its default; `limits.NAME` for a field of
     Limits), the environment variable, the `strata serve` flag (none for secrets: flags show in the
-    process list), a parser, and its description: `strata serve --help` shows it and the README's
-    settings table holds it word for word (tests/gateway/test_units.py checks both ways)."""
+    process list), a parser, and its description: `strata serve --help` shows it and the settings
+    table in docs/cli.md holds it word for word (tests/gateway/test_units.py checks both ways)."""
 
     field: str
     env: str

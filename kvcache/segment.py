@@ -34,7 +34,7 @@ from safetensors.numpy import save as save_tensors
 from .sealing import Sealer
 
 FORMAT_VERSION = "2"
-SEGMENT_BLOCKS = 16  # blocks spilled together share a file: reads within 2x of the raw disk (README)
+SEGMENT_BLOCKS = 16  # blocks spilled together share a file: reads within 2x of the raw disk (docs/caches.md)
 PRIVATE_DIR_MODE, PRIVATE_FILE_MODE = 0o700, 0o600  # blocks hold tenants' prompts: owner-only
 TEMP_PREFIX = ".tmp-"
 

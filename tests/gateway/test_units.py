@@ -107,10 +107,10 @@ def test_unset_variables_keep_the_defaults_declared_once(tmp_path):
     )
 
 
-def test_the_readme_lists_every_setting_as_declared():
-    """Each setting is declared once (gateway/settings.py: SETTINGS, its help is its README row):
-    the README's table lists exactly the declared variables, each with its declared text."""
-    readme = (Path(__file__).parent.parent.parent / "README.md").read_text()
+def test_the_docs_list_every_setting_as_declared():
+    """Each setting is declared once (gateway/settings.py: SETTINGS, its help is its row in the
+    docs' settings table): the table lists exactly the declared variables, each with its declared text."""
+    readme = (Path(__file__).parent.parent.parent / "docs" / "cli.md").read_text()
     rows = re.findall(r"^\| `(STRATA_[A-Z_]+)(?:=[^`]*)?` \| (.*) \|$", readme, re.M)
     assert sorted(env for env, _ in rows) == sorted(s.env for s in SETTINGS)
     declared = {s.env: s.help for s in SETTINGS}
