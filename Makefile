@@ -92,8 +92,18 @@ format: setup
 check: lint
 	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest -q -m "not live" --durations=5 $(PYTEST_ARGS)
 
-test: lint test-tools agents
-	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest -q --durations=20 $(PYTEST_ARGS)
+# The whole suite, after set-up (venv, Debian test tools, the agents) and lint; each phase's wall
+# time is printed at the end, set-up apart.
+test:
+	@start=$$(date +%s); \
+	$(MAKE) --no-print-directory setup test-tools agents || exit $$?; \
+	ready=$$(date +%s); \
+	$(MAKE) --no-print-directory lint || exit $$?; \
+	linted=$$(date +%s); \
+	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest -q --durations=20 $(PYTEST_ARGS); status=$$?; \
+	done=$$(date +%s); \
+	echo "make test: set-up $$((ready - start)) s, lint $$((linted - ready)) s, tests $$((done - linted)) s"; \
+	exit $$status
 
 # Each critical one-line breakage applied to a copy of the checkout must fail its tests (tests/mutants.py).
 mutants: setup
