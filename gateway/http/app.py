@@ -162,8 +162,8 @@ async def _keeping_alive(request: Request, task: asyncio.Future, ping_s: float, 
             yield SSE_PING
             await asyncio.wait({task}, timeout=ping_s)
         turn = task.result()
-    except ApiError as exc:
-        for chunk in error_chunks(exc):
+    except Exception as exc:  # noqa: BLE001 - the stream has begun: every error ends it in the API's shape
+        for chunk in error_chunks(_streamed_error(exc)):
             yield chunk
         return
     finally:
@@ -177,6 +177,16 @@ async def _keeping_alive(request: Request, task: asyncio.Future, ping_s: float, 
 
 
 SSE_PING = b": ping\n\n"  # a comment line: every SSE client skips it
+
+
+def _streamed_error(exc: Exception) -> ApiError:
+    """What an error would have answered over HTTP, as an error the started stream ends with."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, UNAVAILABLE):
+        return ApiError(503, f"the cache store cannot be reached ({exc}): retry", "store_unavailable")
+    log.exception("a streamed request failed before its answer began")
+    return ApiError(500, "internal server error", "internal_error")
 
 
 def _headers(services: Services, turn) -> dict[str, str]:
