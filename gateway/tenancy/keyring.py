@@ -5,6 +5,9 @@ response stores, so a tenant purge's shredding takes effect in both at once.
     RedisKeys(url)                        the key store of a cluster: one Redis hash, strata:keys
     rotate(settings, new_key_file)        `strata keys rotate`: every data key wrapped under a new key
                                           (safe while servers run: see below)
+    at_rest(sealer, tenant, kind, value)  an id or cache key as the stores keep it: a keyed digest
+    SemanticSealer(sealer)                the keyring as semantic's stores take it (their protocol, errors)
+    UNAVAILABLE                           either library's "a store is out of reach", to catch both
 
 Where the data keys live: in Redis with STRATA_REDIS_URL (every replica shares them, as it shares the
 entries), else in `keys.json` beside the server secret (replicas sharing a KV folder share the secret
