@@ -116,7 +116,8 @@ async def chat_completions(request: Request) -> Response:
             stamp, usage = turn.model.stamp, chat_request.include_usage
             return openai_format.sse(turn.events(), turn.completions, turn.trace, stamp, usage, tools)
 
-        return await _openai_stream(services, request, chat_request, starting, chunks, openai_format.error_chunks)
+        errors = openai_format.error_chunks
+        return await _pinged_stream(services, request, chat_request, starting, OPENAI_PING, chunks, errors)
     turn = await _unless_client_leaves(request, starting)
     if turn is None:  # it left while the choices were admitted and prefilled: their jobs were cancelled
         return Response(b"", status_code=499)
@@ -127,19 +128,21 @@ async def chat_completions(request: Request) -> Response:
     return Response(body, headers=_headers(services, turn))
 
 
-async def _openai_stream(
+async def _pinged_stream(
     services: Services,
     request: Request,
     chat_request: ChatRequest,
     starting: Awaitable,
+    ping: bytes,
     chunks: Callable[[Any], AsyncGenerator[bytes, None]],
     error_chunks: Callable[[ApiError], list[bytes]],
 ) -> Response:
-    """An OpenAI SSE answer (chat completions, Responses): with the cache headers when the prompt is
-    in within one ping interval (an error before then is an HTTP error), else started at once with
-    SSE comment lines (`: ping`, which the SSE format tells every client to skip) while it waits in
-    the queue or prefills, so no client or proxy in between gives up on a silent stream; an error
-    then ends the stream in the API's own error events."""
+    """An SSE answer (chat completions, Responses, Messages): with the cache headers when the prompt
+    is in within one ping interval (an error before then is an HTTP error), else started at once with
+    `ping` every interval while it waits in the queue or prefills (OpenAI: an SSE comment line, which
+    every client skips; Anthropic: its `ping` event), so no client or proxy in between gives up on a
+    silent stream; the cache facts are then in the usage only, and an error ends the stream in the
+    API's own error events."""
     task = asyncio.ensure_future(starting)
     ping_s = services.settings.stream_ping_s
     if await _left_first(request, task, ping_s):  # once streaming, Litestar notices a client leaving
@@ -151,15 +154,14 @@ async def _openai_stream(
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     if chat_request.ignored:
         headers["X-Strata-Ignored"] = ignored_value(list(chat_request.ignored))
-    return Stream(
-        _keeping_alive(request, task, ping_s, chunks, error_chunks), media_type="text/event-stream", headers=headers
-    )
+    pinging = _keeping_alive(request, task, ping_s, ping, chunks, error_chunks)
+    return Stream(pinging, media_type="text/event-stream", headers=headers)
 
 
-async def _keeping_alive(request: Request, task: asyncio.Future, ping_s: float, chunks, error_chunks):
+async def _keeping_alive(request: Request, task: asyncio.Future, ping_s: float, ping: bytes, chunks, error_chunks):
     try:
         while not task.done():
-            yield SSE_PING
+            yield ping
             await asyncio.wait({task}, timeout=ping_s)
         turn = task.result()
     except Exception as exc:  # noqa: BLE001 - the stream has begun: every error ends it in the API's shape
@@ -176,7 +178,7 @@ async def _keeping_alive(request: Request, task: asyncio.Future, ping_s: float, 
         yield chunk
 
 
-SSE_PING = b": ping\n\n"  # a comment line: every SSE client skips it
+OPENAI_PING = b": ping\n\n"  # a comment line: every SSE client skips it
 
 
 def _streamed_error(exc: Exception) -> ApiError:
@@ -268,7 +270,9 @@ async def create_message(request: Request) -> Response:
     message = _Message(chat_request, caller, anthropic_api.new_id(), diagnose, previous_id)
     starting = asyncio.ensure_future(services.pipeline.start(chat_request, caller, request.headers, len(raw)))
     if chat_request.stream:
-        return await _message_stream(services, message, starting)
+        chunks = partial(_message_chunks, services, message)
+        errors = _anthropic_error_events
+        return await _pinged_stream(services, request, chat_request, starting, anthropic_api.PING, chunks, errors)
     turn = await _unless_client_leaves(request, starting)
     if turn is None:
         return Response(b"", status_code=499)
@@ -283,39 +287,8 @@ def _usage(turn) -> dict:
     return anthropic_api.usage(turn.completion, turn.trace, turn.pins)
 
 
-async def _message_stream(services: Services, message: _Message, starting: asyncio.Future) -> Response:
-    """The SSE answer: with the cache headers when the prompt is in within one ping interval, else
-    started at once with `ping` events while it prefills (its cache facts then in the usage only;
-    the fields ignored are known at once)."""
-    ping_s = services.settings.stream_ping_s
-    await asyncio.wait({starting}, timeout=ping_s)
-    if starting.done():
-        turn = starting.result()  # an error before the answer is an HTTP error
-        chunks = _message_chunks(services, message, turn)
-        return Stream(chunks, media_type="text/event-stream", headers=_stream_headers(services, turn))
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    if message.request.ignored:
-        headers["X-Strata-Ignored"] = ignored_value(list(message.request.ignored))
-    pinging = _pinging(services, message, starting, ping_s)
-    return Stream(pinging, media_type="text/event-stream", headers=headers)
-
-
-async def _pinging(services: Services, message: _Message, starting: asyncio.Future, ping_s: float):
-    try:
-        while not starting.done():
-            yield anthropic_api.PING
-            await asyncio.wait({starting}, timeout=ping_s)
-        turn = starting.result()
-    except ApiError as exc:
-        yield anthropic_api.error_event(exc)
-        return
-    finally:
-        if not starting.done():  # the client left while its prompt prefilled: cancel its jobs
-            starting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await starting
-    async for chunk in _message_chunks(services, message, turn):
-        yield chunk
+def _anthropic_error_events(error: ApiError) -> list[bytes]:
+    return [anthropic_api.error_event(error)]
 
 
 async def _message_chunks(services: Services, message: _Message, turn):
@@ -391,7 +364,7 @@ async def create_response(request: Request) -> Response:
             )
 
         failed = partial(responses_api.failed_events, response_id=response_id, body=body, previous_id=previous_id)
-        return await _openai_stream(services, request, chat_request, starting, events, failed)
+        return await _pinged_stream(services, request, chat_request, starting, OPENAI_PING, events, failed)
     turn = await _unless_client_leaves(request, starting)
     if turn is None:
         return Response(b"", status_code=499)
