@@ -92,18 +92,30 @@ format: setup
 check: lint
 	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest -q -m "not live" --durations=5 $(PYTEST_ARGS)
 
-# The whole suite, after set-up (venv, Debian test tools, the agents) and lint; each phase's wall
-# time is printed at the end, set-up apart.
+# The whole suite, after set-up (venv, Debian test tools, the agents), in two runs: every test not
+# marked `serial` on TEST_WORKERS parallel workers (pytest-xdist, one test file per worker at a time,
+# so a module's server starts once; the costliest files first, by tests/durations.json) with `make
+# lint` beside them; then the `serial` tests (they measure time: latencies, stalls, token gaps) one
+# at a time on the otherwise idle machine, collected only from the files that hold them. Each
+# parallel worker, and each server it starts, keeps to one BLAS thread: N workers on N cores, not
+# N x N OpenBLAS threads spinning for the same cores (that spin was a quarter of the suite's CPU time
+# on 2 cores). Each phase's wall time is printed at the end, set-up apart.
+TEST_WORKERS ?= auto
+SERIAL_FILES = $(shell grep -rl --include='test_*.py' 'mark.serial' tests)
 test:
 	@start=$$(date +%s); \
 	$(MAKE) --no-print-directory setup test-tools agents || exit $$?; \
 	ready=$$(date +%s); \
-	$(MAKE) --no-print-directory lint || exit $$?; \
-	linted=$$(date +%s); \
-	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest -q --durations=20 $(PYTEST_ARGS); status=$$?; \
-	done=$$(date +%s); \
-	echo "make test: set-up $$((ready - start)) s, lint $$((linted - ready)) s, tests $$((done - linted)) s"; \
-	exit $$status
+	lint_log=$$(mktemp); $(MAKE) --no-print-directory lint > $$lint_log 2>&1 & lint=$$!; \
+	OPENBLAS_NUM_THREADS=1 LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
+		-m "not serial" --durations=20 $(PYTEST_ARGS); parallel=$$?; \
+	wait $$lint; linted=$$?; echo "make lint:"; cat $$lint_log; rm -f $$lint_log; \
+	spread=$$(date +%s); \
+	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest -q -m serial --durations=10 $(PYTEST_ARGS) $(SERIAL_FILES); \
+	serial=$$?; done=$$(date +%s); \
+	echo "make test: set-up $$((ready - start)) s, parallel tests (lint beside them) $$((spread - ready)) s," \
+		"serial tests $$((done - spread)) s (exit codes: lint $$linted, parallel $$parallel, serial $$serial)"; \
+	[ $$linted = 0 ] && [ $$parallel = 0 ] && [ $$serial = 0 ]
 
 # Each critical one-line breakage applied to a copy of the checkout must fail its tests (tests/mutants.py).
 mutants: setup

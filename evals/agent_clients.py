@@ -301,7 +301,7 @@ def opencode_config(base_url: str, model: str) -> str:
         "npm": "@ai-sdk/openai-compatible",
         "name": "Strata",
         "options": {"baseURL": f"{base_url}/v1", "apiKey": "{env:STRATA_API_KEY}"},
-        "models": {model: {"name": model}},
+        "models": {model: {"name": "Strata"}},  # the name opencode shows; requests send the key
     }
     config = {
         "$schema": "https://opencode.ai/config.json",

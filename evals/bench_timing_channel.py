@@ -64,8 +64,12 @@ def auc(sent: list[float], unsent: list[float]) -> float:
     return wins / (len(sent) * len(unsent))
 
 
-def measure(url: str, tenant: str, trials: int, num_lines: int, seed: int = 0, model: str = "bench") -> dict:
-    """`trials` trials on the tenant; the attacker's times when the victim sent the secret and when not."""
+def measure(
+    url: str, tenant: str, trials: int, num_lines: int, seed: int = 0, model: str = "bench", settle_s: float = SETTLE_S
+) -> dict:
+    """`trials` trials on the tenant; the attacker's times when the victim sent the secret and when not.
+    `settle_s`: the pause before each probe (shorter only makes a leftover of the victim's work more
+    likely to show in the probe's time, so a run that passes with it passes with the default too)."""
     rng, lines = random.Random(seed), corpus_lines()
     times: dict[bool, list[float]] = {True: [], False: []}
     reused: dict[bool, list[int]] = {True: [], False: []}
@@ -76,7 +80,7 @@ def measure(url: str, tenant: str, trials: int, num_lines: int, seed: int = 0, m
             system = secret_prompt(lines, rng, num_lines)
             if sent:
                 ask(client, model, KEYS[tenant], "victim", system, "What is the first word of the text above?")
-            time.sleep(SETTLE_S)
+            time.sleep(settle_s)
             elapsed, response = ask(
                 client, model, KEYS[tenant], "attacker", system, f"Summarise it ({rng.random():.6f})."
             )

@@ -7,13 +7,14 @@ import dataclasses
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from .checkpoints import BUILDABLE_FAMILIES, DEFAULT_FAMILY, DTYPES, SIZES
-from .settings import SETTINGS, add_setting_flags, default_data_dir
+from .settings import SETTINGS, Settings, add_setting_flags, default_data_dir
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description="Strata: a caching gateway for multimodal LLMs")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible gateway")
@@ -71,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     if args.command == "cluster":
         from .operations.cluster import run
 
@@ -125,23 +126,31 @@ def _rotate_keys(data_dir: Path, new_key_file: Path) -> int:
     return 0
 
 
+def serve_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Settings:
+    """What `strata serve ARGS` would serve, from its flags and the environment (os.environ unless
+    given), before anything starts: ValueError names a bad setting, a repeated model name or a bad
+    models file."""
+    from .serving.models import model_entries
+    from .settings import settings_from_env
+
+    flags = {s.field: getattr(args, s.field) for s in SETTINGS if s.flag}
+    models = args.model or [""]
+    settings = settings_from_env(
+        models[0], args.data_dir, args.host, args.port, env, flags, more_models=tuple(models[1:])
+    )
+    if not args.model and not settings.models_file:  # no model named anywhere: the built-in demo
+        settings = dataclasses.replace(settings, model="demo")
+    model_entries(settings)
+    return settings
+
+
 def _serve(args: argparse.Namespace) -> int:
     from .http.app import create_app
     from .http.server import serve
-    from .settings import settings_from_env
 
     os.umask(0o077)  # everything the server writes holds tenants' data: owner-only (gateway/tenancy/files.py)
     try:
-        flags = {s.field: getattr(args, s.field) for s in SETTINGS if s.flag}
-        models = args.model or [""]
-        settings = settings_from_env(
-            models[0], args.data_dir, args.host, args.port, flags=flags, more_models=tuple(models[1:])
-        )
-        if not args.model and not settings.models_file:  # no model named anywhere: the built-in demo
-            settings = dataclasses.replace(settings, model="demo")
-        from .serving.models import model_entries
-
-        model_entries(settings)  # a repeated name or a bad models file stops start-up here, with the reason
+        settings = serve_settings(args)
     except ValueError as exc:
         print(f"strata: {exc}", file=sys.stderr)
         return 2

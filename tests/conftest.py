@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import gc
 import io
+import json
 import os
 from pathlib import Path
 
@@ -48,8 +49,20 @@ LIVE_CALLS = (
 )
 
 
+# Seconds each test file took, measured (`pytest --record-durations` rewrites it): the parallel run
+# hands out the costliest files first, so no long file starts last while the other workers idle.
+# A file it does not list costs 0 and goes last; a stale figure only changes the order.
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--record-durations", action="store_true", help=f"rewrite {DURATIONS.name} from this run")
+
+
 def pytest_collection_modifyitems(items) -> None:
-    """Mark the live tests (see LIVE_FIXTURES): `pytest -m "not live"` is the inner loop."""
+    """Mark the live tests (see LIVE_FIXTURES): `pytest -m "not live"` is the inner loop. Then order
+    the files by their measured cost, costliest first (a stable sort: each file's tests stay
+    together and in their order, so a module's fixtures still start once)."""
     starts_something: dict[str, bool] = {}
     for item in items:
         path = str(item.path)
@@ -57,6 +70,28 @@ def pytest_collection_modifyitems(items) -> None:
             starts_something[path] = any(call in item.path.read_text() for call in LIVE_CALLS)
         if starts_something[path] or LIVE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.live)
+    cost = json.loads(DURATIONS.read_text())
+    items.sort(key=lambda item: -cost.get(_file_of(item.nodeid), 0.0))
+
+
+def _file_of(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
+_measured: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    _measured[_file_of(report.nodeid)] = _measured.get(_file_of(report.nodeid), 0.0) + report.duration
+
+
+def pytest_sessionfinish(session) -> None:
+    """With --record-durations, the run's per-file seconds replace the files' figures (written by
+    the process that saw every report: the only one without xdist, the controller with it)."""
+    if session.config.getoption("record_durations") and not hasattr(session.config, "workerinput"):
+        recorded = json.loads(DURATIONS.read_text()) | {name: round(s, 1) for name, s in _measured.items()}
+        ranked = dict(sorted(recorded.items(), key=lambda row: -row[1]))
+        DURATIONS.write_text(json.dumps(ranked, indent=1) + "\n")
 
 
 def pytest_collection_finish(session) -> None:

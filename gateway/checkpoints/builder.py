@@ -11,6 +11,7 @@ output is an ordinary model folder (config.json, model.safetensors, tokenizer fi
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import json
@@ -920,10 +921,17 @@ def builder_digest(spec: BuildSpec | str) -> str:
 
 
 def ensure_model(spec: BuildSpec | str, out_dir: Path) -> Path:
-    """Build the model once; later calls reuse the folder (it is complete once renamed in place)."""
+    """Build the model once; later calls reuse the folder (it is complete once renamed in place).
+    Processes that ask for the same folder at once (parallel test workers, two servers starting) take
+    turns on a lock file beside it: one builds, the others find it built."""
     out_dir = Path(out_dir)
-    if not (out_dir / "config.json").exists():
-        build_model(spec, out_dir)
+    if (out_dir / "config.json").exists():
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.with_name(out_dir.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out_dir / "config.json").exists():
+            build_model(spec, out_dir)
     return out_dir
 
 

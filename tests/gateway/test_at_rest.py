@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import threading
@@ -97,8 +98,18 @@ def _seed_ssd(data_dir: Path, model_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
-    data_dir = tmp_path_factory.mktemp("at-rest") / "data"
+    yield from _server(tiny_model_path, tmp_path_factory.mktemp("at-rest") / "data")
+
+
+@pytest.fixture(scope="module")
+def seeded_server(tiny_model_path, tmp_path_factory):
+    """A server that finds SEEDED_BLOCKS of acme's blocks on SSD when it starts (the purge test's)."""
+    data_dir = tmp_path_factory.mktemp("at-rest-seeded") / "data"
     _seed_ssd(data_dir, tiny_model_path)
+    yield from _server(tiny_model_path, data_dir)
+
+
+def _server(tiny_model_path, data_dir):
     declared = data_dir.parent / "public.json"
     declared.write_text('[{"system": "You are a careful assistant for the harbour office."}]')
     trace = data_dir.parent / "trace.jsonl"
@@ -246,7 +257,9 @@ def _sealing_tenants(path: Path) -> dict[str, str]:
     return {block["hash"]: block["tenant"] for block in json.loads(header["__metadata__"]["blocks"])}
 
 
-def test_a_tenant_purge_shreds_its_key_at_once_and_reclaims_the_files_later(server, tiny_model_path, tmp_path):
+@pytest.mark.serial
+def test_a_tenant_purge_shreds_its_key_at_once_and_reclaims_the_files_later(seeded_server, tiny_model_path, tmp_path):
+    server = seeded_server
     namespace = _namespace(tiny_model_path)
     _ask(server, "acme", "Who painted the lamp room?")
     _ask(server, "globex", "Who painted the lamp room?")
@@ -457,3 +470,30 @@ def test_a_public_system_prompt_and_tool_list_is_shared_between_openai_and_anthr
     )
     assert f"public={shared}" in message.headers["x-cache-prefix"]
     assert message.parse().usage.cache_read_input_tokens == shared  # acme's public blocks, nothing of its own
+
+
+def test_data_files_are_private(tiny_model_path, tmp_path):
+    data_dir = tmp_path / "data"
+    live = LiveServer(tiny_model_path, data_dir, {"STRATA_MODEL_NAME": TINY, "STRATA_SSD_MIN_HITS": "0"})
+    try:
+        for turn in range(2):
+            httpx.post(
+                live.url + "/v1/chat/completions",
+                timeout=60,
+                json={
+                    "model": TINY,
+                    "max_tokens": 4,
+                    "temperature": 0,
+                    "messages": [
+                        {"role": "user", "content": "Remember this sentence about private files. " * (4 + turn)}
+                    ],
+                },
+            )
+    finally:
+        assert live.stop()
+    found = {path.name for path in data_dir.rglob("*")}
+    assert {"responses.db", "semantic.db", "index.sqlite"} <= found
+    assert any(name.endswith(".safetensors") for name in found)
+    for path in [data_dir, *data_dir.rglob("*")]:
+        mode = stat.S_IMODE(os.lstat(path).st_mode)
+        assert mode & 0o077 == 0, f"{path} is {oct(mode)}"

@@ -63,7 +63,6 @@ def cluster(tiny_model_path, tmp_path):
     running.stop()
 
 
-@pytest.mark.slow
 def test_sessions_stick_share_answers_and_survive_a_dead_replica(cluster):
     homes: dict[str, str] = {}
     deadline = time.monotonic() + 30
@@ -152,7 +151,6 @@ def _ready(url: str) -> bool:
         return False
 
 
-@pytest.mark.slow
 def test_cluster_up_restarts_a_dead_replica_and_stops_everything_on_sigint(tiny_model_path, tmp_path):
     port = free_ports(3)
     command = [
@@ -187,7 +185,6 @@ def test_cluster_up_restarts_a_dead_replica_and_stops_everything_on_sigint(tiny_
     assert all(port_free(port + i) for i in range(3))  # proxy and replicas gone
 
 
-@pytest.mark.slow
 def test_a_cache_key_sticks_and_a_hot_key_spills_under_bounded_load(cluster):
     """prompt_cache_key routes first (any first message, any session header); six streams of one hot
     key held open at once cannot all sit on one replica: hash-balance-factor sends the later ones on."""

@@ -75,7 +75,6 @@ def _metrics(url: str) -> dict[str, float]:
     return out
 
 
-@pytest.mark.slow
 def test_the_dashboard_shows_what_metrics_says_in_a_real_browser(tiny_model_path, tmp_path):
     chromium_path = shutil.which("chromium")
     assert chromium_path, "chromium is missing: `make test` installs it (Debian's chromium package)"

@@ -14,6 +14,9 @@ from kvcache import end_user_salt, tenant_salt
 from tests.conftest import TINY
 from tests.gateway.test_live_server import LiveServer
 
+# The tiny model's after-answer work (storing the answer in the response layers) ends well within
+# this (the benchmark's default of 0.5 s is for larger models).
+SETTLE_S = 0.15
 SYSTEM = "You answer questions about the harbour timetable. " * 40  # ~400 tokens: many blocks
 
 
@@ -111,13 +114,13 @@ def test_a_stored_response_continues_only_under_its_own_end_user_in_an_isolating
                 assert follow(tenant, first.id, stranger).output_text is not None
 
 
-@pytest.mark.slow
+@pytest.mark.serial
 def test_the_timing_side_channel_closes_for_an_isolating_tenant(server):
     """40 trials each: where end users share, the attacker's time tells whether the victim sent the
     secret (AUC >= 0.9); where they are apart it does not (AUC within 0.2-0.8: 0.5 +- 3.3 standard
     deviations of the AUC of 20 + 20 trials that tell nothing)."""
-    shared = measure(server.url, "shared", 40, 40, seed=1, model=TINY)
-    apart = measure(server.url, "apart", 40, 40, seed=2, model=TINY)
+    shared = measure(server.url, "shared", 40, 40, seed=1, model=TINY, settle_s=SETTLE_S)
+    apart = measure(server.url, "apart", 40, 40, seed=2, model=TINY, settle_s=SETTLE_S)
     print(shared, apart)
     assert shared["cached_tokens_when_sent"] > 0 and shared["auc"] >= 0.9
     assert apart["cached_tokens_when_sent"] == 0 and 0.2 <= apart["auc"] <= 0.8

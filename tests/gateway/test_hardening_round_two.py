@@ -210,6 +210,7 @@ def test_personal_questions_without_an_end_user_bypass_the_exact_layer_too(clien
     assert ask(client, "What is my current salary?", user="alice").headers["x-cache-layer"] == "exact"
 
 
+@pytest.mark.serial
 def test_new_requests_fail_fast_while_the_engine_is_stuck(tiny_model_path, settings):
     """When the engine hung (health 503 'stuck'), new requests still queued until the 300 s timeout."""
     from gateway.engine import CacheConfig, Engine, EngineConfig
@@ -290,6 +291,7 @@ def _long_stream_gaps(engine, stop: threading.Event) -> list[float]:
     return asyncio.run(read())
 
 
+@pytest.mark.serial
 def test_compiling_big_grammars_never_stalls_a_running_sequence(settings, engine):
     """128 new tool definitions with tool_choice 'required' once compiled their grammar on the engine
     thread, between two decode steps: every running stream of every tenant stopped for the compile

@@ -589,11 +589,11 @@ def server(tiny_model_path, tmp_path_factory):
             "STRATA_FILE_IMAGES_UNDER": str(folder),
             "STRATA_REMOTE_IMAGE_TIMEOUT_S": "2",
             "STRATA_MAX_QUEUE": "64",
-            "STRATA_MAX_OUTPUT_TOKENS": "4096",
+            "STRATA_MAX_OUTPUT_TOKENS": "1024",
         },
     )
-    # 120 s: a huge max_tokens is lowered to 4096 (STRATA_MAX_OUTPUT_TOKENS here) and the tiny model
-    # decodes them all (~25 s on a 2-core machine); a hang still fails on it
+    # 120 s: a huge max_tokens is lowered to 1024 (STRATA_MAX_OUTPUT_TOKENS here) and the tiny model
+    # decodes them all (~3 s on a 2-core machine); a hang still fails on it
     with httpx.Client(base_url=live.url, timeout=120) as client:
         live.client = client
         yield live

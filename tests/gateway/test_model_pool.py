@@ -145,6 +145,7 @@ def _use(pool: ModelPool, name: str, timeout_s: float) -> str:
         return model.name
 
 
+@pytest.mark.serial
 def test_a_loaded_model_serves_while_another_loads():
     pool, loader = _pool(_spec("fast"), _spec("slow"))
     loader.gates["slow"] = threading.Event()

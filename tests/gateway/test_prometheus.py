@@ -33,7 +33,6 @@ def test_promtool_accepts_the_shipped_files(args):
     assert "SUCCESS" in done.stdout
 
 
-@pytest.mark.slow
 def test_a_real_prometheus_scrapes_strata_and_answers_a_query(tiny_model_path, tmp_path):
     strata = LiveServer(tiny_model_path, tmp_path / "data", {"STRATA_MODEL_NAME": TINY})
     prometheus = None

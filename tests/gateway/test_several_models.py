@@ -88,6 +88,7 @@ def _prefix(raw) -> str:
     return raw.headers["X-Cache-Prefix"]
 
 
+@pytest.mark.serial  # the module's server: two of its tests time a stream while a model loads
 def test_the_models_are_listed_with_their_state_and_each_answers_as_itself(server):
     assert _states(server) == {"qwen": "loaded", "gemma": "unloaded", "twin": "unloaded", "broken": "unloaded"}
     answers = {}
@@ -107,6 +108,7 @@ def test_the_models_are_listed_with_their_state_and_each_answers_as_itself(serve
     assert answers["qwen"][0] == answers["qwen"][1]
 
 
+@pytest.mark.serial
 def test_a_model_never_gets_another_models_answer_or_kv_blocks(server):
     """The twin shares the default model's tokenizer and template: only the model's fingerprint in the
     response scope and in the KV blocks' keys keeps the twin's answer and SSD blocks from it."""
@@ -123,6 +125,7 @@ def test_a_model_never_gets_another_models_answer_or_kv_blocks(server):
     assert again.parse().choices[0].message.content == first.parse().choices[0].message.content
 
 
+@pytest.mark.serial
 def test_lru_unloading_under_the_limit_never_the_pinned_default_and_a_reloaded_model_restores_from_ssd(server):
     text = "A conversation to come back to: " + TEXT
     cold = _ask(server, "gemma", text, max_tokens=6)
@@ -139,6 +142,7 @@ def test_lru_unloading_under_the_limit_never_the_pinned_default_and_a_reloaded_m
     assert 'strata:model_state{model="twin",state="unloaded"} 1.0' in stats
 
 
+@pytest.mark.serial
 def test_a_load_does_not_stall_the_stream_of_a_loaded_model(server):
     """qwen streams while twin (unloaded) loads: its gaps between tokens stay at their pace."""
     _ask(server, "gemma", "Warm.")  # twin is unloaded now (gemma took the room)
@@ -166,6 +170,7 @@ def test_a_load_does_not_stall_the_stream_of_a_loaded_model(server):
     assert max(gaps) < 5.0
 
 
+@pytest.mark.serial
 def test_bad_names_and_a_model_that_cannot_load_are_clear_errors_that_leave_the_others_serving(server):
     with pytest.raises(openai.NotFoundError) as missing:
         _ask(server, "no-such-model")
@@ -185,6 +190,7 @@ def test_bad_names_and_a_model_that_cannot_load_are_clear_errors_that_leave_the_
     assert reply.model == "gemma"
 
 
+@pytest.mark.serial
 def test_a_burst_to_an_unloaded_model_does_not_starve_the_loaded_one(server):
     _ask(server, "gemma", "Warm.")
     assert _states(server)["twin"] == "unloaded"

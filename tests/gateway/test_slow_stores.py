@@ -27,6 +27,9 @@ import pytest
 from tests.conftest import TINY, RedisServer
 from tests.gateway.test_live_server import LiveServer
 
+# Inter-token gaps and /health latency under slow stores: run alone.
+pytestmark = pytest.mark.serial
+
 STORE_DELAY_S = 0.3
 NUM_SLOW_REQUESTS = 4
 STREAM_TOKENS = 4000  # far longer than the slow requests take: the stream is closed once they are done
@@ -210,7 +213,7 @@ def _assert_unaffected(result: dict, waited_s: float) -> None:
     assert max(health) < STORE_DELAY_S * 2 / 3, f"/health stalled: {max(health):.3f} s"
 
 
-@pytest.mark.slow
+@pytest.mark.serial
 def test_a_slow_redis_stalls_neither_streams_nor_health(tiny_model_path, tmp_path):
     redis = RedisServer(tmp_path / "redis")
     proxy = DelayProxy(redis.port)
@@ -236,7 +239,7 @@ def test_a_slow_redis_stalls_neither_streams_nor_health(tiny_model_path, tmp_pat
         redis.stop()
 
 
-@pytest.mark.slow
+@pytest.mark.serial
 def test_slow_sqlite_writes_stall_neither_streams_nor_health(tiny_model_path, tmp_path):
     server = LiveServer(tiny_model_path, tmp_path / "data", {"STRATA_MODEL_NAME": TINY, "STRATA_SEMANTIC": "0"})
     locker = WriteLocker(tmp_path / "data" / "responses.db", STORE_DELAY_S)

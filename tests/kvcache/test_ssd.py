@@ -108,6 +108,7 @@ def test_reconcile_repairs_index_and_files(tmp_path):
     again.close()
 
 
+@pytest.mark.serial
 def test_full_queue_drops_and_counts_without_blocking(tmp_path, monkeypatch):
     tier = _tier(tmp_path, queue_blocks=1)
     monkeypatch.setattr(tier, "_write_segment", lambda requests: time.sleep(0.2))
