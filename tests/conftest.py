@@ -82,7 +82,8 @@ _measured: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report) -> None:
-    _measured[_file_of(report.nodeid)] = _measured.get(_file_of(report.nodeid), 0.0) + report.duration
+    file = _file_of(report.nodeid)
+    _measured[file] = _measured.get(file, 0.0) + report.duration
 
 
 def pytest_sessionfinish(session) -> None:

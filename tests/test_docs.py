@@ -106,7 +106,8 @@ def test_a_documented_command_runs_up_to_what_it_starts(name, words, tmp_path, m
         args = cli.parser().parse_args(argv[1:])
         if args.command == "serve":
             monkeypatch.chdir(tmp_path)  # the page's models.json, where the command expects it
-            (tmp_path / "models.json").write_text(_page_block(name, "json") if "STRATA_MODELS_FILE" in env else "")
+            if "STRATA_MODELS_FILE" in env:
+                (tmp_path / "models.json").write_text(_page_block(name, "json"))
             settings = cli.serve_settings(args, env)
             assert [entry.name for entry in model_entries(settings)]
     elif argv[0] == "export":  # an agent's environment (README, Claude Code)
@@ -127,13 +128,8 @@ def test_the_models_file_of_the_docs_loads_as_it_says(tmp_path):
 
 def test_the_agent_configurations_are_the_ones_the_agent_tests_drive():
     model, url = "strata-tiny-agent", "http://127.0.0.1:8000"
-    readme = (ROOT / "README.md").read_text().replace("<a served model's name>", model)
-    toml_block = next(code for language, code in _blocks_of(readme) if language == "toml")
-    json_block = next(code for language, code in _blocks_of(readme) if language == "json")
+    toml_block = _page_block("README.md", "toml").replace("<a served model's name>", model)
+    json_block = _page_block("README.md", "json").replace("<a served model's name>", model)
     assert tomllib.loads(toml_block) == tomllib.loads(codex_config(url))
     assert tomllib.loads(toml_block.replace("# model = ", "model = ")) == tomllib.loads(codex_config(url, model))
     assert json.loads(json_block) == json.loads(opencode_config(url, model))
-
-
-def _blocks_of(text: str) -> list[tuple[str, str]]:
-    return FENCE.findall(text)
