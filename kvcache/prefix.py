@@ -6,6 +6,7 @@
     session.pin(num_tokens, ttl_s) -> int           keep its first blocks from LRU for a while
     session.pin_on_ssd(num_tokens, ttl_s) -> int    the same on the SSD tier (written there now)
     session.store(token_ids, layer_states, num_tokens, snapshot)   cache the full blocks of the first num_tokens
+    session.let_go()                                 release the held blocks: the caller keeps its own KV
     session.state_at(num_tokens) -> state            a hybrid model's recurrent-state snapshot there
     PrefixCache.purge_owned(selects) -> Purged       take owners off blocks (RAM; the SSD tier has its own)
 
@@ -23,7 +24,10 @@ session's owner joins the owners of every block it matches or stores.
 
 A session holds a reference on every block it matched or stored, so nothing it uses can be evicted
 under it; close() releases them last-block-first, which leaves a chain's tail older in the LRU
-than its head (tails are evicted before the prefixes that other chains share).
+than its head (tails are evicted before the prefixes that other chains share). A caller that keeps
+its own copy of the KV (the engine's running sequence) calls let_go() once it has what it needs, so
+its blocks are not held twice under one budget (its own KV and the cached copies): they stay cached
+but may give way, and the next store() holds them again, storing anew any evicted meanwhile.
 """
 
 from __future__ import annotations
@@ -561,6 +565,14 @@ class PrefixSession:
         if ssd is None:
             return 0
         return sum(ssd.offer(_spill_request(block, self.cache.block_size)) for block in self.held)
+
+    def let_go(self) -> None:
+        """Release every held block now, last first (as close() does); the session stays open. Its
+        next store() walks the chain from the start: blocks still cached are held again, blocks
+        evicted meanwhile are stored again from the caller's KV, so the chain it leaves has no gap."""
+        for block in reversed(self.held):
+            self.pool.release(block)
+        self.held = []
 
     def close(self) -> None:
         assert not self.closed, "PrefixSession closed twice"

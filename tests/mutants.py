@@ -217,6 +217,20 @@ MUTANTS = (
         (f"{FAMILIES}::test_chunked_cold_prefill_equals_the_library_one_shot_forward[gemma3]",),
     ),
     Mutant(
+        "a running sequence's stored blocks held beside its own KV (its bytes counted twice)",
+        "gateway/engine/runner.py",
+        "self.plan.session.let_go()  # cached copies",
+        "pass  # cached copies",
+        ("tests/gateway/test_memory_budget.py::test_admission_waits_for_memory_instead_of_overcommitting",),
+    ),
+    Mutant(
+        "let_go releases nothing",
+        "kvcache/prefix.py",
+        "        for block in reversed(self.held):\n            self.pool.release(block)\n        self.held = []\n\n    def close",
+        "        pass\n\n    def close",
+        ("tests/kvcache/test_prefix.py::test_blocks_let_go_give_way_and_the_next_store_leaves_the_chain_without_a_gap",),
+    ),
+    Mutant(
         "deepstack rows not passed to the chunk",
         "gateway/engine/runner.py",
         "if inputs.deepstack is None or visual is None or not visual[begin:end].any():",

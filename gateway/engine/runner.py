@@ -120,6 +120,7 @@ class Admission:
         if self.plan:
             snapshot = self._snapshot() if self.computed in self.snapshot_points else None
             caches.store(self.plan, self.prompt.token_ids, self.cache, self.computed, snapshot)
+            self.plan.session.let_go()  # cached copies, not held: the prompt's cache has the KV
         if self.done:
             self.logits = last_logits
 
@@ -160,7 +161,10 @@ class PrefillResult:
     cache: list
     rope_delta: int | None  # mRoPE: decode position = cache offset + rope_delta; None: plain RoPE
     prompt: PreparedPrompt
-    plan: PrefixPlan | None  # held until finish(): its blocks cannot be evicted meanwhile
+    # Open until finish(), which stores and holds the blocks again to pin them. Meanwhile the session
+    # holds none (let_go): the sequence's own cache has its KV, so the budget counts it once, and the
+    # cached copies give way to running sequences like any free block.
+    plan: PrefixPlan | None
     prefix: PrefixReport
     vision: VisionReport
     prefill_ms: float
@@ -347,6 +351,8 @@ class ModelRunner:
             positions, rope_delta = self._positions(ids, prompt)
             if plan is not None and cached:
                 self._restore(cache, plan, cached)
+            if plan is not None:
+                plan.session.let_go()  # the prompt's own cache holds the prefix now: the blocks may give way
         except BaseException:
             if plan:
                 plan.session.close()

@@ -105,6 +105,35 @@ def test_store_continues_a_chain_with_generated_tokens(cache):
     follow_up.close()
 
 
+def test_blocks_let_go_give_way_and_the_next_store_leaves_the_chain_without_a_gap():
+    """A running sequence keeps its own KV: once it lets its blocks go they are free (evictable, not
+    counted beside its own KV as blocks in use); its next store holds them again and stores anew
+    what was evicted meanwhile."""
+    block_bytes = LAYERS * 2 * HEADS * BS * DIM * 4
+    cache = PrefixCache(budget_bytes=4 * block_bytes, block_size=BS)
+    prompt = list(range(64))
+    session = cache.open(SALT_A, "model", prompt)
+    session.match(len(prompt))
+    session.store(prompt, _kv_for(prompt), 48)
+    assert cache.pool.free.num_bytes == 0  # held while stored
+    session.let_go()
+    assert session.held == [] and cache.pool.free.num_bytes == 3 * block_bytes
+    cache.pool.check()
+    assert cache.reserve(3 * block_bytes)  # room for running KV: the let-go blocks give way
+    assert len(cache.pool.by_hash) == 1
+    cache.unreserve(3 * block_bytes)
+    session.store(prompt, _kv_for(prompt), 64)
+    assert [block.block_hash for block in session.held] == session.hashes[:4]
+    cache.pool.check()
+    session.close()
+    follow_up = cache.open(SALT_A, "model", prompt + [1])
+    assert follow_up.match(65).num_cached_tokens == 64
+    keys, _ = follow_up.gather(64)[0]
+    assert mx.array_equal(keys, _kv_for(prompt)[0][0])
+    follow_up.close()
+    cache.pool.check()
+
+
 def test_caches_that_cannot_be_cut_into_blocks_are_reported():
     from mlx_vlm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
