@@ -228,7 +228,9 @@ MUTANTS = (
         "kvcache/prefix.py",
         "        for block in reversed(self.held):\n            self.pool.release(block)\n        self.held = []\n\n    def close",
         "        pass\n\n    def close",
-        ("tests/kvcache/test_prefix.py::test_blocks_let_go_give_way_and_the_next_store_leaves_the_chain_without_a_gap",),
+        (
+            "tests/kvcache/test_prefix.py::test_blocks_let_go_give_way_and_the_next_store_leaves_the_chain_without_a_gap",
+        ),
     ),
     Mutant(
         "deepstack rows not passed to the chunk",
