@@ -233,6 +233,13 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "a batch's first row's mask used for every row",
+        "gateway/engine/attention.py",
+        "scores += bias[:, :, None] if bias.ndim == 4 else bias",
+        "scores += bias[:1, :, None] if bias.ndim == 4 else bias",
+        ("tests/gateway/test_attention.py",),
+    ),
+    Mutant(
         "deepstack rows not passed to the chunk",
         "gateway/engine/runner.py",
         "if inputs.deepstack is None or visual is None or not visual[begin:end].any():",

@@ -1,0 +1,58 @@
+"""The numpy attention path against MLX's own kernel: prompt chunks, and a batch's decode rows with
+their per-row masks (left padding, drafts)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from gateway.engine import attention
+
+HEADS, KV_HEADS, DIM = 8, 2, 64
+
+
+def _qkv(rows: int, queries: int, keys: int):
+    mx.random.seed(7)
+    q = mx.random.normal((rows, HEADS, queries, DIM))
+    k = mx.random.normal((rows, KV_HEADS, keys, DIM))
+    v = mx.random.normal((rows, KV_HEADS, keys, DIM))
+    return q, k, v
+
+
+def _left_padded_mask(queries: int, keys: int, padding: list[int]) -> mx.array:
+    """What a batched cache makes: row i sees no key before padding[i], and each query its past."""
+    key_index = mx.arange(keys)[None, None, None, :]
+    query_index = mx.arange(keys - queries, keys)[None, None, :, None]
+    return (key_index <= query_index) & (mx.array(padding)[:, None, None, None] <= key_index)
+
+
+def _library_sdpa(queries, keys, values, cache, scale, mask):
+    """The shape of the libraries' own module-level function (it takes the cache)."""
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+@pytest.mark.parametrize("queries", [1, 3])  # a decode step; a step with two drafts per row
+def test_batched_rows_with_their_own_masks_equal_the_library_kernel(queries):
+    q, k, v = _qkv(4, queries, 40)
+    mask = _left_padded_mask(queries, 40, [0, 5, 17, 39 - queries + 1])
+    ours = attention.causal_attention(q, k, v, 0.125, np.asarray(mask))
+    theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    assert ours.shape == theirs.shape
+    assert float(mx.abs(ours - theirs).max()) < 1e-5
+
+
+def test_the_swapped_layer_sends_batched_decode_rows_to_numpy_and_a_lone_row_to_the_kernel(monkeypatch):
+    calls = []
+    real = attention.causal_attention
+    monkeypatch.setattr(attention, "causal_attention", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    kernel = attention._cpu_prefill(_library_sdpa)
+
+    q, k, v = _qkv(3, 1, 24)
+    mask = _left_padded_mask(1, 24, [0, 4, 9])
+    batched = kernel(q, k, v, None, 0.125, mask)
+    assert calls == [(3, HEADS, 1, DIM)]
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    assert float(mx.abs(batched - expected).max()) < 1e-5
+
+    lone = kernel(q[:1], k[:1], v[:1], None, 0.125, None)  # a lone row has no mask: MLX's kernel
+    assert len(calls) == 1
+    assert float(mx.abs(lone - mx.fast.scaled_dot_product_attention(q[:1], k[:1], v[:1], scale=0.125)).max()) < 1e-5
