@@ -26,136 +26,47 @@ two steps).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
-import queue
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
 from kvcache import TenantSalt
 
 from .batch import DecodeBatch
-from .caching import EngineCaches, PrefixReport, VisionReport
+from .caching import EngineCaches
 from .constraint import GrammarError
 from .fair_queue import FairQueue, QueueFull
+from .jobs import (
+    ENDINGS,
+    Delta,
+    Embedded,
+    EmbedJob,
+    EngineStopped,
+    Event,
+    Failed,
+    Finished,
+    Job,
+    OverBudget,
+    Started,
+)
 from .mtp import ModelHeads
 from .prompt import PreparedPrompt
-from .runner import Cancelled, ModelRunner, PrefillResult, Sampler, TokenLogprob, as_token
+from .runner import Cancelled, ModelRunner, PrefillResult, Sampler, as_token
 from .scheduler import Limits, Scheduler, Sequence, StepPlan
 from .speculative import Acceptance, Drafter, Proposer, SpeculativeReport, batch_width, default_proposers
 from .text import TextStream
+from .threads import ENGINE_THREADS
 from .types import Pin, Sampling
 
 log = logging.getLogger("strata.engine")
 EXPIRY_INTERVAL_S = 10.0  # how often the worker drops idle entries from the RAM tiers
-
-
-@dataclass(frozen=True, slots=True)
-class Started:
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    prefix: PrefixReport
-    vision: VisionReport
-    queue_ms: float
-    vision_ms: float
-    prefill_ms: float
-
-
-@dataclass(frozen=True, slots=True)
-class Delta:
-    text: str
-    # When the request asked for logprobs: the tokens whose text this delta completes (a character's
-    # bytes may span tokens, and text that could begin a stop sequence is held back a while).
-    logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    finish_reason: str  # "stop" | "length"
-    num_completion_tokens: int
-    decode_ms: float
-    stop_sequence: str | None = None  # the client's stop sequence that ended the answer, if one did
-    # drafts verified and accepted, per proposer
-    speculative: SpeculativeReport = field(default_factory=SpeculativeReport)
-    token_ids: tuple[int, ...] = ()  # the reply as generated (a draft for the same question asked again)
-
-
-@dataclass(frozen=True, slots=True)
-class Failed:
-    message: str
-    code: str = "engine_error"  # what the client's error says: invalid_schema for an output grammar that broke
-    status: int = 500
-
-
-@dataclass(frozen=True, slots=True)
-class Embedded:
-    vectors: list  # one np.ndarray per text, in order
-
-
-Event = Started | Delta | Finished | Failed | Embedded
-ENDINGS = (Finished, Failed, Embedded)  # a job's last event: nothing follows it
-
-
-class OverBudget(Exception):
-    """The job's KV alone (prompt + max_tokens) is more than the whole memory budget."""
-
-    def __init__(self, need_bytes: int, budget_bytes: int):
-        super().__init__(f"needs {need_bytes} bytes of KV, the budget is {budget_bytes}")
-        self.need_bytes = need_bytes
-        self.budget_bytes = budget_bytes
-
-
-@dataclass(slots=True)
-class Job:
-    prompt: PreparedPrompt
-    sampling: Sampling
-    salt: TenantSalt  # the tenant's: the fair queue takes turns by it
-    loop: asyncio.AbstractEventLoop
-    owner: str | None = None  # the label of who asks (tenant, session, end user): cache purges select by it
-    pins: tuple[Pin, ...] = ()  # prompt prefixes to keep cached for a while once the job ends
-    # Answers the caches hold for this question (token ids, the tenant's own): drafts to verify
-    references: tuple[tuple[int, ...], ...] = ()
-    cache_salt: TenantSalt | None = None  # the prefix and vision caches' salt (an end user's); None: salt
-    tenant: str = ""  # whose data key seals the KV blocks the job leaves at rest
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    enqueued_at: float = field(default_factory=time.perf_counter)
-    queue_ms: float = 0.0  # from submit to admission
-    ended: bool = False  # Finished or Failed was sent: nothing more is
-
-    def send(self, event: Event) -> None:
-        _deliver(self, event)
-
-
-@dataclass(slots=True)
-class EmbedJob:
-    """Texts to embed with the engine's own model (its family pools): one text per worker step."""
-
-    texts: tuple[tuple[int, ...], ...]  # token ids
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    vectors: list = field(default_factory=list)
-    ended: bool = False
-
-    def send(self, event: Event) -> None:
-        _deliver(self, event)
-
-
-def _deliver(job: Job | EmbedJob, event: Event) -> None:
-    """Hand an event to the job's event loop (any thread); nothing after its Finished or Failed."""
-    if job.ended:
-        return
-    job.ended = isinstance(event, ENDINGS)
-    with contextlib.suppress(RuntimeError):  # the client's event loop is closed: nobody is left to tell
-        job.loop.call_soon_threadsafe(job.events.put_nowait, event)
 
 
 @dataclass(slots=True)
@@ -195,10 +106,6 @@ class Health:
     reason: str = ""
 
 
-class EngineStopped(Exception):
-    """The worker's loop has ended (stopped, warm-up failed, or broken): nothing queued will run."""
-
-
 @dataclass(frozen=True, slots=True)
 class WorkerSnapshot:
     counters: EngineStats
@@ -208,48 +115,6 @@ class WorkerSnapshot:
     last_step: StepShape = StepShape()
     waiting_for_memory: bool = False  # the next job waits for running sequences to free KV
     kv_bytes_per_token: int = 0  # what each token of a running sequence holds of the memory budget
-
-
-class EngineThreads:
-    """The threads engine workers run on, reused and never ended. MLX keeps compiled functions in a
-    C++ thread-local cache whose destructor calls into Python when its thread exits; once the
-    interpreter is shutting down that aborts the process ("terminate called without an active
-    exception", seen about one exit in four). So a thread whose worker's loop ended waits for the
-    next worker instead of exiting (a daemon: the process ends around it), holding no reference to
-    the last one, so a stopped engine's model and caches are freed. Invariant: `num_idle` counts the
-    threads waiting on `ready`; a worker is handed to one of them, or to a new thread when none waits,
-    so the number of threads is the most engines ever running at once, not the number of loads."""
-
-    def __init__(self) -> None:
-        self.ready: queue.SimpleQueue[EngineWorker] = queue.SimpleQueue()
-        self.lock = threading.Lock()
-        self.num_idle = 0
-        self.num_threads = 0
-
-    def run(self, worker: EngineWorker) -> None:
-        with self.lock:
-            reuse = self.num_idle > 0
-            if reuse:
-                self.num_idle -= 1
-            else:
-                self.num_threads += 1
-        if reuse:
-            self.ready.put(worker)
-        else:
-            holder = [worker]
-            threading.Thread(target=self._serve, args=(holder,), name="strata-engine", daemon=True).start()
-
-    def _serve(self, holder: list[EngineWorker]) -> None:
-        worker = holder.pop()
-        while True:
-            worker._run()
-            del worker
-            with self.lock:
-                self.num_idle += 1
-            worker = self.ready.get()
-
-
-ENGINE_THREADS = EngineThreads()
 
 
 class EngineWorker:
