@@ -275,7 +275,7 @@ MUTANTS = (
     ),
     Mutant(
         "a row samples another row's logits",
-        "gateway/engine/worker.py",
+        "gateway/engine/decoding.py",
         "sequence.logits = logits[fed]",
         "sequence.logits = logits[0 : width + 1]",
         ("tests/gateway/test_batch.py::test_the_server_runs_requests_together_and_each_gets_its_lone_answer",),
@@ -334,21 +334,21 @@ MUTANTS = (
     ),
     Mutant(
         "rejected draft tokens left in a row's KV",
-        "gateway/engine/worker.py",
+        "gateway/engine/decoding.py",
         "            self.batch.trim(rejected)\n",
         "            pass\n",
         (f"{VERIFY}::test_drafts_right_wrong_or_half_right_leave_every_answer_as_plain_decoding[llama]",),
     ),
     Mutant(
         "drafts verified against the wrong position's logits",
-        "gateway/engine/worker.py",
+        "gateway/engine/decoding.py",
         "token = sampler.draw(logits[position], sequence.generated + sequence.drafts[:position])",
         "token = sampler.draw(logits[0], sequence.generated + sequence.drafts[:position])",
         (f"{VERIFY}::test_drafts_right_wrong_or_half_right_leave_every_answer_as_plain_decoding[llama]",),
     ),
     Mutant(
         "every draft kept, whatever the model draws",
-        "gateway/engine/worker.py",
+        "gateway/engine/decoding.py",
         "and tokens[accepted][0] == sequence.drafts[accepted]:",
         "and True:",
         (f"{VERIFY}::test_sampled_rows_with_drafts_draw_from_the_model_distribution_and_seeded_rows_draw_the_same",),
@@ -362,7 +362,7 @@ MUTANTS = (
     ),
     Mutant(
         "the MTP heads fed the hidden state of the position after",
-        "gateway/engine/worker.py",
+        "gateway/engine/decoding.py",
         "heads.follow(hidden[: len(tokens)],",
         "heads.follow(hidden[1 : len(tokens) + 1],",
         (
@@ -463,7 +463,7 @@ MUTANTS = (
     ),
     Mutant(
         "the engine's idle thread keeps its last worker (an unloaded model's memory is never freed)",
-        "gateway/engine/worker.py",
+        "gateway/engine/threads.py",
         "            del worker\n            with self.lock:",
         "            with self.lock:",
         (

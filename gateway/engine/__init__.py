@@ -34,7 +34,9 @@ from .batch import DecodeBatch, decode_alone
 from .caches import CacheLayer, Removed
 from .caching import CacheConfig, PrefixReport, VisionReport, purge_ssd_of
 from .constraint import CompiledGrammar, GrammarError, json_schema_grammar
+from .fair_queue import QueueFull
 from .families import VISION_FAMILIES, UnsupportedModel, family_of
+from .jobs import Delta, Embedded, EmbedJob, EngineStopped, Failed, Finished, Job, OverBudget, Started
 from .model_pool import (
     ModelLoadFailed,
     ModelPool,
@@ -50,21 +52,7 @@ from .speculative import SpeculativeReport
 from .system_turns import SYSTEM_WRAPPER, SystemPlacement
 from .tools import ParsedCall, ToolFormat, tools_text
 from .types import ImagePart, Message, Pin, Sampling, Switches, TextPart, Tool, ToolCall
-from .worker import (
-    Delta,
-    Embedded,
-    EmbedJob,
-    EngineStopped,
-    EngineWorker,
-    Failed,
-    Finished,
-    Health,
-    Job,
-    OverBudget,
-    QueueFull,
-    Started,
-    WorkerSnapshot,
-)
+from .worker import EngineWorker, Health, WorkerSnapshot
 
 log = logging.getLogger("strata.engine")
 

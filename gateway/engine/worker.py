@@ -35,33 +35,27 @@ from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
-import mlx.core as mx
-
 from kvcache import TenantSalt
 
-from .batch import DecodeBatch
 from .caching import EngineCaches
 from .constraint import GrammarError
+from .decoding import DecodeRows
 from .fair_queue import FairQueue, QueueFull
 from .jobs import (
     ENDINGS,
-    Delta,
     Embedded,
     EmbedJob,
     EngineStopped,
     Event,
     Failed,
-    Finished,
     Job,
     OverBudget,
     Started,
 )
-from .mtp import ModelHeads
 from .prompt import PreparedPrompt
-from .runner import Cancelled, ModelRunner, PrefillResult, Sampler, as_token
+from .runner import Cancelled, ModelRunner, PrefillResult
 from .scheduler import Limits, Scheduler, Sequence, StepPlan
-from .speculative import Acceptance, Drafter, Proposer, SpeculativeReport, batch_width, default_proposers
-from .text import TextStream
+from .speculative import Proposer
 from .threads import ENGINE_THREADS
 from .types import Pin, Sampling
 
@@ -135,8 +129,8 @@ class EngineWorker:
         self.jobs = FairQueue(max_queue, tenant_share=max(1, max_queue // 2))
         self.scheduler: Scheduler | None = None  # built once warm-up measured the KV bytes per token
         self.stats = EngineStats()
-        self.batch = DecodeBatch(runner)
-        self.rows: list[Sequence] = []  # rows[i] is row i of self.batch
+        # the decoding sequences (drafts, draws, text); rows that end come back through _retire and _fail
+        self.decoding = DecodeRows(runner, self.stats, max_verify_tokens, self._retire, self._fail)
         # Embedding requests, oldest first; at most max_queue wait. Any thread appends, the worker pops.
         self.embeddings: deque[EmbedJob] = deque()
         self.max_embeddings = max_queue
@@ -144,13 +138,6 @@ class EngineWorker:
         # Any thread appends; the worker pops.
         self.calls: deque[tuple[Callable[[], object], Future]] = deque()
         self.last_step = StepShape()
-        # Speculative decoding: a sequence -> the proposers of its drafts, verified in the step that
-        # feeds them (gateway/engine/speculative.py). None: one token per row and step.
-        self.proposers: Callable[[Sequence], list[Proposer]] | None = self._proposers if max_verify_tokens else None
-        # Tokens a decode step feeds at most over its rows, drafts included (the rows' pending tokens
-        # always go): a wide batch verifies narrower drafts.
-        self.max_verify_tokens = max_verify_tokens
-        self.acceptance = Acceptance()  # each proposer's rate over every row: where a new row's starts
         self.next_expiry = 0.0  # time.monotonic() of the next retention sweep of the RAM tiers
         self.launched = False
         self.ended = threading.Event()  # the loop has ended (its thread waits for the next worker: EngineThreads)
@@ -275,6 +262,20 @@ class EngineWorker:
         return list(self.scheduler.running) if self.scheduler else []
 
     @property
+    def rows(self) -> list[Sequence]:
+        """The decoding sequences, in batch-row order."""
+        return self.decoding.rows
+
+    @property
+    def proposers(self) -> Callable[[Sequence], list[Proposer]] | None:
+        """Where each row's drafts come from (None: speculative decoding off); tests swap it."""
+        return self.decoding.proposers
+
+    @proposers.setter
+    def proposers(self, proposers: Callable[[Sequence], list[Proposer]] | None) -> None:
+        self.decoding.proposers = proposers
+
+    @property
     def prefilling(self) -> list[Sequence]:
         return [sequence for sequence in self.running if sequence.admission is not None]
 
@@ -297,7 +298,7 @@ class EngineWorker:
             self._counters(),
             self.jobs.qsize() + memory_wait + len(self.scheduler.preempted if self.scheduler else ()),
             self.busy,
-            len(self.rows),
+            len(self.decoding),
             self.last_step,
             memory_wait,
             self.runner.kv_bytes_per_token,
@@ -362,9 +363,9 @@ class EngineWorker:
             self._run_calls()
             if self.embeddings:
                 self._embed_one()
-            self._sample()
+            self.decoding.sample()
             self._drop_cancelled()
-            self._propose()
+            self.decoding.propose()
             if not self.running:
                 self.last_step = StepShape()  # idle: what shows while the loop waits for a job
             plan = self._admit()
@@ -397,7 +398,7 @@ class EngineWorker:
             if sequence.admission is not None:
                 sequence.admission.close(self.runner.caches)
                 self._end(sequence)
-        for index in reversed(range(len(self.rows))):
+        for index in reversed(range(len(self.decoding))):
             self._retire(index)
 
     # -- the scheduler's executor ------------------------------------------------------------------
@@ -432,9 +433,7 @@ class EngineWorker:
             sequence.admission.close(self.runner.caches)
             sequence.admission = None
             return
-        index = self.rows.index(sequence)
-        prefill = self.batch.leave(index)
-        del self.rows[index]
+        prefill = self.decoding.leave(self.decoding.rows.index(sequence))
         self._store(prefill, sequence, to_ssd=True)
         sequence.logits = None
 
@@ -443,64 +442,12 @@ class EngineWorker:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def _propose(self) -> None:
-        """Every row's drafts for the next step, padded to one width (the batched cache feeds each
-        row the same number of tokens). The width keeps every row within its max_tokens (the KV it
-        may hold) and the step within max_verify_tokens."""
-        if not self.rows:
-            return
-        self.acceptance.fade()
-        room = min(s.job.sampling.max_tokens - len(s.generated) for s in self.rows)
-        room = min(room, self.max_verify_tokens // len(self.rows) - 1)
-        if self.runner.recurrent:
-            room = self._recurrent_room(room)
-        rates = [s.drafter.rate if s.drafter else 0.0 for s in self.rows]
-        replay = bool(self.runner.recurrent)
-        if not batch_width([[0] * room] * len(self.rows), rates, room, replay):
-            room = 0  # not even drafts of every row at full length would pay: the proposers are not asked
-        drafts = [self._draft(s, room) if s.drafter and room > 0 else [] for s in self.rows]
-        width = batch_width(drafts, rates, room, replay)
-        for sequence, own in zip(self.rows, drafts):
-            own = own[:width]
-            sequence.drafts = own + [sequence.generated[-1]] * (width - len(own))
-            sequence.num_real_drafts = len(own)
-
-    def _recurrent_room(self, room: int) -> int:
-        """A hybrid model drafts for a lone row only (a rejection runs the row's kept tokens again,
-        which a batch cannot do for one row), and never past the next block boundary, where the
-        row's state is snapshotted."""
-        if len(self.rows) > 1:
-            return 0
-        return min(room, -(self.batch.lengths[0] + 1) % self.runner.caches.config.block_size)
-
-    def _draft(self, sequence: Sequence, room: int) -> list[int]:
-        try:
-            return sequence.drafter.draft(sequence.generated, room)
-        except Exception:  # a draft is only ever a guess: a proposer that fails leaves the row without one
-            log.exception("a proposer failed; the row decodes on without drafts")
-            sequence.drafter = None
-            return []
-
-    def _proposers(self, sequence: Sequence) -> list[Proposer]:
-        """References, prompt lookup, then the model's MTP layers if it has them (they always guess)."""
-        found = default_proposers(sequence.job.prompt.token_ids, sequence.job.references)
-        if self.runner.heads is not None:
-            found.append(ModelHeads(self.runner.heads))
-        return found
-
-    def _drafter(self, sequence: Sequence) -> Drafter | None:
-        """The row's drafter: none without proposers or under an output grammar (its matcher moves one
-        token at a time)."""
-        if self.proposers is None or sequence.job.sampling.grammar:
-            return None
-        return Drafter(self.proposers(sequence), shared=self.acceptance)
-
     def _step(self, plan: StepPlan) -> None:
         """One model call for the plan: the decode rows' pending tokens (and drafts) and the prompt chunks."""
-        assert {id(s) for s in plan.decode} == {id(s) for s in self.rows}, "every row decodes in each step"
-        if self.runner.recurrent and self.rows and self.rows[0].drafts:
-            self.batch.keep_state()  # a rejected draft rolls the lone row back to here
-        parts = [self.batch.part([[s.generated[-1], *s.drafts] for s in self.rows])] if self.rows else []
+        rows = self.decoding.rows
+        assert {id(s) for s in plan.decode} == {id(s) for s in rows}, "every row decodes in each step"
+        decode_part = self.decoding.part()
+        parts = [decode_part] if decode_part is not None else []
         chunks = [(s, s.admission.chunk_end(s.num_computed_tokens + n) - s.num_computed_tokens) for s, n in plan.chunks]
         for sequence, num_tokens in chunks:
             parts.append(self.runner.chunk_part(sequence.admission, sequence.num_computed_tokens + num_tokens))
@@ -510,26 +457,16 @@ class EngineWorker:
         except Exception as exc:  # noqa: BLE001 - a failed model call fails its sequences, not the worker
             self._fail_step(plan, exc)
             return
-        if self.rows:
+        if rows:
             self.stats.num_decode_steps += 1
-            self.stats.num_decoded_tokens += len(self.rows)
-            self._take_decode_logits(logits[0])
-            self._sample()  # before rows join: a hybrid row's roll-back runs on its own cache
+            self.stats.num_decoded_tokens += len(rows)
+            self.decoding.take_logits(logits[0])
+            self.decoding.sample()  # before rows join: a hybrid row's roll-back runs on its own cache
         for sequence, num_tokens in chunks:  # a hybrid's chunk may stop short, at a snapshot point
             self._count_chunk(num_tokens)
             sequence.num_computed_tokens += num_tokens
             if sequence.admission.done:
                 self._join(sequence)
-
-    def _take_decode_logits(self, logits: mx.array) -> None:
-        """Each row's logits at every position it was fed (its pending token, then its drafts), for
-        _sample() to draw and verify."""
-        width, hidden = len(self.rows[0].drafts), self.runner.decode_hidden
-        for index, sequence in enumerate(self.rows):
-            fed = slice(index * (width + 1), (index + 1) * (width + 1))
-            sequence.logits = logits[fed]
-            sequence.hidden = (sequence.num_computed_tokens, hidden[fed]) if hidden is not None else None
-            sequence.num_computed_tokens += 1 + width
 
     def _count_chunk(self, num_tokens: int) -> None:
         self.stats.num_prefill_chunks += 1
@@ -541,7 +478,7 @@ class EngineWorker:
             sequence.admission = None
             self._fail(sequence.job, exc)
             self._end(sequence)
-        self._fail_all(exc)
+        self.decoding.fail_all(exc)
 
     def _join(self, sequence: Sequence) -> None:
         """The prompt has run: the sequence joins the decode batch (its first token is sampled at
@@ -562,121 +499,14 @@ class EngineWorker:
                         prefill.prefill_ms,
                     )
                 )
-                grammars = self.runner.grammars if job.sampling.grammar else None
-                sequence.sampler = Sampler(job.sampling, grammars)
-                sequence.text = TextStream(self.runner.tokenizer, job.sampling.stop)
-                sequence.started_at = time.perf_counter()
-                sequence.drafter = self._drafter(sequence)
+                self.decoding.start(sequence)
             else:
                 self.stats.num_resumed_tokens += prefill.prefix.num_cached_tokens
-            self.batch.join(prefill)
+            self.decoding.join(sequence, prefill)
         except Exception as exc:  # noqa: BLE001 - a sampler or grammar that cannot start fails its job alone
             self.runner.finish(prefill, [])
             self._fail(job, exc)
             self._end(sequence)
-            return
-        sequence.logits = prefill.logits[None]  # one position: the prompt's last
-        self.rows.append(sequence)
-
-    def _sample(self) -> None:
-        """Draw the next tokens of every row with logits (one evaluation for them all), send their
-        text and retire the rows that ended. A row that was fed drafts draws at each of their
-        positions as plain decoding would, keeps the drafts while they equal its draws and takes the
-        draw where they first differ (gateway/engine/speculative.py); the KV of the drafts it did not
-        keep is trimmed."""
-        ready = [sequence.logits is not None for sequence in self.rows]
-        if not any(ready):
-            return
-        try:
-            draws = [self._draws(sequence) if now else [] for sequence, now in zip(self.rows, ready)]
-            mx.eval(*[token for row in draws for token, _ in row], *[a for row in draws for _, lp in row for a in lp])
-            taken = [self._verified(sequence, row) if row else [] for sequence, row in zip(self.rows, draws)]
-            for sequence, tokens in zip(self.rows, taken):
-                self._follow(sequence, tokens)
-            rejected = [len(sequence.drafts) - max(len(tokens) - 1, 0) for sequence, tokens in zip(self.rows, taken)]
-            if any(rejected):
-                self._drop_rejected(rejected, taken)
-            self.batch.took_step()
-        except Exception as exc:  # noqa: BLE001 - the evaluation failed: its rows fail, not the worker
-            self._fail_all(exc)
-            return
-        for index in reversed(range(len(self.rows))):
-            sequence = self.rows[index]
-            sequence.num_computed_tokens -= rejected[index]
-            sequence.logits, sequence.drafts = None, []
-            if ready[index] and not self._take(sequence, taken[index]):
-                self._retire(index)
-
-    def _follow(self, sequence: Sequence, tokens: list[tuple[int, tuple]]) -> None:
-        """The row's MTP layers follow the positions it just verified. A lone row's only: a row in a
-        batch, or whose drafting pauses, has them start over once it drafts again (a batch of one
-        row's calls would cost more than its drafts save)."""
-        if self.runner.heads is None:
-            return
-        heads = (
-            next((p for p in sequence.drafter.proposers if isinstance(p, ModelHeads)), None)
-            if sequence.drafter
-            else None
-        )
-        if heads is None or not tokens or sequence.hidden is None:
-            return
-        if len(self.rows) > 1 or sequence.drafter.num_paused_steps:
-            heads.reset()
-            return
-        position, hidden = sequence.hidden
-        try:
-            heads.follow(hidden[: len(tokens)], [t for t, _ in tokens], position, len(sequence.generated) + len(tokens))
-        except Exception:  # a draft is only ever a guess: heads that fail leave the row without them
-            log.exception("the MTP layers failed; the row decodes on without drafts")
-            sequence.drafter = None
-
-    def _drop_rejected(self, rejected: list[int], taken: list[list[tuple[int, tuple]]]) -> None:
-        """Trim the KV of the drafts each row rejected. A hybrid model's lone row instead goes back to
-        its state before the step and runs the tokens it keeps again (the next token it took is
-        already drawn; the replay's logits are never evaluated)."""
-        if not self.runner.recurrent:
-            self.batch.trim(rejected)
-            return
-        assert len(self.rows) == 1, "a hybrid model drafts for a lone row only"
-        sequence = self.rows[0]
-        kept = [sequence.generated[-1], *(token for token, _ in taken[0][:-1])]
-        self.batch.roll_back()
-        self.runner.run_step([self.batch.part([kept])])
-
-    def _draws(self, sequence: Sequence) -> list[tuple[mx.array, tuple[mx.array, ...]]]:
-        """The row's lazy draws (with their logprobs, when asked) at its pending position and after
-        each of its drafts, as if the drafts before were taken."""
-        sampler, logits = sequence.sampler, sequence.logits
-        draws = []
-        for position in range(sequence.num_real_drafts + 1):
-            token = sampler.draw(logits[position], sequence.generated + sequence.drafts[:position])
-            draws.append((token, sampler.lazy_logprobs()))
-        return draws
-
-    def _verified(self, sequence: Sequence, draws: list) -> list[tuple[int, tuple]]:
-        """The tokens the row takes: its drafts while they equal its draws, then the draw where they
-        first differ (or the draw after the last draft), each with its logprobs."""
-        tokens = [(as_token(token), logprobs) for token, logprobs in draws]
-        accepted = 0
-        while accepted < sequence.num_real_drafts and tokens[accepted][0] == sequence.drafts[accepted]:
-            accepted += 1
-        if sequence.drafter is not None:
-            sequence.drafter.verified(sequence.num_real_drafts, accepted)
-        self.stats.num_drafted_tokens += sequence.num_real_drafts
-        self.stats.num_accepted_drafts += accepted
-        return tokens[: accepted + 1]
-
-    def _take(self, sequence: Sequence, tokens: list[tuple[int, tuple]]) -> bool:
-        """Advance the row by its tokens; False once it ended (or failed)."""
-        for token, logprobs in tokens:
-            sequence.sampler.last_logprobs = logprobs or None
-            try:
-                if not self._advance(sequence, token):
-                    return False
-            except Exception as exc:  # noqa: BLE001 - one row's grammar or logprobs failed: that row fails, not the batch
-                self._fail(sequence.job, exc)
-                return False
-        return True
 
     def _drop_cancelled(self) -> None:
         """Prompts whose client went away stop coming in (their stored blocks stay cached)."""
@@ -687,49 +517,12 @@ class EngineWorker:
                 self.stats.num_cancelled += 1
                 self._end(sequence)
 
-    def _advance(self, sequence: Sequence, token: int) -> bool:
-        """Take the row's sampled token and send it as text; False when the row ended (it then sent
-        its last event)."""
-        job, sampling = sequence.job, sequence.job.sampling
-        if job.cancelled.is_set():
-            self.stats.num_cancelled += 1
-            return False
-        generated = sequence.generated
-        if len(generated) < sampling.max_tokens and token not in self.runner.eos_ids:
-            generated.append(token)
-            sequence.sampler.accept(token)
-            if sampling.top_logprobs is not None:
-                sequence.logprobs.append(sequence.sampler.logprobs(token))
-            if chunk := sequence.text.push(token):
-                job.send(_delta(sequence, chunk))
-            if not sequence.text.stopped and len(generated) < sampling.max_tokens:
-                return True
-        tail = sequence.text.finish()
-        if tail or sequence.logprobs:
-            job.send(_delta(sequence, tail))
-        cut = sequence.text.num_tokens >= sampling.max_tokens or sequence.sampler.closed_early
-        reason = "stop" if sequence.text.stopped or not cut else "length"
-        decode_ms = (time.perf_counter() - sequence.started_at) * 1000
-        speculative = SpeculativeReport.of(sequence.drafter)
-        ended = Finished(
-            reason, sequence.text.num_tokens, decode_ms, sequence.text.matched_stop, speculative, tuple(generated)
-        )
-        job.send(ended)
-        return False
-
-    def _fail_all(self, exc: Exception) -> None:
-        """A broken batched step fails the rows in it, not the worker."""
-        for index in reversed(range(len(self.rows))):
-            self._fail(self.rows[index].job, exc)
-            self._retire(index)
-
     def _retire(self, index: int) -> None:
         """Take row `index` out of the batch and store its blocks (prompt and reply) for the next
         turn. Its memory is given back first, so those blocks may use the room its KV held. The
         sequence stays running (the worker is busy) until its blocks are stored."""
-        sequence = self.rows[index]
-        prefill = self.batch.leave(index)
-        del self.rows[index]
+        sequence = self.decoding.rows[index]
+        prefill = self.decoding.leave(index)
         if self.scheduler is not None:
             self.scheduler.release(sequence)
         try:
@@ -783,11 +576,6 @@ class EngineWorker:
             job.send(Failed(f"the output grammar could not be followed: {exc}", "invalid_schema", 400))
         else:
             job.send(Failed(f"generation failed: {type(exc).__name__}"))
-
-
-def _delta(sequence: Sequence, text: str) -> Delta:
-    logprobs, sequence.logprobs = tuple(sequence.logprobs), []
-    return Delta(text, logprobs)
 
 
 @dataclass(slots=True)
