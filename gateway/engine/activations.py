@@ -3,8 +3,8 @@
 SiLU and tanh-GELU are built on the exponential, which MLX's CPU backend computes one element at a
 time (~13 ns each here); numpy's float32 `exp` is vectorised (~1 ns). On the demo model a 277-token
 prefill spent 25 of its 76 ms in `silu(gate) * up` (6.2 ms a layer; 1.7 ms through numpy). So for
-prompt chunks (more than one token per row) the MLP's activation runs on numpy; decode steps (one
-token per row) keep MLX's own, as does everything on a GPU.
+prompt chunks and a batch's decode rows (more than one token in all) the MLP's activation runs on
+numpy; a lone decode row keeps MLX's own, as does everything on a GPU.
 
 Every family's MLP calls its activation by a module-level name: mlx-lm's and mlx-vlm's compiled
 `swiglu(gate, up)`, or `nn.silu` / `nn.gelu_approx`. Each MLP of this model instance gets a subclass
@@ -28,8 +28,9 @@ from .attention import swap_layer_classes, with_globals
 
 
 def _is_chunk(x: mx.array) -> bool:
-    """More than one token per row: a prompt chunk (decode steps feed one)."""
-    return x.ndim >= 2 and x.shape[-2] > 1
+    """More than one token in all: a prompt chunk, or a batch's decode rows (a lone decode row keeps
+    MLX's own: one token's activations cost less than the trip to numpy)."""
+    return x.ndim >= 2 and x.size > x.shape[-1]
 
 
 def _numpy(x: mx.array) -> np.ndarray:

@@ -38,9 +38,13 @@ def test_huge_negative_inputs_give_zero_not_nan():
     ]
 
 
-def test_decode_steps_keep_mlx_s_own(monkeypatch):
+def test_a_lone_decode_row_keeps_mlx_s_own_and_a_batch_s_rows_take_numpy(monkeypatch):
     calls = []
-    monkeypatch.setattr(activations, "_sigmoid_times", lambda *args: calls.append(1))
-    one_token = mx.random.normal((4, 1, 96), key=mx.random.key(5))
+    real = activations._sigmoid_times
+    monkeypatch.setattr(activations, "_sigmoid_times", lambda *args: calls.append(1) or real(*args))
+    one_token = mx.random.normal((1, 1, 96), key=mx.random.key(5))
     assert mx.array_equal(activations.silu(one_token), nn.silu(one_token))
     assert not calls
+    rows = mx.random.normal((4, 1, 96), key=mx.random.key(6))  # four decode rows, one token each
+    assert mx.allclose(activations.silu(rows), nn.silu(rows), atol=1e-6)
+    assert calls == [1]
