@@ -8,7 +8,9 @@ There is no prefill or decode phase (as in vLLM v1): a sequence has `num_tokens`
 generated) of which `num_computed_tokens` have KV; a step feeds it the difference, or a chunk of it.
 A decoding sequence needs one token a step (its last sampled one); a prompt coming in needs the rest
 of its prompt, taken in chunks under a per-step token budget shared by every admission, so running
-streams keep their pace while prompts arrive, and several prompts can come in in the same call.
+streams keep their pace while prompts arrive, and several prompts can come in in the same call
+(each an even share in whole blocks, oldest first; no step carries more prompt tokens than the
+budget, except the one block the oldest prompt always moves).
 
 Memory: one budget (the prefix cache's, where cached blocks give way to running sequences). A
 sequence holds `num_reserved_tokens` of KV in it: its prompt and one block at admission, then a
@@ -169,10 +171,17 @@ class Scheduler:
         decoding = any(sequence.decoding for sequence in self.running)
         budget = self.limits.step_tokens if decoding else max(self.limits.step_tokens, ALONE_STEP_TOKENS)
         reserve = self._admission_reserve(budget)
+        prompts = sum(1 for s in self.running if s.status is Status.RUNNING and not s.decoding)  # not yet given
         for sequence in sorted(self.running, key=lambda s: s.order):  # oldest first: victims come later
             if sequence.status is not Status.RUNNING:
                 continue  # preempted while an older one grew
-            num_tokens = self._tokens_for(sequence, budget - reserve)
+            share = budget - reserve
+            if not sequence.decoding:
+                share = self._share(share, prompts, first=not plan.chunks)
+                prompts -= 1
+                if not share:
+                    continue  # the step's budget is spent: this prompt moves at the next step
+            num_tokens = self._tokens_for(sequence, share)
             if num_tokens and self._grow(sequence, num_tokens, plan):
                 self._add(plan, sequence, num_tokens)
                 budget -= num_tokens if not sequence.decoding else 0
@@ -192,9 +201,21 @@ class Scheduler:
         block = self.limits.block_tokens
         return max(block, budget // 4 // block * block)
 
+    def _share(self, budget: int, num_prompts: int, first: bool) -> int:
+        """Prompt tokens for the oldest of `num_prompts` prompts under way not yet given any: an even
+        share of what is left of the budget, in whole blocks (0: it waits for the next step). The first prompt of a step always moves
+        a block at least; the others only while the budget lasts, so a step never carries more prompt
+        tokens than its budget (six prompts under way once each took a block past it: 288 prompt
+        tokens in a 128-token step, the decode rows' slowest steps)."""
+        block = self.limits.block_tokens
+        blocks_left = max(budget, 0) // block
+        if not blocks_left:
+            return block if first else 0
+        return -(-blocks_left // num_prompts) * block  # the older prompts take the odd blocks
+
     def _tokens_for(self, sequence: Sequence, budget: int) -> int:
         """A decoding sequence: its pending token and its drafts. A prompt: what is left, or the largest whole
-        number of blocks within the budget (at least one block: every prompt moves on each step)."""
+        number of blocks within the budget (at least one block)."""
         pending = sequence.num_pending_tokens
         if sequence.decoding:
             return pending + len(sequence.drafts)
@@ -242,7 +263,7 @@ class Scheduler:
     # -- admissions ----------------------------------------------------------------------------
 
     def _admit(self, plan: StepPlan, budget: int, block: bool, timeout_s: float | None) -> None:
-        while len(self.running) < self.limits.max_num_seqs and budget > 0:
+        while len(self.running) < self.limits.max_num_seqs and budget >= self.limits.block_tokens:
             sequence = self._next_candidate(plan, block and not self.running and not plan, timeout_s)
             if sequence is None:
                 return

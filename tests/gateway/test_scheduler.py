@@ -139,10 +139,31 @@ def test_a_short_prompt_starts_at_the_next_step_beside_long_prompts_under_way():
     plan = scheduler.schedule()
     assert plan.admitted == [short] and (short, 20) in plan.chunks and plan.decode == [decoding]
     assert all(sequence in [s for s, _ in plan.chunks] for sequence in longs)  # they move on too
-    assert sum(n for _, n in plan.chunks) <= 128 + BLOCK
+    assert sum(n for _, n in plan.chunks) <= 128  # within the step's budget
     _execute(scheduler, plan)
-    plan = scheduler.schedule()  # nobody waits: the long prompts take the whole budget again
-    assert [n for _, n in plan.chunks] == [128, BLOCK]  # (every prompt moves on by a block at least)
+    plan = scheduler.schedule()  # nobody waits: the long prompts share the whole budget again
+    assert plan.chunks == [(longs[0], 64), (longs[1], 64)]
+
+
+def test_many_prompts_under_way_share_the_budget_and_never_exceed_it():
+    """Ten prompts coming in at once beside a decoding row, under a 128-token budget: those under
+    way share it in whole blocks, oldest first, and the rest wait their turn; no step carries more
+    (before, each prompt under way took a block past the budget), and every prompt gets in."""
+    scheduler, _ = _scheduler(step_tokens=128)
+    decoding = _submit(scheduler, 10, max_tokens=500)
+    _execute(scheduler, scheduler.schedule())
+    prompts = [_submit(scheduler, 300, tenant=bytes([65 + i])) for i in range(10)]
+    most_under_way = 0
+    for _ in range(200):
+        plan = scheduler.schedule()
+        most_under_way = max(most_under_way, sum(1 for s in scheduler.running if not s.decoding))
+        assert decoding in plan.decode
+        assert sum(n for _, n in plan.chunks) <= 128, [n for _, n in plan.chunks]
+        _execute(scheduler, plan)
+        if all(sequence.decoding or sequence.status is Status.FINISHED for sequence in prompts):
+            break
+    assert most_under_way >= 4
+    assert all(sequence.decoding or sequence.status is Status.FINISHED for sequence in prompts)
 
 
 def test_a_prompt_with_a_cached_prefix_runs_only_the_rest():
