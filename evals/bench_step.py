@@ -90,7 +90,7 @@ class Setup:
     def chunk_part(self, length: int, offset: int = 0):
         prompt = PreparedPrompt(tuple(self.ids[offset : offset + length]), ())
         admission = self.runner.open_prefill(prompt, SALT)
-        return admission, self.runner.chunk_part(admission, length)
+        return admission, self.runner.chunk_part(admission, admission.first, length)
 
     def run(self, parts) -> None:
         """One call, then the KV it appended trimmed away, so every repeat sees the same state."""

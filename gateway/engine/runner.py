@@ -67,7 +67,8 @@ class ModelInputs:
 class Part:
     """One segment of a step's model call: `ids` (rows, tokens) fed on `cache` (per layer: a
     prompt's own KVCache, or the decode rows' cache); logits come back for each row's last `keep`
-    tokens. A prompt chunk names its admission, which advances once the step ran."""
+    tokens. A prompt chunk names its admission and the prompt position it starts at (`begin`); the
+    admission advances once the step ran."""
 
     cache: list
     ids: mx.array
@@ -76,13 +77,15 @@ class Part:
     extra: dict = field(default_factory=dict)  # the library's deepstack arguments, chunks only
     keep: int = 1
     admission: Admission | None = None
+    begin: int = 0
 
 
 @dataclass(slots=True)
 class Admission:
     """A prompt on its way into the KV: its own cache (the reused prefix copied in), the prefix plan
-    that stores its blocks as chunks complete them, and its inputs. Invariant: `computed` tokens of
-    the prompt are in `cache`; `logits` is set once computed == the prompt's length."""
+    that stores its blocks as chunks complete them, and its inputs. It keeps no count of the tokens
+    computed: its owner does (the worker's Sequence.num_computed_tokens, prefill_steps' loop) and
+    names it in each call. `logits` is set once a chunk ended at the prompt's last token."""
 
     prompt: PreparedPrompt
     cache: list
@@ -97,48 +100,43 @@ class Admission:
     # their state is snapshotted into the block ending there; chunks end at them. Empty otherwise.
     recurrent: tuple[int, ...] = ()
     snapshot_points: frozenset[int] = frozenset()
-    computed: int = -1
     spent_s: float = 0.0  # time in this prompt's setup and steps (a step's whole time counts)
     logits: mx.array | None = None
 
-    def __post_init__(self):
-        self.computed = self.first
-
     @property
     def done(self) -> bool:
-        return self.computed == self.prompt.num_tokens
+        return self.logits is not None
 
-    def chunk_end(self, end: int) -> int:
-        """Where a chunk planned to run to `end` stops: at the first snapshot point before it."""
-        return min((point for point in self.snapshot_points if self.computed < point < end), default=end)
+    def chunk_end(self, begin: int, end: int) -> int:
+        """Where a chunk from `begin` planned to run to `end` stops: at the first snapshot point before it."""
+        return min((point for point in self.snapshot_points if begin < point < end), default=end)
 
-    def advance(self, caches: EngineCaches, num_tokens: int, last_logits: mx.array, spent_s: float) -> None:
-        """A step ran num_tokens more of the prompt: store the blocks they completed (and at a
-        snapshot point, the recurrent state with the block it ends)."""
-        self.computed += num_tokens
+    def advance(self, caches: EngineCaches, end: int, last_logits: mx.array, spent_s: float) -> None:
+        """A step ran the prompt up to `end`: store the blocks that completed (and at a snapshot
+        point, the recurrent state with the block it ends)."""
         self.spent_s += spent_s
         if self.plan:
-            snapshot = self._snapshot() if self.computed in self.snapshot_points else None
-            caches.store(self.plan, self.prompt.token_ids, self.cache, self.computed, snapshot)
+            snapshot = self._snapshot(end) if end in self.snapshot_points else None
+            caches.store(self.plan, self.prompt.token_ids, self.cache, end, snapshot)
             self.plan.session.let_go()  # cached copies, not held: the prompt's cache has the KV
-        if self.done:
+        if end == self.prompt.num_tokens:
             self.logits = last_logits
 
-    def close(self, caches: EngineCaches | None = None) -> None:
+    def close(self, caches: EngineCaches | None = None, computed: int = 0) -> None:
         """Give up the prompt (cancelled, failed, preempted): blocks stored so far stay cached. With
         `caches` (cancelled or preempted between steps, so the cache holds exactly `computed` tokens),
         a hybrid model's recurrent state is snapshotted there too, so a retry resumes where it stopped."""
         if not self.plan:
             return
         try:
-            if caches is not None and self.recurrent and self.computed % caches.config.block_size == 0:
-                caches.store(self.plan, self.prompt.token_ids, self.cache, self.computed, self._snapshot())
+            if caches is not None and self.recurrent and computed and computed % caches.config.block_size == 0:
+                caches.store(self.plan, self.prompt.token_ids, self.cache, computed, self._snapshot(computed))
         finally:
             self.plan.session.close()
 
-    def _snapshot(self) -> tuple[int, tuple]:
+    def _snapshot(self, computed: int) -> tuple[int, tuple]:
         """The recurrent layers' state now, labelled with the tokens it follows (a block boundary)."""
-        return self.computed, recurrent_state(self.cache, self.recurrent)
+        return computed, recurrent_state(self.cache, self.recurrent)
 
     def result(self) -> PrefillResult:
         assert self.logits is not None, "every prompt token has run"
@@ -305,17 +303,18 @@ class ModelRunner:
         the PrefillResult. Closing it early releases the prefix blocks. Chunks of chunk_tokens (a
         multiple of the block size, so every chunk but the last ends on a block boundary)."""
         admission = self.open_prefill(prompt, salt, owner, pins)
+        computed = admission.first
         try:
-            while admission.computed < prompt.num_tokens:
+            while computed < prompt.num_tokens:
                 if cancelled():
                     raise Cancelled()
-                end = admission.chunk_end(min(admission.computed + chunk_tokens, prompt.num_tokens))
-                num_tokens = end - admission.computed
-                self.run_step([self.chunk_part(admission, end)])
+                end = admission.chunk_end(computed, min(computed + chunk_tokens, prompt.num_tokens))
+                self.run_step([self.chunk_part(admission, computed, end)])
                 if end < prompt.num_tokens:
-                    yield num_tokens
+                    yield end - computed
+                computed = end
         except Cancelled:  # between steps: what ran is kept, a hybrid's state with it
-            admission.close(self.caches)
+            admission.close(self.caches, computed)
             raise
         except BaseException:  # failed, or closed before the end: the blocks are released
             admission.close()
@@ -389,10 +388,10 @@ class ModelRunner:
         points |= {(num_tokens - 1) // block * block, num_tokens // block * block}
         return frozenset(point for point in points if point > 0)
 
-    def chunk_part(self, admission: Admission, end: int) -> Part:
-        """The admission's prompt tokens [computed, end) as one part of a step; the blocks it
-        completes are stored once the step ran (Admission.advance)."""
-        begin, first, inputs = admission.computed, admission.first, admission.inputs
+    def chunk_part(self, admission: Admission, begin: int, end: int) -> Part:
+        """The admission's prompt tokens [begin, end) as one part of a step (`begin`: the tokens its
+        cache holds); the blocks it completes are stored once the step ran (Admission.advance)."""
+        first, inputs = admission.first, admission.inputs
         assert begin < end <= admission.prompt.num_tokens, (begin, end, admission.prompt.num_tokens)
         return Part(
             admission.cache,
@@ -401,6 +400,7 @@ class ModelRunner:
             None if inputs.positions is None else inputs.positions[..., begin:end],
             _deepstack_kwargs(inputs, begin - first, end - first),
             admission=admission,
+            begin=begin,
         )
 
     def run_step(self, parts: list[Part]) -> list[mx.array]:
@@ -415,7 +415,7 @@ class ModelRunner:
         spent = time.perf_counter() - start
         for part, part_logits in zip(parts, logits):
             if part.admission is not None:
-                part.admission.advance(self.caches, part.ids.shape[1], part_logits[-1], spent)
+                part.admission.advance(self.caches, part.begin + part.ids.shape[1], part_logits[-1], spent)
         return logits
 
     def _call_parts(self, parts: list[Part]) -> list[mx.array]:

@@ -396,7 +396,7 @@ class EngineWorker:
         """Stopped: the sequences still running store what they computed and release their blocks."""
         for sequence in list(self.running):
             if sequence.admission is not None:
-                sequence.admission.close(self.runner.caches)
+                sequence.admission.close(self.runner.caches, sequence.num_computed_tokens)
                 self._end(sequence)
         for index in reversed(range(len(self.decoding))):
             self._retire(index)
@@ -424,13 +424,13 @@ class EngineWorker:
             self._fail(job, exc)
             return False
         sequence.num_resumed_tokens = len(sequence.generated)
-        sequence.num_computed_tokens = sequence.admission.computed
+        sequence.num_computed_tokens = sequence.admission.first
         return True
 
     def preempt(self, sequence: Sequence) -> None:
         """Store the sequence's KV as cached blocks (its resumption finds them) and drop its cache."""
         if sequence.admission is not None:
-            sequence.admission.close(self.runner.caches)
+            sequence.admission.close(self.runner.caches, sequence.num_computed_tokens)
             sequence.admission = None
             return
         prefill = self.decoding.leave(self.decoding.rows.index(sequence))
@@ -448,9 +448,9 @@ class EngineWorker:
         assert {id(s) for s in plan.decode} == {id(s) for s in rows}, "every row decodes in each step"
         decode_part = self.decoding.part()
         parts = [decode_part] if decode_part is not None else []
-        chunks = [(s, s.admission.chunk_end(s.num_computed_tokens + n) - s.num_computed_tokens) for s, n in plan.chunks]
-        for sequence, num_tokens in chunks:
-            parts.append(self.runner.chunk_part(sequence.admission, sequence.num_computed_tokens + num_tokens))
+        chunks = [(s, s.admission.chunk_end(s.num_computed_tokens, s.num_computed_tokens + n)) for s, n in plan.chunks]
+        for sequence, end in chunks:
+            parts.append(self.runner.chunk_part(sequence.admission, sequence.num_computed_tokens, end))
         self.stats.num_steps += 1
         try:
             logits = self.runner.run_step(parts)
@@ -462,9 +462,9 @@ class EngineWorker:
             self.stats.num_decoded_tokens += len(rows)
             self.decoding.take_logits(logits[0])
             self.decoding.sample()  # before rows join: a hybrid row's roll-back runs on its own cache
-        for sequence, num_tokens in chunks:  # a hybrid's chunk may stop short, at a snapshot point
-            self._count_chunk(num_tokens)
-            sequence.num_computed_tokens += num_tokens
+        for sequence, end in chunks:  # a hybrid's chunk may stop short, at a snapshot point
+            self._count_chunk(end - sequence.num_computed_tokens)
+            sequence.num_computed_tokens = end
             if sequence.admission.done:
                 self._join(sequence)
 
@@ -512,7 +512,7 @@ class EngineWorker:
         """Prompts whose client went away stop coming in (their stored blocks stay cached)."""
         for sequence in self.prefilling:
             if sequence.job.cancelled.is_set():
-                sequence.admission.close(self.runner.caches)
+                sequence.admission.close(self.runner.caches, sequence.num_computed_tokens)
                 sequence.admission = None
                 self.stats.num_cancelled += 1
                 self._end(sequence)

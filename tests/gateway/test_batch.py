@@ -83,19 +83,23 @@ def _mixed(runner, prompts, chunk_tokens=32, admit_per_step=2) -> list[list[int]
     batch, tokens, live = DecodeBatch(runner), [[] for _ in prompts], []  # live[i]: the prompt of row i
     waiting = list(range(len(prompts)))
     admitting: dict[int, object] = {}
+    computed: dict[int, int] = {}  # tokens each admission's cache holds
     while waiting or admitting or live:
         while waiting and len(admitting) < admit_per_step:
             index = waiting.pop(0)
             admitting[index] = runner.open_prefill(prompts[index], SALT)
+            computed[index] = admitting[index].first
         for row in reversed(range(len(live))):  # rows that ended leave before the step
             done = tokens[live[row]][-1] in runner.eos_ids or len(tokens[live[row]]) == STEPS
             if done:
                 runner.finish(batch.leave(row), tokens[live[row]])
                 live.pop(row)
         parts = [batch.part([[tokens[p][-1]] for p in live])] if live else []
-        for admission in admitting.values():
-            end = admission.chunk_end(min(admission.computed + chunk_tokens, admission.prompt.num_tokens))
-            parts.append(runner.chunk_part(admission, end))
+        for index, admission in admitting.items():
+            begin = computed[index]
+            end = admission.chunk_end(begin, min(begin + chunk_tokens, admission.prompt.num_tokens))
+            parts.append(runner.chunk_part(admission, begin, end))
+            computed[index] = end
         if not parts:
             continue
         logits = runner.run_step(parts)
