@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,23 @@ class StrataMode:
         return ttft, self.runner.tokenizer.decode(generated, skip_special_tokens=True)
 
 
+def without_mtp(model_path: Path) -> Path:
+    """The model folder as mlx-vlm's stock loader can read it: Strata's builds of Qwen3.5 and
+    Qwen3-Next carry their MTP drafting layers in `mtp.safetensors`, which mlx-vlm's Qwen3-Next
+    refuses ("parameters not in model"). The comparison sets that one file aside: a folder of links
+    to every other file, in the temporary directory (not beside the model, where it would look like
+    another model)."""
+    if not (model_path / "mtp.safetensors").exists():
+        return model_path
+    view = Path(tempfile.gettempdir()) / "strata-bench" / f"{model_path.name}-without-mtp"
+    view.mkdir(parents=True, exist_ok=True)
+    for entry in model_path.iterdir():
+        link = view / entry.name
+        if entry.name != "mtp.safetensors" and not link.exists():
+            link.symlink_to(entry.resolve())
+    return view
+
+
 class ApcMode:
     """mlx-vlm 0.7.10's automatic prefix cache, RAM tier only, through its own stream_generate, on
     its own stock load of the same model folder (Strata's runner swaps in its CPU attention)."""
@@ -108,7 +126,8 @@ class ApcMode:
         import mlx_vlm
         from mlx_vlm import apc
 
-        loaded: Any = mlx_vlm.load(str(model_path))  # its annotations name fewer processor kinds than it loads
+        # its annotations name fewer processor kinds than it loads
+        loaded: Any = mlx_vlm.load(str(without_mtp(model_path)))
         self.model, self.processor = loaded
         self.manager = apc.from_env(overrides={"enabled": True, "disk_enabled": False})
         # the same first-call warm-up Strata's runner gets, outside the prefix cache

@@ -904,6 +904,16 @@ MUTANTS = (
         ("tests/gateway/test_batch.py::test_a_hybrid_model_batches_rows_that_resume_from_snapshots",),
     ),
     Mutant(
+        "a chunked gated-delta scan off by one position (a token does not see its own key)",
+        "gateway/engine/recurrent.py",
+        "    below = mx.tril(mx.ones((size, size), dtype=mx.bool_))  # j <= t",
+        "    below = mx.tril(mx.ones((size, size), dtype=mx.bool_), k=-1)",
+        (
+            "tests/gateway/test_recurrent.py::test_chunks_equal_the_token_by_token_recurrence",
+            "tests/gateway/test_recurrent.py::test_a_hybrid_model_prefills_in_chunks_with_the_library_s_outputs",
+        ),
+    ),
+    Mutant(
         "a hybrid's prefill chunks run past its snapshot points",
         "gateway/engine/runner.py",
         "        return min((point for point in self.snapshot_points if begin < point < end), default=end)",

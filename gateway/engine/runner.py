@@ -40,6 +40,7 @@ from .mixed import Segment, SegmentCache
 from .mixed import install as install_packed_calls
 from .mtp import load_heads
 from .prompt import PreparedPrompt, PromptBuilder, PromptImage
+from .recurrent import install_chunked_prefill
 from .types import Pin, Sampling
 
 log = logging.getLogger("strata.engine")
@@ -187,6 +188,7 @@ class ModelRunner:
         self.batchable = all(type(layer).__name__ in BATCHED_CACHE_TYPES for layer in layers)
         install_cpu_prefill_attention(self.lm)
         install_cpu_prefill_activations(self.lm)
+        install_chunked_prefill(self.lm)
         num_packable = install_packed_calls(self.lm)
         keep_last_position_logits(self.lm)
         # The checkpoint's MTP layers (gateway/engine/mtp.py), or None. With them, each step keeps the

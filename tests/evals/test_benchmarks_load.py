@@ -99,3 +99,26 @@ def test_the_api_benchmark_runs_every_mode_on_the_tiny_model(tiny_model_path):
         for mode in ("free text", "json_schema", "forced tool call", "logprobs (top 5)")
     )
     assert all(rate > 0 for rate in rates.values())
+
+
+def test_the_ttft_comparison_loads_a_model_with_mtp_layers_in_mlx_vlm():
+    """mlx-vlm's stock loader refuses Strata's Qwen3-Next build (its `mtp.safetensors`); the APC
+    side of bench_ttft loads the same weights with that file set aside."""
+    import mlx_vlm
+
+    from evals.bench_ttft import without_mtp
+    from gateway.checkpoints import BuildSpec
+    from tests.conftest import built_model
+
+    path = built_model(BuildSpec("qwen3_next", "tiny"))
+    assert (path / "mtp.safetensors").exists()
+    with pytest.raises(ValueError, match="not in model"):
+        mlx_vlm.load(str(path))
+    view = without_mtp(path)
+    assert (
+        not (view / "mtp.safetensors").exists()
+        and (view / "model.safetensors").resolve() == (path / "model.safetensors").resolve()
+    )
+    model, _ = mlx_vlm.load(str(view))
+    assert model.language_model is not None
+    assert without_mtp(built_model(BuildSpec("qwen2_5_vl", "tiny"))) == built_model(BuildSpec("qwen2_5_vl", "tiny"))
