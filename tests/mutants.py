@@ -914,6 +914,16 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "an expert's sorted rows multiplied by the next expert's weights",
+        "gateway/engine/experts.py",
+        "parts.append(_expert_product(self, rows[start:end], int(expert)))",
+        "parts.append(_expert_product(self, rows[start:end], (int(expert) + 1) % self.num_experts))",
+        (
+            "tests/gateway/test_experts.py::test_per_expert_products_equal_the_library_s_layers",
+            "tests/gateway/test_experts.py::test_a_mixture_of_experts_model_keeps_the_library_s_outputs",
+        ),
+    ),
+    Mutant(
         "a hybrid's prefill chunks run past its snapshot points",
         "gateway/engine/runner.py",
         "        return min((point for point in self.snapshot_points if begin < point < end), default=end)",

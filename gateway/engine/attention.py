@@ -32,11 +32,17 @@ LOG2E = 1.4426950408889634
 
 
 def causal_attention(
-    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: np.ndarray | None = None
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    mask: np.ndarray | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Attention of L queries that are the last L positions of T keys (grouped-query heads). `mask`
     (L, T), or one per row (B, 1, L, T), True where a query may attend, replaces the plain causal
-    mask (a sliding window; a batch's left padding)."""
+    mask (a sliding window; a batch's left padding). `sinks` (heads,): gpt-oss's learned logit per
+    head, one more term of every query's softmax with no value behind it."""
     q, k, v = (np.asarray(x.astype(mx.float32)) for x in (queries, keys, values))  # numpy has no bfloat16
     batch, num_heads, num_queries, head_dim = q.shape
     num_kv_heads, num_keys = k.shape[1], k.shape[2]
@@ -48,9 +54,16 @@ def causal_attention(
     else:
         bias = np.where(mask, np.float32(0), np.float32(-np.inf))
         scores += bias[:, :, None] if bias.ndim == 4 else bias  # per row: (B, 1, 1, L, T) over the heads
-    scores -= scores.max(axis=-1, keepdims=True)
+    top = scores.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = np.asarray(sinks.astype(mx.float32)).reshape(1, num_kv_heads, group, 1, 1) * np.float32(LOG2E)
+        top = np.maximum(top, sink)
+    scores -= top
     np.exp2(scores, out=scores)
-    denominator = scores.sum(axis=-1).reshape(batch, num_kv_heads, group * num_queries, 1)
+    denominator = scores.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        denominator += np.exp2(sink - top)
+    denominator = denominator.reshape(batch, num_kv_heads, group * num_queries, 1)
     out = np.matmul(scores.reshape(batch, num_kv_heads, group * num_queries, num_keys), v) / denominator
     return mx.array(out.reshape(batch, num_heads, num_queries, head_dim)).astype(queries.dtype)
 
@@ -117,8 +130,8 @@ _NO_CODE = compile("", "<none>", "exec")
 def _cpu_prefill(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *args, **kwargs):
         """Prefill (queries > 1) with a causal or boolean mask, and a batch's rows with their boolean
-        masks, run on numpy; the rest (a lone decode row, quantised caches, attention sinks, masks per
-        head) stays on the library's own kernel. Keys that the mask hides from every query (a sliding
+        masks, run on numpy (attention sinks included); the rest (a lone decode row, quantised
+        caches, masks per head) stays on the library's own kernel. Keys that the mask hides from every query (a sliding
         window's past, a batch's shared padding) are dropped first."""
         allowed = None  # the boolean mask as numpy, read once: (L, T), or (B, 1, L, T) for a batch's rows
         if isinstance(keys, mx.array) and isinstance(mask, mx.array) and mask.dtype == mx.bool_ and _one_per_row(mask):
@@ -132,11 +145,12 @@ def _cpu_prefill(original):
                     allowed[..., first:],
                 )
         several = queries.shape[2] > 1 or (queries.shape[0] > 1 and allowed is not None)
-        if several and not args and kwargs.get("sinks") is None and isinstance(keys, mx.array):
+        if several and not args and kwargs.keys() <= {"sinks"} and isinstance(keys, mx.array):
+            sinks = kwargs.get("sinks")
             if isinstance(mask, str) and mask == "causal":
-                return causal_attention(queries, keys, values, scale)
+                return causal_attention(queries, keys, values, scale, sinks=sinks)
             if allowed is not None:
-                return causal_attention(queries, keys, values, scale, allowed)
+                return causal_attention(queries, keys, values, scale, allowed, sinks)
         return original(queries, keys, values, cache, scale, mask, *args, **kwargs)
 
     return scaled_dot_product_attention

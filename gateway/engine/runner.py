@@ -35,6 +35,7 @@ from .activations import install_cpu_prefill_activations
 from .attention import install_cpu_prefill_attention
 from .caching import CacheConfig, EngineCaches, PrefixPlan, PrefixReport, VisionReport
 from .constraint import MAX_CLOSING_TOKENS, Grammars
+from .experts import install_grouped_experts
 from .families import Family, family_of, read_config
 from .mixed import Segment, SegmentCache
 from .mixed import install as install_packed_calls
@@ -189,6 +190,7 @@ class ModelRunner:
         install_cpu_prefill_attention(self.lm)
         install_cpu_prefill_activations(self.lm)
         install_chunked_prefill(self.lm)
+        install_grouped_experts(self.lm)
         num_packable = install_packed_calls(self.lm)
         keep_last_position_logits(self.lm)
         # The checkpoint's MTP layers (gateway/engine/mtp.py), or None. With them, each step keeps the

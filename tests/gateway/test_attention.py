@@ -56,3 +56,24 @@ def test_the_swapped_layer_sends_batched_decode_rows_to_numpy_and_a_lone_row_to_
     lone = kernel(q[:1], k[:1], v[:1], None, 0.125, None)  # a lone row has no mask: MLX's kernel
     assert len(calls) == 1
     assert float(mx.abs(lone - mx.fast.scaled_dot_product_attention(q[:1], k[:1], v[:1], scale=0.125)).max()) < 1e-5
+
+
+@pytest.mark.parametrize("queries", [1, 5, 40])
+def test_attention_sinks_equal_the_library_kernel(queries):
+    """gpt-oss's sinks: a learned logit per head in every query's softmax (causal prefill, and a
+    batch's rows with their masks)."""
+    q, k, v = _qkv(2, queries, 40)
+    sinks = mx.array([-2.0, -0.5, 0.0, 0.5, 1.0, 2.0, 4.0, 8.0])  # 8.0: the sink outweighs every key
+    kernel = attention._cpu_prefill(
+        lambda q, k, v, cache, scale, mask, sinks=None: mx.fast.scaled_dot_product_attention(
+            q, k, v, scale=scale, mask=mask, sinks=sinks
+        )
+    )
+    masks = [_left_padded_mask(queries, 40, [0, 7])] + (["causal"] if queries > 1 else [])
+    for mask in masks:
+        ours = attention.causal_attention(q, k, v, 0.125, None if isinstance(mask, str) else np.asarray(mask), sinks)
+        theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask, sinks=sinks)
+        assert float(mx.abs(ours - theirs).max()) < 1e-5
+        assert float(mx.abs(kernel(q, k, v, None, 0.125, mask, sinks=sinks) - theirs).max()) < 1e-5
+    without = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=masks[0])
+    assert float(mx.abs(theirs - without).max()) > 1e-2  # the sinks change the answer: the test can tell
