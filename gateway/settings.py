@@ -17,7 +17,7 @@ from kvcache.quant import QuantConfig
 from kvcache.ssd import AdmissionPolicy, SsdConfig
 from semantic import SemanticSettings
 
-from .engine import CacheConfig, EngineConfig
+from .engine import EngineConfig
 
 EXACT_STORES = ("sqlite", "memory", "off")
 LOG_FORMATS = ("text", "json")
@@ -107,7 +107,7 @@ class Settings:
     step_prompt_tokens: int = _default(EngineConfig, "step_prompt_tokens")  # a multiple of kv_block_size
     max_verify_tokens: int = _default(EngineConfig, "max_verify_tokens")  # speculative decoding; 0 = off
     kv_block_size: int = 32  # tokens per prefix-cache block (docs/caches.md: how it was chosen)
-    kv_snapshot_blocks: int = _default(CacheConfig, "snapshot_blocks")  # hybrid models: a state snapshot every N blocks
+    kv_snapshot_blocks: int | None = None  # hybrid models: a lasting state snapshot every N blocks; None: per model
     kv_budget_bytes: int | None = None  # RAM for KV blocks and running sequences; None = 25% of available RAM; 0 = off
     vision_budget_bytes: int = 256 << 20  # RAM for cached image features; 0 = off
     kv_ram_retention_s: float = 86400.0  # prefix KV blocks in RAM nobody used for this long are dropped (0: never)
@@ -182,7 +182,7 @@ class Settings:
             raise ValueError(
                 "STRATA_SEMANTIC_TENANT_BOUNDS needs STRATA_SEMANTIC_MAX_FALSE_HIT_RATE (the others' bound)"
             )
-        if self.kv_snapshot_blocks < 0:
+        if self.kv_snapshot_blocks is not None and self.kv_snapshot_blocks < 0:
             raise ValueError(f"STRATA_KV_SNAPSHOT_BLOCKS must be 0 or more; got {self.kv_snapshot_blocks}")
         # CIDR strings are parsed here, once (ValueError names a bad one); fetches use the networks
         object.__setattr__(self, "remote_image_allow", tuple(_network(c) for c in self.remote_image_allow))
@@ -488,8 +488,10 @@ SETTINGS = (
         "STRATA_KV_SNAPSHOT_BLOCKS",
         int,
         (
-            "hybrid models: snapshot the recurrent state every this many blocks of a prompt, besides its end, its"
-            ' cache breakpoints and its reply\'s end (default 8; 0: only there; see "Hybrid / recurrent families")'
+            "hybrid models: snapshot the recurrent state every this many blocks of a prompt, besides its cache"
+            " breakpoints, its images' ends and where it and its reply end (default: chosen per model, so that"
+            ' snapshots hold about a quarter of the KV bytes, 4 to 64 blocks; 0: only there; see "Hybrid / recurrent'
+            ' families")'
         ),
     ),
     Setting(

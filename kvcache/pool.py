@@ -61,6 +61,10 @@ class Block:
     # A hybrid model's recurrent layers' state after the block's last token (per recurrent layer, its
     # arrays), or () when no snapshot was taken here: a prefix is restorable only up to a block with one.
     state: tuple = ()
+    # The snapshot passes: it marks where one request's prompt or reply ended (False: it lasts — a
+    # snapshot interval, a breakpoint, an image's end — or there is none). A passing snapshot goes
+    # once a later request resumes past it on its chain.
+    passing: bool = False
     protected: bool = False  # while free: in the protected segment (reused since stored), else probation
     # intrusive links of the free queue; None while the block is in use
     prev: Block | None = field(default=None, repr=False)
@@ -288,6 +292,13 @@ class BlockPool:
         block.nbytes += nbytes
         self.num_bytes += nbytes
         return True
+
+    def drop_state(self, block: Block, nbytes: int) -> None:
+        """Take a held block's snapshot of nbytes off; its KV stays cached."""
+        assert block.ref_count > 0 and block.state and block.block_hash not in self.pins, "a held, unpinned snapshot"
+        block.state, block.passing = (), False
+        block.nbytes -= nbytes
+        self.num_bytes -= nbytes
 
     def pin(self, block: Block, ttl_s: float) -> bool:
         """Keep a cached block from LRU eviction for ttl_s (a pinned block pinned again keeps the later

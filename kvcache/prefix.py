@@ -125,6 +125,7 @@ class PrefixCacheStats:
     num_ssd_promoted: int = 0
     num_promotion_failures: int = 0  # the RAM budget could not be reserved: recomputed instead
     num_ssd_not_read: int = 0  # lookups that left blocks on SSD: reading them is slower than recomputing here
+    num_snapshots_superseded: int = 0  # passing snapshots dropped: a later request stored one past them
     miss_reasons: dict = field(default_factory=dict)  # PrefixMatch.miss_reason -> lookups
 
 
@@ -299,7 +300,8 @@ class PrefixSession:
             self.close()
 
     def match(self, num_prompt_tokens: int) -> PrefixMatch:
-        """Walk the chain in RAM, then continue the same chain on SSD; the first miss ends it."""
+        """Walk the chain in RAM, then continue the same chain on SSD; the first miss ends it. A
+        hybrid session drops the passing snapshots other requests left before where it resumes."""
         for block_hash in self.hashes:
             block = self.pool.get(block_hash)
             if block is None:
@@ -313,6 +315,7 @@ class PrefixSession:
         size = self.cache.block_size
         matched = len(self.held) * size
         cached = self._reusable(num_prompt_tokens - 1)  # the last prompt token is always recomputed
+        self._drop_passing_before(cached // size - 1)
         stats = self.cache.counters
         stats.num_lookups += 1
         stats.num_hits += cached > 0
@@ -453,17 +456,19 @@ class PrefixSession:
         layer_states: Sequence[tuple[mx.array, mx.array]],
         num_tokens: int,
         snapshot: tuple[int, tuple] | None = None,
+        passing: bool = False,
     ) -> int:
         """Cache every full block of the first `num_tokens` of `token_ids` that this session does not
         hold. `token_ids` is the session's tokens or a continuation of them (the prompt and the reply).
         `snapshot`: (tokens, state), the recurrent layers' state after that many tokens (a block
-        boundary within num_tokens), kept by the block it ends."""
+        boundary within num_tokens), kept by the block it ends; `passing`: it marks only where this
+        request ended (Block.passing): a later request that resumes past it drops it (match)."""
         self._extend(tuple(token_ids[:num_tokens]))
         size = self.cache.block_size
         num_blocks = min(num_tokens // size, len(self.hashes))
         new_arrays, new_blocks = [], []
         for index in range(len(self.held), num_blocks):
-            block, created = self._block_for(index, layer_states, snapshot)
+            block, created = self._block_for(index, layer_states, snapshot, passing)
             if block is None:
                 break  # budget full of blocks in use: the chain cannot grow past here
             self.held.append(block)
@@ -471,7 +476,7 @@ class PrefixSession:
                 new_arrays += [getattr(a, "data", a) for pair in block.kv for a in pair]
                 new_arrays += [array for arrays in block.state for array in arrays]
                 new_blocks.append(block)
-        new_arrays += self._add_snapshot(snapshot)
+        new_arrays += self._add_snapshot(snapshot, passing)
         mx.eval(new_arrays)  # copy the new blocks out now, so the request's cache buffers can be freed
         ssd = self.cache.ssd
         if self.cache.write_through and ssd is not None:  # write_through implies an SSD tier
@@ -490,7 +495,9 @@ class PrefixSession:
         self.hashes += hash_blocks(token_ids, self.cache.block_size, parent, self.spans, first_block=known)
         self.token_ids = token_ids
 
-    def _block_for(self, index: int, layer_states, snapshot: tuple[int, tuple] | None) -> tuple[Block | None, bool]:
+    def _block_for(
+        self, index: int, layer_states, snapshot: tuple[int, tuple] | None, passing: bool
+    ) -> tuple[Block | None, bool]:
         existing = self.pool.get(self.hashes[index])
         if existing is not None:
             self.pool.acquire(existing, self.owner)
@@ -503,23 +510,39 @@ class PrefixSession:
         block = self.pool.insert(self._new_block(index, kv, state))
         if block is not None:
             self.cache.counters.num_blocks_stored += 1
+            block.passing = bool(state) and passing
         return block, block is not None
 
-    def _add_snapshot(self, snapshot: tuple[int, tuple] | None) -> list[mx.array]:
+    def _add_snapshot(self, snapshot: tuple[int, tuple] | None, passing: bool) -> list[mx.array]:
         """A held block that ends where the snapshot was taken and has none gets it (the block was
-        cached before, without one); the arrays to evaluate."""
+        cached before, without one); the arrays to evaluate. A snapshot there already stays, and
+        lasts if either does."""
         if snapshot is None or not self.snapshots:
             return []
         num_tokens, state = snapshot
         size = self.cache.block_size
         assert num_tokens % size == 0, "snapshots are taken at block boundaries"
         index = num_tokens // size - 1
-        if index < 0 or index >= len(self.held) or self.held[index].state:
+        if index < 0 or index >= len(self.held):
+            return []
+        block = self.held[index]
+        if block.state:
+            block.passing = block.passing and passing
             return []
         own = _own_state(state)
-        if not self.pool.add_state(self.held[index], own, state_nbytes(own)):
+        if not self.pool.add_state(block, own, state_nbytes(own)):
             return []
+        block.passing = passing
         return [array for arrays in own for array in arrays]
+
+    def _drop_passing_before(self, index: int) -> None:
+        """This request resumes at held[index]: the passing snapshots other requests left on
+        held[:index] are behind the conversation now (pinned blocks keep theirs: a pin's bytes are
+        counted with its snapshot)."""
+        for block in self.held[: max(index, 0)]:
+            if block.passing and block.block_hash not in self.pool.pins:
+                self.pool.drop_state(block, state_nbytes(block.state))
+                self.cache.counters.num_snapshots_superseded += 1
 
     def state_at(self, num_tokens: int) -> tuple:
         """The recurrent-state snapshot after the first num_tokens (a reusable count from match())."""

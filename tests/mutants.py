@@ -914,6 +914,39 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "a hybrid request keeps the passing snapshots it resumed past",
+        "kvcache/prefix.py",
+        "        self._drop_passing_before(cached // size - 1)",
+        "        self._drop_passing_before(0)",
+        (
+            "tests/kvcache/test_prefix.py::test_a_later_request_drops_the_passing_snapshots_it_resumed_past",
+            "tests/gateway/test_families_api.py::test_a_hybrid_conversation_drops_the_snapshots_it_moved_past_and_counts_them",
+        ),
+    ),
+    Mutant(
+        "a pinned block's passing snapshot is dropped with its pin's bytes counted",
+        "kvcache/prefix.py",
+        "            if block.passing and block.block_hash not in self.pool.pins:",
+        "            if block.passing:",
+        ("tests/kvcache/test_prefix.py::test_another_branch_and_a_pinned_block_keep_their_passing_snapshots",),
+    ),
+    Mutant(
+        "no lasting snapshot where a hybrid prompt's instructions end",
+        "gateway/engine/runner.py",
+        "        lasting |= {self._instructions_end(prompt, salt) // block * block}",
+        "",
+        ("tests/gateway/test_families.py::test_a_hybrid_prompt_snapshots_where_its_instructions_end",),
+    ),
+    Mutant(
+        "lasting snapshots spaced by a snapshot's bytes alone, not a quarter of the KV",
+        "gateway/engine/runner.py",
+        "max(fewest, -(-SNAPSHOT_SHARE * self.state_bytes // (self.kv_bytes_per_token * block)))",
+        "max(fewest, -(-self.state_bytes // (self.kv_bytes_per_token * block)))",
+        (
+            "tests/gateway/test_families.py::test_a_conversation_keeps_its_lasting_snapshots_and_the_ends_it_has_not_moved_past",
+        ),
+    ),
+    Mutant(
         "an expert's sorted rows multiplied by the next expert's weights",
         "gateway/engine/experts.py",
         "parts.append(_expert_product(self, rows[start:end], int(expert)))",

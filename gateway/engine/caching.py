@@ -74,11 +74,9 @@ class CacheConfig:
     # What one tenant's pinned prefix blocks (cache breakpoints) may hold of the prefix budget.
     pin_budget_bytes: int = 0
     # A hybrid model's recurrent state is snapshotted every this many blocks of a prompt (besides
-    # its end, its cache breakpoints and its reply's end); 0: only there. A snapshot costs the KV of
-    # 137 tokens on the demo qwen3_next (70 on the tiny one): every 8 blocks of 32 keeps snapshots
-    # under about half the bytes of the KV they sit in, and a prompt that parts from a cached one
-    # recomputes at most 255 tokens more than a plain-KV model would.
-    snapshot_blocks: int = 8
+    # its end, its cache breakpoints and its images' ends); 0: only there; None: the runner picks the
+    # spacing from the model's measured bytes (ModelRunner.snapshot_blocks).
+    snapshot_blocks: int | None = None
 
 
 class EngineCaches:
@@ -222,12 +220,14 @@ class EngineCaches:
         kv_cache: list,
         num_tokens: int,
         snapshot: tuple[int, tuple] | None = None,
+        passing: bool = False,
     ) -> None:
         """Cache the full blocks of token_ids[:num_tokens] (a prompt, or prompt + generated tokens):
         the KV layers' keys and values (buffers: tokens [0, offset) valid), and a hybrid model's
-        recurrent-state `snapshot` (tokens, state) at the block it ends."""
+        recurrent-state `snapshot` (tokens, state) at the block it ends; `passing`: a snapshot only
+        of where this request ended, dropped once a later request resumes past it."""
         kv = [(c.keys, c.values) for c in kv_cache if not is_recurrent(c)]
-        plan.session.store(token_ids, kv, num_tokens, snapshot)
+        plan.session.store(token_ids, kv, num_tokens, snapshot, passing)
 
     # -- vision ------------------------------------------------------------------------------
 

@@ -48,6 +48,12 @@ log = logging.getLogger("strata.engine")
 BATCHED_CACHE_TYPES = ("KVCache", "ArraysCache")  # per-layer caches the libraries can batch
 CLOSING_CHECK_TOKENS = 8  # how often a grammar's distance to closing is measured (and the margin kept)
 LAST_TOKEN_POOLING = ("qwen3",)  # model types whose mlx-vlm embedding model pools the last token
+# A hybrid prompt's lasting snapshots are spaced so that they hold about a quarter of the bytes of
+# the KV they sit among: on the demo Qwen3.5 a snapshot weighs as much as 137 tokens' KV, so one every
+# 18 blocks of 32. Within 4 blocks (cheap states: short convolutions) and 64 (2,048 tokens, mlx-vlm's
+# APC checkpoint interval: a prompt parting from a cached one recomputes at most that much).
+SNAPSHOT_SHARE = 4
+SNAPSHOT_BLOCKS = (4, 64)
 
 
 class Cancelled(Exception):
@@ -100,8 +106,11 @@ class Admission:
     first: int  # the first token not reused from the prefix cache
     # A hybrid model's recurrent layers (indices into cache) and the prompt positions after which
     # their state is snapshotted into the block ending there; chunks end at them. Empty otherwise.
+    # Of those, the passing points mark only where this prompt ends (its retry resumes there): a
+    # later request that resumes past them drops them (kvcache's Block.passing).
     recurrent: tuple[int, ...] = ()
     snapshot_points: frozenset[int] = frozenset()
+    passing_points: frozenset[int] = frozenset()
     spent_s: float = 0.0  # time in this prompt's setup and steps (a step's whole time counts)
     logits: mx.array | None = None
 
@@ -119,7 +128,7 @@ class Admission:
         self.spent_s += spent_s
         if self.plan:
             snapshot = self._snapshot(end) if end in self.snapshot_points else None
-            caches.store(self.plan, self.prompt.token_ids, self.cache, end, snapshot)
+            caches.store(self.plan, self.prompt.token_ids, self.cache, end, snapshot, end in self.passing_points)
             self.plan.session.let_go()  # cached copies, not held: the prompt's cache has the KV
         if end == self.prompt.num_tokens:
             self.logits = last_logits
@@ -132,7 +141,7 @@ class Admission:
             return
         try:
             if caches is not None and self.recurrent and computed and computed % caches.config.block_size == 0:
-                caches.store(self.plan, self.prompt.token_ids, self.cache, computed, self._snapshot(computed))
+                caches.store(self.plan, self.prompt.token_ids, self.cache, computed, self._snapshot(computed), True)
         finally:
             self.plan.session.close()
 
@@ -239,12 +248,7 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Run the text and vision paths once: MLX builds its kernels on first use (~2 s here),
         which would otherwise land on the first request's TTFT. Touches no cache."""
-        ids = mx.array([self.tokenizer.encode("warm up " * 8, add_special_tokens=False)], dtype=mx.int32)
-        positions = _plain_mrope(ids.shape[1]) if self.family.positions == "mrope" else None
-        cache = self.new_cache()
-        mx.eval(self._call_one(Part(cache, ids, positions=positions)))
-        self.kv_bytes_per_token = kv_bytes_per_token(cache)
-        self.state_bytes = state_nbytes(recurrent_state(cache, self.recurrent))
+        self._measure_bytes()
         if self.family.image_placeholder:
             from PIL import Image
 
@@ -253,6 +257,30 @@ class ModelRunner:
             mx.eval(self._encode_image(self.prompts.process_image(decoded)))
         self.num_encoder_calls = 0
         self.caches.judge_ssd(self._prefill_s_per_token, self.kv_bytes_per_token)
+
+    def _measure_bytes(self) -> None:
+        """A token's KV bytes and a recurrent state's bytes, from one short text call."""
+        ids = mx.array([self.tokenizer.encode("warm up " * 8, add_special_tokens=False)], dtype=mx.int32)
+        positions = _plain_mrope(ids.shape[1]) if self.family.positions == "mrope" else None
+        cache = self.new_cache()
+        mx.eval(self._call_one(Part(cache, ids, positions=positions)))
+        self.kv_bytes_per_token = kv_bytes_per_token(cache)
+        self.state_bytes = state_nbytes(recurrent_state(cache, self.recurrent))
+
+    @functools.cached_property
+    def snapshot_blocks(self) -> int:
+        """Blocks between a hybrid prompt's lasting snapshots: the setting, or by default the spacing
+        at which snapshots hold about 1/SNAPSHOT_SHARE of the KV bytes they sit among (a snapshot
+        of S bytes every SNAPSHOT_SHARE * S / kv_bytes_per_token tokens), within SNAPSHOT_BLOCKS."""
+        if self.caches.config.snapshot_blocks is not None:
+            return self.caches.config.snapshot_blocks
+        if not self.state_bytes:
+            self._measure_bytes()
+        block = self.caches.config.block_size
+        fewest, most = SNAPSHOT_BLOCKS
+        if not self.kv_bytes_per_token:  # no attention layer: the snapshots are all a prefix holds
+            return most
+        return min(most, max(fewest, -(-SNAPSHOT_SHARE * self.state_bytes // (self.kv_bytes_per_token * block))))
 
     def _prefill_s_per_token(self, num_tokens: int = 256) -> float:
         """Seconds per token of a num_tokens prefill (the second of two: the first builds kernels)."""
@@ -365,7 +393,7 @@ class ModelRunner:
         admission = Admission(prompt, cache, plan, prefix_report, vision_report, vision_ms, inputs, rope_delta, first)
         if self.recurrent and plan is not None:
             admission.recurrent = self.recurrent
-            admission.snapshot_points = self._snapshot_points(prompt, pins)
+            admission.snapshot_points, admission.passing_points = self._snapshot_points(prompt, pins, salt)
         admission.spent_s = time.perf_counter() - start - vision_ms / 1000
         return admission
 
@@ -379,18 +407,31 @@ class ModelRunner:
             for index, arrays in zip(self.recurrent, plan.session.state_at(num_tokens)):
                 cache[index].cache = list(arrays)  # MLX arrays are never written in place: sharing is safe
 
-    def _snapshot_points(self, prompt: PreparedPrompt, pins: tuple[Pin, ...] = ()) -> frozenset[int]:
-        """Where a hybrid prompt's recurrent state is snapshotted: every snapshot interval, the last
-        block boundary of each cache breakpoint (a prefix the client will send again) and of each
-        image or video (another question about it follows), and the last block boundaries before its
-        end (where the same prompt, and one that continues it, resume)."""
+    def _snapshot_points(
+        self, prompt: PreparedPrompt, pins: tuple[Pin, ...] = (), salt: TenantSalt | None = None
+    ) -> tuple[frozenset[int], frozenset[int]]:
+        """Where a hybrid prompt's recurrent state is snapshotted, and which of those points pass.
+        Lasting: every snapshot interval, the last block boundary of each cache breakpoint (a prefix
+        the client will send again), of its instructions (tools and leading system messages: other
+        conversations start with them too) and of each image or video (another question follows).
+        Passing: the last block boundaries before its end (where the same prompt, and one that
+        continues it, resume) — once a later request resumes past them, they are dropped."""
         block, num_tokens = self.caches.config.block_size, prompt.num_tokens
-        every = self.caches.config.snapshot_blocks * block
-        points = set(range(every, num_tokens + 1, every)) if every else set()
-        points |= {min(pin.num_tokens, num_tokens) // block * block for pin in pins}
-        points |= {(image.token_start + image.num_tokens) // block * block for image in prompt.images}
-        points |= {(num_tokens - 1) // block * block, num_tokens // block * block}
-        return frozenset(point for point in points if point > 0)
+        every = self.snapshot_blocks * block
+        lasting = set(range(every, num_tokens + 1, every)) if every else set()
+        lasting |= {min(pin.num_tokens, num_tokens) // block * block for pin in pins}
+        lasting |= {self._instructions_end(prompt, salt) // block * block}
+        lasting |= {(image.token_start + image.num_tokens) // block * block for image in prompt.images}
+        passing = {(num_tokens - 1) // block * block, num_tokens // block * block} - lasting
+        return frozenset(p for p in lasting | passing if p > 0), frozenset(p for p in passing if p > 0)
+
+    def _instructions_end(self, prompt: PreparedPrompt, salt: TenantSalt | None) -> int:
+        """Tokens of the prompt's tools and leading system messages (0: none, or the template cannot
+        render them alone); counted once per tenant `salt` and instructions."""
+        leading = next((i for i, m in enumerate(prompt.messages) if m.role not in ("system", "developer")), 0)
+        if not (leading or prompt.tools) or salt is None:
+            return 0
+        return self.prompts.tokens_through(prompt, leading, salt) or 0
 
     def chunk_part(self, admission: Admission, begin: int, end: int) -> Part:
         """The admission's prompt tokens [begin, end) as one part of a step (`begin`: the tokens its
@@ -493,7 +534,7 @@ class ModelRunner:
         try:
             sequence = prefill.prompt.token_ids + tuple(generated)
             kv_tokens = cache_offset(prefill.cache, len(sequence))  # the last sampled token was never fed back
-            self.caches.store(plan, sequence, prefill.cache, min(kv_tokens, len(sequence)), prefill.snapshot)
+            self.caches.store(plan, sequence, prefill.cache, min(kv_tokens, len(sequence)), prefill.snapshot, True)
             self.caches.pin(plan)
             if to_ssd:
                 plan.session.write_to_ssd()

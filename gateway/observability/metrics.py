@@ -298,6 +298,11 @@ def _layer_counters(engine_caches: dict) -> Iterator:
         yield CounterMetricFamily(
             "strata:kv_promoted_blocks", "KV blocks read back from SSD into RAM", prefix["num_ssd_promoted"]
         )
+        yield CounterMetricFamily(
+            "strata:kv_snapshots_superseded",
+            "Hybrid models' passing state snapshots (where a request ended) dropped once a later request resumed past them",
+            prefix["num_snapshots_superseded"],
+        )
 
 
 def _bounds(bounds: dict[str, dict]) -> Iterator:

@@ -383,6 +383,42 @@ def test_a_hybrid_model_reuses_a_conversation_from_its_reply_snapshot():
     _assert_same(results[1], results[0])
 
 
+def test_a_conversation_keeps_its_lasting_snapshots_and_the_ends_it_has_not_moved_past():
+    """Lasting snapshots are spaced by the model's measured bytes (a quarter of the KV they sit
+    among); a turn's own ends (prompt, reply) are dropped once the next turn resumes past them, and
+    each turn still resumes at the end of the one before."""
+    from gateway.engine.runner import SNAPSHOT_SHARE
+
+    path = built_model(BuildSpec("qwen3_next", "tiny"))
+    warm = _runner(path)
+    every = warm.snapshot_blocks * BLOCK
+    kv, state = warm.kv_bytes_per_token, warm.state_bytes
+    assert kv and state and every * kv >= SNAPSHOT_SHARE * state > (every - BLOCK) * kv  # the least such spacing
+    prefix = warm.caches.prefix
+    tokens = warm.prompts.build((_user(LONG),), []).token_ids
+    ends, resumed = [], []
+    for turn in range(3):
+        prompt = dataclasses.replace(warm.prompts.build((_user(LONG),), []), token_ids=tokens)
+        prefill = warm.prefill(prompt, TENANT_A, CHUNK, lambda: False)
+        resumed.append(prefill.prefix.num_cached_tokens)
+        reply = list(decode_alone(warm, prefill, Sampling(20, 0.0, 1.0, None, ()), lambda: False))
+        warm.finish(prefill, reply)
+        assert prefill.snapshot is not None, "decoding passed a block boundary"
+        ends.append(((prompt.num_tokens - 1) // BLOCK * BLOCK, prefill.snapshot[0]))  # prompt's end, reply's
+        # the next turn continues this one's tokens (a random model's text does not round-trip)
+        more = warm.tokenizer.encode(
+            f" Turn {turn}: and the ferry, the bridge, the tide?" * 4, add_special_tokens=False
+        )
+        tokens = prompt.token_ids + tuple(reply) + tuple(more)
+    assert resumed[1:] == [ends[0][1], ends[1][1]], "each turn resumes at the reply before it"
+    held = sorted(block.end_token for block in prefix.pool.by_hash.values() if block.state)
+    lasting = [point for point in range(every, ends[2][1] + 1, every)]
+    assert lasting and set(lasting) <= set(held)
+    assert set(held) - set(lasting) == {ends[1][1], *ends[2]}  # turn 1's ends are gone, and turn 2's prompt's
+    assert prefix.counters.num_snapshots_superseded >= 3
+    prefix.pool.check()
+
+
 def test_a_snapshot_stored_under_another_block_is_never_restored(tmp_path):
     """Chunks stop at snapshot points; a prompt that shares only the first snapshot interval with an
     earlier one resumes there, not at the last block the two share."""
@@ -413,6 +449,21 @@ def test_a_hybrid_prompt_snapshots_at_its_cache_breakpoint():
     turns = [system, _user("And what did the budget say?")]
     result = _run(warm, turns)
     assert result[2].prefix.num_cached_tokens == breakpoint_at // BLOCK * BLOCK
+    _assert_same(_run(cold, turns), result)
+
+
+def test_a_hybrid_prompt_snapshots_where_its_instructions_end():
+    """Conversations that share their system prompt but not their first question resume at the last
+    block boundary of the instructions, with no breakpoint and no interval point there."""
+    path = built_model(BuildSpec("qwen3_next", "tiny"))
+    config = CacheConfig(64 << 20, 0, BLOCK, snapshot_blocks=0)
+    warm, cold = ModelRunner(path, config, "fp"), _runner(path, 0, 0)
+    system = Message("system", (TextPart(LONG[:300]),))
+    _run(warm, [system, _user("What about the ferry?")])
+    turns = [system, _user("And what did the budget say?")]
+    instructions = warm.prompts.tokens_through(warm.prompts.build(tuple(turns), []), 1, TENANT_A)
+    result = _run(warm, turns)
+    assert instructions and result[2].prefix.num_cached_tokens == instructions // BLOCK * BLOCK > 0
     _assert_same(_run(cold, turns), result)
 
 

@@ -76,6 +76,25 @@ def test_a_hybrid_model_reuses_its_prefix_from_a_state_snapshot(settings):
     )
 
 
+def test_a_hybrid_conversation_drops_the_snapshots_it_moved_past_and_counts_them(settings):
+    """Each turn of a qwen3_next chat resumes at the end of an earlier one; the ends it resumed past
+    are dropped, and /metrics counts them."""
+    messages: list[dict] = []
+    with _client(settings, "qwen3_next") as client:
+        for turn in range(3):
+            messages.append({"role": "user", "content": f"Turn {turn}: tell me about the ferry and the tide. " * 6})
+            response = client.post(
+                "/v1/chat/completions",
+                json={"model": "qwen3_next", "messages": messages, "max_tokens": 6, "temperature": 0},
+            )
+            assert response.status_code == 200, response.text
+            assert response.headers["x-cache-prefix"].startswith("hit" if turn else "miss")
+            messages.append({"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]})
+        metrics = client.get("/metrics").text
+    (line,) = [line for line in metrics.splitlines() if line.startswith("strata:kv_snapshots_superseded_total ")]
+    assert float(line.split()[1]) >= 1
+
+
 def test_built_in_model_names_resolve_to_their_family(tmp_path):
     assert parse_model_name("demo") == BuildSpec("qwen2_5_vl", "demo")
     assert parse_model_name("gemma3-tiny") == BuildSpec("gemma3", "tiny")

@@ -196,6 +196,64 @@ def test_purging_an_owner_frees_its_snapshots_with_its_blocks(cache):
     cache.pool.check()
 
 
+def _snapshot_ends(cache) -> list[int]:
+    return sorted(block.end_token for block in cache.pool.by_hash.values() if block.state)
+
+
+def _turn(cache, tokens, lasting=(), passing=(), pin=0, reply=()):
+    """One request: match, store at its snapshot points (as its chunks end) and to its end, then
+    its reply's blocks with a passing snapshot where they end (as the engine's finish does)."""
+    with cache.open(SALT_A, "model", tokens, snapshots=True) as session:
+        reused = session.match(len(tokens)).num_cached_tokens
+        for point in sorted({*lasting, *passing}):
+            if point > reused:
+                session.store(tokens, _kv_for(tokens), point, (point, _state(point)), point in passing)
+        session.store(tokens, _kv_for(tokens), len(tokens))
+        if reply:
+            end = (len(tokens) + len(reply)) // BS * BS
+            sequence = list(tokens) + list(reply)
+            session.store(sequence, _kv_for(sequence), end, (end, _state(end)), True)
+        if pin:
+            assert session.pin(pin, 60.0) == pin // BS
+        return reused
+
+
+def test_a_later_request_drops_the_passing_snapshots_it_resumed_past(cache):
+    turn_1 = list(range(70))
+    reply = list(range(500, 514))  # the request's own passing snapshots stay when its reply passes them
+    assert _turn(cache, turn_1, lasting=[32], passing=[64], reply=reply) == 0
+    assert _snapshot_ends(cache) == [32, 64, 80]
+    for _ in range(2):  # the same prompt again (and its reply) finds its own end each time
+        assert _turn(cache, turn_1, passing=[64], reply=reply) == 64
+    assert _snapshot_ends(cache) == [32, 64, 80]
+    before = cache.pool.num_bytes
+    turn_2 = turn_1 + reply + list(range(600, 650))  # the next turn resumes at the reply's end
+    assert _turn(cache, turn_2, passing=[112, 128]) == 80
+    assert _snapshot_ends(cache) == [32, 80, 112, 128]  # the lasting one stays, and where it resumed
+    snapshot_bytes = sum(a.nbytes for arrays in _state(0) for a in arrays)
+    kv_bytes = 3 * LAYERS * 2 * HEADS * BS * DIM * 4  # turn 2 stored blocks 80-127
+    assert cache.pool.num_bytes == before - snapshot_bytes + kv_bytes + 2 * snapshot_bytes
+    assert cache.counters.num_snapshots_superseded == 1
+    with cache.open(SALT_A, "model", turn_1, snapshots=True) as session:  # turn 1 edited: the lasting one
+        assert session.match(len(turn_1)).num_cached_tokens == 32
+    assert _turn(cache, turn_2 + list(range(700, 720)), passing=[144]) == 128
+    assert _snapshot_ends(cache) == [32, 128, 144]
+    assert cache.counters.num_snapshots_superseded == 3
+    cache.pool.check()
+
+
+def test_another_branch_and_a_pinned_block_keep_their_passing_snapshots():
+    cache = PrefixCache(budget_bytes=1 << 30, block_size=BS, pin_budget_bytes=1 << 20)
+    shared = list(range(40))
+    _turn(cache, shared + list(range(100, 130)), passing=[48, 64], pin=64)
+    _turn(cache, shared + list(range(200, 230)), passing=[48, 64])  # forks inside block 2: a sibling chain
+    assert _snapshot_ends(cache) == [48, 48, 64, 64]
+    _turn(cache, shared + list(range(100, 130)) + list(range(300, 340)), passing=[96])
+    assert _snapshot_ends(cache) == [48, 48, 64, 64, 96]  # the first chain's were pinned: they stay
+    assert cache.counters.num_snapshots_superseded == 0
+    cache.pool.check()
+
+
 def test_snapshots_go_to_ssd_and_come_back_with_their_blocks(tmp_path):
     from kvcache.ssd import AdmissionPolicy, SsdConfig, SsdTier
 
