@@ -125,7 +125,11 @@ class PrefixCacheStats:
     num_ssd_promoted: int = 0
     num_promotion_failures: int = 0  # the RAM budget could not be reserved: recomputed instead
     num_ssd_not_read: int = 0  # lookups that left blocks on SSD: reading them is slower than recomputing here
-    num_snapshots_superseded: int = 0  # passing snapshots dropped: a later request stored one past them
+    num_snapshots_superseded: int = 0  # passing snapshots dropped: a later request resumed past them
+    # snapshots asked for and not kept, by reason: "budget" (no room without evicting blocks in use),
+    # "pinned" (the block's pin budget was spent on it without one), "chain_cut" (its block could not
+    # be stored)
+    snapshot_skips: dict = field(default_factory=dict)
     miss_reasons: dict = field(default_factory=dict)  # PrefixMatch.miss_reason -> lookups
 
 
@@ -184,7 +188,11 @@ class PrefixCache:
 
     def stats(self) -> PrefixSnapshot:
         pool = self.pool
-        counters = replace(self.counters, miss_reasons=dict(self.counters.miss_reasons))
+        counters = replace(
+            self.counters,
+            miss_reasons=dict(self.counters.miss_reasons),
+            snapshot_skips=dict(self.counters.snapshot_skips),
+        )
         return PrefixSnapshot(
             counters, replace(pool.counters), len(pool.by_hash), pool.num_bytes, pool.budget_bytes, pool.reserved_bytes
         )
@@ -523,17 +531,24 @@ class PrefixSession:
         size = self.cache.block_size
         assert num_tokens % size == 0, "snapshots are taken at block boundaries"
         index = num_tokens // size - 1
-        if index < 0 or index >= len(self.held):
+        if index < 0:
             return []
+        if index >= len(self.held):
+            return self._skip_snapshot("chain_cut")
         block = self.held[index]
         if block.state:
             block.passing = block.passing and passing
             return []
         own = _own_state(state)
         if not self.pool.add_state(block, own, state_nbytes(own)):
-            return []
+            return self._skip_snapshot("pinned" if block.block_hash in self.pool.pins else "budget")
         block.passing = passing
         return [array for arrays in own for array in arrays]
+
+    def _skip_snapshot(self, reason: str) -> list[mx.array]:
+        skips = self.cache.counters.snapshot_skips
+        skips[reason] = skips.get(reason, 0) + 1
+        return []
 
     def _drop_passing_before(self, index: int) -> None:
         """This request resumes at held[index]: the passing snapshots other requests left on

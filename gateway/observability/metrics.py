@@ -303,6 +303,14 @@ def _layer_counters(engine_caches: dict) -> Iterator:
             "Hybrid models' passing state snapshots (where a request ended) dropped once a later request resumed past them",
             prefix["num_snapshots_superseded"],
         )
+        skipped = CounterMetricFamily(
+            "strata:kv_snapshots_skipped",
+            "Hybrid models' state snapshots asked for and not kept, by reason (budget, pinned, chain_cut)",
+            labels=["reason"],
+        )
+        for reason, count in sorted(prefix["snapshot_skips"].items()):
+            skipped.add_metric([reason], count)
+        yield skipped
 
 
 def _bounds(bounds: dict[str, dict]) -> Iterator:

@@ -93,6 +93,8 @@ def test_a_hybrid_conversation_drops_the_snapshots_it_moved_past_and_counts_them
         metrics = client.get("/metrics").text
     (line,) = [line for line in metrics.splitlines() if line.startswith("strata:kv_snapshots_superseded_total ")]
     assert float(line.split()[1]) >= 1
+    assert "# TYPE strata:kv_snapshots_skipped_total counter" in metrics  # none skipped under a roomy budget
+    assert not [line for line in metrics.splitlines() if line.startswith("strata:kv_snapshots_skipped_total{")]
 
 
 def test_built_in_model_names_resolve_to_their_family(tmp_path):

@@ -254,6 +254,28 @@ def test_another_branch_and_a_pinned_block_keep_their_passing_snapshots():
     cache.pool.check()
 
 
+def test_a_snapshot_not_kept_is_counted_with_its_reason():
+    block_bytes = LAYERS * 2 * HEADS * BS * DIM * 4
+    tokens = list(range(64))
+    full = PrefixCache(budget_bytes=4 * block_bytes, block_size=BS, pin_budget_bytes=1 << 20)
+    with full.open(SALT_A, "model", tokens, snapshots=True) as session:
+        session.match(len(tokens))
+        session.store(tokens, _kv_for(tokens), 64)  # four blocks held: no room for a state
+        session.store(tokens, _kv_for(tokens), 64, (32, _state(32)))
+        assert session.pin(16, 60.0) == 1
+        session.store(tokens, _kv_for(tokens), 64, (16, _state(16)))
+    short = PrefixCache(budget_bytes=2 * block_bytes, block_size=BS)
+    with short.open(SALT_A, "model", tokens, snapshots=True) as session:
+        session.match(len(tokens))
+        session.store(tokens, _kv_for(tokens), 64, (64, _state(64)))  # blocks 3 and 4 do not fit
+    assert full.counters.snapshot_skips == {"budget": 1, "pinned": 1}
+    assert short.counters.snapshot_skips == {"chain_cut": 1}
+    assert full.stats().counters.snapshot_skips == {"budget": 1, "pinned": 1}
+    assert not any(block.state for block in full.pool.by_hash.values())
+    full.pool.check()
+    short.pool.check()
+
+
 def test_snapshots_go_to_ssd_and_come_back_with_their_blocks(tmp_path):
     from kvcache.ssd import AdmissionPolicy, SsdConfig, SsdTier
 
