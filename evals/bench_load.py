@@ -51,6 +51,7 @@ from gateway.checkpoints import resolve_model_path
 from gateway.engine import family_of
 
 from . import corpus_lines
+from .bench_ttft import without_mtp
 
 SENTENCES = corpus_lines()
 MAX_TOKENS = 48
@@ -166,7 +167,7 @@ def start_mlx_vlm(model_dir: Path, work: Path, max_num_seqs: int | None, prefix_
         "-m",
         "mlx_vlm.server",
         "--model",
-        str(model_dir),
+        str(without_mtp(model_dir)),  # mlx-vlm's loader refuses Strata's MTP layers
         "--host",
         "127.0.0.1",
         "--port",

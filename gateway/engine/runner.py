@@ -50,10 +50,12 @@ CLOSING_CHECK_TOKENS = 8  # how often a grammar's distance to closing is measure
 LAST_TOKEN_POOLING = ("qwen3",)  # model types whose mlx-vlm embedding model pools the last token
 # A hybrid prompt's lasting snapshots are spaced so that they hold about a quarter of the bytes of
 # the KV they sit among: on the demo Qwen3.5 a snapshot weighs as much as 137 tokens' KV, so one every
-# 18 blocks of 32. Within 4 blocks (cheap states: short convolutions) and 64 (2,048 tokens, mlx-vlm's
-# APC checkpoint interval: a prompt parting from a cached one recomputes at most that much).
+# 18 blocks of 32. Within 8 blocks — each snapshot point ends a prefill chunk, an extra model call:
+# LFM2-VL's cheap short-convolution state at every 4 blocks made its cold 250-token prompt 1.19x
+# mlx-vlm's APC, every 8 blocks ~1.0x — and 64 (2,048 tokens, mlx-vlm's APC checkpoint interval: a
+# prompt parting from a cached one recomputes at most that much).
 SNAPSHOT_SHARE = 4
-SNAPSHOT_BLOCKS = (4, 64)
+SNAPSHOT_BLOCKS = (8, 64)
 
 
 class Cancelled(Exception):
