@@ -490,7 +490,7 @@ SETTINGS = (
         (
             "hybrid models: snapshot the recurrent state every this many blocks of a prompt, besides its cache"
             " breakpoints, its images' ends and where it and its reply end (default: chosen per model, so that"
-            ' snapshots hold about a quarter of the KV bytes, 4 to 64 blocks; 0: only there; see "Hybrid / recurrent'
+            ' snapshots hold about a quarter of the KV bytes, 8 to 64 blocks; 0: only there; see "Hybrid / recurrent'
             ' families")'
         ),
     ),
