@@ -95,6 +95,9 @@ class PrefixMatch:
     miss_in_image: bool = False
     num_public_tokens: int = 0  # the prompt's leading tokens in public blocks (shared by every tenant)
     chain: tuple[BlockHash, ...] = ()  # the prompt's full blocks' hashes: for traces and what-if curves
+    # A hybrid model's matched tokens past the deepest held snapshot (reusable had a state been kept
+    # where they end): recomputed for want of one
+    num_tokens_without_state: int = 0
 
     @property
     def tier(self) -> Tier:
@@ -126,6 +129,7 @@ class PrefixCacheStats:
     num_promotion_failures: int = 0  # the RAM budget could not be reserved: recomputed instead
     num_ssd_not_read: int = 0  # lookups that left blocks on SSD: reading them is slower than recomputing here
     num_snapshots_superseded: int = 0  # passing snapshots dropped: a later request resumed past them
+    num_tokens_without_state: int = 0  # hybrid models: matched tokens recomputed, no snapshot held where they end
     # snapshots asked for and not kept, by reason: "budget" (no room without evicting blocks in use),
     # "pinned" (the block's pin budget was spent on it without one), "chain_cut" (its block could not
     # be stored)
@@ -324,7 +328,9 @@ class PrefixSession:
         matched = len(self.held) * size
         cached = self._reusable(num_prompt_tokens - 1)  # the last prompt token is always recomputed
         self._drop_passing_before(cached // size - 1)
+        without_state = min(matched, num_prompt_tokens - 1) - cached
         stats = self.cache.counters
+        stats.num_tokens_without_state += without_state
         stats.num_lookups += 1
         stats.num_hits += cached > 0
         stats.num_prompt_tokens += num_prompt_tokens
@@ -346,6 +352,7 @@ class PrefixSession:
             stopped.in_image,
             self.roots.num_public * size,
             tuple(self.hashes[: num_prompt_tokens // size]),
+            without_state,
         )
 
     def _reusable(self, limit: int) -> int:

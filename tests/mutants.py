@@ -931,6 +931,16 @@ MUTANTS = (
         ("tests/kvcache/test_prefix.py::test_another_branch_and_a_pinned_block_keep_their_passing_snapshots",),
     ),
     Mutant(
+        "a hybrid's matched tokens recomputed for want of a state go unreported",
+        "kvcache/prefix.py",
+        "        without_state = min(matched, num_prompt_tokens - 1) - cached",
+        "        without_state = 0",
+        (
+            "tests/kvcache/test_prefix.py::test_a_hybrid_prefix_is_reused_up_to_the_deepest_block_with_a_snapshot",
+            "tests/gateway/test_families.py::test_a_long_shared_document_is_reused_by_a_different_question",
+        ),
+    ),
+    Mutant(
         "no lasting snapshot where a hybrid prompt's instructions end",
         "gateway/engine/runner.py",
         "        lasting |= {self._instructions_end(prompt, salt) // block * block}",

@@ -41,6 +41,7 @@ class PrefixReport:
     miss_in_image: bool = False  # diverged inside an image (same tokens, other pixels)
     num_public_tokens: int = 0  # the prompt's leading tokens in public blocks (a declared public text)
     chain: tuple[bytes, ...] = ()  # the prompt's full blocks' hashes (STRATA_TRACE_FILE, what-if curves)
+    num_tokens_without_state: int = 0  # a hybrid's matched tokens recomputed: no snapshot held where they end
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +130,7 @@ class EngineCaches:
             match.miss_in_image,
             match.num_public_tokens,
             match.chain,
+            match.num_tokens_without_state,
         )
 
     def judge_ssd(self, time_prefill: Callable[[], float], bytes_per_token: int) -> None:

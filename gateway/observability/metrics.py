@@ -303,6 +303,11 @@ def _layer_counters(engine_caches: dict) -> Iterator:
             "Hybrid models' passing state snapshots (where a request ended) dropped once a later request resumed past them",
             prefix["num_snapshots_superseded"],
         )
+        yield CounterMetricFamily(
+            "strata:kv_tokens_without_state",
+            "Hybrid models' prompt tokens found in cached blocks but recomputed: no state snapshot was held where they end",
+            prefix["num_tokens_without_state"],
+        )
         skipped = CounterMetricFamily(
             "strata:kv_snapshots_skipped",
             "Hybrid models' state snapshots asked for and not kept, by reason (budget, pinned, chain_cut)",

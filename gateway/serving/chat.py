@@ -413,6 +413,8 @@ def prefix_outcome(report: PrefixReport, where: str = "") -> LayerOutcome:
         details.update(ram=report.num_cached_tokens - report.num_ssd_tokens, ssd=report.num_ssd_tokens)
     if report.num_public_tokens:
         details["public"] = report.num_public_tokens
+    if report.num_tokens_without_state:  # a hybrid's blocks matched further than a held state reached
+        details["no_state"] = report.num_tokens_without_state
     if report.miss_reason:
         details.update(why=report.miss_reason, at=report.miss_at_token)
     if report.miss_tier:

@@ -467,6 +467,37 @@ def test_a_hybrid_prompt_snapshots_where_its_instructions_end():
     _assert_same(_run(cold, turns), result)
 
 
+@pytest.mark.parametrize("hybrid", HYBRID)
+def test_a_long_shared_document_is_reused_by_a_different_question(hybrid):
+    """One document, two questions in the same message: the second resumes at the last lasting
+    snapshot inside the document (at most one interval before where they part), says how many
+    matched tokens it recomputed for want of a state there, and equals a cold run."""
+    path = built_model(BuildSpec(hybrid, "tiny"))
+    warm, cold = _runner(path), _runner(path, 0, 0)
+    document = " ".join(f"Clause {n}: {LONG}" for n in range(4))  # ~1,000 tokens
+    _run(warm, [_user(document + " Who chaired the meeting?")])
+    turns = [_user(document + " When does the winter ferry run?")]
+    result = _run(warm, turns)
+    every, report = warm.snapshot_blocks * BLOCK, result[2].prefix
+    parted = report.miss_at_token
+    assert report.miss_reason == "diverged" and parted > 2 * every
+    assert report.num_cached_tokens == parted // every * every
+    assert report.num_tokens_without_state == parted // BLOCK * BLOCK - report.num_cached_tokens
+    _assert_same(_run(cold, turns), result)
+
+
+@pytest.mark.parametrize("hybrid", HYBRID)
+def test_a_one_token_first_message_blocks_no_later_snapshot(hybrid):
+    path = built_model(BuildSpec(hybrid, "tiny"))
+    warm = _runner(path)
+    hi = _run(warm, [_user("hi")])
+    turns = [_user("hi"), Message("assistant", (TextPart("Hello."),)), _user(LONG)]
+    first, again = _run(warm, turns), _run(warm, turns)
+    assert hi[2].prefix.num_cached_tokens == 0 and first[2].prefix.num_cached_tokens <= BLOCK
+    assert again[2].prefix.num_cached_tokens >= first[2].prefix.num_prompt_tokens - 2 * BLOCK
+    assert warm.caches.prefix.counters.snapshot_skips == {}
+
+
 def test_every_attention_layer_of_every_family_prefills_on_the_cpu_attention_path(family, cold, monkeypatch):
     import gateway.engine.attention as attention
 

@@ -160,15 +160,22 @@ def _store_with_snapshots(cache, salt, tokens, at: list[int], owner=None):
 def test_a_hybrid_prefix_is_reused_up_to_the_deepest_block_with_a_snapshot(cache):
     tokens = list(range(100))
     _store_with_snapshots(cache, SALT_A, tokens, [32, 64])
-    for query, reused in ((tokens, 64), (tokens[:64], 32), (tokens[:40], 32), (tokens[:30], 0)):
+    for query, reused, without_state in (
+        (tokens, 64, 32),
+        (tokens[:64], 32, 31),
+        (tokens[:40], 32, 0),
+        (tokens[:30], 0, 16),
+    ):
         with cache.open(SALT_A, "model", query, snapshots=True) as session:
             match = session.match(len(query))
             assert match.num_cached_tokens == reused, (len(query), match)
+            assert match.num_tokens_without_state == without_state, (len(query), match)
             if reused:
                 ((conv, state),) = session.state_at(reused)
                 assert float(conv[0, 0, 0]) == reused and float(state.sum()) == reused * 32
     with cache.open(SALT_A, "model", tokens) as plain:  # a plain-KV model reads the same blocks to the end
         assert plain.match(len(tokens)).num_cached_tokens == 96
+    assert cache.counters.num_tokens_without_state == 32 + 31 + 16
     with cache.open(TenantSalt(b"b" * 32), "model", tokens, snapshots=True) as other:
         assert other.match(len(tokens)).num_cached_tokens == 0
     cache.pool.check()
