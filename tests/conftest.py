@@ -157,6 +157,18 @@ def embedder():
     return MiniLMEmbedder()
 
 
+def logits_and_greedy_tokens(runner, prompt, num_tokens: int = 8) -> tuple[np.ndarray, list[int]]:
+    """A prompt's last-position logits (float32) and its first greedy tokens, through `runner`."""
+    import mlx.core as mx
+
+    from gateway.engine import Sampling, decode_alone
+    from kvcache import TenantSalt
+
+    prefill = runner.prefill(prompt, TenantSalt(b"A" * 32), 128, lambda: False)
+    logits = np.array(prefill.logits.astype(mx.float32))
+    return logits, list(decode_alone(runner, prefill, Sampling(num_tokens, 0.0, 1.0, None, ()), lambda: False))
+
+
 def png_data_url(width: int = 64, height: int = 48, seed: int = 0, fmt: str = "PNG") -> str:
     pixels = (np.random.default_rng(seed).random((height, width, 3)) * 255).astype(np.uint8)
     buffer = io.BytesIO()

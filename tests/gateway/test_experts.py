@@ -14,12 +14,11 @@ import numpy as np
 import pytest
 
 from gateway.checkpoints import BuildSpec
-from gateway.engine import Message, Sampling, TextPart, decode_alone
+from gateway.engine import Message, TextPart
 from gateway.engine.caching import CacheConfig
 from gateway.engine.experts import SORT_FROM, install_grouped_experts
 from gateway.engine.runner import ModelRunner
-from kvcache import TenantSalt
-from tests.conftest import built_model
+from tests.conftest import built_model, logits_and_greedy_tokens
 
 NUM_EXPERTS, TOP_K = 4, 2
 
@@ -117,13 +116,7 @@ def test_a_mixture_of_experts_model_keeps_the_library_s_outputs(family, monkeypa
     assert not any(name.startswith("Grouped") for name in {type(m).__name__ for m in library.lm.modules()})
     prompt = grouped.prompts.build((Message("user", (TextPart(LONG),)),), [])
     assert prompt.num_tokens > 100
-
-    def run(runner):
-        prefill = runner.prefill(prompt, TenantSalt(b"A" * 32), 128, lambda: False)
-        logits = np.array(prefill.logits.astype(mx.float32))
-        return logits, list(decode_alone(runner, prefill, Sampling(8, 0.0, 1.0, None, ()), lambda: False))
-
-    grouped_logits, grouped_tokens = run(grouped)
-    library_logits, library_tokens = run(library)
+    grouped_logits, grouped_tokens = logits_and_greedy_tokens(grouped, prompt)
+    library_logits, library_tokens = logits_and_greedy_tokens(library, prompt)
     assert np.abs(grouped_logits - library_logits).max() <= 1e-3
     assert grouped_tokens == library_tokens and len(grouped_tokens) > 0

@@ -13,12 +13,11 @@ import pytest
 from mlx_vlm.models.gated_delta import compute_g, compute_g_safe, gated_delta_ops
 
 from gateway.checkpoints import BuildSpec
-from gateway.engine import Message, Sampling, TextPart, decode_alone
+from gateway.engine import Message, TextPart
 from gateway.engine.caching import CacheConfig
 from gateway.engine.recurrent import chunked_gated_delta, log_decay
 from gateway.engine.runner import ModelRunner
-from kvcache import TenantSalt
-from tests.conftest import built_model
+from tests.conftest import built_model, logits_and_greedy_tokens
 
 TOLERANCE = 1e-5
 
@@ -101,14 +100,8 @@ def test_a_hybrid_model_prefills_in_chunks_with_the_library_s_outputs(family, mo
     library = ModelRunner(path, CacheConfig(0, 0, 16, None), "fp")  # the library's token-by-token recurrence
     prompt = chunked.prompts.build((Message("user", (TextPart(LONG),)),), [])
     assert prompt.num_tokens > 130  # several chunks of 64, and a partial one
-
-    def run(runner):
-        prefill = runner.prefill(prompt, TenantSalt(b"A" * 32), 128, lambda: False)
-        logits = np.array(prefill.logits.astype(mx.float32))
-        return logits, list(decode_alone(runner, prefill, Sampling(8, 0.0, 1.0, None, ()), lambda: False))
-
-    chunked_logits, chunked_tokens = run(chunked)
-    library_logits, library_tokens = run(library)
+    chunked_logits, chunked_tokens = logits_and_greedy_tokens(chunked, prompt)
+    library_logits, library_tokens = logits_and_greedy_tokens(library, prompt)
     assert np.abs(chunked_logits - library_logits).max() <= 1e-4
     assert chunked_tokens == library_tokens and len(chunked_tokens) > 0
 
