@@ -20,6 +20,7 @@ for families that take images).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import tempfile
@@ -104,15 +105,18 @@ def without_mtp(model_path: Path) -> Path:
     Qwen3-Next carry their MTP drafting layers in `mtp.safetensors`, which mlx-vlm's Qwen3-Next
     refuses ("parameters not in model"). The comparison sets that one file aside: a folder of links
     to every other file, in the temporary directory (not beside the model, where it would look like
-    another model)."""
+    another model), named after the model folder's full path (two checkouts build folders of the
+    same name)."""
     if not (model_path / "mtp.safetensors").exists():
         return model_path
-    view = Path(tempfile.gettempdir()) / "strata-bench" / f"{model_path.name}-without-mtp"
+    source = model_path.resolve()
+    digest = hashlib.sha256(str(source).encode()).hexdigest()[:12]
+    view = Path(tempfile.gettempdir()) / "strata-bench" / f"{model_path.name}-{digest}-without-mtp"
     view.mkdir(parents=True, exist_ok=True)
-    for entry in model_path.iterdir():
+    for entry in source.iterdir():
         link = view / entry.name
-        if entry.name != "mtp.safetensors" and not link.exists():
-            link.symlink_to(entry.resolve())
+        if entry.name != "mtp.safetensors" and not link.is_symlink():
+            link.symlink_to(entry)
     return view
 
 

@@ -1,6 +1,7 @@
 """Every benchmark module imports and exposes main(): a release run must not die on a typo."""
 
 import importlib
+import shutil
 
 import pytest
 
@@ -101,7 +102,7 @@ def test_the_api_benchmark_runs_every_mode_on_the_tiny_model(tiny_model_path):
     assert all(rate > 0 for rate in rates.values())
 
 
-def test_the_ttft_comparison_loads_a_model_with_mtp_layers_in_mlx_vlm():
+def test_the_ttft_comparison_loads_a_model_with_mtp_layers_in_mlx_vlm(tmp_path):
     """mlx-vlm's stock loader refuses Strata's Qwen3-Next build (its `mtp.safetensors`); the APC
     side of bench_ttft loads the same weights with that file set aside."""
     import mlx_vlm
@@ -121,4 +122,7 @@ def test_the_ttft_comparison_loads_a_model_with_mtp_layers_in_mlx_vlm():
     )
     model, _ = mlx_vlm.load(str(view))
     assert model.language_model is not None
+    copy = tmp_path / path.name  # another checkout's build: a folder of the same name elsewhere
+    shutil.copytree(path, copy)
+    assert (without_mtp(copy) / "model.safetensors").resolve() == (copy / "model.safetensors").resolve()
     assert without_mtp(built_model(BuildSpec("qwen2_5_vl", "tiny"))) == built_model(BuildSpec("qwen2_5_vl", "tiny"))
