@@ -957,6 +957,13 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "gpt-oss's clamped SwiGLU on numpy forgets the +1 on its linear half",
+        "gateway/engine/activations.py",
+        "        linear += 1\n",
+        "",
+        ("tests/gateway/test_activations.py::test_gpt_oss_s_clamped_swiglu_equals_the_library_one",),
+    ),
+    Mutant(
         "an expert's sorted rows multiplied by the next expert's weights",
         "gateway/engine/experts.py",
         "parts.append(_expert_product(self, rows[start:end], int(expert)))",

@@ -6,6 +6,9 @@ prefill spent 25 of its 76 ms in `silu(gate) * up` (6.2 ms a layer; 1.7 ms throu
 prompt chunks and a batch's decode rows (more than one token in all) the MLP's activation runs on
 numpy; a lone decode row keeps MLX's own, as does everything on a GPU.
 
+A mixture of experts' activation module (the libraries' `SwiGLU`, mlx-lm's gpt-oss `SwigluOAI`)
+gets the same, from EXPERT_ROWS_FROM (token, expert) rows on (install_cpu_expert_activations).
+
 Every family's MLP calls its activation by a module-level name: mlx-lm's and mlx-vlm's compiled
 `swiglu(gate, up)`, or `nn.silu` / `nn.gelu_approx`. Each MLP of this model instance gets a subclass
 whose `__call__` is the same code with those names bound to the functions below (the technique of
@@ -15,6 +18,7 @@ even on a full cache hit), so a token's activations come from the same path warm
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 import types
@@ -31,6 +35,17 @@ def _is_chunk(x: mx.array) -> bool:
     """More than one token in all: a prompt chunk, or a batch's decode rows (a lone decode row keeps
     MLX's own: one token's activations cost less than the trip to numpy)."""
     return x.ndim >= 2 and x.size > x.shape[-1]
+
+
+def _is_expert_chunk(x: mx.array) -> bool:
+    """An expert layer's rows are (token, expert) pairs: a lone decode row's few (its top k) keep
+    MLX's own, as a dense MLP's one row does."""
+    return x.size >= EXPERT_ROWS_FROM * x.shape[-1]
+
+
+# (token, expert) rows from which an expert activation runs on numpy: a decode row's top-k pairs
+# (2-8 in the families here) stay on MLX, a 16-row decode batch's pairs or a prompt chunk's go
+EXPERT_ROWS_FROM = 16
 
 
 def _numpy(x: mx.array) -> np.ndarray:
@@ -71,15 +86,30 @@ def gelu_approx(x: mx.array) -> mx.array:
     return mx.array(_sigmoid_times(doubled, values)).astype(x.dtype)
 
 
-def _cpu_swiglu(original):
+def _cpu_swiglu(original, is_chunk=_is_chunk):
     def swiglu(gate: mx.array, x: mx.array) -> mx.array:
-        if not _is_chunk(gate):
+        if not is_chunk(gate):
             return original(gate, x)
         out = _silu(gate)
         out *= np.asarray(x.astype(mx.float32))
         return mx.array(out).astype(x.dtype)
 
     return swiglu
+
+
+def _cpu_swiglu_oai(original):
+    def swiglu_oai(gate: mx.array, x: mx.array, alpha: float = 1.702, limit: float = 7.0) -> mx.array:
+        """gpt-oss's: (clip(x, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)."""
+        if not _is_expert_chunk(gate):
+            return original(gate, x, alpha=alpha, limit=limit)
+        clipped = np.minimum(_numpy(gate), np.float32(limit))
+        out = _sigmoid_times(clipped * np.float32(alpha), clipped)
+        linear = np.clip(_numpy(x), -limit, limit)
+        linear += 1
+        out *= linear
+        return mx.array(out).astype(x.dtype)
+
+    return swiglu_oai
 
 
 NN = types.ModuleType("mlx.nn (CPU prefill activations)")
@@ -94,6 +124,33 @@ def install_cpu_prefill_activations(language_model) -> int:
         return 0
     # LFM2 names its MLP "feed_forward"
     return sum(swap_layer_classes(language_model, name, _cpu_mlp_class) for name in ("mlp", "feed_forward"))
+
+
+def install_cpu_expert_activations(language_model) -> int:
+    """The same for the activation modules of a mixture of experts' layers (the libraries' `SwiGLU`
+    and mlx-lm's gpt-oss `SwigluOAI`), which get the experts' sorted rows. Returns how many."""
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return 0
+    swapped = 0
+    for module in language_model.modules():
+        activation = getattr(module, "activation", None)
+        cpu = _cpu_activation_class(type(activation)) if isinstance(activation, mlx_nn.Module) else None
+        if cpu is not None:  # on a copy: the libraries' default `activation=SwiGLU()` is one shared instance
+            own = copy.copy(activation)
+            own.__class__ = cpu
+            module.activation = own
+            swapped += 1
+    return swapped
+
+
+@cache
+def _cpu_activation_class(base: type) -> type | None:
+    module = sys.modules[base.__module__].__dict__
+    if base.__name__ == "SwiGLU" and base.__module__.endswith(".switch_layers"):
+        return with_globals(base, "CpuSwiGLU", {"swiglu": _cpu_swiglu(module["swiglu"], _is_expert_chunk)})
+    if base.__name__ == "SwigluOAI" and "swiglu_oai" in module:
+        return with_globals(base, "CpuSwigluOAI", {"swiglu_oai": _cpu_swiglu_oai(module["swiglu_oai"])})
+    return None
 
 
 @cache

@@ -31,7 +31,7 @@ from mlx.utils import tree_flatten
 from kvcache import TenantSalt, is_recurrent, state_nbytes
 from vision import DecodedImage, pixel_hash, processor_fingerprint
 
-from .activations import install_cpu_prefill_activations
+from .activations import install_cpu_expert_activations, install_cpu_prefill_activations
 from .attention import install_cpu_prefill_attention
 from .caching import CacheConfig, EngineCaches, PrefixPlan, PrefixReport, VisionReport
 from .constraint import MAX_CLOSING_TOKENS, Grammars
@@ -202,6 +202,7 @@ class ModelRunner:
         install_cpu_prefill_activations(self.lm)
         install_chunked_prefill(self.lm)
         install_grouped_experts(self.lm)
+        install_cpu_expert_activations(self.lm)
         num_packable = install_packed_calls(self.lm)
         keep_last_position_logits(self.lm)
         # The checkpoint's MTP layers (gateway/engine/mtp.py), or None. With them, each step keeps the

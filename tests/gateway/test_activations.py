@@ -48,3 +48,28 @@ def test_a_lone_decode_row_keeps_mlx_s_own_and_a_batch_s_rows_take_numpy(monkeyp
     rows = mx.random.normal((4, 1, 96), key=mx.random.key(6))  # four decode rows, one token each
     assert mx.allclose(activations.silu(rows), nn.silu(rows), atol=1e-6)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("alpha, limit", [(1.702, 7.0), (1.0, 3.0)])
+def test_gpt_oss_s_clamped_swiglu_equals_the_library_one(chunk, alpha, limit):
+    from mlx_lm.models.activations import swiglu_oai
+
+    up = mx.random.normal(chunk.shape, key=mx.random.key(6)) * 6  # past the clamp on both sides
+    cpu = activations._cpu_swiglu_oai(swiglu_oai)
+    expected = swiglu_oai(chunk, up, alpha=alpha, limit=limit)
+    np.testing.assert_allclose(np.array(cpu(chunk, up, alpha, limit)), np.array(expected), rtol=2e-6, atol=2e-5)
+    assert cpu(chunk.astype(mx.bfloat16), up.astype(mx.bfloat16)).dtype == mx.bfloat16
+
+
+def test_a_mixture_of_experts_activation_modules_take_numpy():
+    from mlx_lm.models.activations import SwigluOAI
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    model = nn.Sequential(SwitchGLU(32, 48, 4), SwitchGLU(32, 48, 4, activation=SwigluOAI()))
+    expected = [layer.activation(mx.ones((5, 1, 48)), mx.full((5, 1, 48), 9.0)) for layer in model.layers]
+    assert activations.install_cpu_expert_activations(model) == 2
+    assert [type(layer.activation).__name__ for layer in model.layers] == ["CpuSwiGLU", "CpuSwigluOAI"]
+    got = [layer.activation(mx.ones((5, 1, 48)), mx.full((5, 1, 48), 9.0)) for layer in model.layers]
+    for ours, theirs in zip(got, expected):
+        np.testing.assert_allclose(np.array(ours), np.array(theirs), rtol=2e-6)
+    assert type(SwitchGLU(8, 8, 2).activation).__name__ == "SwiGLU"  # the libraries' shared default is untouched

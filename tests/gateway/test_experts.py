@@ -111,9 +111,12 @@ def test_a_mixture_of_experts_model_keeps_the_library_s_outputs(family, monkeypa
     grouped = ModelRunner(path, CacheConfig(0, 0, 16, None), "fp")
     names = {type(module).__name__ for module in grouped.lm.modules()}
     assert {"GroupedSwitchGLU", "GroupedSwitchLinear"} <= names
+    assert names & {"CpuSwiGLU", "CpuSwigluOAI"}  # the experts' activations on numpy as well
     monkeypatch.setattr("gateway.engine.runner.install_grouped_experts", lambda language_model: 0)
+    monkeypatch.setattr("gateway.engine.runner.install_cpu_expert_activations", lambda language_model: 0)
     library = ModelRunner(path, CacheConfig(0, 0, 16, None), "fp")
-    assert not any(name.startswith("Grouped") for name in {type(m).__name__ for m in library.lm.modules()})
+    library_names = {type(m).__name__ for m in library.lm.modules()}
+    assert not any(name.startswith(("Grouped", "CpuSwiGLU", "CpuSwigluOAI")) for name in library_names)
     prompt = grouped.prompts.build((Message("user", (TextPart(LONG),)),), [])
     assert prompt.num_tokens > 100
     grouped_logits, grouped_tokens = logits_and_greedy_tokens(grouped, prompt)

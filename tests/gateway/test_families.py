@@ -515,14 +515,20 @@ def test_every_attention_layer_of_every_family_prefills_on_the_cpu_attention_pat
 def test_every_mlp_of_every_family_prefills_on_the_numpy_activation_path(family, cold, monkeypatch):
     import gateway.engine.activations as activations
 
-    if family in MIXTURES_OF_EXPERTS or family in ("nemotron_h", "gemma4"):
-        pytest.skip(f"{family}'s MLPs are experts, squared-ReLU or GELU: the library runs them in MLX")
+    if family in ("nemotron_h", "gemma4"):
+        pytest.skip(f"{family}'s MLPs are squared-ReLU or GELU: the library runs them in MLX")
     calls = []
     real = activations._sigmoid_times
     monkeypatch.setattr(activations, "_sigmoid_times", lambda *args: calls.append(1) or real(*args))
     result = _run(cold, [_user(LONG)])
     num_chunks = -(-result[2].prompt.num_tokens // CHUNK)
-    assert len(calls) == num_chunks * len(cold.lm.layers)
+    if (
+        family in MIXTURES_OF_EXPERTS
+    ):  # the experts' activation (a short last chunk's few pairs keep MLX's), and a shared expert's
+        full_chunks = result[2].prompt.num_tokens // CHUNK
+        assert full_chunks * len(cold.lm.layers) <= len(calls) <= 2 * num_chunks * len(cold.lm.layers)
+    else:
+        assert len(calls) == num_chunks * len(cold.lm.layers)
 
 
 @pytest.mark.parametrize("model_type", ["mistral", "llama", "qwen3", "phi3", "gemma3_text"])
