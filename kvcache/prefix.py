@@ -327,7 +327,8 @@ class PrefixSession:
         size = self.cache.block_size
         matched = len(self.held) * size
         cached = self._reusable(num_prompt_tokens - 1)  # the last prompt token is always recomputed
-        self._drop_passing_before(cached // size - 1)
+        if self.snapshots:  # only a hybrid's blocks carry passing snapshots
+            self._drop_passing_before(cached // size - 1)
         without_state = min(matched, num_prompt_tokens - 1) - cached
         stats = self.cache.counters
         stats.num_tokens_without_state += without_state

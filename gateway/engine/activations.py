@@ -37,15 +37,15 @@ def _is_chunk(x: mx.array) -> bool:
     return x.ndim >= 2 and x.size > x.shape[-1]
 
 
+# (token, expert) rows from which an expert activation runs on numpy: a decode row's top-k pairs
+# (2-8 in the families here) stay on MLX, a 16-row decode batch's pairs or a prompt chunk's go
+EXPERT_ROWS_FROM = 16
+
+
 def _is_expert_chunk(x: mx.array) -> bool:
     """An expert layer's rows are (token, expert) pairs: a lone decode row's few (its top k) keep
     MLX's own, as a dense MLP's one row does."""
     return x.size >= EXPERT_ROWS_FROM * x.shape[-1]
-
-
-# (token, expert) rows from which an expert activation runs on numpy: a decode row's top-k pairs
-# (2-8 in the families here) stay on MLX, a 16-row decode batch's pairs or a prompt chunk's go
-EXPERT_ROWS_FROM = 16
 
 
 def _numpy(x: mx.array) -> np.ndarray:

@@ -15,6 +15,7 @@ a global scale keep the library's call; on a GPU nothing changes.
 from __future__ import annotations
 
 import sys
+from functools import cache
 
 import mlx.core as mx
 import numpy as np
@@ -22,9 +23,6 @@ import numpy as np
 # (token, expert) pairs from which the expert layer sorts them and multiplies per expert: a lone
 # decode row's 1-8 pairs cost more to sort and split (0.9 ms) than to gather (0.3 ms)
 SORT_FROM = 16
-
-# Library class -> its grouped subclass (None: not an expert layer), made once per class
-_GROUPED: dict[type, type | None] = {}
 
 
 def install_grouped_experts(language_model) -> int:
@@ -34,16 +32,15 @@ def install_grouped_experts(language_model) -> int:
         return 0
     swapped = 0
     for module in language_model.modules():
-        base = type(module)
-        if base not in _GROUPED:
-            _GROUPED[base] = _grouped_class(base)
-        grouped = _GROUPED[base]
+        base: type = type(module)
+        grouped = _grouped_class(base)
         if grouped is not None:
             module.__class__ = grouped
             swapped += 1
     return swapped
 
 
+@cache
 def _grouped_class(base: type) -> type | None:
     if not base.__module__.endswith(".switch_layers"):
         return None

@@ -143,7 +143,9 @@ class Admission:
             return
         try:
             if caches is not None and self.recurrent and computed and computed % caches.config.block_size == 0:
-                caches.store(self.plan, self.prompt.token_ids, self.cache, computed, self._snapshot(computed), True)
+                caches.store(
+                    self.plan, self.prompt.token_ids, self.cache, computed, self._snapshot(computed), passing=True
+                )
         finally:
             self.plan.session.close()
 
@@ -537,7 +539,9 @@ class ModelRunner:
         try:
             sequence = prefill.prompt.token_ids + tuple(generated)
             kv_tokens = cache_offset(prefill.cache, len(sequence))  # the last sampled token was never fed back
-            self.caches.store(plan, sequence, prefill.cache, min(kv_tokens, len(sequence)), prefill.snapshot, True)
+            self.caches.store(
+                plan, sequence, prefill.cache, min(kv_tokens, len(sequence)), prefill.snapshot, passing=True
+            )
             self.caches.pin(plan)
             if to_ssd:
                 plan.session.write_to_ssd()
