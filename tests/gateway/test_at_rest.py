@@ -246,14 +246,18 @@ def _owned_blocks(folder: Path, namespace: str, tenant: str, served: bool = Fals
         sealed_for = _sealing_tenants(path) if described is not None else {}
         for block, owners in described[1].items() if described is not None else ():
             mine = [o for o in owners if tenant_of(o) == tenant and not (served and "seeded" in o)]
-            blocks += [block] if mine and sealed_for[block] == tenant else []
+            blocks += [block] if mine and sealed_for.get(block) == tenant else []
     return blocks
 
 
 def _sealing_tenants(path: Path) -> dict[str, str]:
-    """hash -> the tenant whose key seals the block, from a segment's header."""
-    with open(path, "rb") as file:
-        header = json.loads(file.read(int.from_bytes(file.read(8), "little")))
+    """hash -> the tenant whose key seals the block, from a segment's header. A segment the server
+    reclaims between the folder's listing and this read holds no blocks any more: empty."""
+    try:
+        with open(path, "rb") as file:
+            header = json.loads(file.read(int.from_bytes(file.read(8), "little")))
+    except FileNotFoundError:
+        return {}
     return {block["hash"]: block["tenant"] for block in json.loads(header["__metadata__"]["blocks"])}
 
 
