@@ -124,12 +124,21 @@ def _server(tiny_model_path, data_dir):
 
 
 def _files_holding(folder: Path, *needles: bytes) -> list[str]:
-    found = []
-    for path in folder.rglob("*"):
-        if path.is_file():
-            data = path.read_bytes()
-            found += [f"{path.name}: {needle!r}" for needle in needles if needle in data]
-    return found
+    """Files under the folder that hold a needle. A live server renames and reclaims files while the
+    folder is read: a scan that meets a vanished file starts again, so no file's bytes are missed."""
+    for _ in range(20):
+        try:
+            return [
+                f"{path.name}: {needle!r}"
+                for path in folder.rglob("*")
+                if path.is_file()
+                for data in [path.read_bytes()]
+                for needle in needles
+                if needle in data
+            ]
+        except FileNotFoundError:
+            time.sleep(0.05)
+    raise AssertionError(f"{folder} never held still for a full scan")
 
 
 END_USER = "ada-marmalade-4412@example.com"  # an end user's and a session's ids: never kept plain
