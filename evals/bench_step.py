@@ -7,7 +7,11 @@ On the demo model, in one process (the server's BLAS: run under the Makefile's O
 - the same decode rows and chunk in one packed call (gateway/engine/mixed.py), and two admissions'
   chunks of half the length each with the decode rows (batched admissions);
 - the floor of each: the time to stream the model's weights once at this machine's measured memory
-  bandwidth, plus the step's matmul FLOPs at its measured GFLOP/s.
+  bandwidth, plus the step's matmul FLOPs at its measured GFLOP/s;
+- a decode step of one row and of `--rows` rows at contexts of 40, 200 and 800 tokens (what the
+  rows' KV reads add to the weights' pass);
+- the rows' greedy draws from one step's logits: each row's sampler in turn, and one argmax over
+  them all (what the worker does for rows that draw greedily with nothing to adjust).
 Medians of --repeats; ratios are measured side by side.
 """
 
@@ -25,7 +29,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from gateway.checkpoints import resolve_model_path
-from gateway.engine import CacheConfig, DecodeBatch, ModelRunner, PreparedPrompt
+from gateway.engine import CacheConfig, DecodeBatch, ModelRunner, PreparedPrompt, Sampler, Sampling
+from gateway.engine.runner import as_token
 from kvcache import TenantSalt
 
 from . import CORPUS
@@ -125,6 +130,41 @@ def _one_length(setup: Setup, length: int, repeats: int, decode_ms: float, floor
     }
 
 
+def decode_by_context(runner: ModelRunner, ids: list[int], num_rows: int, repeats: int) -> dict[str, float]:
+    """A decode step's median ms for one row and for num_rows rows, at each context length."""
+    times = {}
+    for context in (40, 200, 800):
+        for rows in (1, num_rows):
+            batch = DecodeBatch(runner)
+            for row in range(rows):
+                prompt = PreparedPrompt(tuple(ids[300 * row : 300 * row + context]), ())
+                batch.join(runner.prefill(prompt, SALT, 512, lambda: False))
+
+            def step(parts, batch=batch, rows=rows):
+                mx.eval(runner.run_step(parts))
+                batch.trim([1] * rows)
+
+            times[f"{rows}x{context}"] = _median_ms(step, lambda b=batch, r=rows: [b.part([[11]] * r)], repeats)
+    return times
+
+
+def draw_ms(setup: Setup, repeats: int) -> tuple[float, float]:
+    """One step's greedy draws for the batch's rows: each row's sampler in turn (one evaluation for
+    all), and one argmax over the step's logits."""
+    logits = setup.runner.run_step([setup.decode_part()])[0]
+    mx.eval(logits)
+    setup.batch.trim([1] * len(setup.batch.rows))
+    samplers = [Sampler(Sampling(48, 0.0, 1.0, None, ())) for _ in setup.batch.rows]
+
+    def one_by_one(_parts) -> None:
+        draws = [sampler.draw(logits[row]) for row, sampler in enumerate(samplers)]
+        mx.eval(*draws)
+        [as_token(draw) for draw in draws]
+
+    together = _median_ms(lambda _parts: mx.argmax(logits, axis=-1).tolist(), list, repeats * 5)
+    return _median_ms(one_by_one, list, repeats * 5), together
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="demo")
@@ -154,7 +194,26 @@ def main() -> None:
             f"{row['separate_ms']:.1f} ms | {row['mixed_ms']:.1f} ms | {row['mixed_ms'] / row['separate_ms']:.2f}x | "
             f"{row['mixed_two_admissions_ms']:.1f} ms | {row['floor_ms']:.1f} ms | {row['mixed_ms'] / row['floor_ms']:.1f}x |"
         )
-    print(json.dumps({"floor": floor, "rows": args.rows, "results": results}))
+    contexts = decode_by_context(runner, setup.ids, args.rows, args.repeats)
+    print("\n| decode step | context 40 | context 200 | context 800 |\n|---|---|---|---|")
+    for rows in (1, args.rows):
+        print(f"| {rows} row(s) | " + " | ".join(f"{contexts[f'{rows}x{c}']:.1f} ms" for c in (40, 200, 800)) + " |")
+    one_by_one, together = draw_ms(setup, args.repeats)
+    print(
+        f"\ngreedy draws of {args.rows} rows: one by one {one_by_one:.2f} ms, one argmax {together:.2f} ms "
+        f"({one_by_one / together:.1f}x)"
+    )
+    print(
+        json.dumps(
+            {
+                "floor": floor,
+                "rows": args.rows,
+                "results": results,
+                "decode_by_context_ms": contexts,
+                "draws_ms": {"one_by_one": one_by_one, "one_argmax": together},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

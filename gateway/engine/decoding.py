@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import cast
 
 import mlx.core as mx
 
@@ -54,6 +55,9 @@ class DecodeRows:
         # always go): a wide batch verifies narrower drafts.
         self.max_verify_tokens = max_verify_tokens
         self.acceptance = Acceptance()  # each proposer's rate over every row: where a new row's starts
+        # The last step's logits, one row each (no drafts), until sample() reads them: its rows
+        # that draw greedily take one argmax over all of them. None otherwise.
+        self.step_logits: mx.array | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -143,6 +147,7 @@ class DecodeRows:
         """Each row's logits at every position it was fed (its pending token, then its drafts), for
         sample() to draw and verify."""
         width, hidden = len(self.rows[0].drafts), self.runner.decode_hidden
+        self.step_logits = logits if width == 0 else None
         for index, sequence in enumerate(self.rows):
             fed = slice(index * (width + 1), (index + 1) * (width + 1))
             sequence.logits = logits[fed]
@@ -158,9 +163,14 @@ class DecodeRows:
         ready = [sequence.logits is not None for sequence in self.rows]
         if not any(ready):
             return
+        greedy = self._greedy_tokens(ready)
         try:
-            draws = [self._draws(sequence) if now else [] for sequence, now in zip(self.rows, ready)]
-            mx.eval(*[token for row in draws for token, _ in row], *[a for row in draws for _, lp in row for a in lp])
+            draws = [
+                [(greedy[index], ())] if index in greedy else self._draws(sequence) if now else []
+                for index, (sequence, now) in enumerate(zip(self.rows, ready))
+            ]
+            lazy = [token for row in draws for token, _ in row if isinstance(token, mx.array)]
+            mx.eval(*lazy, *[a for row in draws for _, lp in row for a in lp])
             taken = [self._verified(sequence, row) if row else [] for sequence, row in zip(self.rows, draws)]
             for sequence, tokens in zip(self.rows, taken):
                 self._follow(sequence, tokens)
@@ -177,6 +187,19 @@ class DecodeRows:
             sequence.logits, sequence.drafts = None, []
             if ready[index] and not self._take(sequence, taken[index]):
                 self.retire(index)
+
+    def _greedy_tokens(self, ready: list[bool]) -> dict[int, int]:
+        """Row index -> its next token, for the rows of the step just taken that draw greedily with
+        nothing to adjust, from one argmax over the step's logits (16 rows drawn one by one took
+        1.4 ms a step, together 0.4 ms). Empty when the step fed drafts or under two such rows."""
+        logits, self.step_logits = self.step_logits, None
+        if logits is None or logits.shape[0] != len(self.rows):
+            return {}
+        plain = [i for i, s in enumerate(self.rows) if ready[i] and s.sampler.plain_greedy(s.generated)]
+        if len(plain) < 2:
+            return {}
+        tokens = cast(list[int], mx.argmax(logits, axis=-1).tolist())  # a 1-D array's tolist(): ints
+        return {index: tokens[index] for index in plain}
 
     def _follow(self, sequence: Sequence, tokens: list[tuple[int, tuple]]) -> None:
         """The row's MTP layers follow the positions it just verified. A lone row's only: a row in a
@@ -227,7 +250,7 @@ class DecodeRows:
     def _verified(self, sequence: Sequence, draws: list) -> list[tuple[int, tuple]]:
         """The tokens the row takes: its drafts while they equal its draws, then the draw where they
         first differ (or the draw after the last draft), each with its logprobs."""
-        tokens = [(as_token(token), logprobs) for token, logprobs in draws]
+        tokens = [(token if isinstance(token, int) else as_token(token), logprobs) for token, logprobs in draws]
         accepted = 0
         while accepted < sequence.num_real_drafts and tokens[accepted][0] == sequence.drafts[accepted]:
             accepted += 1

@@ -696,6 +696,14 @@ class Sampler:
             scaled = _nucleus(scaled, sampling.top_p)
         return mx.random.categorical(scaled, key=step_key)
 
+    def plain_greedy(self, generated: Generated) -> bool:
+        """Its next draw is the logits' argmax as they are: temperature 0 and nothing that changes
+        them (bias, penalties after some output, a grammar) or asks for more (logprobs)."""
+        sampling = self.sampling
+        penalised = generated and (sampling.presence_penalty or sampling.frequency_penalty)
+        adjusted = self.bias is not None or penalised or self.matcher is not None
+        return sampling.temperature == 0.0 and not adjusted and sampling.top_logprobs is None
+
     def lazy_logprobs(self) -> tuple[mx.array, ...]:
         """The arrays logprobs() will read, for the batch to evaluate along with its draws."""
         return self.last_logprobs or ()

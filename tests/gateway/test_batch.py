@@ -447,3 +447,51 @@ def test_penalties_and_logit_bias_shape_each_row_as_they_do_alone(tiny_model_pat
         step = batch.step(tokens)
         logits = [step[row] for row in range(len(tokens))]
     assert [_until_eos(d, runner.eos_ids) for d in drawn] == expected
+
+
+def test_greedy_rows_draw_with_one_argmax_and_keep_their_lone_tokens(tiny_model_path, monkeypatch):
+    """Rows that draw greedily with nothing to adjust take their tokens from one argmax over the
+    step's logits; a biased and a penalised row beside them keep their own draws. Each request gets
+    the tokens it gets alone, and the one-argmax path did serve the plain rows."""
+    from gateway.engine import Engine, EngineConfig, Finished
+    from gateway.engine.decoding import DecodeRows
+
+    served = []
+    greedy_tokens = DecodeRows._greedy_tokens
+
+    def watched(self, ready):
+        tokens = greedy_tokens(self, ready)
+        served.append(len(tokens))
+        return tokens
+
+    monkeypatch.setattr(DecodeRows, "_greedy_tokens", watched)
+    engine = Engine(tiny_model_path, TINY, EngineConfig(max_verify_tokens=0, caches=CacheConfig(0, 0, 16)))
+    engine.start()
+    samplings = [
+        Sampling(STEPS, 0.0, 1.0, None, ()),
+        Sampling(STEPS, 0.0, 1.0, None, (), logit_bias=((7, 100.0),)),
+        Sampling(STEPS, 0.0, 1.0, None, ()),
+        Sampling(STEPS, 0.0, 1.0, None, (), frequency_penalty=-2.0, presence_penalty=-2.0),
+    ]
+    prompts = [
+        engine.prepare((Message("user", (TextPart(f"Row {i}: the tide and the boats."),)),), []) for i in range(4)
+    ]
+
+    async def tokens_of(pairs):
+        jobs = [engine.submit(prompt, sampling, SALT) for prompt, sampling in pairs]
+
+        async def last(job):
+            events = [event async for event in engine.events(job)]
+            assert isinstance(events[-1], Finished), events[-1]
+            return events[-1].token_ids
+
+        return await asyncio.gather(*(last(job) for job in jobs))
+
+    try:
+        alone = [asyncio.run(tokens_of([pair]))[0] for pair in zip(prompts, samplings)]
+        served.clear()
+        together = asyncio.run(tokens_of(list(zip(prompts, samplings))))
+    finally:
+        engine.stop()
+    assert together == alone and alone[1] == (7,) * STEPS
+    assert max(served) == 2  # the two plain rows, in one argmax; the other two drew on their own
