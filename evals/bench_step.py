@@ -30,7 +30,6 @@ from mlx.utils import tree_flatten
 
 from gateway.checkpoints import resolve_model_path
 from gateway.engine import CacheConfig, DecodeBatch, ModelRunner, PreparedPrompt, Sampler, Sampling
-from gateway.engine.runner import as_token
 from kvcache import TenantSalt
 
 from . import CORPUS
@@ -159,7 +158,7 @@ def draw_ms(setup: Setup, repeats: int) -> tuple[float, float]:
     def one_by_one(_parts) -> None:
         draws = [sampler.draw(logits[row]) for row, sampler in enumerate(samplers)]
         mx.eval(*draws)
-        [as_token(draw) for draw in draws]
+        [draw.item() for draw in draws]  # each token read back, as the worker does
 
     together = _median_ms(lambda _parts: mx.argmax(logits, axis=-1).tolist(), list, repeats * 5)
     return _median_ms(one_by_one, list, repeats * 5), together
