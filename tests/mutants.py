@@ -34,6 +34,7 @@ class Mutant:
 
 
 HARDENING = "tests/gateway/test_hardening.py"
+BATCH = "tests/gateway/test_batch.py"
 GUARDS = "tests/semantic/test_guards.py::test_lookalikes_are_refused_with_the_right_reason"
 FAMILIES = "tests/gateway/test_families.py"
 BREADTH = "tests/gateway/test_api_breadth.py"
@@ -279,6 +280,20 @@ MUTANTS = (
         "sequence.logits = logits[fed]",
         "sequence.logits = logits[0 : width + 1]",
         ("tests/gateway/test_batch.py::test_the_server_runs_requests_together_and_each_gets_its_lone_answer",),
+    ),
+    Mutant(
+        "a biased or penalised row drawn by the rows' shared argmax",
+        "gateway/engine/runner.py",
+        "untouched = not self._adjusts(generated) and self.matcher is None",
+        "untouched = self.matcher is None",
+        (f"{BATCH}::test_greedy_rows_draw_with_one_argmax_and_keep_their_lone_tokens",),
+    ),
+    Mutant(
+        "a greedy row takes another row's argmax",
+        "gateway/engine/decoding.py",
+        "return {index: tokens[index] for index in plain}",
+        "return {index: tokens[0] for index in plain}",
+        (f"{BATCH}::test_greedy_rows_draw_with_one_argmax_and_keep_their_lone_tokens",),
     ),
     Mutant(
         "a packed row's logits taken at another row's position",

@@ -700,9 +700,13 @@ class Sampler:
         """Its next draw is the logits' argmax as they are: temperature 0 and nothing that changes
         them (bias, penalties after some output, a grammar) or asks for more (logprobs)."""
         sampling = self.sampling
-        penalised = generated and (sampling.presence_penalty or sampling.frequency_penalty)
-        adjusted = self.bias is not None or penalised or self.matcher is not None
-        return sampling.temperature == 0.0 and not adjusted and sampling.top_logprobs is None
+        untouched = not self._adjusts(generated) and self.matcher is None
+        return sampling.temperature == 0.0 and untouched and sampling.top_logprobs is None
+
+    def _adjusts(self, generated: Generated) -> bool:
+        """A logit bias, or penalties once there is output to penalise (_adjusted() applies them)."""
+        sampling = self.sampling
+        return bool(self.bias or (generated and (sampling.presence_penalty or sampling.frequency_penalty)))
 
     def lazy_logprobs(self) -> tuple[mx.array, ...]:
         """The arrays logprobs() will read, for the batch to evaluate along with its draws."""
@@ -741,7 +745,7 @@ class Sampler:
 
     def _adjusted(self, logits: mx.array, generated: Generated) -> mx.array:
         sampling = self.sampling
-        if not (self.bias or (generated and (sampling.presence_penalty or sampling.frequency_penalty))):
+        if not self._adjusts(generated):
             return logits
         logits = logits.astype(mx.float32)
         if self.bias is not None:
