@@ -10,6 +10,9 @@ On the demo model, in one process (the server's BLAS: run under the Makefile's O
   bandwidth, plus the step's matmul FLOPs at its measured GFLOP/s;
 - a decode step of one row and of `--rows` rows at contexts of 40, 200 and 800 tokens (what the
   rows' KV reads add to the weights' pass);
+- where a decode step's time goes at 200 tokens of context: the step against its matrix products
+  alone (every linear layer and the output head at the step's row count, in one graph) and its floor;
+  the rest is attention, activations, norms, rope and synchronisation;
 - the rows' greedy draws from one step's logits: each row's sampler in turn, and one argmax over
   them all (what the worker does for rows that draw greedily with nothing to adjust).
 Medians of --repeats; ratios are measured side by side.
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import cast
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
@@ -87,6 +91,12 @@ class Setup:
         self.num_params = sum(array.size for array in weights.values())
         # the token embedding is a lookup, not a matmul (a tied output head is counted once, as the lookup)
         self.embed_params = sum(array.size for name, array in weights.items() if name.endswith("embed_tokens.weight"))
+        linears = [(name, module) for name, module in runner.lm.named_modules() if isinstance(module, nn.Linear)]
+        self.product_weights = [module.weight for _, module in linears]
+        self.tied_head_params = 0
+        if not any(name.endswith("lm_head") for name, _ in linears):  # tied: the embedding is the output head
+            self.product_weights += [array for name, array in weights.items() if name.endswith("embed_tokens.weight")]
+            self.tied_head_params = self.embed_params
 
     def decode_part(self):
         return self.batch.part([[11] for _ in self.batch.rows])
@@ -147,6 +157,25 @@ def decode_by_context(runner: ModelRunner, ids: list[int], num_rows: int, repeat
     return times
 
 
+def products_alone_ms(setup: Setup, rows: int, repeats: int) -> float:
+    """A decode step's matrix products alone for `rows` rows, in one graph: each linear layer and the
+    output head against a (rows, inputs) operand."""
+    operands = {weight.shape[1]: mx.random.normal((rows, weight.shape[1])) for weight in setup.product_weights}
+    mx.eval(list(operands.values()))
+
+    def products(_parts) -> None:
+        mx.eval([operands[weight.shape[1]] @ weight.T for weight in setup.product_weights])
+
+    return _median_ms(products, list, repeats)
+
+
+def decode_floor_ms(setup: Setup, rows: int, floor: dict) -> float:
+    """The weights streamed once, plus every row's products (its output head included) at the
+    measured GFLOP/s."""
+    flops = 2 * (setup.num_params - setup.embed_params + setup.tied_head_params) * rows
+    return (setup.weight_bytes / floor["bandwidth_gb_s"] / 1e9 + flops / floor["gflop_s"] / 1e9) * 1000
+
+
 def draw_ms(setup: Setup, repeats: int) -> tuple[float, float]:
     """One step's greedy draws for the batch's rows: each row's sampler in turn (one evaluation for
     all), and one argmax over the step's logits."""
@@ -197,6 +226,17 @@ def main() -> None:
     print("\n| decode step | context 40 | context 200 | context 800 |\n|---|---|---|---|")
     for rows in (1, args.rows):
         print(f"| {rows} row(s) | " + " | ".join(f"{contexts[f'{rows}x{c}']:.1f} ms" for c in (40, 200, 800)) + " |")
+    print("\n| decode step, context 200 | step | matrix products alone | the rest | floor | step / floor |")
+    print("|---|---|---|---|---|---|")
+    breakdown = {}
+    for rows in (1, args.rows):
+        products, floor_ms = products_alone_ms(setup, rows, args.repeats), decode_floor_ms(setup, rows, floor)
+        step = contexts[f"{rows}x200"]
+        breakdown[rows] = {"step_ms": step, "products_ms": products, "floor_ms": floor_ms}
+        print(
+            f"| {rows} row(s) | {step:.1f} ms | {products:.1f} ms | {step - products:.1f} ms | {floor_ms:.1f} ms | "
+            f"{step / floor_ms:.1f}x |"
+        )
     one_by_one, together = draw_ms(setup, args.repeats)
     print(
         f"\ngreedy draws of {args.rows} rows: one by one {one_by_one:.2f} ms, one argmax {together:.2f} ms "
@@ -209,6 +249,7 @@ def main() -> None:
                 "rows": args.rows,
                 "results": results,
                 "decode_by_context_ms": contexts,
+                "decode_breakdown": breakdown,
                 "draws_ms": {"one_by_one": one_by_one, "one_argmax": together},
             }
         )
