@@ -10,6 +10,8 @@ On the demo model, in one process (the server's BLAS: run under the Makefile's O
   bandwidth, plus the step's matmul FLOPs at its measured GFLOP/s;
 - a decode step of one row and of `--rows` rows at contexts of 40, 200 and 800 tokens (what the
   rows' KV reads add to the weights' pass);
+- a decode step of `--rows` rows at 200 and 800 tokens of context with the rows' attention through
+  the C kernel (gateway/engine/decode_attention.c) and through numpy's batched products, alternated;
 - where a decode step's time goes at 200 tokens of context: the step against its matrix products
   alone (every linear layer and the output head at the step's row count, in one graph) and its floor;
   the rest is attention, activations, norms, rope and synchronisation;
@@ -33,7 +35,15 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from gateway.checkpoints import resolve_model_path
-from gateway.engine import CacheConfig, DecodeBatch, ModelRunner, PreparedPrompt, Sampler, Sampling
+from gateway.engine import (
+    CacheConfig,
+    DecodeBatch,
+    ModelRunner,
+    PreparedPrompt,
+    Sampler,
+    Sampling,
+    use_decode_kernel,
+)
 from kvcache import TenantSalt
 
 from . import CORPUS
@@ -157,6 +167,30 @@ def decode_by_context(runner: ModelRunner, ids: list[int], num_rows: int, repeat
     return times
 
 
+def attention_paths_ms(runner: ModelRunner, ids: list[int], num_rows: int, repeats: int) -> dict[str, float]:
+    """A decode step's median ms with the rows' attention through numpy and through the C kernel,
+    three alternations of each per context; the median of each path's medians."""
+    times: dict[str, float] = {}
+    for context in (200, 800):
+        batch = DecodeBatch(runner)
+        for row in range(num_rows):
+            prompt = PreparedPrompt(tuple(ids[300 * row : 300 * row + context]), ())
+            batch.join(runner.prefill(prompt, SALT, 512, lambda: False))
+
+        def step(parts, batch=batch):
+            mx.eval(runner.run_step(parts))
+            batch.trim([1] * num_rows)
+
+        rounds: dict[str, list[float]] = {"numpy": [], "kernel": []}
+        for _ in range(3):
+            for path in rounds:
+                use_decode_kernel(path == "kernel")
+                rounds[path].append(_median_ms(step, lambda b=batch: [b.part([[11]] * num_rows)], repeats))
+        use_decode_kernel(True)
+        times |= {f"{path}x{context}": statistics.median(values) for path, values in rounds.items()}
+    return times
+
+
 def products_alone_ms(setup: Setup, rows: int, repeats: int) -> float:
     """A decode step's matrix products alone for `rows` rows, in one graph: each linear layer and the
     output head against a (rows, inputs) operand."""
@@ -226,6 +260,15 @@ def main() -> None:
     print("\n| decode step | context 40 | context 200 | context 800 |\n|---|---|---|---|")
     for rows in (1, args.rows):
         print(f"| {rows} row(s) | " + " | ".join(f"{contexts[f'{rows}x{c}']:.1f} ms" for c in (40, 200, 800)) + " |")
+    paths = attention_paths_ms(runner, setup.ids, args.rows, args.repeats)
+    print(f"\n| {args.rows}-row decode step, the rows' attention through | context 200 | context 800 |\n|---|---|---|")
+    for path in ("numpy", "kernel"):
+        print(f"| {path} | " + " | ".join(f"{paths[f'{path}x{c}']:.1f} ms" for c in (200, 800)) + " |")
+    print(
+        "| numpy / kernel | "
+        + " | ".join(f"{paths[f'numpyx{c}'] / paths[f'kernelx{c}']:.2f}x" for c in (200, 800))
+        + " |"
+    )
     print("\n| decode step, context 200 | step | matrix products alone | the rest | floor | step / floor |")
     print("|---|---|---|---|---|---|")
     breakdown = {}
@@ -250,6 +293,7 @@ def main() -> None:
                 "results": results,
                 "decode_by_context_ms": contexts,
                 "decode_breakdown": breakdown,
+                "attention_paths_ms": paths,
                 "draws_ms": {"one_by_one": one_by_one, "one_argmax": together},
             }
         )

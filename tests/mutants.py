@@ -35,6 +35,7 @@ class Mutant:
 
 HARDENING = "tests/gateway/test_hardening.py"
 BATCH = "tests/gateway/test_batch.py"
+DECODE_KERNEL = "tests/gateway/test_decode_kernel.py"
 GUARDS = "tests/semantic/test_guards.py::test_lookalikes_are_refused_with_the_right_reason"
 FAMILIES = "tests/gateway/test_families.py"
 BREADTH = "tests/gateway/test_api_breadth.py"
@@ -294,6 +295,20 @@ MUTANTS = (
         "return {index: tokens[index] for index in plain}",
         "return {index: tokens[0] for index in plain}",
         (f"{BATCH}::test_greedy_rows_draw_with_one_argmax_and_keep_their_lone_tokens",),
+    ),
+    Mutant(
+        "the decode kernel ignores a row's left padding",
+        "gateway/engine/decode_attention.c",
+        "scores[g * num_keys + t] = visible[t] ? sum8(acc) * scale_log2e : -INFINITY;",
+        "scores[g * num_keys + t] = sum8(acc) * scale_log2e;",
+        (DECODE_KERNEL, f"{BATCH}::test_greedy_rows_draw_with_one_argmax_and_keep_their_lone_tokens"),
+    ),
+    Mutant(
+        "the decode kernel reads the first KV head for every query head",
+        "gateway/engine/decode_attention.c",
+        "const float *k = keys + row * key_row_stride + kv * key_head_stride;",
+        "const float *k = keys + row * key_row_stride;",
+        (DECODE_KERNEL,),
     ),
     Mutant(
         "a packed row's logits taken at another row's position",

@@ -34,6 +34,7 @@ from .batch import DecodeBatch, decode_alone
 from .caches import CacheLayer, Removed
 from .caching import CacheConfig, PrefixReport, VisionReport, purge_ssd_of
 from .constraint import CompiledGrammar, GrammarError, json_schema_grammar
+from .decode_kernel import use_decode_kernel
 from .fair_queue import QueueFull
 from .families import VISION_FAMILIES, UnsupportedModel, family_of
 from .jobs import Delta, Embedded, EmbedJob, EngineStopped, Failed, Finished, Job, OverBudget, Started
@@ -58,6 +59,7 @@ log = logging.getLogger("strata.engine")
 
 
 __all__ = [
+    "use_decode_kernel",
     "SYSTEM_WRAPPER",
     "VISION_FAMILIES",
     "CacheConfig",

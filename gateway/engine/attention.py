@@ -15,8 +15,11 @@ Whole demo-model prefill (evals/bench_engine): 240 tokens 91 -> 71 ms, 2000 toke
 A batch's decode rows (one query each, or a few with drafts, and a mask per row for its left
 padding) take the same path: the softmax's exp over rows x heads x keys is the cost there too.
 Measured here (8 heads, 2 KV heads, 320 keys, per layer): 16 rows 0.96 -> 0.58 ms, 64 rows 3.91 ->
-2.59 ms; a demo-model decode step of 16 rows 14.4 -> 11.9 ms, of 64 rows 37 -> 31 ms. A lone row
-(no mask) keeps MLX's kernel: nothing to gain there. On Metal nothing changes.
+2.59 ms; a demo-model decode step of 16 rows 14.4 -> 11.9 ms, of 64 rows 37 -> 31 ms. Decode rows
+with one query each and no sinks then go one step further, to a C kernel that reads each row's keys
+once for all its query heads (gateway/engine/decode_kernel.py; numpy's products cost one OpenBLAS
+call per row and KV head). A lone row (no mask) keeps MLX's kernel: nothing to gain there. On Metal
+nothing changes.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from functools import cache, lru_cache
 
 import mlx.core as mx
 import numpy as np
+
+from .decode_kernel import decode_attention
 
 LOG2E = 1.4426950408889634
 
@@ -45,6 +50,10 @@ def causal_attention(
     head, one more term of every query's softmax with no value behind it."""
     q, k, v = (np.asarray(x.astype(mx.float32)) for x in (queries, keys, values))  # numpy has no bfloat16
     batch, num_heads, num_queries, head_dim = q.shape
+    if num_queries == 1 and mask is not None and mask.ndim == 4 and sinks is None:
+        out = decode_attention(q, k, v, scale, mask)  # decode rows: one C pass (None: not built here)
+        if out is not None:
+            return mx.array(out).astype(queries.dtype)
     num_kv_heads, num_keys = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
     grouped = q.reshape(batch, num_kv_heads, group * num_queries, head_dim) * np.float32(scale * LOG2E)

@@ -35,6 +35,7 @@ from .activations import install_cpu_expert_activations, install_cpu_prefill_act
 from .attention import install_cpu_prefill_attention
 from .caching import CacheConfig, EngineCaches, PrefixPlan, PrefixReport, VisionReport
 from .constraint import MAX_CLOSING_TOKENS, Grammars
+from .decode_kernel import build_decode_kernel
 from .experts import install_grouped_experts
 from .families import Family, family_of, read_config
 from .mixed import Segment, SegmentCache
@@ -200,7 +201,7 @@ class ModelRunner:
         # Every layer holds plain KV (sliding windows included) or a recurrent state: the library's
         # batched classes (BatchKVCache, ArraysCache) let sequences decode in one batch.
         self.batchable = all(type(layer).__name__ in BATCHED_CACHE_TYPES for layer in layers)
-        install_cpu_prefill_attention(self.lm)
+        self.cpu_attention = install_cpu_prefill_attention(self.lm) > 0
         install_cpu_prefill_activations(self.lm)
         install_chunked_prefill(self.lm)
         install_grouped_experts(self.lm)
@@ -262,6 +263,8 @@ class ModelRunner:
             mx.eval(self._encode_image(self.prompts.process_image(decoded)))
         self.num_encoder_calls = 0
         self.caches.judge_ssd(self._prefill_s_per_token, self.kv_bytes_per_token)
+        if self.cpu_attention:
+            build_decode_kernel()  # the decode rows' attention kernel: compiled once per machine, ~1 s
 
     def _measure_bytes(self) -> None:
         """A token's KV bytes and a recurrent state's bytes, from one short text call."""

@@ -1,0 +1,167 @@
+/* Attention of a batch's decode rows: one query per row and head, each row over its own keys.
+ *
+ * What it replaces: numpy's two batched products per layer, which run one OpenBLAS call per
+ * (row, KV head) pair — 32 calls of 4 queries x 64 x 200 keys for 16 rows, ~19 us each of call
+ * overhead — and a softmax over a temporary. Here each row's keys and values are read once, for
+ * all the query heads that share them (grouped-query attention), in one pass.
+ *
+ * Layout: q and out are (rows, heads, head_dim), contiguous. keys and values are strided views
+ * (row, KV head, key) with unit stride along head_dim, as MLX's batched cache holds them. allowed
+ * is (rows, keys): 1 where the row may attend (its left padding is 0). A row with no allowed key
+ * gets zeros. Softmax in base 2: q is scaled by scale * log2(e) before the dot products.
+ *
+ * Built at first use with the machine's C compiler, with AVX2 and FMA where this CPU reports them
+ * (decode_kernel.py reads its flags), the compiler's baseline elsewhere. */
+#include <math.h>
+#include <stddef.h>
+#include <string.h>
+
+
+/* 2^x for x <= 0 (x below -126 gives 0, as does -inf): the nearest integer n goes into the float's
+ * exponent bits, 2^f for the rest f in [-0.5, 0.5] through Cephes' exp2f polynomial (relative error
+ * ~2e-7), so the loop over keys vectorises where libm's exp2f is one call per key. */
+static inline float exp2_nonpositive(float x)
+{
+    float clamped = x < -126.0f ? -126.0f : x;
+    float whole = floorf(clamped + 0.5f);
+    float f = clamped - whole;
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    union { unsigned int bits; float value; } scale = { .bits = (unsigned int)((int)whole + 127) << 23 };
+    return x < -126.0f ? 0.0f : p * scale.value;
+}
+
+/* One (row, KV head): its `group` query heads against its keys. Inlined with head_dim a constant
+ * (64, 128) so the compiler unrolls the dot products and keeps each output row in registers. */
+static inline __attribute__((always_inline)) void attend(const float *restrict qg, const float *restrict k,
+                                                         const float *restrict v, const unsigned char *restrict visible,
+                                                         long group, long num_keys, const long head_dim,
+                                                         long key_stride, long value_stride, float scale_log2e,
+                                                         float *restrict scores, float *restrict og)
+{
+    for (long t = 0; t < num_keys; t++) {
+        const float *kt = k + t * key_stride;
+        for (long g = 0; g < group; g++) {
+            const float *qh = qg + g * head_dim;
+            float dot = 0.0f;
+            for (long d = 0; d < head_dim; d++)
+                dot += qh[d] * kt[d];
+            scores[g * num_keys + t] = visible[t] ? dot * scale_log2e : -INFINITY;
+        }
+    }
+    for (long g = 0; g < group; g++) {
+        float *s = scores + g * num_keys;
+        float top = -INFINITY;
+        for (long t = 0; t < num_keys; t++)
+            top = s[t] > top ? s[t] : top;
+        float *o = og + g * head_dim;
+        for (long d = 0; d < head_dim; d++)
+            o[d] = 0.0f;
+        if (top == -INFINITY)
+            continue; /* no key visible: zeros */
+        float total = 0.0f;
+        for (long t = 0; t < num_keys; t++) {
+            s[t] = exp2_nonpositive(s[t] - top);
+            total += s[t];
+        }
+        for (long t = 0; t < num_keys; t++) {
+            const float *vt = v + t * value_stride;
+            for (long d = 0; d < head_dim; d++)
+                o[d] += s[t] * vt[d];
+        }
+        float inverse = 1.0f / total;
+        for (long d = 0; d < head_dim; d++)
+            o[d] *= inverse;
+    }
+}
+
+/* The same for head sizes that are a multiple of 8, with 8-float vectors (GCC's and clang's
+ * vector extensions: one AVX register where the CPU has AVX, two SSE ones elsewhere). `blocks`
+ * (head_dim / 8, at most MAX_BLOCKS) is a constant where inlined, so each output row stays in
+ * registers while the keys stream past. */
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+#define MAX_BLOCKS 32
+
+static inline __attribute__((always_inline)) float sum8(v8 x)
+{
+    return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+
+static inline __attribute__((always_inline)) void attend8(const float *restrict qg, const float *restrict k,
+                                                          const float *restrict v, const unsigned char *restrict visible,
+                                                          long group, long num_keys, const long blocks,
+                                                          long key_stride, long value_stride, float scale_log2e,
+                                                          float *restrict scores, float *restrict og)
+{
+    for (long t = 0; t < num_keys; t++) {
+        const v8 *kt = (const v8 *)(k + t * key_stride);
+        for (long g = 0; g < group; g++) {
+            const v8 *qh = (const v8 *)(qg + g * blocks * 8);
+            v8 acc = qh[0] * kt[0];
+            for (long b = 1; b < blocks; b++)
+                acc += qh[b] * kt[b];
+            scores[g * num_keys + t] = visible[t] ? sum8(acc) * scale_log2e : -INFINITY;
+        }
+    }
+    for (long g = 0; g < group; g++) {
+        float *s = scores + g * num_keys;
+        v8 *o = (v8 *)(og + g * blocks * 8);
+        float top = -INFINITY;
+        for (long t = 0; t < num_keys; t++)
+            top = s[t] > top ? s[t] : top;
+        if (top == -INFINITY) {
+            for (long b = 0; b < blocks; b++)
+                o[b] = (v8){0};
+            continue; /* no key visible: zeros */
+        }
+        float total = 0.0f;
+        for (long t = 0; t < num_keys; t++) {
+            s[t] = exp2_nonpositive(s[t] - top);
+            total += s[t];
+        }
+        v8 acc[MAX_BLOCKS];
+        for (long b = 0; b < blocks; b++)
+            acc[b] = (v8){0};
+        for (long t = 0; t < num_keys; t++) {
+            const v8 *vt = (const v8 *)(v + t * value_stride);
+            for (long b = 0; b < blocks; b++)
+                acc[b] += s[t] * vt[b];
+        }
+        float inverse = 1.0f / total;
+        for (long b = 0; b < blocks; b++)
+            o[b] = acc[b] * inverse;
+    }
+}
+
+void decode_attention(const float *restrict q, const float *restrict keys, const float *restrict values,
+                      const unsigned char *restrict allowed, long rows, long heads, long kv_heads, long num_keys,
+                      long head_dim, long key_row_stride, long key_head_stride, long key_stride,
+                      long value_row_stride, long value_head_stride, long value_stride, float scale_log2e,
+                      float *restrict scores, float *restrict out)
+{
+    /* scores: scratch of (heads / kv_heads) * num_keys floats, one line of keys per query head */
+    long group = heads / kv_heads;
+    for (long row = 0; row < rows; row++) {
+        const unsigned char *visible = allowed + row * num_keys;
+        for (long kv = 0; kv < kv_heads; kv++) {
+            const float *k = keys + row * key_row_stride + kv * key_head_stride;
+            const float *v = values + row * value_row_stride + kv * value_head_stride;
+            const float *qg = q + (row * heads + kv * group) * head_dim;
+            float *og = out + (row * heads + kv * group) * head_dim;
+            if (head_dim == 64)
+                attend8(qg, k, v, visible, group, num_keys, 8, key_stride, value_stride, scale_log2e, scores, og);
+            else if (head_dim == 128)
+                attend8(qg, k, v, visible, group, num_keys, 16, key_stride, value_stride, scale_log2e, scores, og);
+            else if (head_dim % 8 == 0 && head_dim / 8 <= MAX_BLOCKS)
+                attend8(qg, k, v, visible, group, num_keys, head_dim / 8, key_stride, value_stride, scale_log2e,
+                        scores, og);
+            else
+                attend(qg, k, v, visible, group, num_keys, head_dim, key_stride, value_stride, scale_log2e, scores, og);
+        }
+    }
+}

@@ -1,0 +1,139 @@
+"""The decode rows' attention in one C pass (decode_attention.c), built at first use.
+
+    decode_attention(q, keys, values, scale, allowed) -> np.ndarray | None
+        q (rows, heads, 1, head_dim); keys / values (rows, kv_heads, keys, head_dim) float32 views
+        with unit stride along head_dim; allowed (rows, 1, 1, keys) booleans. None when the kernel
+        is switched off or not available here (no C compiler, not Linux, a build that failed): the
+        caller keeps its numpy path.
+    build_decode_kernel() -> bool      builds (or finds) it now: the engine's warm-up calls it, so
+                                       the first batch does not wait for the compiler
+    use_decode_kernel(enabled)         switches it for the process (benchmarks measure both paths)
+
+The shared library is compiled once per source digest into the user's cache folder
+($XDG_CACHE_HOME/strata, else ~/.cache/strata), written to a temporary file and renamed, so test
+workers and servers starting together never load a half-written file. The compiler flags allow
+reordering float sums (so the dot products vectorise) but keep infinities (the masked keys' -inf);
+AVX2 and FMA are used where /proc/cpuinfo lists them (machines differ: nothing is assumed).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("strata.engine")
+
+SOURCE = Path(__file__).with_name("decode_attention.c")
+FLAGS = ("-O3", "-fPIC", "-shared", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
+CPU_INFO = Path("/proc/cpuinfo")
+LOG2E = 1.4426950408889634
+_POINTER, _LONG = ctypes.c_void_p, ctypes.c_long
+
+
+_switch = {"enabled": True}  # process-wide; only benchmarks turn it off
+
+
+def use_decode_kernel(enabled: bool) -> None:
+    _switch["enabled"] = enabled
+
+
+def build_decode_kernel() -> bool:
+    return _kernel() is not None
+
+
+def decode_attention(
+    q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float, allowed: np.ndarray
+) -> np.ndarray | None:
+    kernel = _kernel() if _switch["enabled"] else None
+    if kernel is None or not (_unit_stride(keys) and _unit_stride(values)):
+        return None
+    rows, heads, _, head_dim = q.shape
+    kv_heads, num_keys = keys.shape[1], keys.shape[2]
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    visible = np.ascontiguousarray(allowed, dtype=np.bool_).view(np.uint8)  # numpy's bool is one byte, 0 or 1
+    out = np.empty((rows, heads, 1, head_dim), dtype=np.float32)
+    scores = np.empty((heads // kv_heads, num_keys), dtype=np.float32)
+    kernel(
+        q.ctypes.data,
+        keys.ctypes.data,
+        values.ctypes.data,
+        visible.ctypes.data,
+        rows,
+        heads,
+        kv_heads,
+        num_keys,
+        head_dim,
+        *_element_strides(keys),
+        *_element_strides(values),
+        scale * LOG2E,
+        scores.ctypes.data,
+        out.ctypes.data,
+    )
+    return out
+
+
+def _unit_stride(array: np.ndarray) -> bool:
+    return array.dtype == np.float32 and array.ndim == 4 and array.strides[3] == 4
+
+
+def _element_strides(array: np.ndarray) -> tuple[int, int, int]:
+    return array.strides[0] // 4, array.strides[1] // 4, array.strides[2] // 4
+
+
+@cache
+def _kernel():
+    """The compiled function with its argument types, or None (logged once) where it cannot be built."""
+    try:
+        library = ctypes.CDLL(str(_built()))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.info("decode attention kernel not available (%s): decode rows keep the numpy path", exc)
+        return None
+    function = library.decode_attention
+    function.restype = None
+    # q, keys, values, allowed; rows, heads, kv_heads, keys, head_dim; the keys' and the values'
+    # strides; the scale; the scores' scratch, out
+    function.argtypes = [*[_POINTER] * 4, *[_LONG] * 11, ctypes.c_float, _POINTER, _POINTER]
+    return function
+
+
+def _cpu_flags() -> tuple[str, ...]:
+    """-mavx2 -mfma where this CPU reports both (x86-64 Linux), else nothing: the compiler's baseline."""
+    try:
+        reported = next(line for line in CPU_INFO.read_text().splitlines() if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return ()
+    return ("-mavx2", "-mfma") if {"avx2", "fma"} <= set(reported) else ()
+
+
+def _built() -> Path:
+    source, flags = SOURCE.read_bytes(), FLAGS + _cpu_flags()
+    digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"decode_attention-{digest}.so"
+    if target.exists():
+        return target
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or not sys.platform.startswith("linux"):
+        raise OSError("no C compiler on PATH" if compiler is None else f"not built on {sys.platform}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        subprocess.run(
+            [compiler, *flags, "-o", str(built), str(SOURCE), "-lm"], check=True, capture_output=True, timeout=120
+        )
+        os.replace(built, target)
+    return target
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "strata"
