@@ -74,7 +74,7 @@ class RedisStore:
                 pipe.pexpireat(self._owners(key), deadline_ms)
                 pipe.zadd(self.prefix + "exp", {_due(tenant, key): response.expires_at})
 
-        self.link.transaction(write)
+        self.link.transaction(write, repeatable=True)
 
     def own(self, key: str, owner: Owner) -> None:
         if self.link.call(self.client.exists, self._entry(key)):
@@ -136,7 +136,7 @@ class RedisStore:
                 pipe.srem(self._tenant(tenant), key)
                 pipe.zrem(self.prefix + "exp", _due(tenant, key))
 
-        self.link.transaction(write)
+        self.link.transaction(write, repeatable=True)
         return Purged(len(raws), sum(len(raw) for raw in raws))
 
     def _entry(self, key: str) -> str:
@@ -170,15 +170,24 @@ class RedisLink:
                 self.down_until = time.monotonic() + RETRY_AFTER_S
             raise StoreUnavailable(f"redis: {exc}") from None
 
-    def transaction(self, write) -> None:
-        """`write(pipe)` queues commands that run in one MULTI/EXEC."""
+    def transaction(self, write, repeatable: bool = False) -> None:
+        """`write(pipe)` queues commands that run in one MULTI/EXEC. A `repeatable` write (running it
+        twice leaves what running it once would) that fails on its connection — a server restarted
+        under it, a reply later than the timeout on a loaded machine — is sent once more on a fresh
+        connection before the store counts as down: a cache entry is not lost to one slow reply."""
 
         def run():
             with self.client.pipeline(transaction=True) as pipe:
                 write(pipe)
                 pipe.execute()
 
-        self.call(run)
+        def run_again_once():
+            try:
+                run()
+            except (redis.ConnectionError, redis.TimeoutError):
+                run()
+
+        self.call(run_again_once if repeatable else run)
 
     def stream_end(self, stream: str) -> str:
         """The id of a stream's last record ("0-0" when it has none): what follows it is news."""

@@ -59,7 +59,6 @@ log = logging.getLogger("strata.engine")
 
 
 __all__ = [
-    "use_decode_kernel",
     "SYSTEM_WRAPPER",
     "VISION_FAMILIES",
     "CacheConfig",
@@ -116,6 +115,7 @@ __all__ = [
     "release_memory",
     "return_heap",
     "tools_text",
+    "use_decode_kernel",
     "weights_bytes",
 ]
 

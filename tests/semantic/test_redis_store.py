@@ -1,13 +1,22 @@
 """RedisStore against a real redis-server: entries shared by replicas, Redis TTLs bounding what stays,
-and an unreachable or restarted server failing fast and recovering."""
+an unreachable or restarted server failing fast and recovering, and an entry's write sent again
+when a reply comes later than the timeout."""
 
 import time
 import uuid
 
 import pytest
+import redis
 
 from semantic import Owner, Selector, StoredResponse
-from semantic.redis_store import EXPIRY_GRACE_S, RETRY_AFTER_S, RedisStore, StoreUnavailable
+from semantic.redis_store import (
+    EXPIRY_GRACE_S,
+    RETRY_AFTER_S,
+    SOCKET_TIMEOUT_S,
+    RedisLink,
+    RedisStore,
+    StoreUnavailable,
+)
 from tests.conftest import RedisServer
 
 
@@ -60,3 +69,19 @@ def _outage_and_recovery(tmp_path, servers: list[RedisServer]) -> None:
     time.sleep(RETRY_AFTER_S)
     store.put("k3", "t", _response())
     assert store.get("k3", time.time()) is not None
+
+
+def test_an_entry_written_through_a_reply_later_than_the_timeout_is_sent_again_and_kept(redis_server):
+    """A loaded machine's Redis answering after the socket timeout: an entry's write (repeatable) is
+    sent once more on a fresh connection and kept; a write that is not repeatable is not sent again."""
+    store = RedisStore(redis_server.url, f"test-{uuid.uuid4().hex}:")
+    store.get("warm", time.time())  # the pool holds a connection before the pause
+    pauser = redis.Redis.from_url(redis_server.url)
+    pauser.client_pause(int(SOCKET_TIMEOUT_S * 1500), all=False)  # writes wait 1.5 timeouts
+    store.put("k", "t", _response())  # the first try times out; the second is answered at the pause's end
+    assert store.get("k", time.time()).text == "answer"
+    once = RedisLink(redis_server.url)
+    pauser.client_pause(int(SOCKET_TIMEOUT_S * 1500), all=False)
+    with pytest.raises(StoreUnavailable):
+        once.transaction(lambda pipe: pipe.incr(store.prefix + "counter"))
+    pauser.close()
