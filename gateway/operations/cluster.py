@@ -180,6 +180,9 @@ def run(model: str, folder: Path, port: int) -> int:
     cluster = Cluster(model, folder, port)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    # Ctrl-C stops it even where it was started with SIGINT ignored (a script's background job,
+    # nohup): Python then installs no handler of its own, and `kill -INT` did nothing.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         cluster.start()
         print(

@@ -168,21 +168,34 @@ def test_cluster_up_restarts_a_dead_replica_and_stops_everything_on_sigint(tiny_
     ]
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | {"STRATA_MODEL_NAME": TINY}
     env.pop("STRATA_API_KEYS", None)
-    up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    line = up.stdout.readline()
-    assert line.startswith(f"strata cluster: proxy http://127.0.0.1:{port}"), line + up.stdout.read()
-    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
-    replica_a = f"http://127.0.0.1:{port + 1}/health/ready"
-    pid = int(subprocess.check_output(["pgrep", "-f", "--", f"data-dir {tmp_path / 'cluster' / 'a'}"]).split()[0])
-    os.kill(pid, signal.SIGKILL)  # a replica dies: it is started again, the cluster keeps serving
-    assert _ask(f"http://127.0.0.1:{port}", "Still served?", "s").status_code == 200
-    deadline = time.monotonic() + 120
-    while not _ready(replica_a):
-        assert time.monotonic() < deadline and up.poll() is None, "replica a was not started again"
-        time.sleep(0.5)
-    up.send_signal(signal.SIGINT)
-    assert up.wait(timeout=90) == 0 and "strata cluster: stopped" in up.stdout.read()
-    assert all(port_free(port + i) for i in range(3))  # proxy and replicas gone
+    # started as a shell's background job is (SIGINT ignored): Ctrl-C must stop it all the same
+    up = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        line = up.stdout.readline()
+        assert line.startswith(f"strata cluster: proxy http://127.0.0.1:{port}"), line + up.stdout.read()
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+        replica_a = f"http://127.0.0.1:{port + 1}/health/ready"
+        pid = int(subprocess.check_output(["pgrep", "-f", "--", f"data-dir {tmp_path / 'cluster' / 'a'}"]).split()[0])
+        os.kill(pid, signal.SIGKILL)  # a replica dies: it is started again, the cluster keeps serving
+        assert _ask(f"http://127.0.0.1:{port}", "Still served?", "s").status_code == 200
+        deadline = time.monotonic() + 120
+        while not _ready(replica_a):
+            assert time.monotonic() < deadline and up.poll() is None, "replica a was not started again"
+            time.sleep(0.5)
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=90) == 0 and "strata cluster: stopped" in up.stdout.read()
+        assert all(port_free(port + i) for i in range(3))  # proxy and replicas gone
+    finally:
+        if up.poll() is None:  # a failure above: SIGTERM stops the replicas, Redis and the proxy too
+            up.terminate()
+            up.wait(timeout=120)
 
 
 def test_a_cache_key_sticks_and_a_hot_key_spills_under_bounded_load(cluster):
