@@ -16,15 +16,20 @@ On the demo model, in one process (the server's BLAS: run under the Makefile's O
   alone (every linear layer and the output head at the step's row count, in one graph) and its floor;
   the rest is attention, activations, norms, rope and synchronisation;
 - the rows' greedy draws from one step's logits: each row's sampler in turn, and one argmax over
-  them all (what the worker does for rows that draw greedily with nothing to adjust).
-Medians of --repeats; ratios are measured side by side.
+  them all (what the worker does for rows that draw greedily with nothing to adjust);
+- a lone row's decode step with its matrix products through OpenBLAS's sgemm and through sgemv
+  (the one-row products library, gateway/engine/vector_products.c), alternated.
+Medians of --repeats; ratios are measured side by side. It runs as the server does: on OpenBLAS
+after the one-row products library (it starts itself again so where it was started otherwise).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import cast
@@ -34,6 +39,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from gateway.blas import env_with_openblas
 from gateway.checkpoints import resolve_model_path
 from gateway.engine import (
     CacheConfig,
@@ -43,6 +49,8 @@ from gateway.engine import (
     Sampler,
     Sampling,
     use_decode_kernel,
+    use_vector_products,
+    vector_products_loaded,
 )
 from kvcache import TenantSalt
 
@@ -191,6 +199,37 @@ def attention_paths_ms(runner: ModelRunner, ids: list[int], num_rows: int, repea
     return times
 
 
+def one_row_paths_ms(runner: ModelRunner, ids: list[int], repeats: int) -> dict[str, float]:
+    """A lone row's decode step with its products through sgemm and through sgemv, three
+    alternations of each per context; the median of each path's medians."""
+    times: dict[str, float] = {}
+    for context in (40, 200, 800):
+        batch = DecodeBatch(runner)
+        batch.join(runner.prefill(PreparedPrompt(tuple(ids[:context]), ()), SALT, 512, lambda: False))
+
+        def step(parts, batch=batch):
+            mx.eval(runner.run_step(parts))
+            batch.trim([1])
+
+        rounds: dict[str, list[float]] = {"sgemm": [], "sgemv": []}
+        for _ in range(3):
+            for path in rounds:
+                use_vector_products(path == "sgemv")
+                rounds[path].append(_median_ms(step, lambda b=batch: [b.part([[11]])], repeats))
+        use_vector_products(True)
+        times |= {f"{path}x{context}": statistics.median(values) for path, values in rounds.items()}
+    return times
+
+
+def _as_the_server_runs() -> None:
+    """Start again with the one-row products library preloaded before OpenBLAS, where it is not."""
+    if vector_products_loaded():
+        return
+    env = env_with_openblas({k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
+    if env is not None and "vector_products" in env["LD_PRELOAD"]:
+        os.execve(sys.executable, [sys.executable, "-m", "evals.bench_step", *sys.argv[1:]], env)
+
+
 def products_alone_ms(setup: Setup, rows: int, repeats: int) -> float:
     """A decode step's matrix products alone for `rows` rows, in one graph: each linear layer and the
     output head against a (rows, inputs) operand."""
@@ -235,6 +274,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, nargs="+", default=[64, 128, 256, 512])
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
+    _as_the_server_runs()
     runner = ModelRunner(resolve_model_path(args.model, args.data_dir), CacheConfig(0, 0, 16), "bench")
     runner.warm_up()
     setup = Setup(runner, args.rows)
@@ -280,6 +320,17 @@ def main() -> None:
             f"| {rows} row(s) | {step:.1f} ms | {products:.1f} ms | {step - products:.1f} ms | {floor_ms:.1f} ms | "
             f"{step / floor_ms:.1f}x |"
         )
+    one_row: dict[str, float] = {}
+    if vector_products_loaded():
+        one_row = one_row_paths_ms(runner, setup.ids, args.repeats)
+        print("\n| a lone row's decode step, its products through | context 40 | context 200 | context 800 |")
+        print("|---|---|---|---|")
+        for path in ("sgemm", "sgemv"):
+            print(f"| {path} | " + " | ".join(f"{one_row[f'{path}x{c}']:.1f} ms" for c in (40, 200, 800)) + " |")
+        ratios = " | ".join(f"{one_row[f'sgemmx{c}'] / one_row[f'sgemvx{c}']:.2f}x" for c in (40, 200, 800))
+        print(f"| sgemm / sgemv | {ratios} |")
+    else:
+        print("\n(the one-row products library is not preloaded here: its comparison is left out)")
     one_by_one, together = draw_ms(setup, args.repeats)
     print(
         f"\ngreedy draws of {args.rows} rows: one by one {one_by_one:.2f} ms, one argmax {together:.2f} ms "
@@ -294,6 +345,7 @@ def main() -> None:
                 "decode_by_context_ms": contexts,
                 "decode_breakdown": breakdown,
                 "attention_paths_ms": paths,
+                "one_row_paths_ms": one_row,
                 "draws_ms": {"one_by_one": one_by_one, "one_argmax": together},
             }
         )

@@ -36,6 +36,7 @@ class Mutant:
 HARDENING = "tests/gateway/test_hardening.py"
 BATCH = "tests/gateway/test_batch.py"
 DECODE_KERNEL = "tests/gateway/test_decode_kernel.py"
+VECTOR_PRODUCTS = "tests/gateway/test_vector_products.py"
 GUARDS = "tests/semantic/test_guards.py::test_lookalikes_are_refused_with_the_right_reason"
 FAMILIES = "tests/gateway/test_families.py"
 BREADTH = "tests/gateway/test_api_breadth.py"
@@ -309,6 +310,20 @@ MUTANTS = (
         "const float *k = keys + row * key_row_stride + kv * key_head_stride;",
         "const float *k = keys + row * key_row_stride;",
         (DECODE_KERNEL,),
+    ),
+    Mutant(
+        "a one-row product reads the weight the wrong way round",
+        "gateway/engine/vector_products.c",
+        "        if (trans_b == NO_TRANS)\n            next_sgemv(ROW_MAJOR, TRANS, k, n",
+        "        if (trans_b != NO_TRANS)\n            next_sgemv(ROW_MAJOR, TRANS, k, n",
+        (VECTOR_PRODUCTS,),
+    ),
+    Mutant(
+        "one-column products go to sgemv with the rows' stride of the wrong operand",
+        "gateway/engine/vector_products.c",
+        "int stride_b = trans_b == NO_TRANS ? ldb : 1;",
+        "int stride_b = trans_b == NO_TRANS ? 1 : ldb;",
+        (VECTOR_PRODUCTS,),
     ),
     Mutant(
         "a packed row's logits taken at another row's position",

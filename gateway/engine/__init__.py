@@ -53,6 +53,12 @@ from .speculative import SpeculativeReport
 from .system_turns import SYSTEM_WRAPPER, SystemPlacement
 from .tools import ParsedCall, ToolFormat, tools_text
 from .types import ImagePart, Message, Pin, Sampling, Switches, TextPart, Tool, ToolCall
+from .vector_products import (
+    num_vector_products,
+    use_vector_products,
+    vector_products_library,
+    vector_products_loaded,
+)
 from .worker import EngineWorker, Health, WorkerSnapshot
 
 log = logging.getLogger("strata.engine")
@@ -111,11 +117,15 @@ __all__ = [
     "json_schema_grammar",
     "map_large_allocations",
     "model_fingerprint",
+    "num_vector_products",
     "purge_ssd_of",
     "release_memory",
     "return_heap",
     "tools_text",
     "use_decode_kernel",
+    "use_vector_products",
+    "vector_products_library",
+    "vector_products_loaded",
     "weights_bytes",
 ]
 

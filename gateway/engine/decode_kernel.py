@@ -9,9 +9,7 @@
                                        the first batch does not wait for the compiler
     use_decode_kernel(enabled)         switches it for the process (benchmarks measure both paths)
 
-The shared library is compiled once per source digest into the user's cache folder
-($XDG_CACHE_HOME/strata, else ~/.cache/strata), written to a temporary file and renamed, so test
-workers and servers starting together never load a half-written file. The compiler flags allow
+The shared library is compiled once per machine (gateway/engine/native.py). The compiler flags allow
 reordering float sums (so the dot products vectorise) but keep infinities (the masked keys' -inf);
 AVX2 and FMA are used where /proc/cpuinfo lists them (machines differ: nothing is assumed).
 """
@@ -19,23 +17,19 @@ AVX2 and FMA are used where /proc/cpuinfo lists them (machines differ: nothing i
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
 import subprocess
-import sys
-import tempfile
 from functools import cache
 from pathlib import Path
 
 import numpy as np
 
+from .native import built_library, cpu_flags
+
 log = logging.getLogger("strata.engine")
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
 FLAGS = ("-O3", "-fPIC", "-shared", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
-CPU_INFO = Path("/proc/cpuinfo")
 LOG2E = 1.4426950408889634
 _POINTER, _LONG = ctypes.c_void_p, ctypes.c_long
 
@@ -94,7 +88,7 @@ def _element_strides(array: np.ndarray) -> tuple[int, int, int]:
 def _kernel():
     """The compiled function with its argument types, or None (logged once) where it cannot be built."""
     try:
-        library = ctypes.CDLL(str(_built()))
+        library = ctypes.CDLL(str(built_library(SOURCE, FLAGS + cpu_flags(), ("-lm",))))
     except (OSError, subprocess.SubprocessError) as exc:
         log.info("decode attention kernel not available (%s): decode rows keep the numpy path", exc)
         return None
@@ -104,36 +98,3 @@ def _kernel():
     # strides; the scale; the scores' scratch, out
     function.argtypes = [*[_POINTER] * 4, *[_LONG] * 11, ctypes.c_float, _POINTER, _POINTER]
     return function
-
-
-def _cpu_flags() -> tuple[str, ...]:
-    """-mavx2 -mfma where this CPU reports both (x86-64 Linux), else nothing: the compiler's baseline."""
-    try:
-        reported = next(line for line in CPU_INFO.read_text().splitlines() if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return ()
-    return ("-mavx2", "-mfma") if {"avx2", "fma"} <= set(reported) else ()
-
-
-def _built() -> Path:
-    source, flags = SOURCE.read_bytes(), FLAGS + _cpu_flags()
-    digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"decode_attention-{digest}.so"
-    if target.exists():
-        return target
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None or not sys.platform.startswith("linux"):
-        raise OSError("no C compiler on PATH" if compiler is None else f"not built on {sys.platform}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        subprocess.run(
-            [compiler, *flags, "-o", str(built), str(SOURCE), "-lm"], check=True, capture_output=True, timeout=120
-        )
-        os.replace(built, target)
-    return target
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "strata"

@@ -47,7 +47,7 @@ from semantic import Embedder
 
 from ..blas import blas_in_use
 from ..checkpoints import resolve_model_path
-from ..engine import CacheConfig, Engine, EngineConfig
+from ..engine import CacheConfig, Engine, EngineConfig, vector_products_loaded
 from ..formats import anthropic_api, openai_format, responses_api
 from ..observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..observability.metrics import ModelGauge, RequestMetrics, StateCollector
@@ -571,6 +571,7 @@ def _health_details(services: Services) -> dict:
         "model": services.engine.info.name,
         "model_fingerprint": services.engine.info.fingerprint,
         "blas": blas_in_use(),
+        "one_row_products": vector_products_loaded(),  # through sgemv (gateway/engine/vector_products.c)
         "multi_tenant": services.settings.multi_tenant,
         "queue_depth": engine.queue_depth,
         "engine_busy": engine.busy,

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.engine import vector_products_library
 from tests.conftest import TINY, png_data_url
 
 KEYS = "key-a:tenant-a,key-b:tenant-b"
@@ -204,7 +205,10 @@ def test_server_secret_is_created_private(server):
 
 
 def test_cli_runs_on_openblas_without_ld_preload(server):
-    assert httpx.get(server.url + "/healthz", headers={"Authorization": f"Bearer {ADMIN}"}).json()["blas"] == "openblas"
+    health = httpx.get(server.url + "/healthz", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+    assert health["blas"] == "openblas"
+    # and before OpenBLAS, the one-row products library, where this machine can compile it
+    assert health["one_row_products"] is (vector_products_library() is not None)
 
 
 def _admin_stats(server) -> dict:
