@@ -17,7 +17,7 @@ On the demo model, in one process (the server's BLAS: run under the Makefile's O
   the rest is attention, activations, norms, rope and synchronisation;
 - the rows' greedy draws from one step's logits: each row's sampler in turn, and one argmax over
   them all (what the worker does for rows that draw greedily with nothing to adjust);
-- a lone row's decode step with its matrix products through OpenBLAS's sgemm and through sgemv
+- decode steps of 1-4 rows with their matrix products through OpenBLAS's sgemm and through sgemv
   (the one-row products library, gateway/engine/vector_products.c), alternated.
 Medians of --repeats; ratios are measured side by side. It runs as the server does: on OpenBLAS
 after the one-row products library (it starts itself again so where it was started otherwise).
@@ -57,6 +57,7 @@ from kvcache import TenantSalt
 from . import CORPUS
 
 SALT = TenantSalt(b"bench-step")
+FEW_ROWS = (1, 2, 3, 4)  # the rows the one-row products library sends to sgemv
 
 
 def _median_ms(run, make_parts, repeats: int) -> float:
@@ -199,25 +200,28 @@ def attention_paths_ms(runner: ModelRunner, ids: list[int], num_rows: int, repea
     return times
 
 
-def one_row_paths_ms(runner: ModelRunner, ids: list[int], repeats: int) -> dict[str, float]:
-    """A lone row's decode step with its products through sgemm and through sgemv, three
-    alternations of each per context; the median of each path's medians."""
+def few_rows_paths_ms(runner: ModelRunner, ids: list[int], repeats: int) -> dict[str, float]:
+    """Decode steps of 1-4 rows at 200 tokens of context, their products through sgemm and through
+    sgemv, three alternations of each; the median of each path's medians."""
     times: dict[str, float] = {}
-    for context in (40, 200, 800):
+    for rows in FEW_ROWS:
         batch = DecodeBatch(runner)
-        batch.join(runner.prefill(PreparedPrompt(tuple(ids[:context]), ()), SALT, 512, lambda: False))
+        for row in range(rows):
+            batch.join(
+                runner.prefill(PreparedPrompt(tuple(ids[300 * row : 300 * row + 200]), ()), SALT, 512, lambda: False)
+            )
 
-        def step(parts, batch=batch):
+        def step(parts, batch=batch, rows=rows):
             mx.eval(runner.run_step(parts))
-            batch.trim([1])
+            batch.trim([1] * rows)
 
         rounds: dict[str, list[float]] = {"sgemm": [], "sgemv": []}
         for _ in range(3):
             for path in rounds:
                 use_vector_products(path == "sgemv")
-                rounds[path].append(_median_ms(step, lambda b=batch: [b.part([[11]])], repeats))
+                rounds[path].append(_median_ms(step, lambda b=batch, r=rows: [b.part([[11]] * r)], repeats))
         use_vector_products(True)
-        times |= {f"{path}x{context}": statistics.median(values) for path, values in rounds.items()}
+        times |= {f"{path}x{rows}": statistics.median(values) for path, values in rounds.items()}
     return times
 
 
@@ -320,15 +324,16 @@ def main() -> None:
             f"| {rows} row(s) | {step:.1f} ms | {products:.1f} ms | {step - products:.1f} ms | {floor_ms:.1f} ms | "
             f"{step / floor_ms:.1f}x |"
         )
-    one_row: dict[str, float] = {}
+    few: dict[str, float] = {}
     if vector_products_loaded():
-        one_row = one_row_paths_ms(runner, setup.ids, args.repeats)
-        print("\n| a lone row's decode step, its products through | context 40 | context 200 | context 800 |")
-        print("|---|---|---|---|")
+        few = few_rows_paths_ms(runner, setup.ids, args.repeats)
+        print("\n| decode step, context 200, products through | " + " | ".join(f"{r} row(s)" for r in FEW_ROWS) + " |")
+        print("|---|" + "---|" * len(FEW_ROWS))
         for path in ("sgemm", "sgemv"):
-            print(f"| {path} | " + " | ".join(f"{one_row[f'{path}x{c}']:.1f} ms" for c in (40, 200, 800)) + " |")
-        ratios = " | ".join(f"{one_row[f'sgemmx{c}'] / one_row[f'sgemvx{c}']:.2f}x" for c in (40, 200, 800))
-        print(f"| sgemm / sgemv | {ratios} |")
+            print(f"| {path} | " + " | ".join(f"{few[f'{path}x{r}']:.1f} ms" for r in FEW_ROWS) + " |")
+        print(
+            "| sgemm / sgemv | " + " | ".join(f"{few[f'sgemmx{r}'] / few[f'sgemvx{r}']:.2f}x" for r in FEW_ROWS) + " |"
+        )
     else:
         print("\n(the one-row products library is not preloaded here: its comparison is left out)")
     one_by_one, together = draw_ms(setup, args.repeats)
@@ -345,7 +350,7 @@ def main() -> None:
                 "decode_by_context_ms": contexts,
                 "decode_breakdown": breakdown,
                 "attention_paths_ms": paths,
-                "one_row_paths_ms": one_row,
+                "few_rows_paths_ms": few,
                 "draws_ms": {"one_by_one": one_by_one, "one_argmax": together},
             }
         )

@@ -314,8 +314,15 @@ MUTANTS = (
     Mutant(
         "a one-row product reads the weight the wrong way round",
         "gateway/engine/vector_products.c",
-        "        if (trans_b == NO_TRANS)\n            next_sgemv(ROW_MAJOR, TRANS, k, n",
-        "        if (trans_b != NO_TRANS)\n            next_sgemv(ROW_MAJOR, TRANS, k, n",
+        "    if (trans_b == NO_TRANS)\n        next_sgemv(ROW_MAJOR, TRANS, k, n",
+        "    if (trans_b != NO_TRANS)\n        next_sgemv(ROW_MAJOR, TRANS, k, n",
+        (VECTOR_PRODUCTS,),
+    ),
+    Mutant(
+        "every one of a few rows' products reads the first row",
+        "gateway/engine/vector_products.c",
+        "const float *a_row = trans_a == NO_TRANS ? a + (size_t)r * lda : a + r;",
+        "const float *a_row = a;",
         (VECTOR_PRODUCTS,),
     ),
     Mutant(

@@ -1,4 +1,4 @@
-"""Matrix products of one row through BLAS's matrix-vector product (vector_products.c), preloaded.
+"""Matrix products of a few rows through BLAS's matrix-vector product (vector_products.c), preloaded.
 
     vector_products_library() -> str | None   the built library (compiled at first use, once per
                                               machine: gateway/engine/native.py); None where it
@@ -7,8 +7,8 @@
     use_vector_products(enabled)              switches it for the process (benchmarks measure both)
     num_vector_products() -> int              products it has sent to sgemv so far (tests)
 
-Why: a lone sequence's decode step multiplies one row by every weight, and OpenBLAS's sgemm packs
-the weight before multiplying. The library must be in LD_PRELOAD, before the BLAS, when the process
+Why: a lone sequence's decode step multiplies one row by every weight (a few sequences' steps, a
+few rows), and OpenBLAS's sgemm packs the weight before multiplying. The library must be in LD_PRELOAD, before the BLAS, when the process
 starts; gateway/blas.py starts the server so. In a process without it, the last three are no-ops
 (False, 0).
 """
