@@ -163,10 +163,7 @@ def decode_by_context(runner: ModelRunner, ids: list[int], num_rows: int, repeat
     times = {}
     for context in (40, 200, 800):
         for rows in (1, num_rows):
-            batch = DecodeBatch(runner)
-            for row in range(rows):
-                prompt = PreparedPrompt(tuple(ids[300 * row : 300 * row + context]), ())
-                batch.join(runner.prefill(prompt, SALT, 512, lambda: False))
+            batch = _decode_batch(runner, ids, rows, context)
 
             def step(parts, batch=batch, rows=rows):
                 mx.eval(runner.run_step(parts))
@@ -177,52 +174,49 @@ def decode_by_context(runner: ModelRunner, ids: list[int], num_rows: int, repeat
 
 
 def attention_paths_ms(runner: ModelRunner, ids: list[int], num_rows: int, repeats: int) -> dict[str, float]:
-    """A decode step's median ms with the rows' attention through numpy and through the C kernel,
-    three alternations of each per context; the median of each path's medians."""
+    """A decode step's median ms with the rows' attention through numpy and through the C kernel."""
     times: dict[str, float] = {}
     for context in (200, 800):
-        batch = DecodeBatch(runner)
-        for row in range(num_rows):
-            prompt = PreparedPrompt(tuple(ids[300 * row : 300 * row + context]), ())
-            batch.join(runner.prefill(prompt, SALT, 512, lambda: False))
-
-        def step(parts, batch=batch):
-            mx.eval(runner.run_step(parts))
-            batch.trim([1] * num_rows)
-
-        rounds: dict[str, list[float]] = {"numpy": [], "kernel": []}
-        for _ in range(3):
-            for path in rounds:
-                use_decode_kernel(path == "kernel")
-                rounds[path].append(_median_ms(step, lambda b=batch: [b.part([[11]] * num_rows)], repeats))
-        use_decode_kernel(True)
-        times |= {f"{path}x{context}": statistics.median(values) for path, values in rounds.items()}
+        batch = _decode_batch(runner, ids, num_rows, context)
+        paths = _alternated_ms(runner, batch, use_decode_kernel, ("numpy", "kernel"), repeats)
+        times |= {f"{path}x{context}": ms for path, ms in paths.items()}
     return times
 
 
 def few_rows_paths_ms(runner: ModelRunner, ids: list[int], repeats: int) -> dict[str, float]:
-    """Decode steps of 1-4 rows at 200 tokens of context, their products through sgemm and through
-    sgemv, three alternations of each; the median of each path's medians."""
+    """Decode steps of 1-4 rows at 200 tokens of context, their products through sgemm and through sgemv."""
     times: dict[str, float] = {}
     for rows in FEW_ROWS:
-        batch = DecodeBatch(runner)
-        for row in range(rows):
-            batch.join(
-                runner.prefill(PreparedPrompt(tuple(ids[300 * row : 300 * row + 200]), ()), SALT, 512, lambda: False)
-            )
-
-        def step(parts, batch=batch, rows=rows):
-            mx.eval(runner.run_step(parts))
-            batch.trim([1] * rows)
-
-        rounds: dict[str, list[float]] = {"sgemm": [], "sgemv": []}
-        for _ in range(3):
-            for path in rounds:
-                use_vector_products(path == "sgemv")
-                rounds[path].append(_median_ms(step, lambda b=batch, r=rows: [b.part([[11]] * r)], repeats))
-        use_vector_products(True)
-        times |= {f"{path}x{rows}": statistics.median(values) for path, values in rounds.items()}
+        batch = _decode_batch(runner, ids, rows, 200)
+        paths = _alternated_ms(runner, batch, use_vector_products, ("sgemm", "sgemv"), repeats)
+        times |= {f"{path}x{rows}": ms for path, ms in paths.items()}
     return times
+
+
+def _decode_batch(runner: ModelRunner, ids: list[int], rows: int, context: int) -> DecodeBatch:
+    batch = DecodeBatch(runner)
+    for row in range(rows):
+        prompt = PreparedPrompt(tuple(ids[300 * row : 300 * row + context]), ())
+        batch.join(runner.prefill(prompt, SALT, 512, lambda: False))
+    return batch
+
+
+def _alternated_ms(runner: ModelRunner, batch: DecodeBatch, switch, names: tuple[str, str], repeats: int) -> dict:
+    """The batch's decode step with `switch` off (names[0]) and on (names[1]), three alternations of
+    each; the median of each path's medians. The switch is left on."""
+    rows = len(batch.rows)
+
+    def step(parts) -> None:
+        mx.eval(runner.run_step(parts))
+        batch.trim([1] * rows)
+
+    rounds: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(3):
+        for name in names:
+            switch(name == names[1])
+            rounds[name].append(_median_ms(step, lambda: [batch.part([[11]] * rows)], repeats))
+    switch(True)
+    return {name: statistics.median(values) for name, values in rounds.items()}
 
 
 def _as_the_server_runs() -> None:
