@@ -8,9 +8,9 @@
     num_vector_products() -> int              products it has sent to sgemv so far (tests)
 
 Why: a lone sequence's decode step multiplies one row by every weight (a few sequences' steps, a
-few rows), and OpenBLAS's sgemm packs the weight before multiplying. The library must be in LD_PRELOAD, before the BLAS, when the process
-starts; gateway/blas.py starts the server so. In a process without it, the last three are no-ops
-(False, 0).
+few rows), and OpenBLAS's sgemm packs the weight before multiplying. The library must be in
+LD_PRELOAD, before the BLAS, when the process starts; gateway/blas.py starts the server so. In a
+process without it, the last three are no-ops (False, 0).
 """
 
 from __future__ import annotations
