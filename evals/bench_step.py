@@ -50,6 +50,7 @@ from gateway.engine import (
     Sampling,
     use_decode_kernel,
     use_vector_products,
+    vector_products_library,
     vector_products_loaded,
 )
 from kvcache import TenantSalt
@@ -224,7 +225,7 @@ def _as_the_server_runs() -> None:
     if vector_products_loaded():
         return
     env = env_with_openblas({k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
-    if env is not None and "vector_products" in env["LD_PRELOAD"]:
+    if env is not None and vector_products_library() is not None:  # then env preloads it
         os.execve(sys.executable, [sys.executable, "-m", "evals.bench_step", *sys.argv[1:]], env)
 
 

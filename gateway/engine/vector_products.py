@@ -39,26 +39,25 @@ def vector_products_library() -> str | None:
 
 
 def vector_products_loaded() -> bool:
-    return _switch() is not None
+    return _global(ctypes.c_int, "strata_vector_products") is not None
 
 
 def use_vector_products(enabled: bool) -> None:
-    switch = _switch()
+    switch = _global(ctypes.c_int, "strata_vector_products")
     if switch is not None:
         switch.value = int(enabled)
 
 
 def num_vector_products() -> int:
-    process = ctypes.CDLL(None)
-    try:
-        return ctypes.c_long.in_dll(process, "strata_num_vector_products").value
-    except ValueError:
-        return 0
+    counter = _global(ctypes.c_long, "strata_num_vector_products")
+    return counter.value if counter is not None else 0
 
 
-def _switch() -> ctypes.c_int | None:
-    """The library's switch, where this process has the library (its symbols are global: preloaded)."""
+@cache
+def _global(kind: type[ctypes.c_int] | type[ctypes.c_long], name: str):
+    """The library's variable `name`, where this process has the library (its symbols are global:
+    preloaded), else None. Looked up once: what a process preloads is fixed at its start."""
     try:
-        return ctypes.c_int.in_dll(ctypes.CDLL(None), "strata_vector_products")
+        return kind.in_dll(ctypes.CDLL(None), name)
     except ValueError:
         return None
