@@ -87,14 +87,15 @@ format: setup
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# The tests run on what the server preloads (gateway/blas.py): the one-row products library, then
-# OpenBLAS (just OpenBLAS where the library cannot be built).
-PRELOAD = $$($(BIN)/python -m gateway.blas)
+# The tests run on the server's BLAS (gateway/blas.py prints it as NAME=value words): the one-row
+# products library, then OpenBLAS (just OpenBLAS where the library cannot be built), and the OpenBLAS
+# kernels this CPU's flags allow where OpenBLAS would pick older ones.
+BLAS_ENV = $$($(BIN)/python -m gateway.blas)
 
 # The inner loop: lint, types and the tests that start no model, server or outside process (the
 # `live` marker, set in tests/conftest.py).
 check: lint
-	LD_PRELOAD=$(PRELOAD) $(BIN)/python -m pytest -q -m "not live" --durations=5 $(PYTEST_ARGS)
+	env $(BLAS_ENV) $(BIN)/python -m pytest -q -m "not live" --durations=5 $(PYTEST_ARGS)
 
 # The whole suite, after set-up (venv, Debian test tools, the agents), in two runs: every test not
 # marked `serial` on TEST_WORKERS parallel workers (pytest-xdist, one test file per worker at a time,
@@ -111,11 +112,11 @@ test:
 	$(MAKE) --no-print-directory setup test-tools agents || exit $$?; \
 	ready=$$(date +%s); \
 	lint_log=$$(mktemp); $(MAKE) --no-print-directory lint > $$lint_log 2>&1 & lint=$$!; \
-	OPENBLAS_NUM_THREADS=1 LD_PRELOAD=$(PRELOAD) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
+	OPENBLAS_NUM_THREADS=1 env $(BLAS_ENV) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
 		-m "not serial" --durations=20 $(PYTEST_ARGS); parallel=$$?; \
 	wait $$lint; linted=$$?; echo "make lint:"; cat $$lint_log; rm -f $$lint_log; \
 	spread=$$(date +%s); \
-	LD_PRELOAD=$(PRELOAD) $(BIN)/python -m pytest -q -m serial --durations=10 $(PYTEST_ARGS) $(SERIAL_FILES); \
+	env $(BLAS_ENV) $(BIN)/python -m pytest -q -m serial --durations=10 $(PYTEST_ARGS) $(SERIAL_FILES); \
 	serial=$$?; done=$$(date +%s); \
 	echo "make test: set-up $$((ready - start)) s, parallel tests (lint beside them) $$((spread - ready)) s," \
 		"serial tests $$((done - spread)) s (exit codes: lint $$linted, parallel $$parallel, serial $$serial)"; \
@@ -123,7 +124,7 @@ test:
 
 # Each critical one-line breakage applied to a copy of the checkout must fail its tests (tests/mutants.py).
 mutants: setup
-	LD_PRELOAD=$(PRELOAD) $(BIN)/python tests/mutants.py
+	env $(BLAS_ENV) $(BIN)/python tests/mutants.py
 
 bench: setup
 	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m evals.bench_engine

@@ -39,7 +39,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from gateway.blas import env_with_openblas
+from gateway.blas import BLAS_VARIABLES, core_in_use, env_with_openblas
 from gateway.checkpoints import resolve_model_path
 from gateway.engine import (
     CacheConfig,
@@ -50,7 +50,6 @@ from gateway.engine import (
     Sampling,
     use_decode_kernel,
     use_vector_products,
-    vector_products_library,
     vector_products_loaded,
 )
 from kvcache import TenantSalt
@@ -221,11 +220,10 @@ def _alternated_ms(runner: ModelRunner, batch: DecodeBatch, switch, names: tuple
 
 
 def _as_the_server_runs() -> None:
-    """Start again with the one-row products library preloaded before OpenBLAS, where it is not."""
-    if vector_products_loaded():
-        return
+    """Start again on the server's BLAS (the one-row products library, OpenBLAS and the kernels it
+    is told to use), where it was started otherwise."""
     env = env_with_openblas({k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
-    if env is not None and vector_products_library() is not None:  # then env preloads it
+    if env is not None and any(os.environ.get(name) != env.get(name) for name in BLAS_VARIABLES):
         os.execve(sys.executable, [sys.executable, "-m", "evals.bench_step", *sys.argv[1:]], env)
 
 
@@ -280,7 +278,7 @@ def main() -> None:
     floor = {"bandwidth_gb_s": memory_bandwidth_gb_s(), "gflop_s": matmul_gflop_s()}
     print(
         f"demo model: {setup.weight_bytes / 1e6:.1f} MB of weights; this machine reads {floor['bandwidth_gb_s']:.1f} GB/s "
-        f"and multiplies at {floor['gflop_s']:.0f} GFLOP/s (float32)"
+        f"and multiplies at {floor['gflop_s']:.0f} GFLOP/s (float32, OpenBLAS kernels: {core_in_use()})"
     )
     results = measure(setup, args.chunks, args.repeats, floor)
     print(f"\n{args.rows} decode rows + one prompt chunk, medians of {args.repeats}:")

@@ -333,6 +333,13 @@ MUTANTS = (
         (VECTOR_PRODUCTS,),
     ),
     Mutant(
+        "OpenBLAS's own kernels kept when the CPU's flags allow wider ones",
+        "gateway/blas.py",
+        "for wider, core, needs in LEVEL_CORES if wider > level and needs <= features",
+        "for wider, core, needs in LEVEL_CORES if wider < level and needs <= features",
+        ("tests/gateway/test_blas.py",),
+    ),
+    Mutant(
         "a packed row's logits taken at another row's position",
         "gateway/engine/runner.py",
         "keep += [cursor + row * tokens + tokens - k for row in range(rows) for k in range(part.keep, 0, -1)]",

@@ -47,6 +47,7 @@ from .model_pool import (
     UnknownModel,
     weights_bytes,
 )
+from .native import cpu_features
 from .prompt import PreparedPrompt, PromptError
 from .runner import ModelRunner, Sampler, TokenLogprob
 from .speculative import SpeculativeReport
@@ -112,6 +113,7 @@ __all__ = [
     "UnknownModel",
     "UnsupportedModel",
     "VisionReport",
+    "cpu_features",
     "decode_alone",
     "family_of",
     "json_schema_grammar",

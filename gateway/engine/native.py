@@ -3,6 +3,7 @@
     built_library(source, flags, libraries) -> Path    compiles (or finds) it; OSError or
                                                        subprocess.SubprocessError where it cannot
     cpu_flags() -> tuple[str, ...]                     -mavx2 -mfma where this CPU lists both
+    cpu_features() -> frozenset[str]                   the flags /proc/cpuinfo lists (x86: avx2, ...)
 
 A library is compiled once per digest of its source and flags into the user's cache folder
 ($XDG_CACHE_HOME/strata, else ~/.cache/strata), written to a temporary file and renamed, so test
@@ -25,11 +26,16 @@ CPU_INFO = Path("/proc/cpuinfo")
 
 def cpu_flags() -> tuple[str, ...]:
     """-mavx2 -mfma where this CPU reports both (x86-64 Linux), else nothing: the compiler's baseline."""
+    return ("-mavx2", "-mfma") if {"avx2", "fma"} <= cpu_features() else ()
+
+
+def cpu_features() -> frozenset[str]:
+    """The first processor's `flags` in /proc/cpuinfo (x86 Linux; empty elsewhere)."""
     try:
-        reported = next(line for line in CPU_INFO.read_text().splitlines() if line.startswith("flags")).split()
+        reported = next(line for line in CPU_INFO.read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
-        return ()
-    return ("-mavx2", "-mfma") if {"avx2", "fma"} <= set(reported) else ()
+        return frozenset()
+    return frozenset(reported.split(":", 1)[-1].split())
 
 
 def built_library(source: Path, flags: tuple[str, ...], libraries: tuple[str, ...] = ()) -> Path:

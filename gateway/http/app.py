@@ -45,7 +45,7 @@ from kvcache.sealing import NO_SEALING, Sealer
 from kvcache.ssd import AdmissionPolicy, SsdConfig
 from semantic import Embedder
 
-from ..blas import blas_in_use
+from ..blas import blas_in_use, core_in_use
 from ..checkpoints import resolve_model_path
 from ..engine import CacheConfig, Engine, EngineConfig, vector_products_loaded
 from ..formats import anthropic_api, openai_format, responses_api
@@ -571,6 +571,7 @@ def _health_details(services: Services) -> dict:
         "model": services.engine.info.name,
         "model_fingerprint": services.engine.info.fingerprint,
         "blas": blas_in_use(),
+        "blas_core": core_in_use(),  # OpenBLAS's kernels (e.g. SkylakeX), None on another BLAS
         "one_row_products": vector_products_loaded(),  # through sgemv (gateway/engine/vector_products.c)
         "multi_tenant": services.settings.multi_tenant,
         "queue_depth": engine.queue_depth,
@@ -824,7 +825,7 @@ def _log_startup(settings: Settings, engine: Engine, models: ServedModels) -> No
         log.info("multi-tenant: %d API keys; tenant comes from the key", len(settings.api_keys))
     else:
         log.warning("single-tenant mode: STRATA_API_KEYS is not set, so every caller is tenant 'default'")
-    log.info("serving model %r (%s) on BLAS %s", engine.info.name, engine.info.path, blas_in_use())
+    log.info("serving model %r (%s) on BLAS %s (%s)", engine.info.name, engine.info.path, blas_in_use(), core_in_use())
     if more := [status.name for status in models.statuses()[1:]]:
         limit = models.pool.limit_bytes
         log.info("also serving, loaded when first asked for: %s (memory limit %d MiB)", ", ".join(more), limit >> 20)

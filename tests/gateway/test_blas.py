@@ -9,7 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from gateway.blas import env_with_openblas, openblas_library
+from gateway.blas import BLAS_VARIABLES, better_core_type, env_with_openblas, openblas_core, openblas_library
+from gateway.engine import cpu_features
 
 PROBE = """
 import sys
@@ -51,3 +52,60 @@ def test_openblas_matches_reference_blas(tiny_model_path, tmp_path):
 
 def test_reference_blas_can_be_forced():
     assert env_with_openblas({"STRATA_BLAS": "reference"}) is None
+
+
+AVX512 = frozenset({"sse3", "avx", "avx2", "fma", "avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
+AVX2 = frozenset({"sse3", "avx", "avx2", "fma"})
+
+
+@pytest.mark.parametrize(
+    ("features", "detected", "wanted"),
+    [
+        (AVX512, "Prescott", "SkylakeX"),  # a Xeon OpenBLAS does not know (KVM) falls back to SSE3
+        (AVX2, "Prescott", "Haswell"),
+        (frozenset({"avx"}), "Prescott", "Sandybridge"),
+        (AVX512, "Zen", "SkylakeX"),  # AVX-512 on a core OpenBLAS gives AVX2 kernels
+        (AVX512, "SkylakeX", None),  # OpenBLAS's own choice is as wide as the flags
+        (AVX512, "Cooperlake", None),
+        (AVX2, "Haswell", None),
+        (AVX2, "Zen", None),
+        (AVX512 - {"avx512bw"}, "Haswell", None),  # AVX-512 without every part SkylakeX's kernels use
+        (frozenset(), "Prescott", None),  # no flags read: nothing to ask for
+        (AVX512, "ARMV8", None),  # a name this table does not rank is left alone
+        (AVX512, None, None),  # OpenBLAS's choice could not be read
+    ],
+)
+def test_better_core_type_asks_for_the_widest_kernels_the_flags_allow(features, detected, wanted):
+    assert better_core_type(features, detected) == wanted
+
+
+@pytest.mark.skipif(openblas_library() is None, reason="no system OpenBLAS on this platform")
+def test_a_core_type_set_by_hand_is_kept():
+    env = env_with_openblas({"PATH": os.environ["PATH"], "OPENBLAS_CORETYPE": "Sandybridge"})
+    assert env is not None and env["OPENBLAS_CORETYPE"] == "Sandybridge"
+
+
+@pytest.mark.skipif(openblas_library() is None, reason="no system OpenBLAS on this platform")
+def test_the_server_blas_runs_the_widest_kernels_this_cpu_allows():
+    """A process started on the server's environment runs OpenBLAS on kernels no narrower than the
+    CPU's flags allow, whatever OpenBLAS would have picked on its own."""
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "OPENBLAS_CORETYPE")}
+    env = env_with_openblas(base)
+    assert env is not None
+    code = "from gateway.blas import core_in_use; print(core_in_use())"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    core = done.stdout.strip()
+    assert core in (openblas_core(openblas_library()), env.get("OPENBLAS_CORETYPE"))
+    assert better_core_type(cpu_features(), core) is None, (core, openblas_core(openblas_library()))
+
+
+@pytest.mark.skipif(openblas_library() is None, reason="no system OpenBLAS on this platform")
+def test_python_m_gateway_blas_prints_the_variables_the_makefile_sets():
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "OPENBLAS_CORETYPE")}
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.blas"], env=base, capture_output=True, text=True, timeout=120, check=True
+    )
+    words = dict(word.split("=", 1) for word in done.stdout.split())
+    assert words == {name: value for name, value in env_with_openblas(base).items() if name in BLAS_VARIABLES}
+    assert openblas_library() in words["LD_PRELOAD"].split(":")

@@ -16,7 +16,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.engine import vector_products_library
+from gateway.blas import better_core_type
+from gateway.engine import cpu_features, vector_products_library
 from tests.conftest import TINY, png_data_url
 
 KEYS = "key-a:tenant-a,key-b:tenant-b"
@@ -209,6 +210,8 @@ def test_cli_runs_on_openblas_without_ld_preload(server):
     assert health["blas"] == "openblas"
     # and before OpenBLAS, the one-row products library, where this machine can compile it
     assert health["one_row_products"] is (vector_products_library() is not None)
+    # on OpenBLAS kernels as wide as the CPU's flags allow (named where OpenBLAS would pick older ones)
+    assert health["blas_core"] and better_core_type(cpu_features(), health["blas_core"]) is None
 
 
 def _admin_stats(server) -> dict:
