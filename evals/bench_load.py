@@ -158,7 +158,8 @@ def start_strata(
 def start_mlx_vlm(model_dir: Path, work: Path, max_num_seqs: int | None, prefix_cache: bool) -> Server:
     """max_num_seqs None: mlx-vlm's default (no --max-num-seqs cap: its batch generator's own limits)."""
     base = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    # OpenBLAS alone, as mlx-vlm runs on Linux: the one-row products library is Strata's own
+    # OpenBLAS alone, as mlx-vlm runs on Linux (the one-row products library is Strata's own), on the
+    # same OpenBLAS kernels as Strata's: the engines are compared, not the BLAS kernels they get
     env = (env_with_openblas(base, one_row_products=False) or base) | {
         "APC_DISK_PATH": tempfile.mkdtemp(dir=work),
         "APC_ENABLED": "1" if prefix_cache else "0",
