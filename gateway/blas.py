@@ -117,6 +117,17 @@ def openblas_core(library: str) -> str | None:
     return done.stdout.strip() or None
 
 
+def env_with_wider_kernels(env: dict[str, str]) -> dict[str, str] | None:
+    """A copy of env naming wider OpenBLAS kernels than this process runs on, where the CPU allows
+    them and no core type is set; else None."""
+    if "OPENBLAS_CORETYPE" in env:
+        return None
+    from .engine import cpu_features
+
+    core = better_core_type(cpu_features(), core_in_use())
+    return {**env, "OPENBLAS_CORETYPE": core} if core else None
+
+
 def core_in_use() -> str | None:
     """The core type of the OpenBLAS this process runs on, or None (another BLAS)."""
     try:
@@ -128,8 +139,9 @@ def core_in_use() -> str | None:
 
 
 def reexec_with_openblas(argv: list[str]) -> None:
-    """Replace this process with the same command on OpenBLAS, if it is not already on it."""
-    env = env_with_openblas(dict(os.environ))
+    """Replace this process with the same command on OpenBLAS, if it is not already on it, or on
+    wider kernels, if it runs on OpenBLAS preloaded by hand on narrower ones than the CPU allows."""
+    env = env_with_openblas(dict(os.environ)) or env_with_wider_kernels(dict(os.environ))
     if env is not None:
         os.execve(sys.executable, [sys.executable, "-m", "gateway.cli", *argv], env)
 

@@ -109,3 +109,19 @@ def test_python_m_gateway_blas_prints_the_variables_the_makefile_sets():
     words = dict(word.split("=", 1) for word in done.stdout.split())
     assert words == {name: value for name, value in env_with_openblas(base).items() if name in BLAS_VARIABLES}
     assert openblas_library() in words["LD_PRELOAD"].split(":")
+
+
+@pytest.mark.skipif(openblas_library() is None, reason="no system OpenBLAS on this platform")
+def test_openblas_preloaded_by_hand_gets_the_wider_kernels_too():
+    """`strata serve` started with OpenBLAS in LD_PRELOAD already starts again on the kernels the
+    CPU allows where OpenBLAS picked narrower ones, and not again once they are named."""
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "OPENBLAS_CORETYPE")}
+    code = "from gateway.blas import env_with_wider_kernels as w; import os; e = w(dict(os.environ)); print(e and e['OPENBLAS_CORETYPE'])"
+    by_hand = base | {"LD_PRELOAD": openblas_library()}
+    done = subprocess.run([sys.executable, "-c", code], env=by_hand, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    wanted = better_core_type(cpu_features(), openblas_core(openblas_library()))
+    assert done.stdout.strip() == str(wanted)
+    named = by_hand | {"OPENBLAS_CORETYPE": wanted or "Haswell"}
+    done = subprocess.run([sys.executable, "-c", code], env=named, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "None"
