@@ -6,9 +6,9 @@ the process starts, is 10-30x faster. Before it goes the engine's one-row produc
 sequences' ~1.3x), where it can be built. macOS uses Accelerate and needs none of this.
 
 OpenBLAS picks its kernels by CPU model. A model it does not know gets its oldest x86-64 kernels
-(Prescott, SSE3): a Sapphire Rapids Xeon under KVM, which reports itself as "Intel(R) Xeon(R)
-Processor", multiplied at 51 GFLOP/s there against 197 with the AVX-512 kernels (512 x 512 x 1536,
-2 cores, OpenBLAS 0.3.21). So the preload also names the kernels the CPU's own flags allow
+(Prescott, SSE3): a 5th-generation Xeon (family 6, model 207) under KVM, reporting itself as
+"Intel(R) Xeon(R) Processor", multiplied at 51 GFLOP/s there against 197 with the AVX-512 kernels
+(512 x 512 x 1536, 2 cores, OpenBLAS 0.3.21). So the preload also names the kernels the CPU's own flags allow
 (OPENBLAS_CORETYPE) when, and only when, OpenBLAS would pick weaker ones; a core type set by hand
 is never overridden.
 """

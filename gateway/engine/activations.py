@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as mlx_nn
 import numpy as np
 
-from .attention import swap_layer_classes, with_globals
+from .attention import as_numpy, swap_layer_classes, with_globals
 
 
 def _is_chunk(x: mx.array) -> bool:
@@ -90,8 +90,9 @@ def _cpu_swiglu(original, is_chunk=_is_chunk):
     def swiglu(gate: mx.array, x: mx.array) -> mx.array:
         if not is_chunk(gate):
             return original(gate, x)
-        out = _silu(gate)
-        out *= np.asarray(x.astype(mx.float32))
+        gate_values, up = as_numpy(gate, x)  # both products in one evaluation
+        out = _sigmoid_times(gate_values.copy(), gate_values)
+        out *= up
         return mx.array(out).astype(x.dtype)
 
     return swiglu

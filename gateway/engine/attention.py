@@ -48,7 +48,7 @@ def causal_attention(
     (L, T), or one per row (B, 1, L, T), True where a query may attend, replaces the plain causal
     mask (a sliding window; a batch's left padding). `sinks` (heads,): gpt-oss's learned logit per
     head, one more term of every query's softmax with no value behind it."""
-    q, k, v = (np.asarray(x.astype(mx.float32)) for x in (queries, keys, values))  # numpy has no bfloat16
+    q, k, v = as_numpy(queries, keys, values)
     batch, num_heads, num_queries, head_dim = q.shape
     if num_queries == 1 and mask is not None and mask.ndim == 4 and sinks is None:
         out = decode_attention(q, k, v, scale, mask)  # decode rows: one C pass (None: not built here)
@@ -75,6 +75,14 @@ def causal_attention(
     denominator = denominator.reshape(batch, num_kv_heads, group * num_queries, 1)
     out = np.matmul(scores.reshape(batch, num_kv_heads, group * num_queries, num_keys), v) / denominator
     return mx.array(out.reshape(batch, num_heads, num_queries, head_dim)).astype(queries.dtype)
+
+
+def as_numpy(*arrays: mx.array) -> list[np.ndarray]:
+    """The arrays as float32 numpy arrays (numpy has no bfloat16), evaluated together: one hand-off
+    to MLX's stream for all of them, not one each."""
+    floats = [x.astype(mx.float32) for x in arrays]
+    mx.eval(floats)
+    return [np.asarray(x) for x in floats]
 
 
 @lru_cache(maxsize=8)
