@@ -340,6 +340,13 @@ MUTANTS = (
         ("tests/gateway/test_blas.py",),
     ),
     Mutant(
+        "prompts under way share the step's budget by age alone, a flooding tenant's before another's",
+        "gateway/engine/scheduler.py",
+        "prompts.sort(key=lambda s: (load[s.tenant], s.order))",
+        "prompts.sort(key=lambda s: s.order)",
+        ("tests/gateway/test_scheduler.py",),
+    ),
+    Mutant(
         "a packed row's logits taken at another row's position",
         "gateway/engine/runner.py",
         "keep += [cursor + row * tokens + tokens - k for row in range(rows) for k in range(part.keep, 0, -1)]",

@@ -29,7 +29,7 @@ with nothing running.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
@@ -171,17 +171,14 @@ class Scheduler:
         decoding = any(sequence.decoding for sequence in self.running)
         budget = self.limits.step_tokens if decoding else max(self.limits.step_tokens, ALONE_STEP_TOKENS)
         reserve = self._admission_reserve(budget)
-        prompts = sum(1 for s in self.running if s.status is Status.RUNNING and not s.decoding)  # not yet given
+        shares = self._prompt_shares(budget - reserve)
         for sequence in sorted(self.running, key=lambda s: s.order):  # oldest first: victims come later
             if sequence.status is not Status.RUNNING:
                 continue  # preempted while an older one grew
-            share = budget - reserve
-            if not sequence.decoding:
-                share = self._share(share, prompts, first=not plan.chunks)
-                prompts -= 1
-                if not share:
-                    continue  # the step's budget is spent: this prompt moves at the next step
-            num_tokens = self._tokens_for(sequence, share)
+            if sequence.decoding:
+                num_tokens = self._tokens_for(sequence, 0)
+            elif not (num_tokens := shares.get(id(sequence), 0)):
+                continue  # the step's budget is spent: this prompt moves at the next step
             if num_tokens and self._grow(sequence, num_tokens, plan):
                 self._add(plan, sequence, num_tokens)
                 budget -= num_tokens if not sequence.decoding else 0
@@ -200,6 +197,25 @@ class Scheduler:
             return 0
         block = self.limits.block_tokens
         return max(block, budget // 4 // block * block)
+
+    def _prompt_shares(self, budget: int) -> dict[int, int]:
+        """Prompt tokens of this step for each prompt under way (by id). Prompts whose tenants run
+        fewest sequences share the budget first, evenly (the oldest take the odd blocks); those of
+        busier tenants share what they leave. A lone tenant's prompts share it all, oldest first.
+        So a tenant's prompt beside a flooding tenant's moves at the pace of a prompt alone, instead
+        of an even share among every prompt the flood has under way."""
+        prompts = [s for s in self.running if s.status is Status.RUNNING and not s.decoding]
+        load = Counter(s.tenant for s in self.running)
+        prompts.sort(key=lambda s: (load[s.tenant], s.order))
+        left_at_load = Counter(load[s.tenant] for s in prompts)  # prompts not yet given, by their tenant's load
+        shares = {}
+        for index, sequence in enumerate(prompts):
+            share = self._share(budget, left_at_load[load[sequence.tenant]], first=index == 0)
+            left_at_load[load[sequence.tenant]] -= 1
+            if share:
+                shares[id(sequence)] = self._tokens_for(sequence, share)
+                budget -= shares[id(sequence)]
+        return shares
 
     def _share(self, budget: int, num_prompts: int, first: bool) -> int:
         """Prompt tokens for the oldest of `num_prompts` prompts under way not yet given any: an even

