@@ -9,8 +9,9 @@ generated) of which `num_computed_tokens` have KV; a step feeds it the differenc
 A decoding sequence needs one token a step (its last sampled one); a prompt coming in needs the rest
 of its prompt, taken in chunks under a per-step token budget shared by every admission, so running
 streams keep their pace while prompts arrive, and several prompts can come in in the same call
-(each an even share in whole blocks, oldest first; no step carries more prompt tokens than the
-budget, except the one block the oldest prompt always moves).
+(each an even share in whole blocks, oldest first, the prompts of the tenants running fewest
+sequences before the others; no step carries more prompt tokens than the budget, except the one
+block the first prompt always moves).
 
 Memory: one budget (the prefix cache's, where cached blocks give way to running sequences). A
 sequence holds `num_reserved_tokens` of KV in it: its prompt and one block at admission, then a
@@ -24,7 +25,7 @@ is refused.
 
 Fairness (tenants): the fair queue takes turns; no tenant holds more than half of the running places
 while others wait, and once several tenants have been served the last place is kept for a tenant
-with nothing running.
+with nothing running; and its prompt takes the step's prompt budget before a busier tenant's.
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ class Scheduler:
     # -- the plan ------------------------------------------------------------------------------
 
     def schedule(self, block: bool = False, timeout_s: float | None = None) -> StepPlan:
-        """The next step: every decoding sequence, the chunks of prompts under way (oldest first),
+        """The next step: every decoding sequence, the chunks of prompts under way (_prompt_shares),
         then new admissions while places, memory and the token budget last. `block`: wait for a
         request when nothing runs."""
         plan = StepPlan()
@@ -218,11 +219,12 @@ class Scheduler:
         return shares
 
     def _share(self, budget: int, num_prompts: int, first: bool) -> int:
-        """Prompt tokens for the oldest of `num_prompts` prompts under way not yet given any: an even
-        share of what is left of the budget, in whole blocks (0: it waits for the next step). The first prompt of a step always moves
-        a block at least; the others only while the budget lasts, so a step never carries more prompt
-        tokens than its budget (six prompts under way once each took a block past it: 288 prompt
-        tokens in a 128-token step, the decode rows' slowest steps)."""
+        """Prompt tokens for the next of `num_prompts` prompts sharing what is left of the budget (in
+        _prompt_shares' order): an even share, in whole blocks (0: it waits for the next step). The
+        first prompt of a step always moves a block at least; the others only while the budget
+        lasts, so a step never carries more prompt tokens than its budget (six prompts under way
+        once each took a block past it: 288 prompt tokens in a 128-token step, the decode rows'
+        slowest steps)."""
         block = self.limits.block_tokens
         blocks_left = max(budget, 0) // block
         if not blocks_left:
