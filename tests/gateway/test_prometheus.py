@@ -80,7 +80,9 @@ def _query_until(url: str, query: str, process: subprocess.Popen, log, timeout_s
     while time.monotonic() < deadline:
         assert process.poll() is None, Path(log.name).read_text()
         try:
-            result = httpx.get(url + "/api/v1/query", params={"query": query}, timeout=5).json()["data"]["result"]
+            answer = httpx.get(url + "/api/v1/query", params={"query": query}, timeout=5)
+            # 503 "Service Unavailable" (plain text) while Prometheus is up but not yet ready
+            result = answer.json()["data"]["result"] if answer.status_code == 200 else []
             if result:
                 return result[0]
         except httpx.HTTPError:
