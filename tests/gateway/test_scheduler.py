@@ -89,6 +89,17 @@ def _run_until_idle(scheduler, max_steps=10_000):
     raise AssertionError("never idle")
 
 
+def _long_prompts_under_way(prompt_tokens: int, decoding_tenant: bytes, prompts_tenant: bytes):
+    """A 128-token step budget, one decoding row, and two long prompts three steps into coming in."""
+    scheduler, _ = _scheduler(step_tokens=128)
+    decoding = _submit(scheduler, 10, max_tokens=500, tenant=decoding_tenant)
+    _execute(scheduler, scheduler.schedule())
+    longs = [_submit(scheduler, prompt_tokens, tenant=prompts_tenant) for _ in range(2)]
+    for _ in range(3):
+        _execute(scheduler, scheduler.schedule())
+    return scheduler, decoding, longs
+
+
 def test_prompt_chunks_share_the_step_token_budget_in_whole_blocks():
     scheduler, _ = _scheduler(step_tokens=64)
     decoding = _submit(scheduler, 10, max_tokens=100)
@@ -129,12 +140,7 @@ def test_decode_rows_run_every_step_beside_a_long_prompt():
 def test_a_short_prompt_starts_at_the_next_step_beside_long_prompts_under_way():
     """Long prompts under way leave a quarter of the budget to requests waiting to start (before,
     two 11,000-token agent prompts kept another tenant's short chat waiting until both were in)."""
-    scheduler, _ = _scheduler(step_tokens=128)
-    decoding = _submit(scheduler, 10, max_tokens=500)
-    _execute(scheduler, scheduler.schedule())
-    longs = [_submit(scheduler, 11_000, tenant=b"agent") for _ in range(2)]
-    for _ in range(3):
-        _execute(scheduler, scheduler.schedule())
+    scheduler, decoding, longs = _long_prompts_under_way(11_000, b"a", b"agent")
     short = _submit(scheduler, 20, tenant=b"b")
     plan = scheduler.schedule()
     assert plan.admitted == [short] and (short, 20) in plan.chunks and plan.decode == [decoding]
@@ -149,12 +155,7 @@ def test_a_prompt_of_a_tenant_running_fewer_sequences_takes_the_budget_first():
     """Beside a flooding tenant's long prompts under way, another tenant's prompt moves at the pace
     of a prompt alone (bench_load --fairness: its TTFT p50 0.40 -> 0.25 s), and the flood's prompts
     share the budget again once it is in; the flood's decoding row moves at every step."""
-    scheduler, _ = _scheduler(step_tokens=128)
-    decoding = _submit(scheduler, 10, max_tokens=500, tenant=b"flood")
-    _execute(scheduler, scheduler.schedule())
-    longs = [_submit(scheduler, 2000, tenant=b"flood") for _ in range(2)]
-    for _ in range(3):
-        _execute(scheduler, scheduler.schedule())
+    scheduler, decoding, longs = _long_prompts_under_way(2000, b"flood", b"flood")
     other = _submit(scheduler, 300, tenant=b"b")
     plan = scheduler.schedule()
     assert plan.admitted == [other]
