@@ -12,6 +12,8 @@ On the demo model, in one process (the server's BLAS: run under the Makefile's O
   rows' KV reads add to the weights' pass);
 - a decode step of `--rows` rows at 200 and 800 tokens of context with the rows' attention through
   the C kernel (gateway/engine/decode_attention.c) and through numpy's batched products, alternated;
+- attention on the engine's thread alone and split across the cores (gateway/engine/threads.py),
+  alternated: a decode step of `--rows` rows at 800 and 2,000 tokens of context, a 2,000-token prefill;
 - where a decode step's time goes at 200 tokens of context: the step against its matrix products
   alone (every linear layer and the output head at the step's row count, in one graph) and its floor;
   the rest is attention, activations, norms, rope and synchronisation;
@@ -50,6 +52,7 @@ from gateway.engine import (
     Sampler,
     Sampling,
     use_decode_kernel,
+    use_split_rows,
     use_vector_products,
     vector_products_loaded,
 )
@@ -188,6 +191,32 @@ def attention_paths_ms(runner: ModelRunner, ids: list[int], num_rows: int, repea
     return times
 
 
+def split_paths_ms(runner: ModelRunner, ids: list[int], num_rows: int, repeats: int) -> dict[str, float]:
+    """Attention on the engine's thread alone and split across the cores, alternated: a decode step
+    of num_rows rows at 800 and 2,000 tokens of context, and a 2,000-token prompt's prefill."""
+    times: dict[str, float] = {}
+    for context in SPLIT_CONTEXTS:
+        batch = _decode_batch(runner, ids, num_rows, context)
+        paths = _alternated_ms(runner, batch, use_split_rows, ("one thread", "split"), repeats)
+        times |= {f"{path}x{context}": ms for path, ms in paths.items()}
+    prompt = PreparedPrompt(tuple(ids[:SPLIT_PROMPT_TOKENS]), ())
+
+    def prefill(_parts) -> None:
+        runner.prefill(prompt, SALT, 512, lambda: False)
+
+    rounds: dict[str, list[float]] = {"one thread": [], "split": []}
+    for _ in range(3):
+        for path in rounds:
+            use_split_rows(path == "split")
+            rounds[path].append(_median_ms(prefill, list, max(1, repeats // 3)))
+    use_split_rows(True)
+    return times | {f"{path}xprefill": statistics.median(values) for path, values in rounds.items()}
+
+
+SPLIT_CONTEXTS = (800, 2000)
+SPLIT_PROMPT_TOKENS = 2000
+
+
 def few_rows_paths_ms(runner: ModelRunner, ids: list[int], repeats: int) -> dict[str, float]:
     """Decode steps of 1-4 rows at 200 tokens of context, their products through sgemm and through sgemv."""
     times: dict[str, float] = {}
@@ -311,6 +340,19 @@ def main() -> None:
         + " | ".join(f"{paths[f'numpyx{c}'] / paths[f'kernelx{c}']:.2f}x" for c in (200, 800))
         + " |"
     )
+    split = split_paths_ms(runner, setup.ids, args.rows, args.repeats)
+    columns = [f"{args.rows}-row decode step, context {c}" for c in SPLIT_CONTEXTS] + [
+        f"{SPLIT_PROMPT_TOKENS}-token prefill"
+    ]
+    keys = [f"x{c}" for c in SPLIT_CONTEXTS] + ["xprefill"]
+    print("\n| attention | " + " | ".join(columns) + " |\n|---|" + "---|" * len(columns))
+    for path in ("one thread", "split"):
+        print(f"| {path} | " + " | ".join(f"{split[path + key]:.1f} ms" for key in keys) + " |")
+    print(
+        "| one thread / split | "
+        + " | ".join(f"{split['one thread' + k] / split['split' + k]:.2f}x" for k in keys)
+        + " |"
+    )
     print("\n| decode step, context 200 | step | matrix products alone | the rest | floor | step / floor |")
     print("|---|---|---|---|---|---|")
     breakdown = {}
@@ -348,6 +390,7 @@ def main() -> None:
                 "decode_by_context_ms": contexts,
                 "decode_breakdown": breakdown,
                 "attention_paths_ms": paths,
+                "split_paths_ms": split,
                 "few_rows_paths_ms": few,
                 "draws_ms": {"one_by_one": one_by_one, "one_argmax": together},
             }

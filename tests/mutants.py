@@ -528,6 +528,27 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "a prompt chunk's queries split across the cores each take the first part's lines of the mask",
+        "gateway/engine/attention.py",
+        "own = None if mask is None else mask[..., first:last, :]",
+        "own = None if mask is None else mask[..., : last - first, :]",
+        ("tests/gateway/test_split_attention.py",),
+    ),
+    Mutant(
+        "a split call's last part left undone (the engine's thread runs the first part again)",
+        "gateway/engine/threads.py",
+        "        work(bounds[-2], bounds[-1])",
+        "        work(bounds[0], bounds[1])",
+        ("tests/gateway/test_split_attention.py",),
+    ),
+    Mutant(
+        "every part of the decode rows' kernel writes its results over the first rows",
+        "gateway/engine/decode_kernel.py",
+        "            out[first:].ctypes.data,",
+        "            out.ctypes.data,",
+        ("tests/gateway/test_split_attention.py",),
+    ),
+    Mutant(
         "the engine's idle thread keeps its last worker (an unloaded model's memory is never freed)",
         "gateway/engine/threads.py",
         "            del worker\n            with self.lock:",

@@ -52,6 +52,7 @@ from .prompt import PreparedPrompt, PromptError
 from .runner import ModelRunner, Sampler, TokenLogprob
 from .speculative import SpeculativeReport
 from .system_turns import SYSTEM_WRAPPER, SystemPlacement
+from .threads import use_split_rows
 from .tools import ParsedCall, ToolFormat, tools_text
 from .types import ImagePart, Message, Pin, Sampling, Switches, TextPart, Tool, ToolCall
 from .vector_products import (
@@ -125,6 +126,7 @@ __all__ = [
     "return_heap",
     "tools_text",
     "use_decode_kernel",
+    "use_split_rows",
     "use_vector_products",
     "vector_products_library",
     "vector_products_loaded",

@@ -32,6 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from .decode_kernel import decode_attention
+from .threads import split_rows
 
 LOG2E = 1.4426950408889634
 
@@ -47,34 +48,78 @@ def causal_attention(
     """Attention of L queries that are the last L positions of T keys (grouped-query heads). `mask`
     (L, T), or one per row (B, 1, L, T), True where a query may attend, replaces the plain causal
     mask (a sliding window; a batch's left padding). `sinks` (heads,): gpt-oss's learned logit per
-    head, one more term of every query's softmax with no value behind it."""
+    head, one more term of every query's softmax with no value behind it. A batch's rows, or a
+    prompt's queries, are split across the cores (threads.split_rows): each part writes its own
+    lines of the result, computed exactly as they are in one piece."""
     q, k, v = as_numpy(queries, keys, values)
-    batch, num_heads, num_queries, head_dim = q.shape
+    batch, _, num_queries, head_dim = q.shape
     if num_queries == 1 and mask is not None and mask.ndim == 4 and sinks is None:
         out = decode_attention(q, k, v, scale, mask)  # decode rows: one C pass (None: not built here)
         if out is not None:
             return mx.array(out).astype(queries.dtype)
+    sink = None if sinks is None else np.asarray(sinks.astype(mx.float32)) * np.float32(LOG2E)
+    out = np.empty(q.shape, dtype=np.float32)
+    num_scores = q.size // head_dim * k.shape[2]
+    causal = _causal_bias(num_queries) if mask is None else None
+    if batch > 1:  # a batch's rows, each over its own keys (under its own mask where it has one)
+
+        def rows(first: int, last: int) -> None:
+            own = mask if mask is None or mask.ndim == 2 else _rows(mask, first, last)
+            keys_, values_ = _rows(k, first, last), _rows(v, first, last)
+            _attend(q[first:last], keys_, values_, scale, own, causal, sink, out[first:last])
+
+        split_rows(rows, batch, num_scores)
+    else:  # a prompt's chunk: its queries in parts, each with its lines of the mask
+
+        def lines(first: int, last: int) -> None:
+            own = None if mask is None else mask[..., first:last, :]
+            part = None if causal is None else causal[first:last]
+            _attend(q[:, :, first:last], k, v, scale, own, part, sink, out[:, :, first:last])
+
+        split_rows(lines, num_queries, num_scores)
+    return mx.array(out).astype(queries.dtype)
+
+
+def _rows(array: np.ndarray, first: int, last: int) -> np.ndarray:
+    """Rows [first, last) of a batch's array; one row shared by all (broadcast) stays whole."""
+    return array if array.shape[0] == 1 else array[first:last]
+
+
+def _attend(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    scale: float,
+    mask: np.ndarray | None,
+    causal: np.ndarray | None,
+    sink: np.ndarray | None,
+    out: np.ndarray,
+) -> None:
+    """softmax(q kᵀ · scale + the mask's -inf) v into `out`, for q (B, H, L, D) against k, v
+    (B, KV heads, T, D): `mask` (L, T) or (B, 1, L, T) booleans, or `causal` (L, C), the -inf
+    above the diagonal over the last C keys; `sink` (H,): log2-scaled sink logits."""
+    batch, num_heads, num_queries, head_dim = q.shape
     num_kv_heads, num_keys = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
     grouped = q.reshape(batch, num_kv_heads, group * num_queries, head_dim) * np.float32(scale * LOG2E)
     scores = np.matmul(grouped, k.transpose(0, 1, 3, 2)).reshape(batch, num_kv_heads, group, num_queries, num_keys)
-    if mask is None:
-        scores[..., num_keys - num_queries :] += _causal_bias(num_queries)
-    else:
+    if causal is not None:
+        scores[..., num_keys - causal.shape[1] :] += causal
+    if mask is not None:
         bias = np.where(mask, np.float32(0), np.float32(-np.inf))
         scores += bias[:, :, None] if bias.ndim == 4 else bias  # per row: (B, 1, 1, L, T) over the heads
     top = scores.max(axis=-1, keepdims=True)
-    if sinks is not None:
-        sink = np.asarray(sinks.astype(mx.float32)).reshape(1, num_kv_heads, group, 1, 1) * np.float32(LOG2E)
+    if sink is not None:
+        sink = sink.reshape(1, num_kv_heads, group, 1, 1)
         top = np.maximum(top, sink)
     scores -= top
     np.exp2(scores, out=scores)
     denominator = scores.sum(axis=-1, keepdims=True)
-    if sinks is not None:
+    if sink is not None:
         denominator += np.exp2(sink - top)
     denominator = denominator.reshape(batch, num_kv_heads, group * num_queries, 1)
-    out = np.matmul(scores.reshape(batch, num_kv_heads, group * num_queries, num_keys), v) / denominator
-    return mx.array(out.reshape(batch, num_heads, num_queries, head_dim)).astype(queries.dtype)
+    weighted = np.matmul(scores.reshape(batch, num_kv_heads, group * num_queries, num_keys), v) / denominator
+    out[...] = weighted.reshape(batch, num_heads, num_queries, head_dim)
 
 
 def as_numpy(*arrays: mx.array) -> list[np.ndarray]:

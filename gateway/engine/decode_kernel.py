@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from .native import built_library, cpu_flags
+from .threads import split_rows
 
 log = logging.getLogger("strata.engine")
 
@@ -56,23 +57,28 @@ def decode_attention(
     q = np.ascontiguousarray(q, dtype=np.float32)
     visible = np.ascontiguousarray(allowed, dtype=np.bool_).view(np.uint8)  # numpy's bool is one byte, 0 or 1
     out = np.empty((rows, heads, 1, head_dim), dtype=np.float32)
-    scores = np.empty((heads // kv_heads, num_keys), dtype=np.float32)
-    kernel(
-        q.ctypes.data,
-        keys.ctypes.data,
-        values.ctypes.data,
-        visible.ctypes.data,
-        rows,
-        heads,
-        kv_heads,
-        num_keys,
-        head_dim,
-        *_element_strides(keys),
-        *_element_strides(values),
-        scale * LOG2E,
-        scores.ctypes.data,
-        out.ctypes.data,
-    )
+
+    def attend(first: int, last: int) -> None:
+        """Rows [first, last): each row's result depends on its own inputs only."""
+        scores = np.empty((heads // kv_heads, num_keys), dtype=np.float32)
+        kernel(
+            q[first:].ctypes.data,
+            keys[first:].ctypes.data,
+            values[first:].ctypes.data,
+            visible[first:].ctypes.data,
+            last - first,
+            heads,
+            kv_heads,
+            num_keys,
+            head_dim,
+            *_element_strides(keys),
+            *_element_strides(values),
+            scale * LOG2E,
+            scores.ctypes.data,
+            out[first:].ctypes.data,
+        )
+
+    split_rows(attend, rows, rows * heads * num_keys)
     return out
 
 

@@ -1,9 +1,14 @@
-"""The threads engine workers run on: reused, never ended."""
+"""The threads engine workers run on (reused, never ended), and the helpers that take parts of a
+step's attention to the other cores."""
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -50,3 +55,45 @@ class EngineThreads:
 
 
 ENGINE_THREADS = EngineThreads()
+
+
+# Work a step hands to the other cores: MLX's own CPU operations and the numpy and C code of attention
+# run on the engine's thread alone, while OpenBLAS's threads wait between products. Below this many
+# attention scores (rows x heads x queries x keys) a call is not split: the hand-off (~50 us) costs
+# more than half the work saves.
+SPLIT_FROM_SCORES = 1 << 16
+MAX_PARTS = 4
+
+_switch = {"enabled": True}  # process-wide; only benchmarks turn it off
+
+
+def use_split_rows(enabled: bool) -> None:
+    _switch["enabled"] = enabled
+
+
+def split_rows(work: Callable[[int, int], None], num_rows: int, num_scores: int) -> None:
+    """Run `work(first, last)` over [0, num_rows) in contiguous parts, one per core this process may
+    use (at most MAX_PARTS), the engine's thread taking the last; returns when all have run, and
+    raises what any raised. Each part must write only its own rows' results."""
+    split = _switch["enabled"] and num_scores >= SPLIT_FROM_SCORES
+    parts = min(num_rows, _num_cores(), MAX_PARTS) if split else 1
+    bounds = [num_rows * part // parts for part in range(parts + 1)]
+    others = [_helpers().submit(work, bounds[part], bounds[part + 1]) for part in range(parts - 1)]
+    try:
+        work(bounds[-2], bounds[-1])
+    finally:
+        for other in others:
+            other.result()
+
+
+@cache
+def _num_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@cache
+def _helpers() -> ThreadPoolExecutor:
+    """Threads that take parts of a split call (engines in several threads share them: a part waits
+    for a free one). They run numpy and C code only, never MLX (see EngineThreads on MLX's
+    thread-local state); idle, they hold nothing."""
+    return ThreadPoolExecutor(MAX_PARTS - 1, thread_name_prefix="strata-split")
