@@ -528,10 +528,17 @@ MUTANTS = (
         ),
     ),
     Mutant(
-        "a prompt chunk's queries split across the cores each take the first part's lines of the mask",
+        "a prompt chunk's queries split across the cores (and in blocks) each take the mask's first lines",
         "gateway/engine/attention.py",
-        "own = None if mask is None else mask[..., first:last, :]",
-        "own = None if mask is None else mask[..., : last - first, :]",
+        "own = None if mask is None else mask[..., start:end, :]",
+        "own = None if mask is None else mask[..., : end - start, :]",
+        ("tests/gateway/test_split_attention.py",),
+    ),
+    Mutant(
+        "each block of a long prompt's queries takes the causal mask's first lines",
+        "gateway/engine/attention.py",
+        "part = None if causal is None else causal[start:end]",
+        "part = None if causal is None else causal[: end - start]",
         ("tests/gateway/test_split_attention.py",),
     ),
     Mutant(

@@ -115,3 +115,25 @@ def test_rows_that_share_one_mask_and_the_causal_rows_of_a_batch_split_too(monke
     for mask in (_sliding_window(12, 30, 8), None):
         whole, split = _whole_and_split(monkeypatch, q, k, v, 0.125, mask)
         np.testing.assert_allclose(split, whole, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["causal", "window", "drafts"])
+def test_blocks_of_a_few_lines_equal_one_piece_and_the_library(monkeypatch, case):
+    """A long prompt's chunk is attended in blocks of queries (a batch's rows in blocks of rows):
+    here blocks of 3 lines, across 3 parts."""
+    rows, queries = (5, 3) if case == "drafts" else (1, 37)
+    q, k, v = _qkv(rows, queries, 90)
+    mask = None if case == "causal" else _sliding_window(queries, 90, 16)
+    whole, _ = _whole_and_split(monkeypatch, q, k, v, 0.125, mask)
+    monkeypatch.setattr(attention, "BLOCK_SCORES", 3 * HEADS * 90 * (queries if case == "drafts" else 1))
+    blocked = np.asarray(attention.causal_attention(q, k, v, 0.125, mask))
+    np.testing.assert_allclose(blocked, whole, rtol=0, atol=1e-6)
+    library_mask = "causal" if mask is None else mx.array(mask)
+    theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=library_mask)
+    np.testing.assert_allclose(blocked, np.asarray(theirs), rtol=0, atol=1e-5)
+
+
+def test_blocks_cover_a_parts_lines_in_order_one_line_at_least(monkeypatch):
+    monkeypatch.setattr(attention, "BLOCK_SCORES", 3 * 720)
+    assert attention._blocks(4, 14, 720) == [(4, 7), (7, 10), (10, 13), (13, 14)]
+    assert attention._blocks(0, 3, 10_000) == [(0, 1), (1, 2), (2, 3)]  # a line over the bound: alone
