@@ -14,6 +14,8 @@ On the demo model, in one process (the server's BLAS: run under the Makefile's O
   the C kernel (gateway/engine/decode_attention.c) and through numpy's batched products, alternated;
 - attention on the engine's thread alone and split across the cores (gateway/engine/threads.py),
   alternated: a decode step of `--rows` rows at 800 and 2,000 tokens of context, a 2,000-token prefill;
+- a lone row's decode step at 2,000 and 8,000 tokens of context, its attention through MLX's kernel
+  and through the C kernel, alternated;
 - where a decode step's time goes at 200 tokens of context: the step against its matrix products
   alone (every linear layer and the output head at the step's row count, in one graph) and its floor;
   the rest is attention, activations, norms, rope and synchronisation;
@@ -52,6 +54,7 @@ from gateway.engine import (
     Sampler,
     Sampling,
     use_decode_kernel,
+    use_lone_row_kernel,
     use_split_rows,
     use_vector_products,
     vector_products_loaded,
@@ -213,6 +216,18 @@ def split_paths_ms(runner: ModelRunner, ids: list[int], num_rows: int, repeats: 
     return times | {f"{path}xprefill": statistics.median(values) for path, values in rounds.items()}
 
 
+def lone_row_paths_ms(runner: ModelRunner, ids: list[int], repeats: int) -> dict[str, float]:
+    """A lone row's decode step at long contexts, its attention through MLX's kernel and through the
+    C kernel (its KV heads split across the cores), alternated."""
+    times: dict[str, float] = {}
+    for context in LONE_CONTEXTS:
+        batch = _decode_batch(runner, ids, 1, context)
+        paths = _alternated_ms(runner, batch, use_lone_row_kernel, ("MLX", "C kernel"), repeats)
+        times |= {f"{path}x{context}": ms for path, ms in paths.items()}
+    return times
+
+
+LONE_CONTEXTS = (2000, 8000)
 SPLIT_CONTEXTS = (800, 2000)
 SPLIT_PROMPT_TOKENS = 2000
 
@@ -353,6 +368,16 @@ def main() -> None:
         + " | ".join(f"{split['one thread' + k] / split['split' + k]:.2f}x" for k in keys)
         + " |"
     )
+    lone = lone_row_paths_ms(runner, setup.ids, args.repeats)
+    print("\n| 1-row decode step, attention through | " + " | ".join(f"context {c}" for c in LONE_CONTEXTS) + " |")
+    print("|---|" + "---|" * len(LONE_CONTEXTS))
+    for path in ("MLX", "C kernel"):
+        print(f"| {path} | " + " | ".join(f"{lone[f'{path}x{c}']:.1f} ms" for c in LONE_CONTEXTS) + " |")
+    print(
+        "| MLX / C kernel | "
+        + " | ".join(f"{lone[f'MLXx{c}'] / lone[f'C kernelx{c}']:.2f}x" for c in LONE_CONTEXTS)
+        + " |"
+    )
     print("\n| decode step, context 200 | step | matrix products alone | the rest | floor | step / floor |")
     print("|---|---|---|---|---|---|")
     breakdown = {}
@@ -391,6 +416,7 @@ def main() -> None:
                 "decode_breakdown": breakdown,
                 "attention_paths_ms": paths,
                 "split_paths_ms": split,
+                "lone_row_paths_ms": lone,
                 "few_rows_paths_ms": few,
                 "draws_ms": {"one_by_one": one_by_one, "one_argmax": together},
             }

@@ -542,6 +542,20 @@ MUTANTS = (
         ("tests/gateway/test_split_attention.py",),
     ),
     Mutant(
+        "a lone row's KV heads in parts all read the first KV head's keys",
+        "gateway/engine/decode_kernel.py",
+        "            keys[first:, kv_first:].ctypes.data,",
+        "            keys[first:].ctypes.data,",
+        ("tests/gateway/test_split_attention.py",),
+    ),
+    Mutant(
+        "a lone row takes the C kernel whatever its mask (a sliding window's or a padded row's ignored)",
+        "gateway/engine/attention.py",
+        "        and mask is None\n        and isinstance(keys, mx.array)",
+        "        and isinstance(keys, mx.array)",
+        ("tests/gateway/test_split_attention.py",),
+    ),
+    Mutant(
         "a split call's last part left undone (the engine's thread runs the first part again)",
         "gateway/engine/threads.py",
         "        work(bounds[-2], bounds[-1])",
@@ -549,9 +563,9 @@ MUTANTS = (
         ("tests/gateway/test_split_attention.py",),
     ),
     Mutant(
-        "every part of the decode rows' kernel writes its results over the first rows",
+        "every part of the decode rows' kernel writes its results over the first rows and heads",
         "gateway/engine/decode_kernel.py",
-        "            out[first:].ctypes.data,",
+        "            out[first:, kv_first * group :].ctypes.data,",
         "            out.ctypes.data,",
         ("tests/gateway/test_split_attention.py",),
     ),

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .attention import use_lone_row_kernel
 from .batch import DecodeBatch, decode_alone
 from .caches import CacheLayer, Removed
 from .caching import CacheConfig, PrefixReport, VisionReport, purge_ssd_of
@@ -126,6 +127,7 @@ __all__ = [
     "return_heap",
     "tools_text",
     "use_decode_kernel",
+    "use_lone_row_kernel",
     "use_split_rows",
     "use_vector_products",
     "vector_products_library",

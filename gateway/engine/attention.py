@@ -18,7 +18,8 @@ Measured here (8 heads, 2 KV heads, 320 keys, per layer): 16 rows 0.96 -> 0.58 m
 2.59 ms; a demo-model decode step of 16 rows 14.4 -> 11.9 ms, of 64 rows 37 -> 31 ms. Decode rows
 with one query each and no sinks then go one step further, to a C kernel that reads each row's keys
 once for all its query heads (gateway/engine/decode_kernel.py; numpy's products cost one OpenBLAS
-call per row and KV head). A lone row (no mask) keeps MLX's kernel: nothing to gain there. On Metal
+call per row and KV head). A lone row (no mask) keeps MLX's kernel up to LONE_ROW_FROM_KEYS keys,
+and takes the C kernel over longer contexts (a coding agent's one stream). On Metal
 nothing changes.
 """
 
@@ -224,6 +225,8 @@ def _cpu_prefill(original):
                     mask[..., first:],
                     allowed[..., first:],
                 )
+        if _lone_row_over_long_context(queries, keys, mask) and not args and not kwargs:
+            return causal_attention(queries, keys, values, scale, np.ones((1, 1, 1, keys.shape[2]), dtype=np.bool_))
         several = queries.shape[2] > 1 or (queries.shape[0] > 1 and allowed is not None)
         if several and not args and kwargs.keys() <= {"sinks"} and isinstance(keys, mx.array):
             sinks = kwargs.get("sinks")
@@ -234,6 +237,31 @@ def _cpu_prefill(original):
         return original(queries, keys, values, cache, scale, mask, *args, **kwargs)
 
     return scaled_dot_product_attention
+
+
+# From this many keys a lone decode row's attention takes the C kernel too (mask None: it sees every
+# key), its KV heads split across the cores. Attention alone, one row, 8 heads over 2 KV heads:
+# MLX's kernel against the C kernel 0.21 / 0.06 ms at 200 keys, 0.71 / 0.25 at 2,000, 2.53 / 1.09 at
+# 8,000, 5.33 / 1.90 at 16,000. A whole decode step of the demo model (alternated): 0.96x at 1,000
+# keys, 1.04x at 2,000, 1.14x at 4,000, 1.37x at 8,000, 1.43x at 16,000 (below ~2,000 the two trips
+# between MLX and numpy a layer cost what the kernel saves).
+LONE_ROW_FROM_KEYS = 2048
+_lone_row = {"enabled": True}  # process-wide; only benchmarks turn it off
+
+
+def use_lone_row_kernel(enabled: bool) -> None:
+    _lone_row["enabled"] = enabled
+
+
+def _lone_row_over_long_context(queries: mx.array, keys, mask) -> bool:
+    return (
+        _lone_row["enabled"]
+        and mask is None
+        and isinstance(keys, mx.array)
+        and queries.shape[0] == 1
+        and queries.shape[2] == 1
+        and keys.shape[2] >= LONE_ROW_FROM_KEYS
+    )
 
 
 def _one_per_row(mask: mx.array) -> bool:

@@ -58,27 +58,34 @@ def decode_attention(
     visible = np.ascontiguousarray(allowed, dtype=np.bool_).view(np.uint8)  # numpy's bool is one byte, 0 or 1
     out = np.empty((rows, heads, 1, head_dim), dtype=np.float32)
 
-    def attend(first: int, last: int) -> None:
-        """Rows [first, last): each row's result depends on its own inputs only."""
-        scores = np.empty((heads // kv_heads, num_keys), dtype=np.float32)
+    group = heads // kv_heads
+
+    def attend(first: int, last: int, kv_first: int = 0, kv_last: int = kv_heads) -> None:
+        """Rows [first, last), KV heads [kv_first, kv_last) with their query heads: each result
+        depends on its own inputs only. A part of the KV heads is for one row alone (the kernel
+        steps from row to row by `heads`)."""
+        scores = np.empty((group, num_keys), dtype=np.float32)
         kernel(
-            q[first:].ctypes.data,
-            keys[first:].ctypes.data,
-            values[first:].ctypes.data,
+            q[first:, kv_first * group :].ctypes.data,
+            keys[first:, kv_first:].ctypes.data,
+            values[first:, kv_first:].ctypes.data,
             visible[first:].ctypes.data,
             last - first,
-            heads,
-            kv_heads,
+            (kv_last - kv_first) * group,
+            kv_last - kv_first,
             num_keys,
             head_dim,
             *_element_strides(keys),
             *_element_strides(values),
             scale * LOG2E,
             scores.ctypes.data,
-            out[first:].ctypes.data,
+            out[first:, kv_first * group :].ctypes.data,
         )
 
-    split_rows(attend, rows, rows * heads * num_keys)
+    if rows == 1:  # a lone row over a long context: its KV heads in parts
+        split_rows(lambda kv_first, kv_last: attend(0, 1, kv_first, kv_last), kv_heads, heads * num_keys)
+    else:
+        split_rows(attend, rows, rows * heads * num_keys)
     return out
 
 

@@ -137,3 +137,39 @@ def test_blocks_cover_a_parts_lines_in_order_one_line_at_least(monkeypatch):
     monkeypatch.setattr(attention, "BLOCK_SCORES", 3 * 720)
     assert attention._blocks(4, 14, 720) == [(4, 7), (7, 10), (10, 13), (13, 14)]
     assert attention._blocks(0, 3, 10_000) == [(0, 1), (1, 2), (2, 3)]  # a line over the bound: alone
+
+
+def test_a_lone_rows_kv_heads_in_parts_equal_the_whole_call(monkeypatch):
+    q, k, v = _qkv(1, 1, 300)
+    everything = np.ones((1, 1, 1, 300), dtype=bool)
+    whole, split = _whole_and_split(monkeypatch, q, k, v, 0.125, everything)
+    np.testing.assert_allclose(split, whole, rtol=0, atol=1e-6)
+    theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125)
+    np.testing.assert_allclose(split, np.asarray(theirs), rtol=0, atol=1e-5)
+
+
+def test_a_lone_row_over_a_long_context_takes_the_c_kernel_and_a_short_one_keeps_mlxs(monkeypatch):
+    calls = []
+    real = attention.causal_attention
+    monkeypatch.setattr(attention, "causal_attention", lambda *a, **kw: calls.append(a[1].shape[2]) or real(*a, **kw))
+    monkeypatch.setattr(attention, "LONE_ROW_FROM_KEYS", 100)
+    sdpa = attention._cpu_prefill(
+        lambda q, k, v, cache, scale, mask: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    )
+    for keys in (99, 100, 250):
+        q, k, v = _qkv(1, 1, keys)
+        ours = sdpa(q, k, v, None, 0.125, None)
+        theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125)
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=0, atol=1e-5)
+    assert calls == [100, 250]  # 99 keys: MLX's own kernel
+    holes = np.ones((1, 1, 1, 250), dtype=bool)
+    holes[..., 120:180] = False  # a lone row with a mask keeps its mask's meaning
+    ours = sdpa(q, k, v, None, 0.125, mx.array(holes))
+    theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mx.array(holes))
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=0, atol=1e-5)
+    attention.use_lone_row_kernel(False)
+    try:
+        sdpa(*_qkv(1, 1, 250), None, 0.125, None)
+    finally:
+        attention.use_lone_row_kernel(True)
+    assert len(calls) == 2  # switched off: MLX's kernel at any length
