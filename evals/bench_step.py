@@ -312,6 +312,15 @@ def draw_ms(setup: Setup, repeats: int) -> tuple[float, float]:
     return _median_ms(one_by_one, list, repeats * 5), together
 
 
+def print_paths(heading: str, columns: dict[str, str], times: dict[str, float], names: tuple[str, str]) -> None:
+    """Two paths' times (keyed name + column key) as a table, one column per heading, and their ratio."""
+    print(f"\n| {heading} | " + " | ".join(columns) + " |\n|---|" + "---|" * len(columns))
+    for name in names:
+        print(f"| {name} | " + " | ".join(f"{times[name + key]:.1f} ms" for key in columns.values()) + " |")
+    ratios = (times[names[0] + key] / times[names[1] + key] for key in columns.values())
+    print(f"| {names[0]} / {names[1]} | " + " | ".join(f"{ratio:.2f}x" for ratio in ratios) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="demo")
@@ -347,36 +356,22 @@ def main() -> None:
     for rows in (1, args.rows):
         print(f"| {rows} row(s) | " + " | ".join(f"{contexts[f'{rows}x{c}']:.1f} ms" for c in (40, 200, 800)) + " |")
     paths = attention_paths_ms(runner, setup.ids, args.rows, args.repeats)
-    print(f"\n| {args.rows}-row decode step, the rows' attention through | context 200 | context 800 |\n|---|---|---|")
-    for path in ("numpy", "kernel"):
-        print(f"| {path} | " + " | ".join(f"{paths[f'{path}x{c}']:.1f} ms" for c in (200, 800)) + " |")
-    print(
-        "| numpy / kernel | "
-        + " | ".join(f"{paths[f'numpyx{c}'] / paths[f'kernelx{c}']:.2f}x" for c in (200, 800))
-        + " |"
+    print_paths(
+        f"{args.rows}-row decode step, the rows' attention through",
+        {f"context {c}": f"x{c}" for c in (200, 800)},
+        paths,
+        ("numpy", "kernel"),
     )
     split = split_paths_ms(runner, setup.ids, args.rows, args.repeats)
-    columns = [f"{args.rows}-row decode step, context {c}" for c in SPLIT_CONTEXTS] + [
-        f"{SPLIT_PROMPT_TOKENS}-token prefill"
-    ]
-    keys = [f"x{c}" for c in SPLIT_CONTEXTS] + ["xprefill"]
-    print("\n| attention | " + " | ".join(columns) + " |\n|---|" + "---|" * len(columns))
-    for path in ("one thread", "split"):
-        print(f"| {path} | " + " | ".join(f"{split[path + key]:.1f} ms" for key in keys) + " |")
-    print(
-        "| one thread / split | "
-        + " | ".join(f"{split['one thread' + k] / split['split' + k]:.2f}x" for k in keys)
-        + " |"
-    )
+    columns = {f"{args.rows}-row decode step, context {c}": f"x{c}" for c in SPLIT_CONTEXTS}
+    columns[f"{SPLIT_PROMPT_TOKENS}-token prefill"] = "xprefill"
+    print_paths("attention", columns, split, ("one thread", "split"))
     lone = lone_row_paths_ms(runner, setup.ids, args.repeats)
-    print("\n| 1-row decode step, attention through | " + " | ".join(f"context {c}" for c in LONE_CONTEXTS) + " |")
-    print("|---|" + "---|" * len(LONE_CONTEXTS))
-    for path in ("MLX", "C kernel"):
-        print(f"| {path} | " + " | ".join(f"{lone[f'{path}x{c}']:.1f} ms" for c in LONE_CONTEXTS) + " |")
-    print(
-        "| MLX / C kernel | "
-        + " | ".join(f"{lone[f'MLXx{c}'] / lone[f'C kernelx{c}']:.2f}x" for c in LONE_CONTEXTS)
-        + " |"
+    print_paths(
+        "1-row decode step, attention through",
+        {f"context {c}": f"x{c}" for c in LONE_CONTEXTS},
+        lone,
+        ("MLX", "C kernel"),
     )
     print("\n| decode step, context 200 | step | matrix products alone | the rest | floor | step / floor |")
     print("|---|---|---|---|---|---|")
@@ -392,12 +387,11 @@ def main() -> None:
     few: dict[str, float] = {}
     if vector_products_loaded():
         few = few_rows_paths_ms(runner, setup.ids, args.repeats)
-        print("\n| decode step, context 200, products through | " + " | ".join(f"{r} row(s)" for r in FEW_ROWS) + " |")
-        print("|---|" + "---|" * len(FEW_ROWS))
-        for path in ("sgemm", "sgemv"):
-            print(f"| {path} | " + " | ".join(f"{few[f'{path}x{r}']:.1f} ms" for r in FEW_ROWS) + " |")
-        print(
-            "| sgemm / sgemv | " + " | ".join(f"{few[f'sgemmx{r}'] / few[f'sgemvx{r}']:.2f}x" for r in FEW_ROWS) + " |"
+        print_paths(
+            "decode step, context 200, products through",
+            {f"{r} row(s)": f"x{r}" for r in FEW_ROWS},
+            few,
+            ("sgemm", "sgemv"),
         )
     else:
         print("\n(the one-row products library is not preloaded here: its comparison is left out)")
