@@ -186,45 +186,30 @@ def decode_by_context(runner: ModelRunner, ids: list[int], num_rows: int, repeat
 
 def attention_paths_ms(runner: ModelRunner, ids: list[int], num_rows: int, repeats: int) -> dict[str, float]:
     """A decode step's median ms with the rows' attention through numpy and through the C kernel."""
-    times: dict[str, float] = {}
-    for context in (200, 800):
-        batch = _decode_batch(runner, ids, num_rows, context)
-        paths = _alternated_ms(runner, batch, use_decode_kernel, ("numpy", "kernel"), repeats)
-        times |= {f"{path}x{context}": ms for path, ms in paths.items()}
-    return times
+    batches = {context: (num_rows, context) for context in (200, 800)}
+    return _batch_paths_ms(runner, ids, batches, use_decode_kernel, ("numpy", "kernel"), repeats)
 
 
 def split_paths_ms(runner: ModelRunner, ids: list[int], num_rows: int, repeats: int) -> dict[str, float]:
     """Attention on the engine's thread alone and split across the cores, alternated: a decode step
     of num_rows rows at 800 and 2,000 tokens of context, and a 2,000-token prompt's prefill."""
-    times: dict[str, float] = {}
-    for context in SPLIT_CONTEXTS:
-        batch = _decode_batch(runner, ids, num_rows, context)
-        paths = _alternated_ms(runner, batch, use_split_rows, ("one thread", "split"), repeats)
-        times |= {f"{path}x{context}": ms for path, ms in paths.items()}
+    names = ("one thread", "split")
+    batches = {context: (num_rows, context) for context in SPLIT_CONTEXTS}
+    times = _batch_paths_ms(runner, ids, batches, use_split_rows, names, repeats)
     prompt = PreparedPrompt(tuple(ids[:SPLIT_PROMPT_TOKENS]), ())
 
     def prefill(_parts) -> None:
         runner.prefill(prompt, SALT, 512, lambda: False)
 
-    rounds: dict[str, list[float]] = {"one thread": [], "split": []}
-    for _ in range(3):
-        for path in rounds:
-            use_split_rows(path == "split")
-            rounds[path].append(_median_ms(prefill, list, max(1, repeats // 3)))
-    use_split_rows(True)
-    return times | {f"{path}xprefill": statistics.median(values) for path, values in rounds.items()}
+    prefills = _alternated_ms(use_split_rows, names, prefill, list, max(1, repeats // 3))
+    return times | {f"{path}xprefill": ms for path, ms in prefills.items()}
 
 
 def lone_row_paths_ms(runner: ModelRunner, ids: list[int], repeats: int) -> dict[str, float]:
     """A lone row's decode step at long contexts, its attention through MLX's kernel and through the
     C kernel (its KV heads split across the cores), alternated."""
-    times: dict[str, float] = {}
-    for context in LONE_CONTEXTS:
-        batch = _decode_batch(runner, ids, 1, context)
-        paths = _alternated_ms(runner, batch, use_lone_row_kernel, ("MLX", "C kernel"), repeats)
-        times |= {f"{path}x{context}": ms for path, ms in paths.items()}
-    return times
+    batches = {context: (1, context) for context in LONE_CONTEXTS}
+    return _batch_paths_ms(runner, ids, batches, use_lone_row_kernel, ("MLX", "C kernel"), repeats)
 
 
 LONE_CONTEXTS = (2000, 8000)
@@ -234,11 +219,25 @@ SPLIT_PROMPT_TOKENS = 2000
 
 def few_rows_paths_ms(runner: ModelRunner, ids: list[int], repeats: int) -> dict[str, float]:
     """Decode steps of 1-4 rows at 200 tokens of context, their products through sgemm and through sgemv."""
+    batches = {rows: (rows, 200) for rows in FEW_ROWS}
+    return _batch_paths_ms(runner, ids, batches, use_vector_products, ("sgemm", "sgemv"), repeats)
+
+
+def _batch_paths_ms(
+    runner: ModelRunner, ids: list[int], batches: dict, switch, names: tuple[str, str], repeats: int
+) -> dict[str, float]:
+    """For each labelled (rows, context) decode batch, its step with `switch` off and on
+    (_alternated_ms), keyed by path name + "x" + label."""
     times: dict[str, float] = {}
-    for rows in FEW_ROWS:
-        batch = _decode_batch(runner, ids, rows, 200)
-        paths = _alternated_ms(runner, batch, use_vector_products, ("sgemm", "sgemv"), repeats)
-        times |= {f"{path}x{rows}": ms for path, ms in paths.items()}
+    for label, (rows, context) in batches.items():
+        batch = _decode_batch(runner, ids, rows, context)
+
+        def step(parts, batch=batch, rows=rows) -> None:
+            mx.eval(runner.run_step(parts))
+            batch.trim([1] * rows)
+
+        paths = _alternated_ms(switch, names, step, lambda b=batch, r=rows: [b.part([[11]] * r)], repeats)
+        times |= {f"{path}x{label}": ms for path, ms in paths.items()}
     return times
 
 
@@ -250,20 +249,14 @@ def _decode_batch(runner: ModelRunner, ids: list[int], rows: int, context: int) 
     return batch
 
 
-def _alternated_ms(runner: ModelRunner, batch: DecodeBatch, switch, names: tuple[str, str], repeats: int) -> dict:
-    """The batch's decode step with `switch` off (names[0]) and on (names[1]), three alternations of
-    each; the median of each path's medians. The switch is left on."""
-    rows = len(batch.rows)
-
-    def step(parts) -> None:
-        mx.eval(runner.run_step(parts))
-        batch.trim([1] * rows)
-
+def _alternated_ms(switch, names: tuple[str, str], run, make_parts, repeats: int) -> dict[str, float]:
+    """`run` with `switch` off (names[0]) and on (names[1]), three alternations of each (_median_ms);
+    the median of each path's medians. The switch is left on."""
     rounds: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(3):
         for name in names:
             switch(name == names[1])
-            rounds[name].append(_median_ms(step, lambda: [batch.part([[11]] * rows)], repeats))
+            rounds[name].append(_median_ms(run, make_parts, repeats))
     switch(True)
     return {name: statistics.median(values) for name, values in rounds.items()}
 
