@@ -2,8 +2,8 @@
 
 Two real stores made slow from outside, each in front of a real `strata serve` process:
 - a redis-server behind a TCP proxy that holds every reply for 300 ms (a slow link);
-- the SQLite exact store, whose writes wait on another process's write lock, taken 300 ms at a time
-  (a slow or busy disk).
+- the SQLite exact store, whose writes wait on another process's write lock, held for a second (a
+  slow or busy disk): every slow request's answer is written, so each of them waits for it.
 While requests wait on the slow store, a stream that is already running keeps its inter-token pace
 and /health keeps answering at once. Before the store calls left the event loop, every slow call
 stalled every stream on the replica and every health check for its whole duration."""
@@ -31,6 +31,7 @@ from tests.gateway.test_live_server import LiveServer
 pytestmark = pytest.mark.serial
 
 STORE_DELAY_S = 0.3
+LOCK_HOLD_S = 1.0  # the SQLite file's write lock, taken before the slow requests start
 NUM_SLOW_REQUESTS = 4
 STREAM_TOKENS = 4000  # far longer than the slow requests take: the stream is closed once they are done
 
@@ -77,29 +78,33 @@ class DelayProxy:
 
 
 class WriteLocker:
-    """Another process's writer on a SQLite file (a connection of the test process): while on, it
-    holds the write lock `hold_s` at a time, so every write of the server waits up to that long."""
+    """Another process's writer on a SQLite file (a connection of the test process): hold() takes the
+    file's write lock and keeps it for `hold_s` on a thread of its own, so every write the server
+    makes in that time waits for it; wait_released() returns once it is let go."""
 
     def __init__(self, path, hold_s: float):
         self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         self.hold_s = hold_s
-        self.on = threading.Event()
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
+        self.thread: threading.Thread | None = None
 
-    def _run(self) -> None:
-        while not self.stopped.is_set():
-            if not self.on.wait(0.05):
-                continue
+    def hold(self) -> None:
+        taken = threading.Event()
+
+        def run() -> None:
             self.db.execute("BEGIN IMMEDIATE")
+            taken.set()
             time.sleep(self.hold_s)
             self.db.execute("COMMIT")
-            time.sleep(0.005)
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert taken.wait(10), "the write lock was not taken"
+
+    def wait_released(self) -> None:
+        assert self.thread is not None
+        self.thread.join(10)
 
     def close(self) -> None:
-        self.stopped.set()
-        self.thread.join(5)
         self.db.close()
 
 
@@ -242,10 +247,10 @@ def test_a_slow_redis_stalls_neither_streams_nor_health(tiny_model_path, tmp_pat
 @pytest.mark.serial
 def test_slow_sqlite_writes_stall_neither_streams_nor_health(tiny_model_path, tmp_path):
     server = LiveServer(tiny_model_path, tmp_path / "data", {"STRATA_MODEL_NAME": TINY, "STRATA_SEMANTIC": "0"})
-    locker = WriteLocker(tmp_path / "data" / "responses.db", STORE_DELAY_S)
+    locker = WriteLocker(tmp_path / "data" / "responses.db", LOCK_HOLD_S)
     try:
-        result = _measure(server.url, locker.on.set, locker.on.clear)
-        _assert_unaffected(result, STORE_DELAY_S / 4)  # a write waits for the rest of a hold: half of one on average
+        result = _measure(server.url, locker.hold, locker.wait_released)
+        _assert_unaffected(result, LOCK_HOLD_S * 0.8)  # each started just after the lock was taken
         print(json.dumps({k: sorted(v)[-3:] for k, v in result.items()}))
     finally:
         locker.close()
