@@ -105,6 +105,7 @@ class Settings:
     max_connections: int = 256  # open connections; more are answered 503 (but /health, /healthz, /health/ready)
     max_connections_per_client: int = 32  # open connections from one address; more are answered 429 (0: no cap)
     step_prompt_tokens: int = _default(EngineConfig, "step_prompt_tokens")  # a multiple of kv_block_size
+    step_budget_ms: float = _default(EngineConfig, "step_budget_ms")  # a step with decode rows; 0: fixed chunks
     max_verify_tokens: int = _default(EngineConfig, "max_verify_tokens")  # speculative decoding; 0 = off
     kv_block_size: int = 32  # tokens per prefix-cache block (docs/caches.md: how it was chosen)
     kv_snapshot_blocks: int | None = None  # hybrid models: a lasting state snapshot every N blocks; None: per model
@@ -173,6 +174,8 @@ class Settings:
                 f"STRATA_STEP_PROMPT_TOKENS must be a multiple of STRATA_KV_BLOCK_SIZE ({self.kv_block_size}); "
                 f"got {self.step_prompt_tokens}"
             )
+        if self.step_budget_ms < 0:
+            raise ValueError(f"STRATA_STEP_BUDGET_MS must be 0 or more; got {self.step_budget_ms}")
         if self.max_verify_tokens < 0:
             raise ValueError(f"STRATA_MAX_VERIFY_TOKENS must be 0 or more; got {self.max_verify_tokens}")
         bounds = [self.semantic_max_false_hit_rate, *self.semantic_tenant_bounds.values()]
@@ -415,9 +418,20 @@ SETTINGS = (
         "STRATA_STEP_PROMPT_TOKENS",
         int,
         (
-            "prompt tokens one model call runs beside the decode rows, shared by every prompt coming in (default "
-            "128; a multiple of `STRATA_KV_BLOCK_SIZE`); smaller keeps running streams' pace steadier, larger "
-            "brings long prompts in sooner"
+            "prompt tokens one model call runs beside the decode rows, shared by every prompt coming in, until "
+            "the steps' costs are measured, or always when `STRATA_STEP_BUDGET_MS` is 0 (default 128; a multiple "
+            "of `STRATA_KV_BLOCK_SIZE`)"
+        ),
+    ),
+    Setting(
+        "step_budget_ms",
+        "STRATA_STEP_BUDGET_MS",
+        float,
+        (
+            "the time a step with decode rows may take: it carries as many prompt tokens as the steps' measured "
+            "cost fits in it, so a running stream waits at most about this long for prompts coming in beside it "
+            "(default 125; 0: `STRATA_STEP_PROMPT_TOKENS` always); smaller keeps streams' pace steadier, larger "
+            "brings prompts in sooner and steps run without prompts more often"
         ),
     ),
     Setting(

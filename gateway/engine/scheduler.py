@@ -36,6 +36,7 @@ from enum import Enum
 from typing import Any, Protocol
 
 from .fair_queue import FairQueue
+from .step_costs import StepCosts
 
 # With no decode row to stall, prompts run in chunks up to this size: the engine's chunk length
 # before steps were mixed (a longer chunk's attention costs more than the calls it saves).
@@ -150,8 +151,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, limits: Limits, memory: Memory, executor: Executor, queue: FairQueue):
+    def __init__(
+        self, limits: Limits, memory: Memory, executor: Executor, queue: FairQueue, costs: StepCosts | None = None
+    ):
         self.limits = limits
+        self.costs = costs  # the prompt tokens a step with decode rows carries (None: limits.step_tokens)
         self.memory = memory
         self.executor = executor
         self.waiting = queue
@@ -169,8 +173,7 @@ class Scheduler:
         then new admissions while places, memory and the token budget last. `block`: wait for a
         request when nothing runs."""
         plan = StepPlan()
-        decoding = any(sequence.decoding for sequence in self.running)
-        budget = self.limits.step_tokens if decoding else max(self.limits.step_tokens, ALONE_STEP_TOKENS)
+        budget = self._prompt_budget()
         reserve = self._admission_reserve(budget)
         shares = self._prompt_shares(budget - reserve)
         for sequence in sorted(self.running, key=lambda s: s.order):  # oldest first: victims come later
@@ -186,6 +189,14 @@ class Scheduler:
         self._admit(plan, max(budget, reserve), block, timeout_s)
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))
         return plan
+
+    def _prompt_budget(self) -> int:
+        """Prompt tokens for this step: with decode rows, what their latency budget leaves (StepCosts)
+        or the configured step_tokens; with none, up to ALONE_STEP_TOKENS."""
+        decode_tokens = sum(self._tokens_for(s, 0) for s in self.running if s.decoding)
+        if not decode_tokens:
+            return max(self.limits.step_tokens, ALONE_STEP_TOKENS)
+        return self.costs.prompt_tokens(decode_tokens) if self.costs is not None else self.limits.step_tokens
 
     def _admission_reserve(self, budget: int) -> int:
         """Prompt tokens of this step kept for requests not yet running, while any waits and a place

@@ -54,8 +54,9 @@ from .jobs import (
 )
 from .prompt import PreparedPrompt
 from .runner import Cancelled, ModelRunner, PrefillResult
-from .scheduler import Limits, Scheduler, Sequence, StepPlan
+from .scheduler import ALONE_STEP_TOKENS, Limits, Scheduler, Sequence, StepPlan
 from .speculative import Proposer
+from .step_costs import StepCosts
 from .threads import ENGINE_THREADS
 from .types import Pin, Sampling
 
@@ -119,12 +120,16 @@ class EngineWorker:
         step_prompt_tokens: int,
         max_num_seqs: int,
         max_verify_tokens: int = 0,
+        step_budget_ms: float = 0.0,
     ):
         self.runner = runner
         # A model with a layer cache the libraries cannot batch (runner.batchable: plain KV, sliding
         # windows and recurrent states can) decodes one sequence at a time.
         self.max_num_seqs = max_num_seqs if runner.batchable else 1
         self.step_tokens = step_prompt_tokens  # prompt tokens per model call, over every admission
+        self.step_budget_ms = step_budget_ms  # a step with decode rows: its latency budget (StepCosts); 0: off
+        self.costs: StepCosts | None = None  # built with the scheduler
+        self.timed_step: tuple[float, int, int] | None = None  # (start, decode tokens, prompt tokens) of the last step
         # a tenant holds at most half of the waiting places
         self.jobs = FairQueue(max_queue, tenant_share=max(1, max_queue // 2))
         self.scheduler: Scheduler | None = None  # built once warm-up measured the KV bytes per token
@@ -351,7 +356,11 @@ class EngineWorker:
     def _loop(self) -> None:
         try:
             self.runner.warm_up()
-            self.scheduler = Scheduler(self._limits(), _Budget(self.runner.caches), self, self.jobs)
+            limits = self._limits()
+            self.costs = StepCosts(
+                self.step_budget_ms, limits.step_tokens, limits.block_tokens, max(limits.step_tokens, ALONE_STEP_TOKENS)
+            )
+            self.scheduler = Scheduler(limits, _Budget(self.runner.caches), self, self.jobs, self.costs)
         except BaseException as exc:  # noqa: BLE001 - reported by start(); the thread ends, serving nothing
             self.warm_up_error = exc
             return
@@ -360,10 +369,13 @@ class EngineWorker:
             self.warmed_up.set()
         while True:
             self._expire_now_and_then()
+            if self.calls or self.embeddings:
+                self.timed_step = None  # this pass does other work: its time is not the step's
             self._run_calls()
             if self.embeddings:
                 self._embed_one()
             self.decoding.sample()
+            self._time_step()
             self._drop_cancelled()
             self.decoding.propose()
             if not self.running:
@@ -372,10 +384,23 @@ class EngineWorker:
             if plan is None:
                 break
             if plan:
+                self.timed_step = (
+                    time.perf_counter(),
+                    sum(s.num_pending_tokens + len(s.drafts) for s in plan.decode),
+                    plan.num_prompt_tokens,
+                )
                 self._step(plan)
             self.last_step = StepShape(len(plan.decode), plan.num_prompt_tokens)
             self.last_progress = time.monotonic()
         self._store_what_runs()
+
+    def _time_step(self) -> None:
+        """The last step's time, from its call to its logits drawn (a decode call's logits are lazy
+        until the draws), into the step costs."""
+        if self.timed_step is not None and self.costs is not None:
+            start, decode_tokens, prompt_tokens = self.timed_step
+            self.costs.record(decode_tokens, prompt_tokens, (time.perf_counter() - start) * 1000)
+        self.timed_step = None
 
     def _limits(self) -> Limits:
         block = self.runner.caches.config.block_size

@@ -816,7 +816,12 @@ def engine_config(settings: Settings) -> EngineConfig:
         snapshot_blocks=settings.kv_snapshot_blocks,
     )
     return EngineConfig(
-        settings.max_queue, settings.step_prompt_tokens, caches, settings.max_num_seqs, settings.max_verify_tokens
+        settings.max_queue,
+        settings.step_prompt_tokens,
+        caches,
+        settings.max_num_seqs,
+        settings.max_verify_tokens,
+        settings.step_budget_ms,
     )
 
 

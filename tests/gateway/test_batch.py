@@ -265,6 +265,44 @@ def test_running_streams_keep_flowing_while_a_long_prompt_is_prefilled(engine):
     assert ("a", "Finished") in order and ("b", "Finished") in order
 
 
+def test_the_worker_times_each_step_with_its_shape_for_the_step_budget(engine):
+    """One row decoding while a long prompt comes in: the worker's step costs (StepCosts) get each
+    step as (the tokens the row fed: its pending one and any drafts, the prompt tokens), each with
+    the time it took; those set how many prompt tokens a step beside decode rows carries."""
+    salt = TenantSalt(b"C" * 32)
+    story = engine.prepare((Message("user", (TextPart("Tell a short story."),)),), [])
+    long_text = "The ferry left the harbour at dawn with the mail, the doctor and two goats. " * 40
+    long_prompt = engine.prepare((Message("user", (TextPart(long_text),)),), [])
+    costs = engine.worker.costs
+    costs.passes.clear()
+
+    async def scenario():
+        a = engine.submit(story, Sampling(30, 0.0, 1.0, None, ()), salt)
+        decoding = asyncio.Event()
+
+        async def follow_a():
+            async for event in engine.events(a):
+                if type(event).__name__ == "Delta":
+                    decoding.set()  # A decodes: B's prompt comes in beside it
+
+        following = asyncio.create_task(follow_a())
+        await decoding.wait()
+        b = engine.submit(long_prompt, Sampling(2, 0.0, 1.0, None, ()), salt)
+        async for _ in engine.events(b):
+            pass
+        await following
+
+    asyncio.run(scenario())
+    passes = list(costs.passes)
+    mixed = [(decode, tokens) for decode, tokens, _ in passes if decode and tokens]
+    assert mixed and all(decode >= 1 for decode, _ in mixed), passes
+    assert [tokens for decode, tokens, _ in passes if not decode] == [story.num_tokens]  # A's prompt, alone
+    # B's chunks, every one beside A's row: all of B's prompt but the blocks it shares with A's (cached)
+    assert 0 <= long_prompt.num_tokens - sum(tokens for _, tokens in mixed) < story.num_tokens
+    assert any(decode == 1 and not tokens for decode, tokens, _ in passes), passes
+    assert all(ms > 0 for _, _, ms in passes)
+
+
 def test_a_flooding_tenant_cannot_starve_another(tiny_model_path, tmp_path):
     """One sequence on the model, four waiting places (two per tenant). Tenant A sends six long
     requests at once: one runs, two wait, three get 429 `tenant_share`. Tenant B, arriving last,

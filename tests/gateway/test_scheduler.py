@@ -383,3 +383,26 @@ def test_each_running_sequence_holds_its_recurrent_state_until_it_ends():
     assert memory.used == 2 * (36 + 100)
     _run_until_idle(scheduler)
     assert all(s.status is Status.FINISHED for s in sequences) and memory.used == 0
+
+
+def test_with_decode_rows_a_step_carries_what_their_latency_budget_leaves():
+    """The budget comes from the step costs (gateway/engine/step_costs.py): measured passes where a
+    prompt token costs 0.25 ms and a row 1 ms leave 16 rows 316 tokens of a 100 ms budget (304 in
+    blocks); with no row decoding, a prompt still runs in ALONE_STEP_TOKENS chunks."""
+    from gateway.engine.step_costs import WINDOW, StepCosts
+
+    costs = StepCosts(100.0, 64, BLOCK, ALONE_STEP_TOKENS)
+    for index in range(WINDOW):
+        tokens = (index % 4) * 64 if index % 2 else 0
+        costs.record(16, tokens, 5.0 + 16 * 1.0 + 0.25 * tokens)
+        costs.record(4, tokens, 5.0 + 4 * 1.0 + 0.25 * tokens)
+    queue = FairQueue(64, tenant_share=32)
+    scheduler = Scheduler(Limits(32, 64, BLOCK, 1), Memory(10**9), Executor(), queue, costs)
+    alone = _submit(scheduler, 1000)
+    assert scheduler.schedule().chunks == [(alone, ALONE_STEP_TOKENS)]
+    scheduler.finish(alone)
+    rows = [_submit(scheduler, 10, max_tokens=100) for _ in range(16)]
+    _execute(scheduler, scheduler.schedule())
+    long = _submit(scheduler, 2000)
+    plan = scheduler.schedule()
+    assert plan.decode == rows and plan.chunks == [(long, 304)]
