@@ -35,7 +35,7 @@ import numpy as np
 from .owners import Owner, OwnerTable, Selector
 from .scope import Scope
 from .sealing import NO_SEALING, Sealer, Unreadable
-from .store import Answer
+from .store import Answer, GroupCommit
 
 STATUSES = ("unreviewed", "approved", "rejected")
 MAX_ENTRY_ID = 2**63 - 1  # SQLite INTEGER and Redis counters; a larger id names no entry (and must not raise)
@@ -144,14 +144,28 @@ class SharedEntryStore(EntryStore, Protocol):
 
 
 class SqliteEntries:
+    """Writes go through GroupCommit (semantic/store.py); lookups through a connection of their own,
+    so a lookup never waits behind a write waiting on the file's lock (WAL). An in-memory database
+    has one connection for both."""
+
     def __init__(self, path: Path | str, sealer: Sealer = NO_SEALING):
-        if str(path) != ":memory:":
+        in_memory = str(path) == ":memory:"
+        if not in_memory:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.cipher = EntryCipher(sealer)
-        self.lock = threading.Lock()  # guards self.db
+        self.lock = threading.Lock()  # guards self.db, the writing connection
         self.db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         with self.lock:
             self._create_tables()
+        self.writes = GroupCommit(self.db, self.lock)
+        self.reader = (
+            self.db if in_memory else sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        )
+        self.read_lock = self.lock if in_memory else threading.Lock()  # guards self.reader
+
+    def _read(self, sql: str, args: tuple | list = ()) -> list[tuple]:
+        with self.read_lock:
+            return self.reader.execute(sql, args).fetchall()
 
     def put(
         self,
@@ -166,7 +180,10 @@ class SqliteEntries:
         tenant, cipher = scope.tenant, self.cipher
         key = cipher.key(tenant, partition, prompt)
         sealed_answer = cipher.seal(tenant, key, "answer", answer.text.encode())
-        with self.lock:
+        sealed_prompt = cipher.seal(tenant, key, "prompt", prompt.encode())
+        sealed_vector = cipher.seal(tenant, key, "vector", _vector_bytes(vector))
+
+        def write() -> tuple[int, bool]:
             row = self.db.execute(
                 "SELECT id FROM semantic_entries WHERE partition = ? AND q = ?", (partition, key)
             ).fetchone()
@@ -195,17 +212,19 @@ class SqliteEntries:
                     key,
                     tenant,
                     json.dumps(scope.as_dict()),
-                    cipher.seal(tenant, key, "prompt", prompt.encode()),
+                    sealed_prompt,
                     sealed_answer,
                     answer.finish_reason,
                     answer.completion_tokens,
                     answer.prompt_tokens,
                     now,
                     expires_at,
-                    cipher.seal(tenant, key, "vector", _vector_bytes(vector)),
+                    sealed_vector,
                 ),
             )
             return _inserted_id(cursor), True
+
+        return self.writes.run(write)
 
     def put_many(
         self,
@@ -225,9 +244,9 @@ class SqliteEntries:
             sealed = [cipher.seal(tenant, key, f, data) for f, data in (("prompt", p.encode()), ("answer", a.encode()))]
             vector = cipher.seal(tenant, key, "vector", _vector_bytes(v))
             rows.append((partition, key, tenant, json.dumps(scope.as_dict()), *sealed, now, expires_at, vector))
-        with self.lock:
-            self.db.execute("BEGIN")
-            ids = [
+
+        def write() -> list[int]:
+            return [
                 _inserted_id(
                     self.db.execute(
                         "INSERT INTO semantic_entries (partition, q, tenant, scope, prompt, answer, "
@@ -238,27 +257,23 @@ class SqliteEntries:
                 )
                 for row in rows
             ]
-            self.db.execute("COMMIT")
-        return ids
+
+        return self.writes.run(write)
 
     def fetch(self, ids: list[int]) -> list[tuple[SemanticEntry, np.ndarray]]:
         ids = [i for i in ids if valid_id(i)]
         if not ids:
             return []
-        with self.lock:
-            rows = self.db.execute(
-                f"SELECT {_COLUMNS}, q, vector FROM semantic_entries WHERE id IN ({','.join('?' * len(ids))})", ids
-            ).fetchall()
+        rows = self._read(
+            f"SELECT {_COLUMNS}, q, vector FROM semantic_entries WHERE id IN ({','.join('?' * len(ids))})", ids
+        )
         opened = [(self.cipher.entry(row[:-2], row[-2]), self.cipher.vector(row[1], row[-2], row[-1])) for row in rows]
         return [(entry, vector) for entry, vector in opened if entry is not None and vector is not None]
 
     def find(self, partition: str, tenant: str, prompt: str) -> int | None:
         key = self.cipher.key(tenant, partition, prompt)
-        with self.lock:
-            row = self.db.execute(
-                "SELECT id FROM semantic_entries WHERE partition = ? AND q = ?", (partition, key)
-            ).fetchone()
-        return int(row[0]) if row else None
+        rows = self._read("SELECT id FROM semantic_entries WHERE partition = ? AND q = ?", (partition, key))
+        return int(rows[0][0]) if rows else None
 
     def get(self, entry_id: int) -> SemanticEntry | None:
         found = self.fetch([entry_id])
@@ -272,8 +287,7 @@ class SqliteEntries:
             query, args = query + " AND tenant = ?", args + [tenant]
         if status is not None:
             query, args = query + " AND status = ?", args + [status]
-        with self.lock:
-            rows = self.db.execute(query + " ORDER BY id DESC LIMIT ?", (*args, limit)).fetchall()
+        rows = self._read(query + " ORDER BY id DESC LIMIT ?", (*args, limit))
         entries = [self.cipher.entry(row[:-1], row[-1]) for row in rows]
         return [entry for entry in entries if entry is not None]
 
@@ -281,29 +295,36 @@ class SqliteEntries:
         assert status in STATUSES, status
         if not valid_id(entry_id):
             return False
-        with self.lock:
-            return (
+        return self.writes.run(
+            lambda: (
                 self.db.execute("UPDATE semantic_entries SET status = ? WHERE id = ?", (status, entry_id)).rowcount > 0
             )
+        )
 
     def delete(self, entry_id: int) -> bool:
         if not valid_id(entry_id):
             return False
-        with self.lock:
+
+        def write() -> bool:
             self.owners.forget([entry_id])
             return self.db.execute("DELETE FROM semantic_entries WHERE id = ?", (entry_id,)).rowcount > 0
 
+        return self.writes.run(write)
+
     def count_hit(self, entry_id: int) -> None:
-        with self.lock:
-            self.db.execute("UPDATE semantic_entries SET hit_count = hit_count + 1 WHERE id = ?", (entry_id,))
+        self.writes.run(
+            lambda: self.db.execute("UPDATE semantic_entries SET hit_count = hit_count + 1 WHERE id = ?", (entry_id,))
+        )
 
     def own(self, entry_id: int, owner: Owner) -> None:
-        with self.lock:
+        def write() -> None:
             if self.db.execute("SELECT 1 FROM semantic_entries WHERE id = ?", (entry_id,)).fetchone():
                 self.owners.add(entry_id, owner)
 
+        self.writes.run(write)
+
     def release(self, selector: Selector) -> tuple[list[int], int]:
-        with self.lock:
+        def write() -> tuple[list[int], int]:
             ids = self.owners.release(selector, "semantic_entries", "id")
             size = sum(
                 self.db.execute(
@@ -312,24 +333,19 @@ class SqliteEntries:
                 ).fetchone()[0]
                 for entry_id in ids
             )
-        return ids, size
+            return ids, size
+
+        return self.writes.run(write)
 
     def expired_ids(self, now: float) -> list[int]:
-        with self.lock:
-            return [
-                r[0]
-                for r in self.db.execute(
-                    "SELECT id FROM semantic_entries WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,)
-                )
-            ]
+        rows = self._read("SELECT id FROM semantic_entries WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,))
+        return [row[0] for row in rows]
 
     def all_ids(self) -> list[int]:
-        with self.lock:
-            return [row[0] for row in self.db.execute("SELECT id FROM semantic_entries")]
+        return [row[0] for row in self._read("SELECT id FROM semantic_entries")]
 
     def vectors(self) -> list[tuple[int, str, np.ndarray]]:
-        with self.lock:
-            rows = self.db.execute("SELECT id, partition, tenant, q, vector FROM semantic_entries").fetchall()
+        rows = self._read("SELECT id, partition, tenant, q, vector FROM semantic_entries")
         opened = [
             (entry_id, partition, self.cipher.vector(tenant, q, sealed))
             for entry_id, partition, tenant, q, sealed in rows
@@ -338,14 +354,14 @@ class SqliteEntries:
 
     def stats(self) -> tuple[dict[str, int], int]:
         """(entries by status, number of partitions)."""
-        with self.lock:
-            by_status = dict(
-                self.db.execute("SELECT status, COUNT(*) FROM semantic_entries GROUP BY status").fetchall()
-            )
-            num_partitions = self.db.execute("SELECT COUNT(DISTINCT partition) FROM semantic_entries").fetchone()[0]
+        by_status = dict(self._read("SELECT status, COUNT(*) FROM semantic_entries GROUP BY status"))
+        ((num_partitions,),) = self._read("SELECT COUNT(DISTINCT partition) FROM semantic_entries")
         return {s: by_status.get(s, 0) for s in STATUSES}, num_partitions
 
     def close(self) -> None:
+        if self.reader is not self.db:
+            with self.read_lock:
+                self.reader.close()
         with self.lock:
             self.db.close()
 

@@ -605,6 +605,13 @@ MUTANTS = (
         ("tests/semantic/test_sqlite_writes.py",),
     ),
     Mutant(
+        "semantic lookups read through the writing connection (behind an insert waiting on the file)",
+        "semantic/entries.py",
+        "        with self.read_lock:\n            return self.reader.execute(sql, args).fetchall()",
+        "        with self.lock:\n            return self.db.execute(sql, args).fetchall()",
+        ("tests/semantic/test_sqlite_writes.py",),
+    ),
+    Mutant(
         "the engine's idle thread keeps its last worker (an unloaded model's memory is never freed)",
         "gateway/engine/threads.py",
         "            del worker\n            with self.lock:",

@@ -1,7 +1,8 @@
-"""SqliteStore under another writer on its file (a busy disk, a second process): a lookup never waits
-for a write, writes that queue up while the file is locked commit together in one transaction, a
-lock free for a few milliseconds between another writer's transactions is taken, and a group that
-fails fails for all of its writers while the store keeps working."""
+"""SqliteStore (and the semantic entries' SqliteEntries) under another writer on its file (a busy
+disk, a second process): a lookup never waits for a write, writes that queue up while the file is
+locked commit together in one transaction, a lock free for a few milliseconds between another
+writer's transactions is taken, and a group that fails fails for all of its writers while the
+store keeps working."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import statistics
 import threading
 import time
 
+import numpy as np
 import pytest
 
-from semantic import SqliteStore, StoredResponse
+from semantic import Answer, Scope, SqliteStore, StoredResponse
+from semantic.entries import SqliteEntries
 from semantic.store import GroupCommit
 
 
@@ -60,6 +63,23 @@ def test_a_lookup_does_not_wait_for_a_write_waiting_on_the_file(tmp_path):
     writer.join(10)
     assert store.get("new", 101.0) == _response("new")
     assert waited < 1.0, f"a lookup waited {waited:.2f} s behind a write"  # the write waits up to 5 s
+
+
+def test_a_semantic_lookup_does_not_wait_for_an_insert_waiting_on_the_file(tmp_path):
+    entries, scope, vector = SqliteEntries(tmp_path / "s.db"), Scope("t", "m"), np.ones(4, dtype=np.float32)
+    (old_id, _) = entries.put("p", scope, "old question", Answer("old answer"), 1.0, None, vector)
+    held = HeldLock(tmp_path / "s.db")
+    writer = threading.Thread(target=entries.put, args=("p", scope, "new question", Answer("new"), 2.0, None, vector))
+    writer.start()
+    _wait_for(entries.lock.locked)
+    start = time.perf_counter()
+    assert [entry.answer for entry, _ in entries.fetch([old_id])] == ["old answer"]
+    assert entries.find("p", "t", "new question") is None and entries.stats()[0]["unreviewed"] == 1
+    waited = time.perf_counter() - start
+    held.release()
+    writer.join(10)
+    assert entries.find("p", "t", "new question") is not None
+    assert waited < 1.0, f"a lookup waited {waited:.2f} s behind an insert"
 
 
 def test_writes_queued_behind_a_locked_file_commit_in_one_group(tmp_path):
