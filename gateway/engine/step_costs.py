@@ -46,7 +46,7 @@ class StepCosts:
 
     def prompt_tokens(self, decode_tokens: int) -> int:
         """Prompt tokens for a step that feeds `decode_tokens` to its decode rows."""
-        if self.fit is None:
+        if not self.budget_ms or self.fit is None:
             return self.start_tokens
         fixed, per_row, per_token = self.fit
         tokens = int((self.budget_ms - fixed - per_row * decode_tokens) / per_token)

@@ -236,10 +236,16 @@ def test_the_server_runs_requests_together_and_each_gets_its_lone_answer(tiny_mo
         assert pair[0].json()["choices"][0]["message"] == pair[1].json()["choices"][0]["message"]
 
 
-def test_running_streams_keep_flowing_while_a_long_prompt_is_prefilled(engine):
+def test_running_streams_keep_flowing_while_a_long_prompt_is_prefilled(tiny_model_path):
     """A (short prompt) and B (1,000 tokens: ~16 chunks of 64) are queued together. A is admitted
     first and decodes; B's prefill then runs one chunk per step, each followed by a step of A, so A's
-    text keeps coming before B starts (a prefill run in one go would let A take at most one step)."""
+    text keeps coming before B starts (a prefill run in one go would let A take at most one step).
+    Fixed 64-token chunks (no step budget: with one, the tiny model's ~5 ms steps would take B in two
+    512-token chunks; test_step_costs.py and the scheduler's tests cover the budget)."""
+    from gateway.engine import Engine, EngineConfig
+
+    engine = Engine(tiny_model_path, TINY, EngineConfig(8, 64, CacheConfig(64 << 20, 0, 16), step_budget_ms=0))
+    engine.start()
     salt = TenantSalt(b"F" * 32)
     story = engine.prepare((Message("user", (TextPart("Tell a very long story."),)),), [])
     long_text = "The committee met in the old library to discuss the river crossing and the budget. " * 60
@@ -258,7 +264,10 @@ def test_running_streams_keep_flowing_while_a_long_prompt_is_prefilled(engine):
         await asyncio.gather(follow("a", a), follow("b", b))
         return order
 
-    order = asyncio.run(scenario())
+    try:
+        order = asyncio.run(scenario())
+    finally:
+        engine.stop()
     b_started = order.index(("b", "Started"))
     a_deltas_before_b_started = sum(1 for name, kind in order[:b_started] if name == "a" and kind == "Delta")
     assert a_deltas_before_b_started >= 10, order[: b_started + 1]
