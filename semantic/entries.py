@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -35,7 +34,7 @@ import numpy as np
 from .owners import Owner, OwnerTable, Selector
 from .scope import Scope
 from .sealing import NO_SEALING, Sealer, Unreadable
-from .store import Answer, GroupCommit
+from .store import Answer, SqliteFile
 
 STATUSES = ("unreviewed", "approved", "rejected")
 MAX_ENTRY_ID = 2**63 - 1  # SQLite INTEGER and Redis counters; a larger id names no entry (and must not raise)
@@ -144,28 +143,12 @@ class SharedEntryStore(EntryStore, Protocol):
 
 
 class SqliteEntries:
-    """Writes go through GroupCommit (semantic/store.py); lookups through a connection of their own,
-    so a lookup never waits behind a write waiting on the file's lock (WAL). An in-memory database
-    has one connection for both."""
+    """Writes through the file's GroupCommit, lookups on its reading connection (SqliteFile)."""
 
     def __init__(self, path: Path | str, sealer: Sealer = NO_SEALING):
-        in_memory = str(path) == ":memory:"
-        if not in_memory:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.cipher = EntryCipher(sealer)
-        self.lock = threading.Lock()  # guards self.db, the writing connection
-        self.db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        with self.lock:
-            self._create_tables()
-        self.writes = GroupCommit(self.db, self.lock)
-        self.reader = (
-            self.db if in_memory else sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        )
-        self.read_lock = self.lock if in_memory else threading.Lock()  # guards self.reader
-
-    def _read(self, sql: str, args: tuple | list = ()) -> list[tuple]:
-        with self.read_lock:
-            return self.reader.execute(sql, args).fetchall()
+        self.file = SqliteFile(path)
+        self.owners = self.file.write(self._create_tables)
 
     def put(
         self,
@@ -184,11 +167,11 @@ class SqliteEntries:
         sealed_vector = cipher.seal(tenant, key, "vector", _vector_bytes(vector))
 
         def write() -> tuple[int, bool]:
-            row = self.db.execute(
+            row = self.file.db.execute(
                 "SELECT id FROM semantic_entries WHERE partition = ? AND q = ?", (partition, key)
             ).fetchone()
             if row is not None:
-                self.db.execute(
+                self.file.db.execute(
                     "UPDATE semantic_entries SET answer = ?, finish_reason = ?, completion_tokens = ?, "
                     "prompt_tokens = ?, created_at = ?, expires_at = ?, hit_count = 0, status = 'unreviewed' "
                     "WHERE id = ?",
@@ -203,7 +186,7 @@ class SqliteEntries:
                     ),
                 )
                 return int(row[0]), False
-            cursor = self.db.execute(
+            cursor = self.file.db.execute(
                 "INSERT INTO semantic_entries (partition, q, tenant, scope, prompt, answer, finish_reason, "
                 "completion_tokens, prompt_tokens, created_at, expires_at, hit_count, status, vector) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, 'unreviewed', ?)",
@@ -224,7 +207,7 @@ class SqliteEntries:
             )
             return _inserted_id(cursor), True
 
-        return self.writes.run(write)
+        return self.file.write(write)
 
     def put_many(
         self,
@@ -248,7 +231,7 @@ class SqliteEntries:
         def write() -> list[int]:
             return [
                 _inserted_id(
-                    self.db.execute(
+                    self.file.db.execute(
                         "INSERT INTO semantic_entries (partition, q, tenant, scope, prompt, answer, "
                         "created_at, expires_at, hit_count, status, vector) VALUES (?, ?, ?, ?, ?, ?, ?, "
                         "?, 0, 'unreviewed', ?)",
@@ -258,13 +241,13 @@ class SqliteEntries:
                 for row in rows
             ]
 
-        return self.writes.run(write)
+        return self.file.write(write)
 
     def fetch(self, ids: list[int]) -> list[tuple[SemanticEntry, np.ndarray]]:
         ids = [i for i in ids if valid_id(i)]
         if not ids:
             return []
-        rows = self._read(
+        rows = self.file.read(
             f"SELECT {_COLUMNS}, q, vector FROM semantic_entries WHERE id IN ({','.join('?' * len(ids))})", ids
         )
         opened = [(self.cipher.entry(row[:-2], row[-2]), self.cipher.vector(row[1], row[-2], row[-1])) for row in rows]
@@ -272,7 +255,7 @@ class SqliteEntries:
 
     def find(self, partition: str, tenant: str, prompt: str) -> int | None:
         key = self.cipher.key(tenant, partition, prompt)
-        rows = self._read("SELECT id FROM semantic_entries WHERE partition = ? AND q = ?", (partition, key))
+        rows = self.file.read("SELECT id FROM semantic_entries WHERE partition = ? AND q = ?", (partition, key))
         return int(rows[0][0]) if rows else None
 
     def get(self, entry_id: int) -> SemanticEntry | None:
@@ -287,7 +270,7 @@ class SqliteEntries:
             query, args = query + " AND tenant = ?", args + [tenant]
         if status is not None:
             query, args = query + " AND status = ?", args + [status]
-        rows = self._read(query + " ORDER BY id DESC LIMIT ?", (*args, limit))
+        rows = self.file.read(query + " ORDER BY id DESC LIMIT ?", (*args, limit))
         entries = [self.cipher.entry(row[:-1], row[-1]) for row in rows]
         return [entry for entry in entries if entry is not None]
 
@@ -295,9 +278,10 @@ class SqliteEntries:
         assert status in STATUSES, status
         if not valid_id(entry_id):
             return False
-        return self.writes.run(
+        return self.file.write(
             lambda: (
-                self.db.execute("UPDATE semantic_entries SET status = ? WHERE id = ?", (status, entry_id)).rowcount > 0
+                self.file.db.execute("UPDATE semantic_entries SET status = ? WHERE id = ?", (status, entry_id)).rowcount
+                > 0
             )
         )
 
@@ -307,27 +291,29 @@ class SqliteEntries:
 
         def write() -> bool:
             self.owners.forget([entry_id])
-            return self.db.execute("DELETE FROM semantic_entries WHERE id = ?", (entry_id,)).rowcount > 0
+            return self.file.db.execute("DELETE FROM semantic_entries WHERE id = ?", (entry_id,)).rowcount > 0
 
-        return self.writes.run(write)
+        return self.file.write(write)
 
     def count_hit(self, entry_id: int) -> None:
-        self.writes.run(
-            lambda: self.db.execute("UPDATE semantic_entries SET hit_count = hit_count + 1 WHERE id = ?", (entry_id,))
+        self.file.write(
+            lambda: self.file.db.execute(
+                "UPDATE semantic_entries SET hit_count = hit_count + 1 WHERE id = ?", (entry_id,)
+            )
         )
 
     def own(self, entry_id: int, owner: Owner) -> None:
         def write() -> None:
-            if self.db.execute("SELECT 1 FROM semantic_entries WHERE id = ?", (entry_id,)).fetchone():
+            if self.file.db.execute("SELECT 1 FROM semantic_entries WHERE id = ?", (entry_id,)).fetchone():
                 self.owners.add(entry_id, owner)
 
-        self.writes.run(write)
+        self.file.write(write)
 
     def release(self, selector: Selector) -> tuple[list[int], int]:
         def write() -> tuple[list[int], int]:
             ids = self.owners.release(selector, "semantic_entries", "id")
             size = sum(
-                self.db.execute(
+                self.file.db.execute(
                     "SELECT LENGTH(prompt) + LENGTH(answer) + LENGTH(vector) FROM semantic_entries WHERE id = ?",
                     (entry_id,),
                 ).fetchone()[0]
@@ -335,17 +321,19 @@ class SqliteEntries:
             )
             return ids, size
 
-        return self.writes.run(write)
+        return self.file.write(write)
 
     def expired_ids(self, now: float) -> list[int]:
-        rows = self._read("SELECT id FROM semantic_entries WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,))
+        rows = self.file.read(
+            "SELECT id FROM semantic_entries WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,)
+        )
         return [row[0] for row in rows]
 
     def all_ids(self) -> list[int]:
-        return [row[0] for row in self._read("SELECT id FROM semantic_entries")]
+        return [row[0] for row in self.file.read("SELECT id FROM semantic_entries")]
 
     def vectors(self) -> list[tuple[int, str, np.ndarray]]:
-        rows = self._read("SELECT id, partition, tenant, q, vector FROM semantic_entries")
+        rows = self.file.read("SELECT id, partition, tenant, q, vector FROM semantic_entries")
         opened = [
             (entry_id, partition, self.cipher.vector(tenant, q, sealed))
             for entry_id, partition, tenant, q, sealed in rows
@@ -354,24 +342,19 @@ class SqliteEntries:
 
     def stats(self) -> tuple[dict[str, int], int]:
         """(entries by status, number of partitions)."""
-        by_status = dict(self._read("SELECT status, COUNT(*) FROM semantic_entries GROUP BY status"))
-        ((num_partitions,),) = self._read("SELECT COUNT(DISTINCT partition) FROM semantic_entries")
+        by_status = dict(self.file.read("SELECT status, COUNT(*) FROM semantic_entries GROUP BY status"))
+        ((num_partitions,),) = self.file.read("SELECT COUNT(DISTINCT partition) FROM semantic_entries")
         return {s: by_status.get(s, 0) for s in STATUSES}, num_partitions
 
     def close(self) -> None:
-        if self.reader is not self.db:
-            with self.read_lock:
-                self.reader.close()
-        with self.lock:
-            self.db.close()
+        self.file.close()
 
-    def _create_tables(self) -> None:  # caller holds the lock
-        self.db.execute("PRAGMA journal_mode=WAL")
-        columns = {row[1] for row in self.db.execute("PRAGMA table_info(semantic_entries)")}
+    def _create_tables(self) -> OwnerTable:
+        columns = {row[1] for row in self.file.db.execute("PRAGMA table_info(semantic_entries)")}
         if columns and "q" not in columns:  # written before entries were sealed: plain text, dropped
-            self.db.execute("DROP TABLE semantic_entries")
-            self.db.execute("DROP TABLE IF EXISTS semantic_owners")
-        self.db.execute(
+            self.file.db.execute("DROP TABLE semantic_entries")
+            self.file.db.execute("DROP TABLE IF EXISTS semantic_owners")
+        self.file.db.execute(
             "CREATE TABLE IF NOT EXISTS semantic_entries (id INTEGER PRIMARY KEY AUTOINCREMENT, "
             "partition TEXT NOT NULL, q TEXT NOT NULL, tenant TEXT NOT NULL, scope TEXT NOT NULL, "
             "prompt BLOB NOT NULL, answer BLOB NOT NULL, created_at REAL NOT NULL, expires_at REAL, "
@@ -379,8 +362,8 @@ class SqliteEntries:
             "finish_reason TEXT NOT NULL DEFAULT 'stop', completion_tokens INTEGER NOT NULL DEFAULT 0, "
             "prompt_tokens INTEGER NOT NULL DEFAULT 0)"
         )
-        self.db.execute("CREATE INDEX IF NOT EXISTS semantic_by_q ON semantic_entries(partition, q)")
-        self.owners = OwnerTable(self.db, "semantic_owners", "INTEGER")
+        self.file.db.execute("CREATE INDEX IF NOT EXISTS semantic_by_q ON semantic_entries(partition, q)")
+        return OwnerTable(self.file.db, "semantic_owners", "INTEGER")
 
 
 _COLUMNS = (

@@ -7,7 +7,8 @@
     ResponseStore.purge(selector) -> Purged                a tenant, or its session / end user (semantic/owners.py)
 
 MemoryStore lives and dies with the process; SqliteStore (the default) survives restarts: WAL mode,
-writes committed in groups (GroupCommit) before put() returns, reads on a connection of their own.
+writes committed in groups (GroupCommit) before put() returns, reads on a connection of their own
+(SqliteFile).
 
 At rest (SqliteStore, RedisStore) an entry's body is sealed by the store's `sealer` under its tenant's
 key, bound to the entry's key (sealed_response / opened_response): only the key, tenant and expiry
@@ -228,74 +229,97 @@ class _Work:
     done: bool = False  # set under GroupCommit.lock once its group committed or failed
 
 
-class SqliteStore:
-    """Reads go through their own connection: in WAL mode a read never waits for a writer, so a
-    lookup is not held up by another request's write waiting on the file's lock."""
+class SqliteFile:
+    """One SQLite file used from many threads. `db`, the writing connection (WAL), takes writes
+    through GroupCommit (`write`); lookups go through a connection of their own (`read`), which in
+    WAL mode never waits for a writer, so a lookup is not held up by a write waiting on the file's
+    lock. An in-memory database (":memory:") has one connection for both."""
 
-    def __init__(self, path: Path, sealer: Sealer = NO_SEALING):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    def __init__(self, path: Path | str):
+        in_memory = str(path) == ":memory:"
+        if not in_memory:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self.lock = threading.Lock()  # the writing connection `db`
-        self.sealer = sealer
-        with self.lock:
-            self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.execute("PRAGMA synchronous=NORMAL")
-            self.db.execute(
-                "CREATE TABLE IF NOT EXISTS exact_entries (key TEXT PRIMARY KEY, tenant TEXT NOT NULL, "
-                "expires_at REAL, body BLOB NOT NULL)"  # sealed_response()
-            )
-            self.db.execute("CREATE INDEX IF NOT EXISTS exact_by_tenant ON exact_entries(tenant)")
-            self.owners = OwnerTable(self.db, "exact_owners", "TEXT")
+        self.db.execute("PRAGMA journal_mode=WAL")  # before GroupCommit: it waits on SQLite's busy timeout
         self.writes = GroupCommit(self.db, self.lock)
-        self.reader = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self.read_lock = threading.Lock()  # the reading connection `reader`
+        self.reader = (
+            self.db if in_memory else sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        )
+        self.read_lock = self.lock if in_memory else threading.Lock()  # the reading connection `reader`
 
-    def _read(self, sql: str, args: tuple = ()) -> tuple | None:
+    def read(self, sql: str, args: tuple | list = ()) -> list[tuple]:
         with self.read_lock:
-            return self.reader.execute(sql, args).fetchone()
+            return self.reader.execute(sql, args).fetchall()
+
+    def write(self, work: Callable[[], T]) -> T:
+        return self.writes.run(work)
+
+    def close(self) -> None:
+        if self.reader is not self.db:
+            with self.read_lock:
+                self.reader.close()
+        with self.lock:
+            self.db.close()
+
+
+class SqliteStore:
+    def __init__(self, path: Path, sealer: Sealer = NO_SEALING):
+        self.file = SqliteFile(path)
+        self.sealer = sealer
+        self.file.db.execute("PRAGMA synchronous=NORMAL")
+        self.owners = self.file.write(self._create_tables)
+
+    def _create_tables(self) -> OwnerTable:
+        self.file.db.execute(
+            "CREATE TABLE IF NOT EXISTS exact_entries (key TEXT PRIMARY KEY, tenant TEXT NOT NULL, "
+            "expires_at REAL, body BLOB NOT NULL)"  # sealed_response()
+        )
+        self.file.db.execute("CREATE INDEX IF NOT EXISTS exact_by_tenant ON exact_entries(tenant)")
+        return OwnerTable(self.file.db, "exact_owners", "TEXT")
 
     def get(self, key: str, now: float) -> StoredResponse | None:
-        row = self._read(
+        rows = self.file.read(
             "SELECT tenant, body FROM exact_entries WHERE key = ? AND (expires_at IS NULL OR expires_at > ?)",
             (key, now),
         )
-        return opened_response(self.sealer, row[0], key, row[1]) if row else None
+        return opened_response(self.sealer, rows[0][0], key, rows[0][1]) if rows else None
 
     def put(self, key: str, tenant: str, response: StoredResponse, owner: Owner = Owner()) -> None:
         body = sealed_response(self.sealer, tenant, key, response)
 
         def write() -> None:
-            self.db.execute(
+            self.file.db.execute(
                 "INSERT OR REPLACE INTO exact_entries (key, tenant, expires_at, body) VALUES (?, ?, ?, ?)",
                 (key, tenant, response.expires_at, body),
             )
             self.owners.add(key, owner)
 
-        self.writes.run(write)
+        self.file.write(write)
 
     def own(self, key: str, owner: Owner) -> None:
         def write() -> None:
-            if self.db.execute("SELECT 1 FROM exact_entries WHERE key = ?", (key,)).fetchone():
+            if self.file.db.execute("SELECT 1 FROM exact_entries WHERE key = ?", (key,)).fetchone():
                 self.owners.add(key, owner)
 
-        self.writes.run(write)
+        self.file.write(write)
 
     def delete(self, key: str) -> bool:
         def write() -> bool:
             self.owners.forget([key])
-            return self.db.execute("DELETE FROM exact_entries WHERE key = ?", (key,)).rowcount > 0
+            return self.file.db.execute("DELETE FROM exact_entries WHERE key = ?", (key,)).rowcount > 0
 
-        return self.writes.run(write)
+        return self.file.write(write)
 
     def purge_expired(self, now: float) -> int:
         def write() -> int:
-            removed = self.db.execute(
+            removed = self.file.db.execute(
                 "DELETE FROM exact_entries WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,)
             ).rowcount
             self.owners.sweep("exact_entries", "key")
             return removed
 
-        return self.writes.run(write)
+        return self.file.write(write)
 
     def purge_tenant(self, tenant: str) -> int:
         return self.purge(Selector(tenant)).num_entries
@@ -304,27 +328,24 @@ class SqliteStore:
         def write() -> Purged:
             keys = self.owners.release(selector, "exact_entries", "key")
             size = sum(
-                self.db.execute("SELECT LENGTH(body) FROM exact_entries WHERE key = ?", (key,)).fetchone()[0]
+                self.file.db.execute("SELECT LENGTH(body) FROM exact_entries WHERE key = ?", (key,)).fetchone()[0]
                 for key in keys
             )
-            self.db.executemany("DELETE FROM exact_entries WHERE key = ?", [(key,) for key in keys])
+            self.file.db.executemany("DELETE FROM exact_entries WHERE key = ?", [(key,) for key in keys])
             return Purged(len(keys), size)
 
-        return self.writes.run(write)
+        return self.file.write(write)
 
     def count(self) -> int:
-        row = self._read("SELECT COUNT(*) FROM exact_entries")
-        return row[0] if row else 0
+        ((count,),) = self.file.read("SELECT COUNT(*) FROM exact_entries")
+        return count
 
     def purge_all(self) -> int:
         def write() -> int:
-            self.db.execute("DELETE FROM exact_owners")
-            return self.db.execute("DELETE FROM exact_entries").rowcount
+            self.file.db.execute("DELETE FROM exact_owners")
+            return self.file.db.execute("DELETE FROM exact_entries").rowcount
 
-        return self.writes.run(write)
+        return self.file.write(write)
 
     def close(self) -> None:
-        with self.read_lock:
-            self.reader.close()
-        with self.lock:
-            self.db.close()
+        self.file.close()

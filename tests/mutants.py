@@ -598,18 +598,14 @@ MUTANTS = (
         ("tests/semantic/test_sqlite_writes.py",),
     ),
     Mutant(
-        "SQLite lookups read through the writing connection (behind a write waiting on the file)",
+        "SQLite lookups (exact and semantic) read through the writing connection (behind a write waiting on the file)",
         "semantic/store.py",
-        "        with self.read_lock:\n            return self.reader.execute(sql, args).fetchone()",
-        "        with self.lock:\n            return self.db.execute(sql, args).fetchone()",
-        ("tests/semantic/test_sqlite_writes.py",),
-    ),
-    Mutant(
-        "semantic lookups read through the writing connection (behind an insert waiting on the file)",
-        "semantic/entries.py",
         "        with self.read_lock:\n            return self.reader.execute(sql, args).fetchall()",
         "        with self.lock:\n            return self.db.execute(sql, args).fetchall()",
-        ("tests/semantic/test_sqlite_writes.py",),
+        (
+            "tests/semantic/test_sqlite_writes.py::test_a_lookup_does_not_wait_for_a_write_waiting_on_the_file",
+            "tests/semantic/test_sqlite_writes.py::test_a_semantic_lookup_does_not_wait_for_an_insert_waiting_on_the_file",
+        ),
     ),
     Mutant(
         "the engine's idle thread keeps its last worker (an unloaded model's memory is never freed)",

@@ -139,6 +139,11 @@ class StepPlan:
     def num_prompt_tokens(self) -> int:
         return sum(n for _, n in self.chunks)
 
+    @property
+    def num_decode_tokens(self) -> int:
+        """The rows' pending tokens and drafts."""
+        return sum(s.num_pending_tokens + len(s.drafts) for s in self.decode)
+
     def __bool__(self) -> bool:
         return bool(self.decode or self.chunks)
 

@@ -126,9 +126,11 @@ class EngineWorker:
         # A model with a layer cache the libraries cannot batch (runner.batchable: plain KV, sliding
         # windows and recurrent states can) decodes one sequence at a time.
         self.max_num_seqs = max_num_seqs if runner.batchable else 1
-        self.step_tokens = step_prompt_tokens  # prompt tokens per model call, over every admission
-        self.step_budget_ms = step_budget_ms  # a step with decode rows: its latency budget (StepCosts); 0: off
-        self.costs: StepCosts | None = None  # built with the scheduler
+        block = runner.caches.config.block_size
+        # prompt tokens per model call, over every admission, in whole blocks
+        self.step_tokens = max(block, step_prompt_tokens // block * block)
+        # a step beside decode rows: the prompt tokens its latency budget leaves (0: step_tokens)
+        self.costs = StepCosts(step_budget_ms, self.step_tokens, block, max(self.step_tokens, ALONE_STEP_TOKENS))
         self.timed_step: tuple[float, int, int] | None = None  # (start, decode tokens, prompt tokens) of the last step
         # a tenant holds at most half of the waiting places
         self.jobs = FairQueue(max_queue, tenant_share=max(1, max_queue // 2))
@@ -356,11 +358,7 @@ class EngineWorker:
     def _loop(self) -> None:
         try:
             self.runner.warm_up()
-            limits = self._limits()
-            self.costs = StepCosts(
-                self.step_budget_ms, limits.step_tokens, limits.block_tokens, max(limits.step_tokens, ALONE_STEP_TOKENS)
-            )
-            self.scheduler = Scheduler(limits, _Budget(self.runner.caches), self, self.jobs, self.costs)
+            self.scheduler = Scheduler(self._limits(), _Budget(self.runner.caches), self, self.jobs, self.costs)
         except BaseException as exc:  # noqa: BLE001 - reported by start(); the thread ends, serving nothing
             self.warm_up_error = exc
             return
@@ -384,11 +382,7 @@ class EngineWorker:
             if plan is None:
                 break
             if plan:
-                self.timed_step = (
-                    time.perf_counter(),
-                    sum(s.num_pending_tokens + len(s.drafts) for s in plan.decode),
-                    plan.num_prompt_tokens,
-                )
+                self.timed_step = (time.perf_counter(), plan.num_decode_tokens, plan.num_prompt_tokens)
                 self._step(plan)
             self.last_step = StepShape(len(plan.decode), plan.num_prompt_tokens)
             self.last_progress = time.monotonic()
@@ -397,15 +391,16 @@ class EngineWorker:
     def _time_step(self) -> None:
         """The last step's time, from its call to its logits drawn (a decode call's logits are lazy
         until the draws), into the step costs."""
-        if self.timed_step is not None and self.costs is not None:
+        if self.timed_step is not None:
             start, decode_tokens, prompt_tokens = self.timed_step
             self.costs.record(decode_tokens, prompt_tokens, (time.perf_counter() - start) * 1000)
         self.timed_step = None
 
     def _limits(self) -> Limits:
         block = self.runner.caches.config.block_size
-        step_tokens = max(block, self.step_tokens // block * block)
-        return Limits(self.max_num_seqs, step_tokens, block, self.runner.kv_bytes_per_token, self.runner.state_bytes)
+        return Limits(
+            self.max_num_seqs, self.step_tokens, block, self.runner.kv_bytes_per_token, self.runner.state_bytes
+        )
 
     def _admit(self) -> StepPlan | None:
         """The scheduler's next step plan (waiting for a job when nothing runs); None once stop()

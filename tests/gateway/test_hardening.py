@@ -97,8 +97,8 @@ def test_a_failing_store_still_answers_plain_and_streaming(client):
     plain requests once failed with 500, and streams were cut without [DONE]."""
     responses = client.app.state.services.responses
     for db, lock in (
-        (responses.exact.store.db, responses.exact.store.lock),
-        (responses.semantic.store.db, responses.semantic.store.lock),
+        (responses.exact.store.file.db, responses.exact.store.file.lock),
+        (responses.semantic.store.file.db, responses.semantic.store.file.lock),
     ):
         with lock:
             db.execute("PRAGMA query_only = 1")

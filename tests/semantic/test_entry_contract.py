@@ -238,7 +238,7 @@ def test_sealed_entries_keep_no_text_and_vanish_from_every_read_once_their_tenan
         PARTITION, SCOPE, "Where is the quokka-ledger kept?", Answer("In vault 7."), 1.0, None, _vector(1)
     )
     theirs, _ = store.put(other.partition("ctx"), other, "Where is it?", Answer("Upstairs."), 1.0, None, _vector(2))
-    store.db.execute("PRAGMA wal_checkpoint(FULL)")
+    store.file.db.execute("PRAGMA wal_checkpoint(FULL)")
     raw = b"".join(path.read_bytes() for path in tmp_path.glob("semantic.db*"))
     assert b"quokka-ledger" not in raw and b"vault 7" not in raw and _vector(1).tobytes() not in raw
     keyring.shred("tenant-a")

@@ -54,7 +54,7 @@ def test_a_lookup_does_not_wait_for_a_write_waiting_on_the_file(tmp_path):
     store.put("old", "t", _response("old"))
     held = HeldLock(tmp_path / "r.db")
     (writer,) = _put_in_threads(store, ["new"])
-    _wait_for(store.lock.locked)  # the write holds the store's writing connection, waiting on the file
+    _wait_for(store.file.lock.locked)  # the write holds the store's writing connection, waiting on the file
     start = time.perf_counter()
     assert store.get("old", 101.0) == _response("old") and store.get("new", 101.0) is None
     assert store.count() == 1
@@ -71,7 +71,7 @@ def test_a_semantic_lookup_does_not_wait_for_an_insert_waiting_on_the_file(tmp_p
     held = HeldLock(tmp_path / "s.db")
     writer = threading.Thread(target=entries.put, args=("p", scope, "new question", Answer("new"), 2.0, None, vector))
     writer.start()
-    _wait_for(entries.lock.locked)
+    _wait_for(entries.file.lock.locked)
     start = time.perf_counter()
     assert [entry.answer for entry, _ in entries.fetch([old_id])] == ["old answer"]
     assert entries.find("p", "t", "new question") is None and entries.stats()[0]["unreviewed"] == 1
@@ -85,13 +85,13 @@ def test_a_semantic_lookup_does_not_wait_for_an_insert_waiting_on_the_file(tmp_p
 def test_writes_queued_behind_a_locked_file_commit_in_one_group(tmp_path):
     store = SqliteStore(tmp_path / "r.db")
     groups = []
-    commit = store.writes._commit
-    store.writes._commit = lambda group: (groups.append(len(group)), commit(group))[1]
+    commit = store.file.writes._commit
+    store.file.writes._commit = lambda group: (groups.append(len(group)), commit(group))[1]
     held = HeldLock(tmp_path / "r.db")
     (first,) = _put_in_threads(store, ["k0"])
     _wait_for(lambda: groups == [1])  # k0 alone, waiting for the file
     others = _put_in_threads(store, ["k1", "k2", "k3"])
-    _wait_for(lambda: len(store.writes.queued) == 3)
+    _wait_for(lambda: len(store.file.writes.queued) == 3)
     held.release()
     for thread in [first, *others]:
         thread.join(10)

@@ -116,7 +116,7 @@ def test_a_sealed_entry_keeps_no_text_and_reads_as_absent_once_its_tenant_is_shr
     store = SqliteStore(tmp_path / "responses.db", SemanticSealer(keyring))
     store.put("k1", "acme", _response("the harbour-ledger answer"))
     store.put("k2", "globex", _response("globex's answer"))
-    store.db.execute("PRAGMA wal_checkpoint(FULL)")
+    store.file.db.execute("PRAGMA wal_checkpoint(FULL)")
     assert b"harbour-ledger" not in b"".join(p.read_bytes() for p in tmp_path.glob("responses.db*"))
     keyring.shred("acme")
     assert store.get("k1", now=101.0) is None and store.get("k2", now=101.0) == _response("globex's answer")
