@@ -49,10 +49,12 @@ from gateway.checkpoints import resolve_model_path
 from gateway.engine import (
     CacheConfig,
     DecodeBatch,
+    Draw,
     ModelRunner,
     PreparedPrompt,
     Sampler,
     Sampling,
+    draw_all,
     use_decode_kernel,
     use_lone_row_kernel,
     use_split_rows,
@@ -289,7 +291,7 @@ def decode_floor_ms(setup: Setup, rows: int, floor: dict) -> float:
 
 
 def draw_ms(setup: Setup, repeats: int) -> tuple[float, float]:
-    """One step's greedy draws for the batch's rows: each row's sampler in turn (one evaluation for
+    """One step's greedy draws for the batch's rows: each row's sampler (draw_all: one evaluation for
     all), and one argmax over the step's logits."""
     logits = setup.runner.run_step([setup.decode_part()])[0]
     mx.eval(logits)
@@ -297,9 +299,7 @@ def draw_ms(setup: Setup, repeats: int) -> tuple[float, float]:
     samplers = [Sampler(Sampling(48, 0.0, 1.0, None, ())) for _ in setup.batch.rows]
 
     def one_by_one(_parts) -> None:
-        draws = [sampler.draw(logits[row]) for row, sampler in enumerate(samplers)]
-        mx.eval(*draws)
-        [draw.item() for draw in draws]  # each token read back, as the worker does
+        draw_all([Draw(sampler, logits[row], ()) for row, sampler in enumerate(samplers)])
 
     together = _median_ms(lambda _parts: mx.argmax(logits, axis=-1).tolist(), list, repeats * 5)
     return _median_ms(one_by_one, list, repeats * 5), together

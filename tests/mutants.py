@@ -42,6 +42,7 @@ FAMILIES = "tests/gateway/test_families.py"
 BREADTH = "tests/gateway/test_api_breadth.py"
 VERIFIER = "tests/semantic/test_verifier.py"
 ROUND_TWO = "tests/gateway/test_hardening_round_two.py"
+SAMPLING = "tests/gateway/test_sampling.py"
 LIVE_HARDENING = "tests/gateway/test_live_hardening.py"
 VERIFY = "tests/gateway/test_verify.py"
 AT_REST = "tests/gateway/test_at_rest.py"
@@ -285,7 +286,7 @@ MUTANTS = (
     ),
     Mutant(
         "a biased or penalised row drawn by the rows' shared argmax",
-        "gateway/engine/runner.py",
+        "gateway/engine/sampling.py",
         "untouched = not self._adjusts(generated) and self.matcher is None",
         "untouched = self.matcher is None",
         (f"{BATCH}::test_greedy_rows_draw_with_one_argmax_and_keep_their_lone_tokens",),
@@ -408,8 +409,8 @@ MUTANTS = (
     Mutant(
         "drafts verified against the wrong position's logits",
         "gateway/engine/decoding.py",
-        "token = sampler.draw(logits[position], sequence.generated + sequence.drafts[:position])",
-        "token = sampler.draw(logits[0], sequence.generated + sequence.drafts[:position])",
+        "Draw(sequence.sampler, sequence.logits[position], sequence.generated + sequence.drafts[:position])",
+        "Draw(sequence.sampler, sequence.logits[0], sequence.generated + sequence.drafts[:position])",
         (f"{VERIFY}::test_drafts_right_wrong_or_half_right_leave_every_answer_as_plain_decoding[llama]",),
     ),
     Mutant(
@@ -661,14 +662,14 @@ MUTANTS = (
     ),
     Mutant(
         "the grammar's mask left off the logits",
-        "gateway/engine/runner.py",
+        "gateway/engine/sampling.py",
         "logits = self.matcher.mask(logits, closing=self._closing(len(generated)))",
         "logits = logits",
         ("tests/gateway/test_tools.py::test_a_forced_call_on_a_model_without_a_tools_template",),
     ),
     Mutant(
         "a grammar's output never closed before the budget ends",
-        "gateway/engine/runner.py",
+        "gateway/engine/sampling.py",
         "self.closing = left <= self.tokens_to_close + CLOSING_CHECK_TOKENS",
         "self.closing = False",
         (
@@ -1215,6 +1216,34 @@ MUTANTS = (
         "            self._settle_stray_bytes()",
         "            pass",
         ("tests/gateway/test_text.py",),
+    ),
+    Mutant(
+        "the nucleus keeps the token that reaches top_p and the next one",
+        "gateway/engine/sampling.py",
+        "inside = int(np.count_nonzero(before < needed))",
+        "inside = int(np.count_nonzero(before <= needed)) + 1",
+        (f"{SAMPLING}::test_the_weights_keep_the_tokens_the_mlx_filters_keep_at_their_probabilities",),
+    ),
+    Mutant(
+        "the nucleus looked for among the first candidates only",
+        "gateway/engine/sampling.py",
+        "        if inside < count or count == size:",
+        "        if True:",
+        (f"{SAMPLING}::test_a_flat_distribution_finds_its_nucleus_past_the_first_candidates",),
+    ),
+    Mutant(
+        "u compared with the whole sum inside the block it falls in",
+        "gateway/engine/sampling.py",
+        "target - (block_ends[block - 1] if block else 0.0)",
+        "target",
+        (f"{SAMPLING}::test_quantiles_of_u_land_on_each_token_in_proportion_to_its_weight",),
+    ),
+    Mutant(
+        "every token of a reply drawn with the same u",
+        "gateway/engine/sampling.py",
+        "uniform(self.seed + index * KEY_STRIDE)",
+        "uniform(self.seed)",
+        (f"{SAMPLING}::test_a_seeded_sampler_draws_the_same_tokens_and_another_seed_others",),
     ),
 )
 

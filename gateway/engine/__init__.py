@@ -50,7 +50,8 @@ from .model_pool import (
 )
 from .native import cpu_features
 from .prompt import PreparedPrompt, PromptError
-from .runner import ModelRunner, Sampler, TokenLogprob
+from .runner import ModelRunner
+from .sampling import Draw, Sampler, TokenLogprob, draw_all
 from .speculative import SpeculativeReport
 from .system_turns import SYSTEM_WRAPPER, SystemPlacement
 from .threads import use_split_rows
@@ -75,6 +76,7 @@ __all__ = [
     "CompiledGrammar",
     "DecodeBatch",
     "Delta",
+    "Draw",
     "EmbedJob",
     "Embedded",
     "Engine",
@@ -117,6 +119,7 @@ __all__ = [
     "VisionReport",
     "cpu_features",
     "decode_alone",
+    "draw_all",
     "family_of",
     "json_schema_grammar",
     "map_large_allocations",

@@ -28,12 +28,11 @@ from .runner import (
     ModelRunner,
     Part,
     PrefillResult,
-    Sampler,
-    as_token,
     cache_offset,
     decode_positions,
     recurrent_state,
 )
+from .sampling import Sampler
 from .types import Sampling
 
 
@@ -188,7 +187,7 @@ def decode_alone(
     logits, generated = prefill.logits, list[int]()
     try:
         for _ in range(sampling.max_tokens):
-            token = as_token(sampler.draw(logits, generated))
+            token = sampler(logits, generated)
             if token in runner.eos_ids:
                 return
             generated.append(token)

@@ -25,7 +25,8 @@ import mlx.core as mx
 from .batch import DecodeBatch
 from .jobs import Delta, Finished, Job
 from .mtp import ModelHeads
-from .runner import ModelRunner, Part, PrefillResult, Sampler, as_token
+from .runner import ModelRunner, Part, PrefillResult
+from .sampling import Draw, Sampler, draw_all
 from .scheduler import Sequence
 from .speculative import Acceptance, Drafter, Proposer, SpeculativeReport, batch_width, default_proposers
 from .text import TextStream
@@ -164,13 +165,7 @@ class DecodeRows:
         if not any(ready):
             return
         try:
-            greedy = self._greedy_tokens(ready)
-            draws = [
-                [(greedy[index], ())] if index in greedy else self._draws(sequence) if now else []
-                for index, (sequence, now) in enumerate(zip(self.rows, ready))
-            ]
-            lazy = [token for row in draws for token, _ in row if isinstance(token, mx.array)]
-            mx.eval(*lazy, *[a for row in draws for _, lp in row for a in lp])
+            draws = self._draw_rows(ready)
             taken = [self._verified(sequence, row) if row else [] for sequence, row in zip(self.rows, draws)]
             for sequence, tokens in zip(self.rows, taken):
                 self._follow(sequence, tokens)
@@ -238,20 +233,29 @@ class DecodeRows:
         self.batch.roll_back()
         self.runner.run_step([self.batch.part([kept])])
 
-    def _draws(self, sequence: Sequence) -> list[tuple[mx.array, tuple[mx.array, ...]]]:
-        """The row's lazy draws (with their logprobs, when asked) at its pending position and after
-        each of its drafts, as if the drafts before were taken."""
-        sampler, logits = sequence.sampler, sequence.logits
-        draws = []
-        for position in range(sequence.num_real_drafts + 1):
-            token = sampler.draw(logits[position], sequence.generated + sequence.drafts[:position])
-            draws.append((token, sampler.lazy_logprobs()))
-        return draws
+    def _draw_rows(self, ready: list[bool]) -> list[list[tuple[int, tuple]]]:
+        """Each row's draws (token, logprobs) at its pending position and after each of its drafts,
+        as if the drafts before were taken: rows drawing plainly greedily from the step's one
+        argmax, the rest in one draw_all (none for a row not ready)."""
+        greedy = self._greedy_tokens(ready)
+        wanted = [
+            [
+                Draw(sequence.sampler, sequence.logits[position], sequence.generated + sequence.drafts[:position])
+                for position in range(sequence.num_real_drafts + 1)
+            ]
+            if now and index not in greedy
+            else []
+            for index, (sequence, now) in enumerate(zip(self.rows, ready))
+        ]
+        drawn = iter(draw_all([draw for row in wanted for draw in row]))
+        return [
+            [(greedy[index], ())] if index in greedy else [next(drawn) for _ in row] for index, row in enumerate(wanted)
+        ]
 
     def _verified(self, sequence: Sequence, draws: list) -> list[tuple[int, tuple]]:
         """The tokens the row takes: its drafts while they equal its draws, then the draw where they
         first differ (or the draw after the last draft), each with its logprobs."""
-        tokens = [(token if isinstance(token, int) else as_token(token), logprobs) for token, logprobs in draws]
+        tokens = list(draws)
         accepted = 0
         while accepted < sequence.num_real_drafts and tokens[accepted][0] == sequence.drafts[accepted]:
             accepted += 1

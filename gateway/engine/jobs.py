@@ -20,7 +20,7 @@ from kvcache import TenantSalt
 
 from .caching import PrefixReport, VisionReport
 from .prompt import PreparedPrompt
-from .runner import TokenLogprob
+from .sampling import TokenLogprob
 from .speculative import SpeculativeReport
 from .types import Pin, Sampling
 

@@ -1,4 +1,4 @@
-"""The MLX model run: embeddings (with image features), chunked prefill, sampling, decode steps.
+"""The MLX model run: embeddings (with image features), chunked prefill, decode steps (sampling.py draws).
 
 One generic implementation for every family (gateway/engine/families.py holds the per-family data):
 the library's own loader, processor, cache classes and language-model call; Strata's own block
@@ -15,13 +15,10 @@ import contextlib
 import functools
 import json
 import logging
-import math
-import os
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,7 +31,7 @@ from vision import DecodedImage, pixel_hash, processor_fingerprint
 from .activations import install_cpu_expert_activations, install_cpu_prefill_activations
 from .attention import install_cpu_prefill_attention
 from .caching import CacheConfig, EngineCaches, PrefixPlan, PrefixReport, VisionReport
-from .constraint import MAX_CLOSING_TOKENS, Grammars
+from .constraint import Grammars
 from .decode_kernel import build_decode_kernel
 from .experts import install_grouped_experts
 from .families import Family, family_of, read_config
@@ -43,11 +40,10 @@ from .mixed import install as install_packed_calls
 from .mtp import load_heads
 from .prompt import PreparedPrompt, PromptBuilder, PromptImage
 from .recurrent import install_chunked_prefill
-from .types import Pin, Sampling
+from .types import Pin
 
 log = logging.getLogger("strata.engine")
 BATCHED_CACHE_TYPES = ("KVCache", "ArraysCache")  # per-layer caches the libraries can batch
-CLOSING_CHECK_TOKENS = 8  # how often a grammar's distance to closing is measured (and the margin kept)
 LAST_TOKEN_POOLING = ("qwen3",)  # model types whose mlx-vlm embedding model pools the last token
 # A hybrid prompt's lasting snapshots are spaced so that they hold about a quarter of the bytes of
 # the KV they sit among: on the demo Qwen3.5 a snapshot weighs as much as 137 tokens' KV, so one every
@@ -631,167 +627,6 @@ class ModelRunner:
         return positions, int(deltas.reshape(-1)[0].item())
 
 
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """One generated token's log probability and the most likely alternatives (token id, logprob)."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-Generated = list[int] | tuple[int, ...]  # the tokens a sequence has generated so far
-
-
-KEY_STRIDE = 0x9E3779B97F4A7C15  # 2**64 / the golden ratio: token indices spread over the key space
-
-
-class Sampler:
-    """Greedy at temperature 0; otherwise temperature, then top-k, min-p and nucleus sampling, seeded
-    when asked. Penalties, logit bias and the grammar's mask apply first, in both cases. Log
-    probabilities are those of the distribution after them, before temperature (what was choosable)."""
-
-    def __init__(self, sampling: Sampling, grammars: Grammars | None = None):
-        self.sampling = sampling
-        seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
-        self.seed = seed % 2**64  # negative seeds are valid in the API
-        self.bias = None
-        if sampling.logit_bias:
-            ids, values = zip(*sampling.logit_bias)
-            self.bias = (mx.array(ids, dtype=mx.int32), mx.array(values, dtype=mx.float32))
-        if sampling.grammar and grammars is None:
-            raise ValueError("a request with a grammar needs the model's Grammars")
-        self.matcher = grammars.matcher(sampling.grammar) if sampling.grammar and grammars else None
-        self.closing = False  # under a grammar: the tokens left are needed to close the output
-        self.tokens_to_close = 0  # as last measured
-        # With top_logprobs: the last draw's (chosen logprob, top ids, top logprobs), lazy until the
-        # batch evaluates them together with the draws (lazy_logprobs()).
-        self.last_logprobs: tuple[mx.array, mx.array, mx.array] | None = None
-
-    def __call__(self, logits: mx.array, generated: Generated = ()) -> int:
-        return as_token(self.draw(logits, generated))
-
-    def draw(self, logits: mx.array, generated: Generated = ()) -> mx.array:
-        """The next token as a lazy scalar (a batch evaluates all its rows' draws at once), after the
-        tokens this sequence has generated so far."""
-        sampling = self.sampling
-        logits = self._adjusted(logits, generated)
-        if self.matcher is not None:
-            logits = self.matcher.mask(logits, closing=self._closing(len(generated)))
-        token = self._choose(logits, len(generated))
-        if sampling.top_logprobs is not None:
-            self.last_logprobs = _logprobs(logits, token, sampling.top_logprobs)
-        return token
-
-    def _choose(self, logits: mx.array, index: int) -> mx.array:
-        """Token `index` of the reply. Its random key is the seed's and the index's alone, so a
-        token is the same draw however many positions a step verified (speculative decoding)."""
-        sampling = self.sampling
-        if sampling.temperature == 0.0:
-            return mx.argmax(logits)
-        step_key = mx.random.key((self.seed + index * KEY_STRIDE) % 2**64)
-        scaled = logits.astype(mx.float32) / sampling.temperature
-        if sampling.top_k:
-            scaled = _top_k(scaled, sampling.top_k)
-        if sampling.min_p:
-            scaled = _min_p(scaled, sampling.min_p)
-        if sampling.top_p < 1.0:
-            scaled = _nucleus(scaled, sampling.top_p)
-        return mx.random.categorical(scaled, key=step_key)
-
-    def plain_greedy(self, generated: Generated) -> bool:
-        """Its next draw is the logits' argmax as they are: temperature 0 and nothing that changes
-        them (bias, penalties after some output, a grammar) or asks for more (logprobs)."""
-        sampling = self.sampling
-        untouched = not self._adjusts(generated) and self.matcher is None
-        return sampling.temperature == 0.0 and untouched and sampling.top_logprobs is None
-
-    def _adjusts(self, generated: Generated) -> bool:
-        """A logit bias, or penalties once there is output to penalise (_adjusted() applies them)."""
-        sampling = self.sampling
-        return bool(self.bias or (generated and (sampling.presence_penalty or sampling.frequency_penalty)))
-
-    def lazy_logprobs(self) -> tuple[mx.array, ...]:
-        """The arrays logprobs() will read, for the batch to evaluate along with its draws."""
-        return self.last_logprobs or ()
-
-    def _closing(self, num_generated: int) -> bool:
-        """Whether the grammar's output must close now (gateway/engine/constraint.py). The tokens
-        closing takes are measured (a dry run of ~0.1 ms a token) every CLOSING_CHECK_TOKENS tokens,
-        and at every token once the budget left is within 3 intervals of them (one token, an escape
-        such as \\u, can add several); closing starts with one interval to spare."""
-        left = self.sampling.max_tokens - num_generated
-        if self.closing or left > MAX_CLOSING_TOKENS:
-            return self.closing
-        near = left <= self.tokens_to_close + 3 * CLOSING_CHECK_TOKENS
-        if self.matcher is not None and (near or num_generated % CLOSING_CHECK_TOKENS == 0):
-            self.tokens_to_close = self.matcher.tokens_to_close()
-            self.closing = left <= self.tokens_to_close + CLOSING_CHECK_TOKENS
-        return self.closing
-
-    @property
-    def closed_early(self) -> bool:
-        """The grammar's output was closed before the model ended it: cut by the token budget."""
-        return self.closing
-
-    def accept(self, token: int) -> None:
-        """The row took `token` (not an end-of-sequence token): the grammar moves past it."""
-        if self.matcher is not None:
-            self.matcher.accept(token)
-
-    def logprobs(self, token: int) -> TokenLogprob:
-        """The last draw's log probability of `token` (the drawn one) and its top_logprobs alternatives."""
-        assert self.last_logprobs is not None, "asked only of rows that want top_logprobs, after a draw"
-        chosen, ids, values = self.last_logprobs
-        top: list[tuple[int, float]] = list(zip(ids.tolist(), values.tolist()))  # type: ignore[arg-type]  # 1-D arrays
-        return TokenLogprob(token, float(cast(float, chosen.item())), tuple(top))
-
-    def _adjusted(self, logits: mx.array, generated: Generated) -> mx.array:
-        sampling = self.sampling
-        if not self._adjusts(generated):
-            return logits
-        logits = logits.astype(mx.float32)
-        if self.bias is not None:
-            logits = logits.at[self.bias[0]].add(self.bias[1])
-        if generated and sampling.frequency_penalty:
-            logits = logits.at[mx.array(generated, dtype=mx.int32)].add(-sampling.frequency_penalty)  # once per use
-        if generated and sampling.presence_penalty:
-            logits = logits.at[mx.array(sorted(set(generated)), dtype=mx.int32)].add(-sampling.presence_penalty)
-        return logits
-
-
-def _logprobs(logits: mx.array, token: mx.array, k: int) -> tuple[mx.array, mx.array, mx.array]:
-    """(logprob of token, the k most likely ids, their logprobs), lazily."""
-    logits = logits.astype(mx.float32)
-    logp = logits - mx.logsumexp(logits)
-    k = min(k, logp.shape[-1])
-    top = mx.argpartition(-logp, k - 1)[:k] if k else mx.zeros((0,), dtype=mx.int32)
-    top = top[mx.argsort(-logp[top])]  # most likely first
-    return logp[token], top, logp[top]
-
-
-def _top_k(logits: mx.array, k: int) -> mx.array:
-    if k >= logits.shape[-1]:
-        return logits
-    kth = mx.sort(logits)[-k]
-    return mx.where(logits >= kth, logits, -mx.inf)
-
-
-def _min_p(logits: mx.array, min_p: float) -> mx.array:
-    """Keep tokens whose probability is at least min_p times the most likely one's."""
-    threshold = mx.max(logits) + math.log(min_p)
-    return mx.where(logits >= threshold, logits, -mx.inf)
-
-
-def _nucleus(logits: mx.array, top_p: float) -> mx.array:
-    """Keep the smallest set of most likely tokens whose probability reaches top_p."""
-    descending = -mx.sort(-logits)
-    probs = mx.softmax(descending)
-    num_keep = mx.sum((mx.cumsum(probs) - probs) < top_p)  # >= 1: the top token always stays
-    threshold = descending[num_keep - 1]
-    return mx.where(logits >= threshold, logits, -mx.inf)
-
-
 def eos_ids(model_path: Path, config: dict, tokenizer) -> frozenset[int]:
     """Every token that ends a reply: config.json's (top level or text_config), generation_config.json's
     (real checkpoints often list the chat turn's end only there, e.g. Gemma 3's <end_of_turn>), and
@@ -1023,8 +858,3 @@ def _packed_deepstack(parts: list[Part], num_tokens: int) -> dict:
         "visual_pos_masks": mx.concatenate(masks)[None],
         "deepstack_visual_embeds": [mx.concatenate(list(rows)) for rows in zip(*layers)],
     }
-
-
-def as_token(draw: mx.array) -> int:
-    """A drawn token id (an integer scalar array; mlx types item() as any number) as an int."""
-    return int(cast(int, draw.item()))

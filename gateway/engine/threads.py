@@ -1,5 +1,5 @@
 """The threads engine workers run on (reused, never ended), and the helpers that take parts of a
-step's attention to the other cores."""
+step's attention and of its sampled draws to the other cores."""
 
 from __future__ import annotations
 

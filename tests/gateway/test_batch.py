@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 
 from gateway.checkpoints import RECIPES, BuildSpec
-from gateway.engine import ImagePart, Message, Sampler, Sampling, TextPart, decode_alone
+from gateway.engine import Draw, ImagePart, Message, Sampler, Sampling, TextPart, decode_alone, draw_all
 from gateway.engine.batch import DecodeBatch
 from gateway.engine.caching import CacheConfig
 from gateway.engine.runner import ModelRunner
@@ -488,7 +488,7 @@ def test_penalties_and_logit_bias_shape_each_row_as_they_do_alone(tiny_model_pat
         samplers.append(Sampler(sampling))
         logits.append(prefill.logits)
     for _ in range(STEPS):
-        tokens = mx.stack([s.draw(row_logits, d) for s, row_logits, d in zip(samplers, logits, drawn)]).tolist()
+        tokens = [token for token, _ in draw_all([Draw(*row) for row in zip(samplers, logits, drawn)])]
         for row, token in enumerate(tokens):
             drawn[row].append(token)
         step = batch.step(tokens)

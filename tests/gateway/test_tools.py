@@ -142,7 +142,7 @@ def test_walks_that_never_close_a_string_still_end_valid_within_the_budget(runne
     """The worst model: it never ends a free string or array by itself (never picks a closer unless
     only closers are allowed). The closing tokens at the end of the budget still finish the JSON,
     whenever the budget holds the shortest valid output."""
-    from gateway.engine.runner import Sampler
+    from gateway.engine.sampling import Sampler
 
     grammars = runner_of("qwen2_5_vl").runner.grammars
     grammar = json_schema_grammar(UNBOUNDED)
