@@ -43,6 +43,7 @@ BREADTH = "tests/gateway/test_api_breadth.py"
 VERIFIER = "tests/semantic/test_verifier.py"
 ROUND_TWO = "tests/gateway/test_hardening_round_two.py"
 SAMPLING = "tests/gateway/test_sampling.py"
+ROWS = "tests/gateway/test_rows_kv.py"
 LIVE_HARDENING = "tests/gateway/test_live_hardening.py"
 VERIFY = "tests/gateway/test_verify.py"
 AT_REST = "tests/gateway/test_at_rest.py"
@@ -1244,6 +1245,34 @@ MUTANTS = (
         "uniform(self.seed + index * KEY_STRIDE)",
         "uniform(self.seed)",
         (f"{SAMPLING}::test_a_seeded_sampler_draws_the_same_tokens_and_another_seed_others",),
+    ),
+    Mutant(
+        "a step's new tokens all visible to each other (no causal mask among drafts)",
+        "gateway/engine/rows_attention.c",
+        "if (t > length && t > length + line % L) {",
+        "if (t > length + L) {",
+        (f"{ROWS}::test_rows_attend_over_their_segments_across_blocks_joins_and_drafts",),
+    ),
+    Mutant(
+        "no room made for a step's tokens past a row's last block",
+        "gateway/engine/rows_kv.py",
+        "            if missing > 0:",
+        "            if False:",
+        (f"{ROWS}::test_rows_attend_over_their_segments_across_blocks_joins_and_drafts",),
+    ),
+    Mutant(
+        "a leaving row's KV cut one token short",
+        "gateway/engine/rows_kv.py",
+        "[s.size for s in row.segments], length))",
+        "[s.size for s in row.segments], length - 1))",
+        (f"{ROWS}::test_a_leaving_row_gets_exactly_its_tokens_back_as_plain_caches",),
+    ),
+    Mutant(
+        "segments used without the runner's check that attention came through them",
+        "gateway/engine/runner.py",
+        "agree = rows.num_attended == len(caches[0]) and",
+        "agree = True or",
+        (f"{ROWS}::test_a_family_whose_attention_does_not_come_through_the_segments_keeps_the_library_cache",),
     ),
 )
 

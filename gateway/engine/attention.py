@@ -33,6 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from .decode_kernel import decode_attention
+from .rows_kv import RowsLayer
 from .threads import split_rows
 
 LOG2E = 1.4426950408889634
@@ -213,7 +214,10 @@ def _cpu_prefill(original):
         """Prefill (queries > 1) with a causal or boolean mask, and a batch's rows with their boolean
         masks, run on numpy (attention sinks included); the rest (a lone decode row, quantised
         caches, masks per head) stays on the library's own kernel. Keys that the mask hides from every query (a sliding
-        window's past, a batch's shared padding) are dropped first."""
+        window's past, a batch's shared padding) are dropped first. Decode rows whose KV lies in
+        segments (rows_kv.py) attend through their cache."""
+        if isinstance(cache, RowsLayer) and mask is None and not args and not kwargs:
+            return cache.attend(queries, keys, values, scale)
         allowed = None  # the boolean mask as numpy, read once: (L, T), or (B, 1, L, T) for a batch's rows
         if isinstance(keys, mx.array) and isinstance(mask, mx.array) and mask.dtype == mx.bool_ and _one_per_row(mask):
             allowed = np.asarray(mask)

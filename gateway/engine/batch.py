@@ -9,8 +9,12 @@ delta for the Qwen VL line), and masks from the cache (left padding, and a slidi
 model asks for one). A leaving row's cache is extracted back into plain per-layer caches, so the
 runner's finish() stores its blocks (and a hybrid row's last snapshot) as for a lone request.
 
-Invariant: `rows[i]` is row i of every layer's batched cache when `batched`, and `lengths[i]` the
-tokens its cache holds; otherwise there is at most one row and `cache` is its own. Only the engine's worker thread calls in.
+On a model whose rows can keep their KV in segments (runner.rows_kv: plain KV without windows, on
+the CPU), the batched rows do so instead (gateway/engine/rows_kv.py): a row joining or leaving copies
+nothing of the others' KV, where BatchKVCache pads and concatenates them all.
+
+Invariant: `rows[i]` is row i of every layer's batched cache (or of `segments`) when `batched`, and
+`lengths[i]` the tokens its cache holds; otherwise there is at most one row and `cache` is its own. Only the engine's worker thread calls in.
 Measured on the tiny models of Qwen2.5-VL, Gemma 3 and Llama: greedy tokens of 8 sequences decoded
 together equal each decoded alone (tests/gateway/test_batch.py keeps that true for every family).
 """
@@ -23,6 +27,7 @@ import mlx.core as mx
 
 from kvcache import is_recurrent
 
+from .rows_kv import RowsKV
 from .runner import (
     Cancelled,
     ModelRunner,
@@ -47,6 +52,9 @@ class DecodeBatch:
         self.lengths: list[int] = []  # tokens in each row's cache, as of the last part() fed
         self.cache: list = []  # per layer: the lone row's KVCache, or a BatchKVCache when batched; [] with no rows
         self.batched = False
+        # When batched on a model whose rows keep their KV in segments (runner.rows_kv): the rows'
+        # KV, and `cache` is its layers' views
+        self.segments: RowsKV | None = None
         self.num_fed = 0  # tokens each row was fed by the last part(); 0 once took_step() saw them
         # The lone row's recurrent states before the last part() (keep_state()), for roll_back()
         self.kept_state: list | None = None
@@ -59,6 +67,15 @@ class DecodeBatch:
         BatchKVCache, a hybrid model's recurrent layers into its ArraysCache (stacked states)."""
         if not self.rows:
             self.cache = prefill.cache
+        elif self.segments is not None:
+            self.segments.add(prefill.cache)
+        elif not self.batched and self.runner.rows_kv:
+            self.segments = RowsKV(
+                self.runner.cache_classes.KVCache, len(self.cache), self.runner.caches.config.block_size
+            )
+            self.segments.add(self.cache)
+            self.segments.add(prefill.cache)
+            self.cache, self.batched = self.segments.layers, True
         else:
             assert self.runner.batchable, "a model without a batched cache decodes one sequence at a time"
             if self.batched:
@@ -105,9 +122,19 @@ class DecodeBatch:
         self.num_fed = ids.shape[1]
         # mRoPE families give every row a delta, plain-RoPE families none
         deltas = [row.rope_delta for row in self.rows if row.rope_delta is not None] or None
+        return Part(
+            self.cache,
+            ids,
+            positions=decode_positions(self._offsets(ids.shape[1]), deltas, ids.shape[1]),
+            keep=ids.shape[1],
+        )
+
+    def _offsets(self, num_tokens: int) -> mx.array | int:
+        """Each row's KV length before this part (RoPE's offset): one per row when batched."""
+        if self.segments is not None:
+            return self.segments.feed(num_tokens)  # room made for the part's tokens
         kv_layer = next((layer for layer in self.cache if not is_recurrent(layer)), None)  # none: all recurrent
-        offsets = kv_layer.offset if self.batched and kv_layer is not None else cache_offset(self.cache, 0)
-        return Part(self.cache, ids, positions=decode_positions(offsets, deltas, ids.shape[1]), keep=ids.shape[1])
+        return kv_layer.offset if self.batched and kv_layer is not None else cache_offset(self.cache, 0)
 
     def trim(self, num_tokens: list[int]) -> None:
         """Drop the last num_tokens[i] tokens of row i's KV (draft tokens a verification rejected).
@@ -117,6 +144,9 @@ class DecodeBatch:
         assert len(num_tokens) == len(self.rows) and min(num_tokens, default=0) >= 0
         assert not self.runner.recurrent or not any(num_tokens), "a recurrent state cannot be trimmed"
         self.lengths = [length - n for length, n in zip(self.lengths, num_tokens)]
+        if self.segments is not None:
+            self.segments.trim(num_tokens)
+            return
         if not self.batched:
             for layer in self.cache:
                 layer.trim(num_tokens[0])
@@ -158,6 +188,11 @@ class DecodeBatch:
         self.kept_state = None
         if not self.batched:
             row.cache, self.cache = self.cache, []
+            return row
+        if self.segments is not None:
+            row.cache = self.segments.remove(index)
+            if len(self.rows) == 1:  # back to the lone row's own cache
+                self.cache, self.batched, self.segments = self.segments.remove(0), False, None
             return row
         row.cache = [layer.extract(index) for layer in self.cache]
         keep = mx.array([i for i in range(len(self.rows) + 1) if i != index])

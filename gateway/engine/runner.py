@@ -40,6 +40,7 @@ from .mixed import install as install_packed_calls
 from .mtp import load_heads
 from .prompt import PreparedPrompt, PromptBuilder, PromptImage
 from .recurrent import install_chunked_prefill
+from .rows_kv import RowsKV, rows_supported
 from .types import Pin
 
 log = logging.getLogger("strata.engine")
@@ -261,15 +262,46 @@ class ModelRunner:
         self.caches.judge_ssd(self._prefill_s_per_token, self.kv_bytes_per_token)
         if self.cpu_attention:
             build_decode_kernel()  # the decode rows' attention kernel: compiled once per machine, ~1 s
+            assert isinstance(self.rows_kv, bool)  # decided now (its kernel built), not at the first batch
 
     def _measure_bytes(self) -> None:
         """A token's KV bytes and a recurrent state's bytes, from one short text call."""
-        ids = mx.array([self.tokenizer.encode("warm up " * 8, add_special_tokens=False)], dtype=mx.int32)
+        cache = self._short_prompt_cache(8)
+        self.kv_bytes_per_token = kv_bytes_per_token(cache)
+        self.state_bytes = state_nbytes(recurrent_state(cache, self.recurrent))
+
+    @functools.cached_property
+    def rows_kv(self) -> bool:
+        """Whether decode rows keep their KV in segments on this model (gateway/engine/rows_kv.py):
+        every layer plain KV without a window, attention on the CPU path, KV the kernel takes, the
+        kernel built; and a step of two rows of different lengths through the segments gives the
+        logits the library's batched cache gives (a family whose attention read its keys anywhere
+        but through the patched call would not, and keeps the library's cache)."""
+        if self.recurrent or not self.batchable or self.family.window_as_mask or not self.cpu_attention:
+            return False
+        caches = [self._short_prompt_cache(words) for words in (3, 7)]
+        if not rows_supported(caches[0][0].keys):
+            return False
+        ids = mx.array([[1], [2]], dtype=mx.int32)
+        deltas = [0, 0] if self.family.positions == "mrope" else None
+        batched = [self.cache_classes.BatchKVCache.merge(list(layers)) for layers in zip(*caches)]
+        expected = self._call_one(Part(batched, ids, positions=decode_positions(batched[0].offset, deltas)))[0]
+        rows = RowsKV(self.cache_classes.KVCache, len(caches[0]), self.caches.config.block_size)
+        for cache in caches:
+            rows.add(cache)
+        got = self._call_one(Part(rows.layers, ids, positions=decode_positions(rows.feed(1), deltas)))[0]
+        agree = rows.num_attended == len(caches[0]) and bool(mx.allclose(expected, got, rtol=1e-3, atol=1e-3))
+        if not agree:
+            log.warning("decode rows keep the library's batched cache: through segments a step's logits differed")
+        return agree
+
+    def _short_prompt_cache(self, words: int) -> list:
+        """A new cache holding a short text prompt's KV."""
+        ids = mx.array([self.tokenizer.encode("warm up " * words, add_special_tokens=False)], dtype=mx.int32)
         positions = _plain_mrope(ids.shape[1]) if self.family.positions == "mrope" else None
         cache = self.new_cache()
         mx.eval(self._call_one(Part(cache, ids, positions=positions)))
-        self.kv_bytes_per_token = kv_bytes_per_token(cache)
-        self.state_bytes = state_nbytes(recurrent_state(cache, self.recurrent))
+        return cache
 
     @functools.cached_property
     def snapshot_blocks(self) -> int:

@@ -185,8 +185,9 @@ def test_a_hybrid_model_batches_rows_that_resume_from_snapshots():
 
 
 def test_the_server_runs_requests_together_and_each_gets_its_lone_answer(tiny_model_path, tmp_path):
-    """Four long greedy streams at once: /healthz shows them running together, and each answer is
-    the one the same request gets alone."""
+    """Four long streams at once, two greedy and two seeded samples (a sampled row draws from its own
+    row of the step's logits; greedy rows from one argmax over all): /healthz shows them running
+    together, and each answer is the one the same request gets alone."""
     live = LiveServer(
         tiny_model_path,
         tmp_path / "data",
@@ -201,7 +202,9 @@ def test_the_server_runs_requests_together_and_each_gets_its_lone_answer(tiny_mo
     questions = [f"Tell a very long story about boat number {i}." for i in range(4)]
 
     def body(question):
-        return {"model": TINY, "messages": [{"role": "user", "content": question}], "max_tokens": 200, "temperature": 0}
+        index = questions.index(question)
+        sampling = {"temperature": 0} if index % 2 else {"temperature": 0.9, "seed": index}
+        return {"model": TINY, "messages": [{"role": "user", "content": question}], "max_tokens": 200} | sampling
 
     async def together():
         async with httpx.AsyncClient(timeout=120) as client:

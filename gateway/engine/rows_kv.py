@@ -1,0 +1,277 @@
+"""The KV of a batch's decode rows, in segments: a row joining or leaving copies nothing of the others'.
+
+The libraries' BatchKVCache holds the rows left-padded in one array per layer: a row joining pads and
+concatenates all of them (16 rows of ~450 tokens on the demo model's 4 layers: 32 ms, about a step),
+a row leaving gathers the rest (7.5 ms), and each row's attention runs over the longest row's
+padding. Here a row's KV stays where its prefill left it (its own cache's buffers: the row's first
+segment), its decode writes go to blocks of its own (numpy arrays of `block_tokens` tokens), and the
+attention (rows_attention.c) reads each row's segments through per-layer tables of pointers, writing
+the step's new keys and values itself. A row leaving gets its KV back as the library's plain caches
+(one copy of that row alone), for the runner's finish() or to decode on alone.
+
+    rows = RowsKV(kv_cache_class, num_layers, block_tokens)
+    rows.add(cache)                    a prefilled row: its per-layer KVCache list
+    rows.layers[i]                     the cache layer i's attention module gets in a step (RowsLayer)
+    rows.feed(num_tokens)              before a step: room for every row's new tokens; their offsets
+    rows.trim(num_tokens)              drop row r's last num_tokens[r] (drafts a verification rejected)
+    rows.remove(index) -> list         the row's KV as plain caches, the row gone
+
+Invariants: a row's segments hold its tokens in order, each but the last exactly `size` tokens, the
+last at least what is left (sum of sizes >= length); every pointer in `tables` points into an array
+a segment holds (MLX arrays stay alive while their segment does); `tables` is None whenever the
+rows' segments changed since it was built. `lengths[r]` counts row r's tokens written, `before[r]`
+those before the step under way. Only the engine's worker thread calls in.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import subprocess
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .decode_kernel import FLAGS, LOG2E
+from .native import built_library, cpu_flags
+from .threads import split_rows
+
+log = logging.getLogger("strata.engine")
+
+SOURCE = Path(__file__).with_name("rows_attention.c")
+_POINTER, _LONG = ctypes.c_void_p, ctypes.c_long
+
+
+@dataclass(slots=True)
+class Segment:
+    """A run of one row's tokens: per layer, keys and values as (kv_heads, capacity, head_dim) float32
+    views with unit stride along head_dim, and `size` tokens counted in the row (its capacity for the
+    row's last segment)."""
+
+    keys: list[np.ndarray]
+    values: list[np.ndarray]
+    size: int
+    holds: tuple = ()  # the MLX arrays the views read
+
+
+@dataclass(slots=True)
+class Row:
+    segments: list[Segment] = field(default_factory=list)
+
+    @property
+    def capacity(self) -> int:
+        return sum(segment.size for segment in self.segments)
+
+
+@dataclass(slots=True)
+class Tables:
+    """Per layer, the pointer table rows_attention.c reads: every row's segments in row order."""
+
+    first: np.ndarray  # (rows + 1,) row r's segments are first[r] .. first[r + 1] - 1
+    sizes: np.ndarray  # (segments,)
+    keys: list[np.ndarray]  # per layer (segments,) addresses
+    values: list[np.ndarray]
+    key_strides: list[np.ndarray]  # per layer (segments,) elements between KV heads
+    value_strides: list[np.ndarray]
+
+
+class RowsKV:
+    def __init__(self, kv_cache_class: type, num_layers: int, block_tokens: int):
+        self.kv_cache_class = kv_cache_class
+        self.num_layers = num_layers
+        self.block_tokens = block_tokens
+        self.rows: list[Row] = []
+        self.lengths: list[int] = []
+        self.before: list[int] = []
+        self.offsets = mx.array([], dtype=mx.int32)  # `before` for the model's RoPE
+        self.tables: Tables | None = None
+        self.layers = [RowsLayer(self, index) for index in range(num_layers)]
+        self.num_attended = 0  # layer calls attended (the runner's check that every layer came through here)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, cache: list) -> None:
+        """A prefilled row: its caches' buffers become its first segment (no copy)."""
+        length = int(cache[0].offset)
+        keys = [_tokens_view(layer.keys) for layer in cache]
+        values = [_tokens_view(layer.values) for layer in cache]
+        holds = tuple(array for layer in cache for array in (layer.keys, layer.values))
+        self.rows.append(Row([Segment(keys, values, length, holds)]))
+        self.lengths.append(length)
+        self.before.append(length)
+        self.tables = None
+
+    def remove(self, index: int) -> list:
+        """Row `index` leaves: its KV as the library's plain caches, holding exactly its tokens."""
+        row, length = self.rows.pop(index), self.lengths.pop(index)
+        del self.before[index]
+        self.tables = None
+        caches = []
+        for layer in range(self.num_layers):
+            kv = self.kv_cache_class()
+            kv.keys = mx.array(_joined([s.keys[layer] for s in row.segments], [s.size for s in row.segments], length))
+            kv.values = mx.array(
+                _joined([s.values[layer] for s in row.segments], [s.size for s in row.segments], length)
+            )
+            kv.offset = length
+            caches.append(kv)
+        return caches
+
+    def feed(self, num_tokens: int) -> mx.array:
+        """Before a step that feeds every row `num_tokens` tokens: room for them, and the rows'
+        offsets (their tokens before the step, where the new ones go)."""
+        for row, length in zip(self.rows, self.lengths):
+            missing = length + num_tokens - row.capacity
+            if missing > 0:
+                row.segments.append(self._block(-(-missing // self.block_tokens) * self.block_tokens, row))
+                self.tables = None
+        self.before = list(self.lengths)
+        self.lengths = [length + num_tokens for length in self.lengths]
+        self.offsets = mx.array(self.before, dtype=mx.int32)
+        return self.offsets
+
+    def trim(self, num_tokens: list[int]) -> None:
+        """Drop row r's last num_tokens[r] tokens (they were fed in the last step: written in blocks)."""
+        self.lengths = [length - n for length, n in zip(self.lengths, num_tokens)]
+
+    def _block(self, tokens: int, row: Row) -> Segment:
+        """An empty segment of `tokens` for the row's decode, shaped like its first segment."""
+        kv_heads, _, head_dim = row.segments[0].keys[0].shape
+        keys = [np.empty((kv_heads, tokens, head_dim), dtype=np.float32) for _ in range(self.num_layers)]
+        values = [np.empty((kv_heads, tokens, head_dim), dtype=np.float32) for _ in range(self.num_layers)]
+        return Segment(keys, values, tokens)
+
+    def _tables(self) -> Tables:
+        if self.tables is None:
+            segments = [segment for row in self.rows for segment in row.segments]
+            first = np.cumsum([0] + [len(row.segments) for row in self.rows], dtype=np.int64)
+            sizes = np.array([segment.size for segment in segments], dtype=np.int64)
+
+            def column(read) -> list[np.ndarray]:
+                return [
+                    np.array([read(s, layer) for s in segments], dtype=np.int64) for layer in range(self.num_layers)
+                ]
+
+            self.tables = Tables(
+                first,
+                sizes,
+                column(lambda s, layer: s.keys[layer].ctypes.data),
+                column(lambda s, layer: s.values[layer].ctypes.data),
+                column(lambda s, layer: s.keys[layer].strides[0] // 4),
+                column(lambda s, layer: s.values[layer].strides[0] // 4),
+            )
+        return self.tables
+
+    def attend(self, layer: int, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+        """Layer `layer`'s attention for the step fed: each row's new keys and values written at its
+        positions, then its queries over its keys."""
+        from .attention import as_numpy
+
+        self.num_attended += 1
+        q, new_k, new_v = (np.ascontiguousarray(a, dtype=np.float32) for a in as_numpy(queries, keys, values))
+        rows, heads, num_queries, head_dim = q.shape
+        kv_heads = new_k.shape[1]
+        tables, lengths = self._tables(), np.array(self.before, dtype=np.int64)
+        out = np.empty_like(q)
+        kernel = rows_kernel()
+        assert kernel is not None, "RowsKV runs only where its kernel was built"
+        group = heads // kv_heads
+
+        def attend_rows(first: int, last: int) -> None:
+            scores = np.empty(num_queries * group * (int(lengths[first:last].max()) + num_queries), dtype=np.float32)
+            kernel(
+                q[first:].ctypes.data,
+                new_k[first:].ctypes.data,
+                new_v[first:].ctypes.data,
+                tables.first[first:].ctypes.data,
+                tables.keys[layer].ctypes.data,
+                tables.values[layer].ctypes.data,
+                tables.key_strides[layer].ctypes.data,
+                tables.value_strides[layer].ctypes.data,
+                tables.sizes.ctypes.data,
+                lengths[first:].ctypes.data,
+                last - first,
+                num_queries,
+                heads,
+                kv_heads,
+                head_dim,
+                scale * LOG2E,
+                scores.ctypes.data,
+                out[first:].ctypes.data,
+            )
+
+        split_rows(attend_rows, rows, rows * heads * num_queries * (int(lengths.max()) + num_queries))
+        return mx.array(out)
+
+
+class RowsLayer:
+    """Layer `index`'s cache in a step of the rows: what its attention module is given. It keeps no
+    KV of its own (update_and_fetch hands the new keys and values through, and the attention reads
+    and writes the rows' segments); the window-free causal mask is the kernel's, so make_mask gives none."""
+
+    def __init__(self, rows: RowsKV, index: int):
+        self.rows = rows
+        self.index = index
+
+    @property
+    def offset(self) -> mx.array:
+        return self.rows.offsets
+
+    def make_mask(self, num_tokens: int, return_array: bool = False, window_size: int | None = None):
+        if window_size:
+            raise NotImplementedError("rows in segments attend without a sliding window")
+        return None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return keys, values
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+        return self.rows.attend(self.index, queries, keys, values, scale)
+
+
+def _tokens_view(array: mx.array) -> np.ndarray:
+    """A (1, kv_heads, capacity, head_dim) float32 MLX buffer as (kv_heads, capacity, head_dim), with
+    no copy when its last two axes are contiguous (a copy otherwise)."""
+    view = np.asarray(array)[0]
+    if view.dtype != np.float32 or view.strides[1:] != (view.shape[2] * 4, 4):
+        view = np.ascontiguousarray(view, dtype=np.float32)
+    return view
+
+
+def _joined(parts: list[np.ndarray], sizes: list[int], length: int) -> np.ndarray:
+    """The first `length` tokens of the segments' arrays, as one (1, kv_heads, length, head_dim) array."""
+    pieces, left = [], length
+    for part, size in zip(parts, sizes):
+        take = min(size, left)
+        pieces.append(part[:, :take])
+        left -= take
+        if not left:
+            break
+    return np.concatenate(pieces, axis=1)[None]
+
+
+def rows_supported(keys: mx.array) -> bool:
+    """Whether KV like `keys` (a layer's cache buffer) can be read in segments here: float32, head
+    sizes of whole 8-float vectors up to 256, and the kernel built."""
+    head_dim = keys.shape[-1]
+    return keys.dtype == mx.float32 and head_dim % 8 == 0 and head_dim <= 256 and rows_kernel() is not None
+
+
+@cache
+def rows_kernel():
+    """The compiled function with its argument types, or None (logged once) where it cannot be built."""
+    try:
+        library = ctypes.CDLL(str(built_library(SOURCE, FLAGS + cpu_flags(), ("-lm",))))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.info("rows attention kernel not available (%s): decode rows keep the library's batched cache", exc)
+        return None
+    function = library.rows_attention
+    function.restype = None
+    # q, new keys, new values; the tables (first, key and value addresses, their head strides, sizes);
+    # lengths; rows, queries per row, heads, kv_heads, head_dim; the scale; the scores' scratch, out
+    function.argtypes = [*[_POINTER] * 10, *[_LONG] * 5, ctypes.c_float, _POINTER, _POINTER]
+    return function
