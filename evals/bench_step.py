@@ -11,7 +11,9 @@ On the demo model, in one process (the server's BLAS: run under the Makefile's O
 - a decode step of one row and of `--rows` rows at contexts of 40, 200 and 800 tokens (what the
   rows' KV reads add to the weights' pass);
 - a decode step of `--rows` rows at 200 and 800 tokens of context with the rows' attention through
-  the C kernel (gateway/engine/decode_attention.c) and through numpy's batched products, alternated;
+  the C kernel (gateway/engine/decode_attention.c) and through numpy's batched products, alternated,
+  on the library's batched cache (a model whose rows keep their KV in segments takes neither:
+  evals.bench_rows);
 - attention on the engine's thread alone and split across the cores (gateway/engine/threads.py),
   alternated: a decode step of `--rows` rows at 800 and 2,000 tokens of context, a 2,000-token prefill;
 - a lone row's decode step at 2,000 and 8,000 tokens of context, its attention through MLX's kernel
@@ -187,9 +189,15 @@ def decode_by_context(runner: ModelRunner, ids: list[int], num_rows: int, repeat
 
 
 def attention_paths_ms(runner: ModelRunner, ids: list[int], num_rows: int, repeats: int) -> dict[str, float]:
-    """A decode step's median ms with the rows' attention through numpy and through the C kernel."""
+    """A decode step's median ms with the rows' attention through numpy and through the C kernel, on
+    the library's batched cache (the path of models whose rows do not keep their KV in segments:
+    evals.bench_rows compares the two)."""
     batches = {context: (num_rows, context) for context in (200, 800)}
-    return _batch_paths_ms(runner, ids, batches, use_decode_kernel, ("numpy", "kernel"), repeats)
+    segments, runner.rows_kv = runner.rows_kv, False
+    try:
+        return _batch_paths_ms(runner, ids, batches, use_decode_kernel, ("numpy", "kernel"), repeats)
+    finally:
+        runner.rows_kv = segments
 
 
 def split_paths_ms(runner: ModelRunner, ids: list[int], num_rows: int, repeats: int) -> dict[str, float]:
