@@ -1248,7 +1248,7 @@ MUTANTS = (
     ),
     Mutant(
         "a step's new tokens all visible to each other (no causal mask among drafts)",
-        "gateway/engine/rows_attention.c",
+        "gateway/engine/decode_attention.c",
         "if (t > length && t > length + line % L) {",
         "if (t > length + L) {",
         (f"{ROWS}::test_rows_attend_over_their_segments_across_blocks_joins_and_drafts",),

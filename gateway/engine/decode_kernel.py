@@ -1,4 +1,5 @@
-"""The decode rows' attention in one C pass (decode_attention.c), built at first use.
+"""The decode rows' attention in one C pass (decode_attention.c), built at first use; rows_kv.py
+calls the same library's rows_attention().
 
     decode_attention(q, keys, values, scale, allowed) -> np.ndarray | None
         q (rows, heads, 1, head_dim); keys / values (rows, kv_heads, keys, head_dim) float32 views
@@ -98,12 +99,20 @@ def _element_strides(array: np.ndarray) -> tuple[int, int, int]:
 
 
 @cache
-def _kernel():
-    """The compiled function with its argument types, or None (logged once) where it cannot be built."""
+def kernel_library() -> ctypes.CDLL | None:
+    """decode_attention.c compiled (once per machine), or None (logged once) where it cannot be built."""
     try:
-        library = ctypes.CDLL(str(built_library(SOURCE, FLAGS + cpu_flags(), ("-lm",))))
+        return ctypes.CDLL(str(built_library(SOURCE, FLAGS + cpu_flags(), ("-lm",))))
     except (OSError, subprocess.SubprocessError) as exc:
-        log.info("decode attention kernel not available (%s): decode rows keep the numpy path", exc)
+        log.info("decode attention kernels not available (%s): decode rows keep numpy and the library's cache", exc)
+        return None
+
+
+@cache
+def _kernel():
+    """decode_attention() with its argument types, or None where the library cannot be built."""
+    library = kernel_library()
+    if library is None:
         return None
     function = library.decode_attention
     function.restype = None

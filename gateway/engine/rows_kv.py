@@ -5,7 +5,7 @@ concatenates all of them (16 rows of ~450 tokens on the demo model's 4 layers: 3
 a row leaving gathers the rest (7.5 ms), and each row's attention runs over the longest row's
 padding. Here a row's KV stays where its prefill left it (its own cache's buffers: the row's first
 segment), its decode writes go to blocks of its own (numpy arrays of `block_tokens` tokens), and the
-attention (rows_attention.c) reads each row's segments through per-layer tables of pointers, writing
+attention (decode_attention.c's rows_attention) reads each row's segments through per-layer tables of pointers, writing
 the step's new keys and values itself. A row leaving gets its KV back as the library's plain caches
 (one copy of that row alone), for the runner's finish() or to decode on alone.
 
@@ -27,21 +27,17 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import subprocess
 from dataclasses import dataclass, field
 from functools import cache
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from .decode_kernel import FLAGS, LOG2E
-from .native import built_library, cpu_flags
+from .decode_kernel import LOG2E, kernel_library
 from .threads import split_rows
 
 log = logging.getLogger("strata.engine")
 
-SOURCE = Path(__file__).with_name("rows_attention.c")
 _POINTER, _LONG = ctypes.c_void_p, ctypes.c_long
 
 
@@ -68,7 +64,7 @@ class Row:
 
 @dataclass(slots=True)
 class Tables:
-    """Per layer, the pointer table rows_attention.c reads: every row's segments in row order."""
+    """Per layer, the pointer table rows_attention() reads: every row's segments in row order."""
 
     first: np.ndarray  # (rows + 1,) row r's segments are first[r] .. first[r + 1] - 1
     sizes: np.ndarray  # (segments,)
@@ -263,11 +259,10 @@ def rows_supported(keys: mx.array) -> bool:
 
 @cache
 def rows_kernel():
-    """The compiled function with its argument types, or None (logged once) where it cannot be built."""
-    try:
-        library = ctypes.CDLL(str(built_library(SOURCE, FLAGS + cpu_flags(), ("-lm",))))
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.info("rows attention kernel not available (%s): decode rows keep the library's batched cache", exc)
+    """rows_attention() (decode_attention.c) with its argument types, or None where the library
+    cannot be built."""
+    library = kernel_library()
+    if library is None:
         return None
     function = library.rows_attention
     function.restype = None

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from gateway.engine import attention, decode_kernel
+from gateway.engine.rows_kv import rows_kernel, rows_supported
 
 
 def _reference(q, k, v, scale, allowed):
@@ -81,11 +82,17 @@ def test_the_decode_path_equals_numpys_and_falls_back_to_it_without_a_compiler(m
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built here yet
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    decode_kernel._kernel.cache_clear()
+    _forget_the_built_kernels()
     try:
         assert decode_kernel.build_decode_kernel() is False
         assert decode_kernel.decode_attention(np.asarray(q.astype(mx.float32)), k, v, 0.125, allowed) is None
+        assert rows_kernel() is None and not rows_supported(mx.zeros((1, 2, 4, 64)))  # rows keep the library's cache
         fallback = attention.causal_attention(q, k, v, 0.125, allowed)
         assert mx.array_equal(fallback, with_numpy)
     finally:
-        decode_kernel._kernel.cache_clear()  # the next caller finds the built kernel again
+        _forget_the_built_kernels()  # the next caller finds the built kernels again
+
+
+def _forget_the_built_kernels() -> None:
+    for cached in (decode_kernel.kernel_library, decode_kernel._kernel, rows_kernel):
+        cached.cache_clear()

@@ -1,4 +1,4 @@
-"""Decode rows whose KV lies in segments (gateway/engine/rows_kv.py, rows_attention.c): attention equal
+"""Decode rows whose KV lies in segments (gateway/engine/rows_kv.py, decode_attention.c): attention equal
 to a plain computation over each row's whole KV (new tokens written first, causal among them),
 across block boundaries, rows joining mid-way, drafts trimmed; a row's prefill buffers taken without
 a copy and left untouched by the others' joining and leaving; a leaving row's KV back exactly; the
