@@ -1261,6 +1261,13 @@ MUTANTS = (
         (f"{ROWS}::test_rows_attend_over_their_segments_across_blocks_joins_and_drafts",),
     ),
     Mutant(
+        "a row leaving after a failed step keeps the step's half-written KV (stored as blocks)",
+        "gateway/engine/rows_kv.py",
+        "self.lengths.pop(index) - self.unconfirmed",
+        "self.lengths.pop(index)",
+        (f"{ROWS}::test_a_row_leaving_after_its_step_failed_leaves_without_that_steps_tokens",),
+    ),
+    Mutant(
         "a leaving row's KV cut one token short",
         "gateway/engine/rows_kv.py",
         "[s.size for s in row.segments], length))",

@@ -93,11 +93,14 @@ class DecodeBatch:
         return self.runner.cache_classes.BatchKVCache.merge(layers)
 
     def took_step(self) -> None:
-        """The step of the last part() ran. A hybrid model's rows whose cache now ends on a block
+        """The step of the last part() ran (rows in segments count its tokens' KV as whole). A hybrid
+        model's rows whose cache now ends on a block
         boundary keep their recurrent state there (finish() stores it with the block it ends, so the
         next turn resumes past the reply): a copy, evaluated now, since a row of the batched state
         would keep the whole batch's buffer alive."""
         fed, self.num_fed = self.num_fed, 0
+        if self.segments is not None:
+            self.segments.confirm()
         if not fed or not self.runner.recurrent or self.runner.caches.prefix is None:
             return  # no step since the last call, no recurrent state, or nowhere to keep it
         block = self.runner.caches.config.block_size

@@ -1,26 +1,29 @@
 """The KV of a batch's decode rows, in segments: a row joining or leaving copies nothing of the others'.
 
 The libraries' BatchKVCache holds the rows left-padded in one array per layer: a row joining pads and
-concatenates all of them (16 rows of ~450 tokens on the demo model's 4 layers: 32 ms, about a step),
-a row leaving gathers the rest (7.5 ms), and each row's attention runs over the longest row's
-padding. Here a row's KV stays where its prefill left it (its own cache's buffers: the row's first
-segment), its decode writes go to blocks of its own (numpy arrays of `block_tokens` tokens), and the
-attention (decode_attention.c's rows_attention) reads each row's segments through per-layer tables of pointers, writing
-the step's new keys and values itself. A row leaving gets its KV back as the library's plain caches
-(one copy of that row alone), for the runner's finish() or to decode on alone.
+concatenates all of them (16 rows of 300-450 tokens on the demo model: 45 ms, two decode steps), a
+row leaving gathers the rest (12 ms), and each row's attention runs over the longest row's padding.
+Here a row's KV stays where its prefill left it (its own cache's buffers: the row's first segment),
+its decode writes go to blocks of its own (numpy arrays of `block_tokens` tokens), and the attention
+(rows_attention() in decode_attention.c) reads each row's segments through per-layer tables of
+pointers, writing the step's new keys and values itself. A row leaving gets its KV back as the
+library's plain caches (one copy of that row alone), for the runner's finish() or to decode on alone.
 
     rows = RowsKV(kv_cache_class, num_layers, block_tokens)
     rows.add(cache)                    a prefilled row: its per-layer KVCache list
     rows.layers[i]                     the cache layer i's attention module gets in a step (RowsLayer)
     rows.feed(num_tokens)              before a step: room for every row's new tokens; their offsets
+    rows.confirm()                     the step ran: its tokens' KV is written in every layer
     rows.trim(num_tokens)              drop row r's last num_tokens[r] (drafts a verification rejected)
     rows.remove(index) -> list         the row's KV as plain caches, the row gone
 
 Invariants: a row's segments hold its tokens in order, each but the last exactly `size` tokens, the
 last at least what is left (sum of sizes >= length); every pointer in `tables` points into an array
 a segment holds (MLX arrays stay alive while their segment does); `tables` is None whenever the
-rows' segments changed since it was built. `lengths[r]` counts row r's tokens written, `before[r]`
-those before the step under way. Only the engine's worker thread calls in.
+rows' segments changed since it was built. `lengths[r]` counts row r's tokens fed, `before[r]` those
+before the step under way, and `unconfirmed` the last feed's tokens until confirm(): a row leaving
+before then (its step failed part-way) leaves without them, so no half-written KV is ever stored.
+Only the engine's worker thread calls in.
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ class RowsKV:
         self.tables: Tables | None = None
         self.layers = [RowsLayer(self, index) for index in range(num_layers)]
         self.num_attended = 0  # layer calls attended (the runner's check that every layer came through here)
+        self.unconfirmed = 0  # tokens of the last feed() its step has not confirmed
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -103,7 +107,7 @@ class RowsKV:
 
     def remove(self, index: int) -> list:
         """Row `index` leaves: its KV as the library's plain caches, holding exactly its tokens."""
-        row, length = self.rows.pop(index), self.lengths.pop(index)
+        row, length = self.rows.pop(index), self.lengths.pop(index) - self.unconfirmed
         del self.before[index]
         self.tables = None
         caches = []
@@ -127,8 +131,13 @@ class RowsKV:
                 self.tables = None
         self.before = list(self.lengths)
         self.lengths = [length + num_tokens for length in self.lengths]
+        self.unconfirmed = num_tokens
         self.offsets = mx.array(self.before, dtype=mx.int32)
         return self.offsets
+
+    def confirm(self) -> None:
+        """The step of the last feed() ran through every layer: its tokens' KV is whole."""
+        self.unconfirmed = 0
 
     def trim(self, num_tokens: list[int]) -> None:
         """Drop row r's last num_tokens[r] tokens (they were fed in the last step: written in blocks)."""

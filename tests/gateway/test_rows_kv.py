@@ -62,6 +62,7 @@ class Rows:
                 self.full[row][layer] = whole
                 expected = _attention(np.array(q)[row], *whole, before[row])
                 np.testing.assert_allclose(out[row], expected, rtol=2e-4, atol=2e-5)
+        self.kv.confirm()
 
     def trim(self, num_tokens: list[int]) -> None:
         self.kv.trim(num_tokens)
@@ -125,6 +126,21 @@ def test_a_leaving_row_gets_exactly_its_tokens_back_as_plain_caches():
         np.testing.assert_array_equal(np.array(cache.keys)[0], keys)
         np.testing.assert_array_equal(np.array(cache.values)[0], values)
     assert len(rows.kv) == 1 and rows.kv.lengths == [9 + 20]
+
+
+def test_a_row_leaving_after_its_step_failed_leaves_without_that_steps_tokens():
+    """A step that raised part-way wrote its tokens' KV in some layers or none: the rows then leave
+    (and store their blocks) with what the steps before confirmed."""
+    rows = Rows(seed=3)
+    for length in (20, 33):
+        rows.add(length)
+    rows.step(1)
+    rows.kv.feed(2)  # the step that fails: never confirmed
+    for index in (1, 0):
+        caches = rows.kv.remove(index)
+        keys, _ = rows.full[index][0]
+        assert caches[0].offset == keys.shape[1] == (20, 33)[index] + 1
+        np.testing.assert_array_equal(np.array(caches[0].keys)[0], keys)
 
 
 def test_batched_rows_of_a_plain_family_decode_in_segments_and_a_lone_row_on_its_own_cache():
