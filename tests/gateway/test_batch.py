@@ -342,22 +342,29 @@ def test_a_flooding_tenant_cannot_starve_another(tiny_model_path, tmp_path):
     }
     done_order = []
 
-    async def send(client, key, name):
+    async def send(client, key, name, max_tokens=150):
         response = await client.post(
-            live.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+            live.url + "/v1/chat/completions",
+            json=body | {"max_tokens": max_tokens},
+            headers={"Authorization": f"Bearer {key}"},
         )
         done_order.append((name, response.status_code))
         return response
 
     async def flood():
         async with httpx.AsyncClient(timeout=120) as client:
-            first = asyncio.ensure_future(send(client, "key-a", "a0"))
+            # a0 runs long enough (~5 s alone) that the flood and B arrive while it runs, however
+            # loaded the machine (at 150 tokens, ~0.8 s alone, B once came after it had ended)
+            first = asyncio.ensure_future(send(client, "key-a", "a0", max_tokens=1000))
             while not _health(live)["engine_busy"]:
                 await asyncio.sleep(0.01)
             others = [asyncio.ensure_future(send(client, "key-a", f"a{i}")) for i in range(1, 6)]
             while _health(live)["queue_depth"] < 2:
                 await asyncio.sleep(0.01)
             late = asyncio.ensure_future(send(client, "key-b", "b"))
+            while _health(live)["queue_depth"] < 3 and not late.done():
+                await asyncio.sleep(0.01)
+            assert not first.done(), "B arrived after A's first request ended: the scenario did not happen"
             return await asyncio.gather(first, *others, late)
 
     try:
