@@ -14,7 +14,8 @@ the CPU), the batched rows do so instead (gateway/engine/rows_kv.py): a row join
 nothing of the others' KV, where BatchKVCache pads and concatenates them all.
 
 Invariant: `rows[i]` is row i of every layer's batched cache (or of `segments`) when `batched`, and
-`lengths[i]` the tokens its cache holds; otherwise there is at most one row and `cache` is its own. Only the engine's worker thread calls in.
+`lengths[i]` the tokens its cache holds; otherwise there is at most one row and `cache` is its own.
+Only the engine's worker thread calls in.
 Measured on the tiny models of Qwen2.5-VL, Gemma 3 and Llama: greedy tokens of 8 sequences decoded
 together equal each decoded alone (tests/gateway/test_batch.py keeps that true for every family).
 """

@@ -29,19 +29,14 @@ Only the engine's worker thread calls in.
 from __future__ import annotations
 
 import ctypes
-import logging
 from dataclasses import dataclass, field
 from functools import cache
 
 import mlx.core as mx
 import numpy as np
 
-from .decode_kernel import LOG2E, kernel_library
+from .decode_kernel import _LONG, _POINTER, LOG2E, kernel_library
 from .threads import split_rows
-
-log = logging.getLogger("strata.engine")
-
-_POINTER, _LONG = ctypes.c_void_p, ctypes.c_long
 
 
 @dataclass(slots=True)
