@@ -7,6 +7,7 @@
     session.pin_on_ssd(num_tokens, ttl_s) -> int    the same on the SSD tier (written there now)
     session.store(token_ids, layer_states, num_tokens, snapshot)   cache the full blocks of the first num_tokens
     session.let_go()                                 release the held blocks: the caller keeps its own KV
+    session.map(num_tokens) -> [Block]               hold its first cached blocks for a reader in place; unmap()
     session.state_at(num_tokens) -> state            a hybrid model's recurrent-state snapshot there
     PrefixCache.purge_owned(selects) -> Purged       take owners off blocks (RAM; the SSD tier has its own)
 
@@ -28,6 +29,8 @@ than its head (tails are evicted before the prefixes that other chains share). A
 its own copy of the KV (the engine's running sequence) calls let_go() once it has what it needs, so
 its blocks are not held twice under one budget (its own KV and the cached copies): they stay cached
 but may give way, and the next store() holds them again, storing anew any evicted meanwhile.
+A caller that reads the cached blocks in place instead (a decoding row, once its prompt is stored)
+holds them through map() and drops its own copy: the KV is then held once, in the pool, in use.
 """
 
 from __future__ import annotations
@@ -279,7 +282,8 @@ class PrefixCache:
 
 class PrefixSession:
     """Invariant: hashes == roots.hash_blocks(token_ids, block size, spans); held[i] is the block of
-    hashes[i], acquired once, for i < len(held)."""
+    hashes[i], acquired once, for i < len(held); mapped[i] too, acquired once more (map()), for
+    i < len(mapped)."""
 
     def __init__(
         self,
@@ -302,6 +306,7 @@ class PrefixSession:
         self.hashes = roots.hash_blocks(token_ids, cache.block_size, spans)
         self.scope = roots.tenant.hex()[:16]
         self.held: list[Block] = []
+        self.mapped: list[Block] = []
         self.closed = False
 
     def __enter__(self) -> PrefixSession:
@@ -612,6 +617,27 @@ class PrefixSession:
             return 0
         return sum(ssd.offer(_spill_request(block, self.cache.block_size)) for block in self.held)
 
+    def map(self, num_tokens: int) -> list[Block]:
+        """Hold the cached blocks of the session's first `num_tokens` tokens for a running sequence
+        that reads them where they are, instead of a copy of its own: whole blocks of plain
+        (unquantised) KV from the chain's start, up to the first not in RAM. They stay in use (never
+        evicted) until unmap() or close(). A block's arrays are never written: the sequence writes
+        its later tokens elsewhere."""
+        assert not self.mapped and not self.closed, "a session maps its prefix once"
+        for block_hash in self.hashes[: num_tokens // self.cache.block_size]:
+            block = self.pool.get(block_hash)
+            if block is None or block.purged or not block.kv or not isinstance(block.kv[0][0], mx.array):
+                break
+            self.pool.acquire(block)
+            self.mapped.append(block)
+        return list(self.mapped)
+
+    def unmap(self) -> None:
+        """Let go of the blocks map() holds, last first."""
+        for block in reversed(self.mapped):
+            self.pool.release(block)
+        self.mapped = []
+
     def let_go(self) -> None:
         """Release every held block now, last first (as close() does); the session stays open. Its
         next store() walks the chain from the start: blocks still cached are held again, blocks
@@ -623,6 +649,7 @@ class PrefixSession:
     def close(self) -> None:
         assert not self.closed, "PrefixSession closed twice"
         self.closed = True
+        self.unmap()
         for block in reversed(self.held):
             self.pool.release(block)
         self.held = []

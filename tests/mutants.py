@@ -44,6 +44,7 @@ VERIFIER = "tests/semantic/test_verifier.py"
 ROUND_TWO = "tests/gateway/test_hardening_round_two.py"
 SAMPLING = "tests/gateway/test_sampling.py"
 ROWS = "tests/gateway/test_rows_kv.py"
+SHARED_KV = "tests/gateway/test_shared_kv.py"
 LIVE_HARDENING = "tests/gateway/test_live_hardening.py"
 VERIFY = "tests/gateway/test_verify.py"
 AT_REST = "tests/gateway/test_at_rest.py"
@@ -1280,6 +1281,34 @@ MUTANTS = (
         "agree = rows.num_attended == len(caches[0]) and",
         "agree = True or",
         (f"{ROWS}::test_a_family_whose_attention_does_not_come_through_the_segments_keeps_the_library_cache",),
+    ),
+    Mutant(
+        "a cached block freed while a row still reads it (mapped without a reference)",
+        "kvcache/prefix.py",
+        "            self.pool.acquire(block)\n",
+        "            pass\n",
+        (f"{SHARED_KV}::test_rows_of_two_tenants_share_their_own_blocks_counted_once_and_freed_once",),
+    ),
+    Mutant(
+        "a row's table points at any cached block with its positions (another tenant's chain)",
+        "kvcache/prefix.py",
+        "for block_hash in self.hashes[: num_tokens // self.cache.block_size]:",
+        "for block_hash in sorted(self.pool.by_hash, key=lambda h: self.pool.by_hash[h].end_token)[: num_tokens // self.cache.block_size]:",
+        (f"{SHARED_KV}::test_rows_of_two_tenants_share_their_own_blocks_counted_once_and_freed_once",),
+    ),
+    Mutant(
+        "a shared byte counted twice (the row's reservation keeps what the pool holds)",
+        "gateway/engine/scheduler.py",
+        "        self.memory.release(num_tokens * self.limits.kv_bytes_per_token)\n",
+        "        pass\n",
+        (f"{SHARED_KV}::test_rows_of_two_tenants_share_their_own_blocks_counted_once_and_freed_once",),
+    ),
+    Mutant(
+        "a lone row reading cached blocks copies them back (its KV held twice)",
+        "gateway/engine/batch.py",
+        "(len(self.rows) == 1 and not self.shared_tokens(0))",
+        "len(self.rows) == 1",
+        (f"{SHARED_KV}::test_rows_of_two_tenants_share_their_own_blocks_counted_once_and_freed_once",),
     ),
 )
 

@@ -69,13 +69,14 @@ class DecodeBatch:
         if not self.rows:
             self.cache = prefill.cache
         elif self.segments is not None:
-            self.segments.add(prefill.cache)
+            self._add_row(prefill)
         elif not self.batched and self.runner.rows_kv:
             self.segments = RowsKV(
                 self.runner.cache_classes.KVCache, len(self.cache), self.runner.caches.config.block_size
             )
-            self.segments.add(self.cache)
-            self.segments.add(prefill.cache)
+            self.rows[0].cache = self.cache
+            self._add_row(self.rows[0])
+            self._add_row(prefill)
             self.cache, self.batched = self.segments.layers, True
         else:
             assert self.runner.batchable, "a model without a batched cache decodes one sequence at a time"
@@ -87,6 +88,19 @@ class DecodeBatch:
                 self.batched = True
         self.rows.append(prefill)
         self.lengths.append(prefill.prompt.num_tokens)
+
+    def _add_row(self, prefill: PrefillResult) -> None:
+        """The row into the segments: the blocks of its prompt that the prefix cache holds are read
+        there in place (mapped: held until its session closes), so its own copy of them goes."""
+        assert self.segments is not None
+        blocks = prefill.plan.session.map(prefill.prompt.num_tokens) if prefill.plan is not None else []
+        self.segments.add(prefill.cache, [block.kv for block in blocks])
+        if blocks:
+            prefill.cache = []  # held by the segments (leave() gives the row its KV back)
+
+    def shared_tokens(self, index: int) -> int:
+        """Row `index`'s tokens read in place from cached blocks (0 unless in segments)."""
+        return self.segments.rows[index].num_shared if self.segments is not None else 0
 
     def _merge(self, layers: list):
         if is_recurrent(layers[0]):
@@ -195,8 +209,11 @@ class DecodeBatch:
             return row
         if self.segments is not None:
             row.cache = self.segments.remove(index)
-            if len(self.rows) == 1:  # back to the lone row's own cache
-                self.cache, self.batched, self.segments = self.segments.remove(0), False, None
+            if not self.rows or (len(self.rows) == 1 and not self.shared_tokens(0)):
+                # back to the lone row's own cache (one that reads cached blocks stays in segments:
+                # a copy of them would be its KV held twice)
+                self.cache, self.batched = self.segments.remove(0) if self.rows else [], False
+                self.segments = None
             return row
         row.cache = [layer.extract(index) for layer in self.cache]
         keep = mx.array([i for i in range(len(self.rows) + 1) if i != index])

@@ -1,6 +1,7 @@
 """The sequences decoding together: their batch, drafts, draws, verification and text.
 
     rows.join(sequence, prefill)      the prompt has run: the sequence becomes the batch's last row
+                                      (what it reads of cached blocks in place is share()d)
     rows.leave(index) -> prefill      its KV back in its own cache (to store, or to preempt)
     rows.propose()                    every row's drafts for the next step (one width for all)
     rows.part() -> Part | None        the rows' pending tokens and drafts, as one part of a step
@@ -42,6 +43,7 @@ class DecodeRows:
         max_verify_tokens: int,
         retire: Callable[[int], None],
         fail: Callable[[Job, Exception], None],
+        share: Callable[[Sequence, int], None],
     ):
         self.runner = runner
         self.stats = stats  # the worker's EngineStats: steps, drafts
@@ -49,6 +51,7 @@ class DecodeRows:
         self.rows: list[Sequence] = []  # rows[i] is row i of self.batch
         self.retire = retire
         self.fail = fail
+        self.share = share  # a row's tokens now read in place from cached blocks: its memory says so
         # Speculative decoding: a sequence -> the proposers of its drafts, verified in the step that
         # feeds them (gateway/engine/speculative.py). None: one token per row and step.
         self.proposers: Callable[[Sequence], list[Proposer]] | None = self._proposers if max_verify_tokens else None
@@ -69,6 +72,9 @@ class DecodeRows:
         self.batch.join(prefill)
         sequence.logits = prefill.logits[None]  # one position: the prompt's last
         self.rows.append(sequence)
+        for index, row in enumerate(self.rows):  # the new row, and the first when the rows went to segments
+            if (shared := self.batch.shared_tokens(index) - row.num_shared_tokens) > 0:
+                self.share(row, shared)
 
     def leave(self, index: int) -> PrefillResult:
         """Take row `index` out; its prefill, with its KV in its own cache again."""

@@ -11,6 +11,7 @@ library's plain caches (one copy of that row alone), for the runner's finish() o
 
     rows = RowsKV(kv_cache_class, num_layers, block_tokens)
     rows.add(cache)                    a prefilled row: its per-layer KVCache list
+    rows.add(cache, shared)            ... whose first tokens are read in place from cached blocks
     rows.layers[i]                     the cache layer i's attention module gets in a step (RowsLayer)
     rows.feed(num_tokens)              before a step: room for every row's new tokens; their offsets
     rows.confirm()                     the step ran: its tokens' KV is written in every layer
@@ -20,7 +21,9 @@ library's plain caches (one copy of that row alone), for the runner's finish() o
 Invariants: a row's segments hold its tokens in order, each but the last exactly `size` tokens, the
 last at least what is left (sum of sizes >= length); every pointer in `tables` points into an array
 a segment holds (MLX arrays stay alive while their segment does); `tables` is None whenever the
-rows' segments changed since it was built. `lengths[r]` counts row r's tokens fed, `before[r]` those
+rows' segments changed since it was built; a row's first `num_shared` tokens are in segments that
+read cached blocks in place, which nothing here writes (a step writes past the row's prompt, and
+trim() never cuts below it). `lengths[r]` counts row r's tokens fed, `before[r]` those
 before the step under way, and `unconfirmed` the last feed's tokens until confirm(): a row leaving
 before then (its step failed part-way) leaves without them, so no half-written KV is ever stored.
 Only the engine's worker thread calls in.
@@ -29,6 +32,7 @@ Only the engine's worker thread calls in.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -54,6 +58,7 @@ class Segment:
 @dataclass(slots=True)
 class Row:
     segments: list[Segment] = field(default_factory=list)
+    num_shared: int = 0  # its first tokens, read in place from cached blocks (their segments are never written)
 
     @property
     def capacity(self) -> int:
@@ -89,16 +94,39 @@ class RowsKV:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def add(self, cache: list) -> None:
-        """A prefilled row: its caches' buffers become its first segment (no copy)."""
+    def add(self, cache: list, shared: Sequence[tuple] = ()) -> None:
+        """A prefilled row. Its caches' buffers become its first segment (no copy); or, given
+        `shared` (cached blocks of its first tokens, each per layer (keys, values) of `block_tokens`
+        tokens), those blocks are its first segments, read in place and never written, and only its
+        tokens past them are copied out of its caches, so the caches' buffers can go."""
         length = int(cache[0].offset)
-        keys = [_tokens_view(layer.keys) for layer in cache]
-        values = [_tokens_view(layer.values) for layer in cache]
-        holds = tuple(array for layer in cache for array in (layer.keys, layer.values))
-        self.rows.append(Row([Segment(keys, values, length, holds)]))
+        start = len(shared) * self.block_tokens
+        assert start <= length, (start, length)
+        if shared:
+            segments = [_read_only(kv, self.block_tokens) for kv in shared]
+            segments += [self._tail(cache, start, length)] if length > start else []
+        else:
+            keys = [_tokens_view(layer.keys) for layer in cache]
+            values = [_tokens_view(layer.values) for layer in cache]
+            holds = tuple(array for layer in cache for array in (layer.keys, layer.values))
+            segments = [Segment(keys, values, length, holds)]
+        self.rows.append(Row(segments, start))
         self.lengths.append(length)
         self.before.append(length)
         self.tables = None
+
+    def _tail(self, cache: list, start: int, length: int) -> Segment:
+        """A block of the row's own holding its tokens [start, length) copied from its caches."""
+        size = -(-(length - start) // self.block_tokens) * self.block_tokens
+        keys: list[np.ndarray] = []
+        values: list[np.ndarray] = []
+        for layer in cache:
+            for out, source in ((keys, layer.keys), (values, layer.values)):
+                view = _tokens_view(source)
+                block = np.empty((view.shape[0], size, view.shape[2]), dtype=np.float32)
+                block[:, : length - start] = view[:, start:length]
+                out.append(block)
+        return Segment(keys, values, size)
 
     def remove(self, index: int) -> list:
         """Row `index` leaves: its KV as the library's plain caches, holding exactly its tokens."""
@@ -240,6 +268,14 @@ def _tokens_view(array: mx.array) -> np.ndarray:
     if view.dtype != np.float32 or view.strides[1:] != (view.shape[2] * 4, 4):
         view = np.ascontiguousarray(view, dtype=np.float32)
     return view
+
+
+def _read_only(kv: tuple, block_tokens: int) -> Segment:
+    """A cached block's per-layer (keys, values) as a segment of `block_tokens`, read in place."""
+    keys = [_tokens_view(k) for k, _ in kv]
+    values = [_tokens_view(v) for _, v in kv]
+    assert all(k.shape[1] == block_tokens for k in keys), (keys[0].shape, block_tokens)
+    return Segment(keys, values, block_tokens, tuple(array for pair in kv for array in pair))
 
 
 def _joined(parts: list[np.ndarray], sizes: list[int], length: int) -> np.ndarray:

@@ -20,6 +20,8 @@ grow, the newest sequence is preempted: the executor stores its KV as cached pre
 forgets it; it resumes ahead of every waiting request, as a prompt of its tokens so far, which the
 prefix cache mostly serves (greedy or seeded, it continues with the tokens it would have drawn).
 Cached blocks are evicted before any running sequence is preempted (the budget's reserve() does so).
+A decoding sequence that reads its prompt's cached blocks in place (share()) holds them in the pool,
+and its reservation only the rest: each byte is counted once.
 A request that does not fit waits at the head of the line while others run; with nothing running it
 is refused.
 
@@ -63,6 +65,9 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # of prompt + generated, the tokens whose KV is in the sequence's cache
     num_reserved_tokens: int = 0  # KV tokens the memory budget holds for it
+    # Of num_computed_tokens, the first it reads in place from cached blocks: the pool counts those
+    # (in use while it runs), so its reservation does not (share()); its own KV is the rest.
+    num_shared_tokens: int = 0
     order: int = 0  # first admission's order: the newest is preempted first, a resumed one keeps its place
     num_preemptions: int = 0
     drafts: list[int] = field(default_factory=list)  # tokens proposed to verify in the next step
@@ -267,11 +272,12 @@ class Scheduler:
     def _grow(self, sequence: Sequence, num_tokens: int, plan: StepPlan) -> bool:
         """Hold KV for num_tokens more of the sequence, a block at a time, preempting the newest
         sequences while it does not fit; False if the sequence itself was preempted."""
-        need = sequence.num_computed_tokens + num_tokens - sequence.num_reserved_tokens
+        held = sequence.num_shared_tokens + sequence.num_reserved_tokens
+        need = sequence.num_computed_tokens + num_tokens - held
         if need <= 0:
             return True
         block = self.limits.block_tokens
-        extra = min(-(-need // block) * block, self._most(sequence) - sequence.num_reserved_tokens)
+        extra = min(-(-need // block) * block, self._most(sequence) - held)
         while not self.memory.reserve(extra * self.limits.kv_bytes_per_token):
             victim = self._newest_running()
             self._preempt(victim, plan)
@@ -387,10 +393,20 @@ class Scheduler:
 
     def release(self, sequence: Sequence) -> None:
         """Give the sequence's memory back (it is ending; finish() follows). Its recurrent state was
-        held with its first tokens (num_reserved_tokens > 0 from _hold on)."""
+        held with its first tokens (num_reserved_tokens > 0 from _hold on). The cached blocks it
+        reads go back to the pool as its session closes."""
         if sequence.num_reserved_tokens:
             self.memory.release(sequence.num_reserved_tokens * self.limits.kv_bytes_per_token + self.limits.state_bytes)
-        sequence.num_reserved_tokens = 0
+        sequence.num_reserved_tokens = sequence.num_shared_tokens = 0
+
+    def share(self, sequence: Sequence, num_tokens: int) -> None:
+        """num_tokens more of the running sequence's KV are now read in place from cached blocks,
+        which the pool counts while the sequence holds them: its reservation lets them go, so each
+        byte is counted once."""
+        assert 0 < num_tokens <= sequence.num_reserved_tokens, (num_tokens, sequence.num_reserved_tokens)
+        self.memory.release(num_tokens * self.limits.kv_bytes_per_token)
+        sequence.num_reserved_tokens -= num_tokens
+        sequence.num_shared_tokens += num_tokens
 
     def held(self) -> list[Sequence]:
         """Every sequence taken from the queue and not finished: running, preempted, waiting for memory."""

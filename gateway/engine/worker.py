@@ -137,7 +137,7 @@ class EngineWorker:
         self.scheduler: Scheduler | None = None  # built once warm-up measured the KV bytes per token
         self.stats = EngineStats()
         # the decoding sequences (drafts, draws, text); rows that end come back through _retire and _fail
-        self.decoding = DecodeRows(runner, self.stats, max_verify_tokens, self._retire, self._fail)
+        self.decoding = DecodeRows(runner, self.stats, max_verify_tokens, self._retire, self._fail, self._share)
         # Embedding requests, oldest first; at most max_queue wait. Any thread appends, the worker pops.
         self.embeddings: deque[EmbedJob] = deque()
         self.max_embeddings = max_queue
@@ -549,6 +549,41 @@ class EngineWorker:
             self._store(prefill, sequence)
         finally:
             self._end(sequence)
+
+    def check(self) -> None:
+        """Assert that each byte of KV is counted once under the budget (tests call it after steps):
+        the pool's reservation is exactly the running sequences' own KV, and each decoding row's
+        first tokens are read in place from the blocks its own session maps (its chain: its tenant's),
+        held in the pool, their arrays the row's first segments."""
+        prefix = self.runner.caches.prefix
+        if prefix is None or self.scheduler is None:
+            return
+        prefix.pool.check()
+        limits = self.scheduler.limits
+        owned = [s for s in self.scheduler.held() if s.num_reserved_tokens]
+        own_bytes = sum(s.num_reserved_tokens * limits.kv_bytes_per_token + limits.state_bytes for s in owned)
+        assert prefix.pool.reserved_bytes == own_bytes, (prefix.pool.reserved_bytes, own_bytes)
+        batch = self.decoding.batch
+        for index, (sequence, row) in enumerate(zip(self.decoding.rows, batch.rows)):
+            session = row.plan.session if row.plan is not None else None
+            mapped = session.mapped if session is not None else []
+            shared = batch.shared_tokens(index)
+            assert sequence.num_shared_tokens == shared == len(mapped) * limits.block_tokens, (index, shared)
+            assert session is None or [b.block_hash for b in mapped] == session.hashes[: len(mapped)], (
+                "another chain's block"
+            )
+            assert all(b.ref_count > 0 and (b.purged or prefix.pool.get(b.block_hash) is b) for b in mapped)
+            if mapped:
+                segments = batch.segments.rows[index].segments  # type: ignore[union-attr]
+                for block, segment in zip(mapped, segments):
+                    arrays = [array for pair in block.kv for array in pair]
+                    assert all(a is b for a, b in zip(segment.holds, arrays, strict=True)), (
+                        "a table reads another block"
+                    )
+
+    def _share(self, sequence: Sequence, num_tokens: int) -> None:
+        if self.scheduler is not None:
+            self.scheduler.share(sequence, num_tokens)
 
     def _store(self, prefill: PrefillResult, sequence: Sequence, to_ssd: bool = False) -> None:
         """Cache the sequence's prompt and reply blocks (best effort: the answer was sent already)."""

@@ -1,0 +1,207 @@
+"""KV held once: a decoding row reads its prompt's cached blocks in place (PrefixSession.map, RowsKV's
+shared segments) and drops its own copy; its reservation gives those bytes back (Scheduler.share).
+
+Checked: attention over shared segments equals a plain computation and never writes a cached block
+(the partly filled last block is the row's own copy); in a live engine, after every step, each byte
+is counted once and every row's tables read the blocks of its own chain (worker.check()); rows of two
+tenants with one prompt keep their lone tokens; a block shared by several rows and the cache is
+freed once; a purged tenant's shared blocks leave the pool with its last row; under a budget that
+fits three whole prompts, rows sharing a long prefix run twice as many at once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from gateway.engine import CacheConfig, Delta, Engine, EngineConfig, Finished, Message, Sampling, TextPart
+from gateway.engine.rows_kv import rows_kernel
+from kvcache import PrefixSession, TenantSalt
+from tests.conftest import TINY
+from tests.gateway.test_rows_kv import BLOCK, KV_HEADS, LAYERS, Rows
+
+pytestmark = pytest.mark.skipif(rows_kernel() is None, reason="no C compiler here: rows keep the library's cache")
+
+TENANT_A, TENANT_B = TenantSalt(b"A" * 32), TenantSalt(b"B" * 32)
+GREEDY = Sampling(32, 0.0, 1.0, None, ())
+# ~330 tokens, the same for every request below but its last line
+SHARED_TEXT = "The harbour master logs every boat, its cargo and the tide at which it came in. " * 16
+
+
+def _add_shared(rows: Rows, length: int, num_blocks: int) -> list[tuple]:
+    """A row whose first num_blocks blocks are cached blocks (per layer (keys, values) MLX arrays)."""
+    caches = [KVCache() for _ in range(LAYERS)]
+    blocks: list[tuple] = [[] for _ in range(num_blocks)]
+    for cache in caches:
+        keys, values = rows._array(1, KV_HEADS, length), rows._array(1, KV_HEADS, length)
+        cache.update_and_fetch(keys, values)
+        for index in range(num_blocks):
+            span = slice(index * BLOCK, (index + 1) * BLOCK)
+            blocks[index].append((mx.contiguous(keys[:, :, span]), mx.contiguous(values[:, :, span])))
+    shared = [tuple(layers) for layers in blocks]
+    mx.eval([array for kv in shared for pair in kv for array in pair], [c.keys for c in caches])
+    rows.kv.add(caches, shared)
+    rows.full.append([(np.array(c.keys)[0, :, :length], np.array(c.values)[0, :, :length]) for c in caches])
+    return shared
+
+
+def test_a_row_reads_its_cached_blocks_in_place_and_never_writes_them():
+    rows = Rows(seed=7)
+    rows.add(21)
+    shared = _add_shared(rows, 3 * BLOCK + 5, 3)  # a partly filled fourth block: the row's own copy
+    exact = _add_shared(rows, 2 * BLOCK, 2)  # ends on a block boundary: its next token opens a block of its own
+    before = [[np.array(a) for pair in kv for a in pair] for kv in shared + exact]
+    row = rows.kv.rows[1]
+    assert row.num_shared == 3 * BLOCK and rows.kv.rows[2].num_shared == 2 * BLOCK
+    assert row.segments[0].keys[0].ctypes.data == np.asarray(shared[0][0][0]).ctypes.data  # read in place
+    for num_tokens in (1, 3, 12, 1):  # 12: past the partly filled block
+        rows.step(num_tokens)
+    rows.trim([0, 2, 1])
+    rows.step(2)
+    after = [[np.array(a) for pair in kv for a in pair] for kv in shared + exact]
+    for old, new in zip(before, after):
+        for x, y in zip(old, new):
+            np.testing.assert_array_equal(x, y)
+    caches = rows.kv.remove(1)
+    keys, values = rows.full[1][0]
+    np.testing.assert_array_equal(np.array(caches[0].keys)[0], keys)
+    np.testing.assert_array_equal(np.array(caches[0].values)[0], values)
+
+
+def _prompt(engine: Engine, last_line: str):
+    return engine.prepare((Message("user", (TextPart(SHARED_TEXT + last_line),)),), [])
+
+
+def _checked(engine: Engine) -> dict:
+    """Run worker.check() after every step (on the worker's thread); what it saw."""
+    worker, seen = engine.worker, {"steps": 0, "shared_rows": 0, "max_rows": 0}
+    step = worker._step
+
+    def checked_step(plan):
+        step(plan)
+        try:
+            worker.check()
+        except AssertionError as exc:
+            seen.setdefault("failed", repr(exc))
+            raise
+        seen["steps"] += 1
+        seen["shared_rows"] = max(seen["shared_rows"], sum(s.num_shared_tokens > 0 for s in worker.rows))
+        seen["max_rows"] = max(seen["max_rows"], len(worker.rows))
+
+    worker._step = checked_step
+    return seen
+
+
+async def _tokens(engine: Engine, prompt, salt: TenantSalt, sampling: Sampling = GREEDY, owner=None) -> list[int]:
+    async for event in engine.events(engine.submit(prompt, sampling, salt, owner)):
+        if isinstance(event, Finished):
+            return list(event.token_ids)
+    raise AssertionError("no Finished event")
+
+
+def test_rows_of_two_tenants_share_their_own_blocks_counted_once_and_freed_once(tiny_model_path):
+    engine = Engine(tiny_model_path, TINY, EngineConfig(16, 64, CacheConfig(64 << 20, 0, 16), max_verify_tokens=0))
+    engine.start()
+    try:
+        prompts = [_prompt(engine, f" Question {index}: which boat came first?") for index in range(3)]
+        alone = [asyncio.run(_tokens(engine, prompt, TENANT_A)) for prompt in prompts]  # stores their blocks
+        seen = _checked(engine)
+
+        async def together():  # replies of different lengths: rows leave one by one, the last alone
+            jobs = [
+                _tokens(engine, prompts[i % 3], salt, Sampling(8 + 3 * i + 2 * (salt is TENANT_B), 0.0, 1.0, None, ()))
+                for i in range(6)
+                for salt in (TENANT_A, TENANT_B)
+            ]
+            return await asyncio.gather(*jobs)
+
+        results = asyncio.run(together())
+        engine.worker.call(lambda: None).result()  # the last rows have retired
+        pool = engine.runner.caches.prefix.pool
+        assert "failed" not in seen, seen
+        assert results == [alone[i % 3][: 8 + 3 * i + 2 * b] for i in range(6) for b in range(2)]
+        assert seen["shared_rows"] >= 4, seen  # rows read cached blocks in place, checked after every step
+        assert engine.worker.stats.num_failed == 0
+        pool.check()
+        assert pool.reserved_bytes == 0
+        assert all(block.ref_count == 0 for block in pool.by_hash.values())  # every holder released once
+    finally:
+        engine.stop()
+
+
+def test_a_purged_tenants_shared_blocks_leave_the_pool_with_its_last_row(tiny_model_path):
+    engine = Engine(tiny_model_path, TINY, EngineConfig(16, 64, CacheConfig(64 << 20, 0, 16), max_verify_tokens=0))
+    engine.start()
+    try:
+        prompt = _prompt(engine, " Which boat came last?")
+        asyncio.run(_tokens(engine, prompt, TENANT_B, owner="tenant-b"))
+        seen = _checked(engine)
+        pool = engine.runner.caches.prefix.pool
+        batch = engine.worker.decoding.batch
+
+        def purge():
+            purged = pool.purge_owned(lambda owner: owner == "tenant-b")
+            return purged, [block for row in batch.rows for block in row.plan.session.mapped]
+
+        async def purged_while_running():
+            # rows that record no owner: the purge takes the blocks' last owner while they read them
+            jobs = [engine.submit(prompt, Sampling(400, 0.0, 1.0, None, ()), TENANT_B) for _ in range(2)]
+            for job in jobs:
+                events = engine.events(job)
+                while not isinstance(await events.__anext__(), Delta):
+                    pass
+            while seen["shared_rows"] < 2:
+                await asyncio.sleep(0.01)
+            return jobs, engine.worker.call(purge).result()
+
+        jobs, (purged, mapped) = asyncio.run(purged_while_running())
+        assert mapped and purged.num_entries >= len(set(map(id, mapped)))
+        assert all(block.purged and block.ref_count >= 2 for block in mapped)  # both rows still read them
+        for job in jobs:
+            job.cancelled.set()
+        while engine.worker.rows or engine.worker.busy:
+            engine.worker.call(lambda: None).result()
+        assert not any(pool.get(block.block_hash) is block for block in mapped)  # gone with the last row
+        assert "failed" not in seen, seen
+        pool.check()
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_rows_sharing_a_long_prefix_fit_twice_as_many_under_one_budget(tiny_model_path, monkeypatch, shared):
+    """A budget for three whole prompts (and their first block) and some room: rows arriving one after
+    another while the others decode hold the shared prefix once, so six or more of eight decode at
+    once; each new prompt holds its whole prompt only while it comes in. Without the sharing (each row
+    its own copy, as before), at most four."""
+    if not shared:
+        monkeypatch.setattr(PrefixSession, "map", lambda self, num_tokens: [])
+    probe = Engine(tiny_model_path, TINY, EngineConfig(16, 64, CacheConfig(64 << 20, 0, 16)))
+    prompt = _prompt(probe, " Question 0?")
+    probe.runner._measure_bytes()
+    bytes_per_token = probe.runner.kv_bytes_per_token
+    budget = (3 * (prompt.num_tokens + 16) + 8 * 40) * bytes_per_token
+    engine = Engine(tiny_model_path, TINY, EngineConfig(16, 64, CacheConfig(budget, 0, 16), max_verify_tokens=0))
+    engine.start()
+    try:
+        seen = _checked(engine)
+        asyncio.run(_tokens(engine, _prompt(engine, " Question -1?"), TENANT_A))  # the prefix, cached
+
+        async def eight_one_after_another():
+            jobs = []
+            for index in range(8):
+                sampling = Sampling(240 - 24 * index, 0.0, 1.0, None, ())  # they end about together
+                job = _tokens(engine, _prompt(engine, f" Question {index}?"), TENANT_A, sampling)
+                jobs.append(asyncio.ensure_future(job))
+                while seen["max_rows"] <= index and not jobs[-1].done():
+                    await asyncio.sleep(0.01)
+            return await asyncio.gather(*jobs)
+
+        asyncio.run(eight_one_after_another())
+        assert "failed" not in seen and engine.worker.stats.num_failed == 0, seen
+        assert seen["max_rows"] >= 6 if shared else seen["max_rows"] <= 4, (seen, prompt.num_tokens)
+    finally:
+        engine.stop()
