@@ -441,16 +441,25 @@ def print_table(workload: str, results: dict, client_counts: list[int]) -> None:
         print(f"1 client: batching engine / one-at-a-time engine = {batched['tok_s'] / lone['tok_s']:.3f} (tok/s)")
 
 
-def kv_budget(model_dir: Path, work: Path, num_clients: int, budget_bytes: int, max_tokens: int) -> dict:
-    """num_clients distinct requests at once, each with max_tokens, under a KV budget of budget_bytes:
-    how many decode at once, how many a worst-case reservation ((prompt + max_tokens) x KV bytes per
-    token each, as before the scheduler held only what sequences use) would have let in, and the
-    preemptions it took."""
+def kv_budget(
+    model_dir: Path, work: Path, num_clients: int, budget_bytes: int, max_tokens: int, preamble: str = ""
+) -> dict:
+    """num_clients requests at once, each with max_tokens, under a KV budget of budget_bytes: how
+    many decode at once, how many a worst-case reservation ((prompt + max_tokens) x KV bytes per
+    token each, as before the scheduler held only what sequences use) would have let in, how many
+    whole prompts the budget holds (each row its own copy of its prompt, as before rows read their
+    cached blocks in place), and the preemptions it took. Distinct prompts, or with `preamble` each
+    one opening with that system prompt."""
     server = start_strata("strata kv budget", model_dir, work, None, {"STRATA_KV_BUDGET_BYTES": str(budget_bytes)})
+
+    def opening(client: int):
+        if not preamble:
+            return distinct_conversations("budget", client)
+        return mix_conversations("budget", client, preamble, images=False)
 
     async def run() -> tuple[list[Sample], float, int]:
         async with httpx.AsyncClient(timeout=1200, limits=httpx.Limits(max_connections=num_clients + 4)) as client:
-            conversations = [distinct_conversations("budget", i) for i in range(num_clients)]
+            conversations = [opening(i) for i in range(num_clients)]
             async with watching(server) as seen:
                 start = time.perf_counter()
                 samples = await asyncio.gather(
@@ -469,21 +478,25 @@ def kv_budget(model_dir: Path, work: Path, num_clients: int, budget_bytes: int, 
         server.stop()
     prompt_tokens = statistics.median(s.prompt_tokens for s in samples if not s.error)
     worst_case = budget_bytes // int((prompt_tokens + max_tokens) * stats["kv_bytes_per_token"])
+    whole_prompts = budget_bytes // int(prompt_tokens * stats["kv_bytes_per_token"])
     out = summarise(samples, wall) | {
         "peak_running": peak,
         "engine_peak_running": stats["peak_running"],
         "worst_case_running": worst_case,
+        "whole_prompts_fit": whole_prompts,
         "preemptions": stats["num_preemptions"],
         "resumed_tokens": stats["num_resumed_tokens"],
         "completion_tokens": sum(s.completion_tokens for s in samples),
     }
     print(
         f"\nkv budget {budget_bytes >> 20} MiB, {num_clients} clients with max_tokens {max_tokens} "
-        f"(~{prompt_tokens:.0f}-token prompts, {stats['kv_bytes_per_token']} B of KV per token):"
+        f"(~{prompt_tokens:.0f}-token prompts{', one shared system prompt' if preamble else ''}, "
+        f"{stats['kv_bytes_per_token']} B of KV per token):"
     )
     print(
         f"  decoding at once: {peak} (engine's own count {stats['peak_running']}); a worst-case reservation "
-        f"would let {worst_case} run; {stats['num_preemptions']} preemptions, {stats['num_resumed_tokens']} "
+        f"would let {worst_case} run, the budget holds {whole_prompts} whole prompts; "
+        f"{stats['num_preemptions']} preemptions, {stats['num_resumed_tokens']} "
         f"tokens resumed from cached blocks; {out['completion_tokens']} tokens in {wall:.1f} s, "
         f"errors {out['errors']}/{out['requests']}"
     )
@@ -576,7 +589,8 @@ def main() -> None:
         "--kv-budget-mib",
         type=int,
         default=16,
-        help="the KV-budget run's budget (0: skip it); 16 clients, max_tokens 1,024",
+        help="the KV-budget runs' budget (0: skip them); 16 clients, max_tokens 1,024: distinct prompts, "
+        "then twice the budget for prompts that open with one ~1,000-token system prompt",
     )
     parser.add_argument("--only-kv-budget", action="store_true")
     args = parser.parse_args()
@@ -589,6 +603,9 @@ def main() -> None:
     summary = {}
     if args.kv_budget_mib:
         summary["kv_budget"] = kv_budget(model_dir, work, 16, args.kv_budget_mib << 20, 1024)
+        summary["kv_budget_shared"] = kv_budget(
+            model_dir, work, 16, 2 * args.kv_budget_mib << 20, 1024, system_prompt_text()
+        )
     if args.only_kv_budget:
         print(json.dumps({"model": args.model, "results": summary}))
         return
