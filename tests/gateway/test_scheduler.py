@@ -406,3 +406,25 @@ def test_with_decode_rows_a_step_carries_what_their_latency_budget_leaves():
     long = _submit(scheduler, 2000)
     plan = scheduler.schedule()
     assert plan.decode == rows and plan.chunks == [(long, 304)]
+
+
+def test_a_row_reading_cached_blocks_in_place_holds_only_its_own_kv_and_grows_past_them():
+    """share(): a decoding sequence's first 64 tokens move from its reservation to the pool; it
+    then grows a block when its own KV passes what it holds, and release() gives back only its own."""
+    scheduler, _ = _scheduler(capacity=1000)
+    sequence = _submit(scheduler, 70, max_tokens=100)
+    while not sequence.decoding:
+        _execute(scheduler, scheduler.schedule())
+    reserved = sequence.num_reserved_tokens
+    scheduler.share(sequence, 64)
+    assert (sequence.num_reserved_tokens, sequence.num_shared_tokens) == (reserved - 64, 64)
+    assert scheduler.memory.used == reserved - 64
+    while sequence.num_computed_tokens < reserved:  # the tokens it held before sharing, now partly the pool's
+        _execute(scheduler, scheduler.schedule())
+    held = sequence.num_reserved_tokens + 64
+    assert held == sequence.num_computed_tokens == reserved  # it has not needed more yet
+    _execute(scheduler, scheduler.schedule())
+    assert sequence.num_reserved_tokens + 64 == held + BLOCK  # its next token took a block more
+    assert scheduler.memory.used == sequence.num_reserved_tokens
+    scheduler.release(sequence)
+    assert scheduler.memory.used == 0 and sequence.num_shared_tokens == 0
