@@ -1283,6 +1283,13 @@ MUTANTS = (
         (f"{ROWS}::test_a_family_whose_attention_does_not_come_through_the_segments_keeps_the_library_cache",),
     ),
     Mutant(
+        "a lone row's second KV head reads the first one's keys (tables not shifted to its heads)",
+        "gateway/engine/rows_kv.py",
+        "keys_at = keys_at + kv_first * tables.key_strides[layer] * 4",
+        "keys_at = keys_at + 0 * tables.key_strides[layer] * 4",
+        (f"{ROWS}::test_a_lone_row_over_a_long_context_splits_its_kv_heads_across_the_cores",),
+    ),
+    Mutant(
         "a cached block freed while a row still reads it (mapped without a reference)",
         "kvcache/prefix.py",
         "            self.pool.acquire(block)\n",
@@ -1304,10 +1311,10 @@ MUTANTS = (
         (f"{SHARED_KV}::test_rows_of_two_tenants_share_their_own_blocks_counted_once_and_freed_once",),
     ),
     Mutant(
-        "a lone row reading cached blocks copies them back (its KV held twice)",
-        "gateway/engine/batch.py",
-        "(len(self.rows) == 1 and not self.shared_tokens(0))",
-        "len(self.rows) == 1",
+        "a lone row reading cached blocks copied back without room reserved for the copy (counted once, held twice)",
+        "gateway/engine/decoding.py",
+        "self.batch.shared_tokens(0) and self.unshare(self.rows[0])",
+        "self.batch.shared_tokens(0)",
         (f"{SHARED_KV}::test_rows_of_two_tenants_share_their_own_blocks_counted_once_and_freed_once",),
     ),
 )

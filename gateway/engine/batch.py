@@ -98,6 +98,16 @@ class DecodeBatch:
         if blocks:
             prefill.cache = []  # held by the segments (leave() gives the row its KV back)
 
+    def collapse(self) -> None:
+        """The lone row in segments back on a plain cache of its own (one copy; a lone row decodes
+        faster there over long contexts: 15.8 against 21.5 ms a demo-model step at 11,000 tokens),
+        letting go of the cached blocks it read. The caller first makes room for that copy
+        (DecodeRows.leave), else the row stays in segments: its KV is never held twice uncounted."""
+        assert self.segments is not None and len(self.rows) == 1
+        self.cache, self.batched, self.segments = self.segments.remove(0), False, None
+        if self.rows[0].plan is not None:
+            self.rows[0].plan.session.unmap()
+
     def shared_tokens(self, index: int) -> int:
         """Row `index`'s tokens read in place from cached blocks (0 unless in segments)."""
         return self.segments.rows[index].num_shared if self.segments is not None else 0
@@ -209,11 +219,10 @@ class DecodeBatch:
             return row
         if self.segments is not None:
             row.cache = self.segments.remove(index)
-            if not self.rows or (len(self.rows) == 1 and not self.shared_tokens(0)):
-                # back to the lone row's own cache (one that reads cached blocks stays in segments:
-                # a copy of them would be its KV held twice)
-                self.cache, self.batched = self.segments.remove(0) if self.rows else [], False
-                self.segments = None
+            if not self.rows:
+                self.cache, self.batched, self.segments = [], False, None
+            elif len(self.rows) == 1 and not self.shared_tokens(0):
+                self.collapse()  # back to the lone row's own cache (one that reads cached blocks: see collapse())
             return row
         row.cache = [layer.extract(index) for layer in self.cache]
         keep = mx.array([i for i in range(len(self.rows) + 1) if i != index])

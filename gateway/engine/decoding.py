@@ -44,6 +44,7 @@ class DecodeRows:
         retire: Callable[[int], None],
         fail: Callable[[Job, Exception], None],
         share: Callable[[Sequence, int], None],
+        unshare: Callable[[Sequence], bool],
     ):
         self.runner = runner
         self.stats = stats  # the worker's EngineStats: steps, drafts
@@ -52,6 +53,7 @@ class DecodeRows:
         self.retire = retire
         self.fail = fail
         self.share = share  # a row's tokens now read in place from cached blocks: its memory says so
+        self.unshare = unshare  # ... and back in its own cache: its memory holds them again, if they fit
         # Speculative decoding: a sequence -> the proposers of its drafts, verified in the step that
         # feeds them (gateway/engine/speculative.py). None: one token per row and step.
         self.proposers: Callable[[Sequence], list[Proposer]] | None = self._proposers if max_verify_tokens else None
@@ -80,6 +82,8 @@ class DecodeRows:
         """Take row `index` out; its prefill, with its KV in its own cache again."""
         prefill = self.batch.leave(index)
         del self.rows[index]
+        if len(self.rows) == 1 and self.batch.shared_tokens(0) and self.unshare(self.rows[0]):
+            self.batch.collapse()  # the row left alone reads its cached blocks from a copy of its own
         return prefill
 
     def start(self, sequence: Sequence) -> None:

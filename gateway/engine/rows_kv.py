@@ -212,30 +212,40 @@ class RowsKV:
         assert kernel is not None, "RowsKV runs only where its kernel was built"
         group = heads // kv_heads
 
-        def attend_rows(first: int, last: int) -> None:
+        def attend_rows(first: int, last: int, kv_first: int = 0, kv_last: int = kv_heads) -> None:
+            """Rows [first, last); with one row, only its KV heads [kv_first, kv_last) (and their query
+            heads): its tables' addresses moved to the first of them."""
+            keys_at, values_at = tables.keys[layer], tables.values[layer]
+            if kv_first:
+                keys_at = keys_at + kv_first * tables.key_strides[layer] * 4
+                values_at = values_at + kv_first * tables.value_strides[layer] * 4
             scores = np.empty(num_queries * group * (int(lengths[first:last].max()) + num_queries), dtype=np.float32)
             kernel(
-                q[first:].ctypes.data,
-                new_k[first:].ctypes.data,
-                new_v[first:].ctypes.data,
+                q[first:, kv_first * group :].ctypes.data,
+                new_k[first:, kv_first:].ctypes.data,
+                new_v[first:, kv_first:].ctypes.data,
                 tables.first[first:].ctypes.data,
-                tables.keys[layer].ctypes.data,
-                tables.values[layer].ctypes.data,
+                keys_at.ctypes.data,
+                values_at.ctypes.data,
                 tables.key_strides[layer].ctypes.data,
                 tables.value_strides[layer].ctypes.data,
                 tables.sizes.ctypes.data,
                 lengths[first:].ctypes.data,
                 last - first,
                 num_queries,
-                heads,
-                kv_heads,
+                (kv_last - kv_first) * group,
+                kv_last - kv_first,
                 head_dim,
                 scale * LOG2E,
                 scores.ctypes.data,
-                out[first:].ctypes.data,
+                out[first:, kv_first * group :].ctypes.data,
             )
 
-        split_rows(attend_rows, rows, rows * heads * num_queries * (int(lengths.max()) + num_queries))
+        num_scores = rows * heads * num_queries * (int(lengths.max()) + num_queries)
+        if rows == 1:  # a lone row (left alone reading cached blocks): its KV heads go to the cores
+            split_rows(lambda kv_first, kv_last: attend_rows(0, 1, kv_first, kv_last), kv_heads, num_scores)
+        else:
+            split_rows(attend_rows, rows, num_scores)
         return mx.array(out)
 
 

@@ -408,6 +408,15 @@ class Scheduler:
         sequence.num_reserved_tokens -= num_tokens
         sequence.num_shared_tokens += num_tokens
 
+    def unshare(self, sequence: Sequence) -> bool:
+        """The running sequence is to hold its shared tokens in its own cache again: reserve them
+        (cached blocks give way); False, changing nothing, when they do not fit."""
+        if not self.memory.reserve(sequence.num_shared_tokens * self.limits.kv_bytes_per_token):
+            return False
+        sequence.num_reserved_tokens += sequence.num_shared_tokens
+        sequence.num_shared_tokens = 0
+        return True
+
     def held(self) -> list[Sequence]:
         """Every sequence taken from the queue and not finished: running, preempted, waiting for memory."""
         waiting_for_memory = [self.memory_wait] if self.memory_wait is not None else []

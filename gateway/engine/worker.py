@@ -137,7 +137,9 @@ class EngineWorker:
         self.scheduler: Scheduler | None = None  # built once warm-up measured the KV bytes per token
         self.stats = EngineStats()
         # the decoding sequences (drafts, draws, text); rows that end come back through _retire and _fail
-        self.decoding = DecodeRows(runner, self.stats, max_verify_tokens, self._retire, self._fail, self._share)
+        self.decoding = DecodeRows(
+            runner, self.stats, max_verify_tokens, self._retire, self._fail, self._share, self._unshare
+        )
         # Embedding requests, oldest first; at most max_queue wait. Any thread appends, the worker pops.
         self.embeddings: deque[EmbedJob] = deque()
         self.max_embeddings = max_queue
@@ -584,6 +586,9 @@ class EngineWorker:
     def _share(self, sequence: Sequence, num_tokens: int) -> None:
         if self.scheduler is not None:
             self.scheduler.share(sequence, num_tokens)
+
+    def _unshare(self, sequence: Sequence) -> bool:
+        return self.scheduler.unshare(sequence) if self.scheduler is not None else True
 
     def _store(self, prefill: PrefillResult, sequence: Sequence, to_ssd: bool = False) -> None:
         """Cache the sequence's prompt and reply blocks (best effort: the answer was sent already)."""

@@ -166,3 +166,23 @@ def test_a_family_whose_attention_does_not_come_through_the_segments_keeps_the_l
     monkeypatch.setattr(RowsKV, "attend", bypassed)
     runner = ModelRunner(built_model(BuildSpec("llama", "tiny")), CacheConfig(0, 0, 16), "fp")
     assert not runner.rows_kv
+
+
+def test_a_lone_row_over_a_long_context_splits_its_kv_heads_across_the_cores(monkeypatch):
+    """One row: its KV heads go to the cores (past SPLIT_FROM_SCORES), each part reading its own
+    heads' keys through tables shifted to them; the result equals the plain computation."""
+    from gateway.engine import rows_kv, threads
+
+    calls = []
+
+    def recorded(work, num_parts, num_scores):
+        calls.append(num_parts)
+        for part in range(num_parts):  # each KV head alone, as the parts run
+            work(part, part + 1)
+
+    monkeypatch.setattr(rows_kv, "split_rows", recorded)
+    rows = Rows(seed=4)
+    rows.add(threads.SPLIT_FROM_SCORES // HEADS + 40)
+    for num_tokens in (1, 3, 1):
+        rows.step(num_tokens)
+    assert calls and set(calls) == {KV_HEADS}

@@ -428,3 +428,19 @@ def test_a_row_reading_cached_blocks_in_place_holds_only_its_own_kv_and_grows_pa
     assert scheduler.memory.used == sequence.num_reserved_tokens
     scheduler.release(sequence)
     assert scheduler.memory.used == 0 and sequence.num_shared_tokens == 0
+
+
+def test_a_row_taking_its_shared_tokens_back_reserves_them_or_changes_nothing():
+    scheduler, _ = _scheduler(capacity=200)
+    sequence = _submit(scheduler, 70, max_tokens=100)
+    while not sequence.decoding:
+        _execute(scheduler, scheduler.schedule())
+    scheduler.share(sequence, 64)
+    held = sequence.num_reserved_tokens
+    scheduler.memory.capacity = scheduler.memory.used + 63  # one token short of the copy
+    assert not scheduler.unshare(sequence)
+    assert (sequence.num_reserved_tokens, sequence.num_shared_tokens) == (held, 64)
+    scheduler.memory.capacity += 1
+    assert scheduler.unshare(sequence)
+    assert (sequence.num_reserved_tokens, sequence.num_shared_tokens) == (held + 64, 0)
+    assert scheduler.memory.used == held + 64
