@@ -1290,6 +1290,13 @@ MUTANTS = (
         (f"{ROWS}::test_a_lone_row_over_a_long_context_splits_its_kv_heads_across_the_cores",),
     ),
     Mutant(
+        "a preemption's freed memory taken back by a copy for the row it left alone",
+        "gateway/engine/worker.py",
+        "self.decoding.rows.index(sequence), pressed=True)",
+        "self.decoding.rows.index(sequence), pressed=False)",
+        (f"{SHARED_KV}::test_a_row_left_alone_by_a_preemption_keeps_reading_its_cached_blocks",),
+    ),
+    Mutant(
         "a cached block freed while a row still reads it (mapped without a reference)",
         "kvcache/prefix.py",
         "            self.pool.acquire(block)\n",

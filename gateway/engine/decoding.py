@@ -2,7 +2,7 @@
 
     rows.join(sequence, prefill)      the prompt has run: the sequence becomes the batch's last row
                                       (what it reads of cached blocks in place is share()d)
-    rows.leave(index) -> prefill      its KV back in its own cache (to store, or to preempt)
+    rows.leave(index, pressed) -> prefill   its KV back in its own cache (to store, or to preempt)
     rows.propose()                    every row's drafts for the next step (one width for all)
     rows.part() -> Part | None        the rows' pending tokens and drafts, as one part of a step
     rows.take_logits(logits)          what the step computed for them
@@ -78,10 +78,13 @@ class DecodeRows:
             if (shared := self.batch.shared_tokens(index) - row.num_shared_tokens) > 0:
                 self.share(row, shared)
 
-    def leave(self, index: int) -> PrefillResult:
-        """Take row `index` out; its prefill, with its KV in its own cache again."""
+    def leave(self, index: int, pressed: bool = False) -> PrefillResult:
+        """Take row `index` out; its prefill, with its KV in its own cache again. `pressed`: it is
+        preempted for memory, which a copy for the row left alone would take back."""
         prefill = self.batch.leave(index)
         del self.rows[index]
+        if pressed:
+            return prefill  # memory is short: a row left alone keeps reading its cached blocks in place
         if len(self.rows) == 1 and self.batch.shared_tokens(0) and self.unshare(self.rows[0]):
             self.batch.collapse()  # the row left alone reads its cached blocks from a copy of its own
         return prefill

@@ -455,7 +455,7 @@ class EngineWorker:
             sequence.admission.close(self.runner.caches, sequence.num_computed_tokens)
             sequence.admission = None
             return
-        prefill = self.decoding.leave(self.decoding.rows.index(sequence))
+        prefill = self.decoding.leave(self.decoding.rows.index(sequence), pressed=True)
         self._store(prefill, sequence, to_ssd=True)
         sequence.logits = None
 

@@ -209,3 +209,33 @@ def test_rows_sharing_a_long_prefix_fit_twice_as_many_under_one_budget(tiny_mode
         assert seen["max_rows"] >= 6 if shared else seen["max_rows"] <= 4, (seen, prompt.num_tokens)
     finally:
         engine.stop()
+
+
+def test_a_row_left_alone_by_a_preemption_keeps_reading_its_cached_blocks(tiny_model_path):
+    """Two rows of one preamble grow past the budget: the newer is preempted, and the row left alone
+    stays in segments (a copy of its blocks would take back the memory the preemption freed); both
+    answer as they do alone, every step checked."""
+    probe = Engine(tiny_model_path, TINY, EngineConfig(16, 64, CacheConfig(64 << 20, 0, 16)))
+    prompt = _prompt(probe, " Question 0?")
+    probe.runner._measure_bytes()
+    budget = (2 * (prompt.num_tokens + 16) + 200) * probe.runner.kv_bytes_per_token
+    engine = Engine(tiny_model_path, TINY, EngineConfig(16, 64, CacheConfig(budget, 0, 16), max_verify_tokens=0))
+    engine.start()
+    try:
+        long_reply = Sampling(500, 0.0, 1.0, None, ())
+        prompts = [_prompt(engine, f" Question {index}?") for index in range(2)]
+        alone = [asyncio.run(_tokens(engine, p, TENANT_A, long_reply)) for p in prompts]
+        seen = _checked(engine)
+
+        async def two():
+            first = asyncio.ensure_future(_tokens(engine, prompts[0], TENANT_A, long_reply))
+            while not seen["max_rows"]:  # decoding
+                await asyncio.sleep(0.01)
+            second = asyncio.ensure_future(_tokens(engine, prompts[1], TENANT_A, long_reply))
+            return [await first, await second]
+
+        assert asyncio.run(two()) == alone
+        assert "failed" not in seen and engine.worker.scheduler.stats.num_preemptions >= 1, seen
+        assert seen["lone_in_segments"] > 0, seen
+    finally:
+        engine.stop()
