@@ -403,21 +403,27 @@ def test_a_seeded_sampled_sequence_draws_the_same_tokens_alone_and_in_a_batch():
     assert generated[2] == alone
 
 
+async def decoding(engine, jobs: list) -> list:
+    """The jobs, once each has sent its first text (it decodes in the batch)."""
+    from gateway.engine import Delta
+
+    for job in jobs:
+        events = engine.events(job)
+        while not isinstance(await events.__anext__(), Delta):
+            pass
+    return jobs
+
+
 def test_stopping_the_engine_mid_batch_retires_the_rows_and_releases_their_blocks(tiny_model_path):
     from gateway.engine import CacheConfig as Caches
-    from gateway.engine import Delta, Engine, EngineConfig
+    from gateway.engine import Engine, EngineConfig
 
     engine = Engine(tiny_model_path, "tiny", EngineConfig(8, 64, Caches(64 << 20, 0, 16)))
     engine.start()
     story = engine.prepare((Message("user", (TextPart("Tell a very long story."),)),), [])
 
     async def two_running():
-        jobs = [engine.submit(story, Sampling(500, 0.0, 1.0, None, ()), SALT) for _ in range(2)]
-        for job in jobs:
-            events = engine.events(job)
-            while not isinstance(await events.__anext__(), Delta):
-                pass
-        return jobs
+        return await decoding(engine, [engine.submit(story, Sampling(500, 0.0, 1.0, None, ()), SALT) for _ in range(2)])
 
     asyncio.run(two_running())
     engine.stop()

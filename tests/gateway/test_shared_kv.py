@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from gateway.engine import CacheConfig, Delta, Engine, EngineConfig, Finished, Message, Sampling, TextPart
+from gateway.engine import CacheConfig, Engine, EngineConfig, Finished, Message, Sampling, TextPart
 from gateway.engine.rows_kv import rows_kernel
 from kvcache import PrefixSession, TenantSalt
 from tests.conftest import TINY
+from tests.gateway.test_batch import decoding
 from tests.gateway.test_rows_kv import BLOCK, KV_HEADS, LAYERS, Rows
 
 pytestmark = pytest.mark.skipif(rows_kernel() is None, reason="no C compiler here: rows keep the library's cache")
@@ -104,6 +105,15 @@ async def _tokens(engine: Engine, prompt, salt: TenantSalt, sampling: Sampling =
     raise AssertionError("no Finished event")
 
 
+def _budget(model_path, whole_prompts: int, more_tokens: int):
+    """The tests' first prompt, and a KV budget in bytes for `whole_prompts` of it (each with its
+    first block) and `more_tokens` (KV bytes per token measured on an engine that is not started)."""
+    probe = Engine(model_path, TINY, EngineConfig(16, 64, CacheConfig(64 << 20, 0, 16)))
+    prompt = _prompt(probe, " Question 0?")
+    probe.runner._measure_bytes()
+    return prompt, (whole_prompts * (prompt.num_tokens + 16) + more_tokens) * probe.runner.kv_bytes_per_token
+
+
 def test_rows_of_two_tenants_share_their_own_blocks_counted_once_and_freed_once(tiny_model_path):
     engine = Engine(tiny_model_path, TINY, EngineConfig(16, 64, CacheConfig(64 << 20, 0, 16), max_verify_tokens=0))
     engine.start()
@@ -152,11 +162,9 @@ def test_a_purged_tenants_shared_blocks_leave_the_pool_with_its_last_row(tiny_mo
 
         async def purged_while_running():
             # rows that record no owner: the purge takes the blocks' last owner while they read them
-            jobs = [engine.submit(prompt, Sampling(400, 0.0, 1.0, None, ()), TENANT_B) for _ in range(2)]
-            for job in jobs:
-                events = engine.events(job)
-                while not isinstance(await events.__anext__(), Delta):
-                    pass
+            jobs = await decoding(
+                engine, [engine.submit(prompt, Sampling(400, 0.0, 1.0, None, ()), TENANT_B) for _ in range(2)]
+            )
             while seen["shared_rows"] < 2:
                 await asyncio.sleep(0.01)
             return jobs, engine.worker.call(purge).result()
@@ -183,11 +191,7 @@ def test_rows_sharing_a_long_prefix_fit_twice_as_many_under_one_budget(tiny_mode
     its own copy, as before), at most four."""
     if not shared:
         monkeypatch.setattr(PrefixSession, "map", lambda self, num_tokens: [])
-    probe = Engine(tiny_model_path, TINY, EngineConfig(16, 64, CacheConfig(64 << 20, 0, 16)))
-    prompt = _prompt(probe, " Question 0?")
-    probe.runner._measure_bytes()
-    bytes_per_token = probe.runner.kv_bytes_per_token
-    budget = (3 * (prompt.num_tokens + 16) + 8 * 40) * bytes_per_token
+    prompt, budget = _budget(tiny_model_path, whole_prompts=3, more_tokens=8 * 40)
     engine = Engine(tiny_model_path, TINY, EngineConfig(16, 64, CacheConfig(budget, 0, 16), max_verify_tokens=0))
     engine.start()
     try:
@@ -215,10 +219,7 @@ def test_a_row_left_alone_by_a_preemption_keeps_reading_its_cached_blocks(tiny_m
     """Two rows of one preamble grow past the budget: the newer is preempted, and the row left alone
     stays in segments (a copy of its blocks would take back the memory the preemption freed); both
     answer as they do alone, every step checked."""
-    probe = Engine(tiny_model_path, TINY, EngineConfig(16, 64, CacheConfig(64 << 20, 0, 16)))
-    prompt = _prompt(probe, " Question 0?")
-    probe.runner._measure_bytes()
-    budget = (2 * (prompt.num_tokens + 16) + 200) * probe.runner.kv_bytes_per_token
+    _, budget = _budget(tiny_model_path, whole_prompts=2, more_tokens=200)
     engine = Engine(tiny_model_path, TINY, EngineConfig(16, 64, CacheConfig(budget, 0, 16), max_verify_tokens=0))
     engine.start()
     try:
