@@ -38,7 +38,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, TypeGuard
 
 import mlx.core as mx
 
@@ -460,14 +460,17 @@ class PrefixSession:
             state=state,
         )
 
-    def gather(self, num_tokens: int) -> list[tuple[mx.array, mx.array]]:
+    def gather(self, num_tokens: int, start: int = 0) -> list[tuple[mx.array, mx.array]]:
+        """Per layer, a copy of the held blocks' keys and values of tokens [start, num_tokens)
+        (`start` on a block boundary)."""
         size = self.cache.block_size
-        blocks = self.held[: -(-num_tokens // size)]
-        assert len(blocks) * size >= num_tokens, (len(blocks), size, num_tokens)
+        assert start % size == 0, (start, size)
+        blocks = self.held[start // size : -(-num_tokens // size)]
+        assert start + len(blocks) * size >= num_tokens, (len(blocks), size, num_tokens)
         layers = []
         for layer in range(len(blocks[0].kv)):
-            keys = mx.concatenate([restore(b.kv[layer][0]) for b in blocks], axis=2)[:, :, :num_tokens, :]
-            values = mx.concatenate([restore(b.kv[layer][1]) for b in blocks], axis=2)[:, :, :num_tokens, :]
+            keys = mx.concatenate([restore(b.kv[layer][0]) for b in blocks], axis=2)[:, :, : num_tokens - start, :]
+            values = mx.concatenate([restore(b.kv[layer][1]) for b in blocks], axis=2)[:, :, : num_tokens - start, :]
             layers.append((keys, values))
         return layers
 
@@ -478,18 +481,22 @@ class PrefixSession:
         num_tokens: int,
         snapshot: tuple[int, tuple] | None = None,
         passing: bool = False,
+        first: int = 0,
     ) -> int:
         """Cache every full block of the first `num_tokens` of `token_ids` that this session does not
         hold. `token_ids` is the session's tokens or a continuation of them (the prompt and the reply).
+        `layer_states` hold the tokens from `first` on (those before are blocks this session maps,
+        which stay in the pool while mapped: they are held again, never copied).
         `snapshot`: (tokens, state), the recurrent layers' state after that many tokens (a block
         boundary within num_tokens), kept by the block it ends; `passing`: it marks only where this
         request ended (Block.passing): a later request that resumes past it drops it (match)."""
         self._extend(tuple(token_ids[:num_tokens]))
         size = self.cache.block_size
         num_blocks = min(num_tokens // size, len(self.hashes))
+        assert first <= len(self.mapped) * size, (first, len(self.mapped))
         new_arrays, new_blocks = [], []
         for index in range(len(self.held), num_blocks):
-            block, created = self._block_for(index, layer_states, snapshot, passing)
+            block, created = self._block_for(index, (layer_states, first), snapshot, passing)
             if block is None:
                 break  # budget full of blocks in use: the chain cannot grow past here
             self.held.append(block)
@@ -517,16 +524,20 @@ class PrefixSession:
         self.token_ids = token_ids
 
     def _block_for(
-        self, index: int, layer_states, snapshot: tuple[int, tuple] | None, passing: bool
+        self, index: int, states: tuple, snapshot: tuple[int, tuple] | None, passing: bool
     ) -> tuple[Block | None, bool]:
+        """The pool's block at chain position `index`, held (a mapped block always is: in use, it
+        stays indexed even when purged); else a new one from `states`, the caller's per-layer
+        (keys, values) and the token they start at."""
         existing = self.pool.get(self.hashes[index])
         if existing is not None:
             self.pool.acquire(existing, self.owner)
             return existing, False
-        begin, end = index * self.cache.block_size, (index + 1) * self.cache.block_size
-        kv = tuple(
-            (self._keep(k[:, :, begin:end, :], end), self._keep(v[:, :, begin:end, :], end)) for k, v in layer_states
-        )
+        layer_states, first = states
+        end = (index + 1) * self.cache.block_size
+        assert end - self.cache.block_size >= first, (index, first)
+        cut = slice(end - self.cache.block_size - first, end - first)
+        kv = tuple((self._keep(k[:, :, cut, :], end), self._keep(v[:, :, cut, :], end)) for k, v in layer_states)
         state = _own_state(snapshot[1]) if snapshot is not None and snapshot[0] == end else ()
         block = self.pool.insert(self._new_block(index, kv, state))
         if block is not None:
@@ -620,17 +631,28 @@ class PrefixSession:
     def map(self, num_tokens: int) -> list[Block]:
         """Hold the cached blocks of the session's first `num_tokens` tokens for a running sequence
         that reads them where they are, instead of a copy of its own: whole blocks of plain
-        (unquantised) KV from the chain's start, up to the first not in RAM. They stay in use (never
-        evicted) until unmap() or close(). A block's arrays are never written: the sequence writes
-        its later tokens elsewhere."""
-        assert not self.mapped and not self.closed, "a session maps its prefix once"
-        for block_hash in self.hashes[: num_tokens // self.cache.block_size]:
+        (unquantised) KV from the chain's start, up to the first not in RAM; every block mapped so
+        far. A later call maps on from where the last stopped (a prompt maps its cached prefix as it
+        comes in, then the blocks it stored itself as it joins the decode rows). They stay in use
+        (never evicted) until unmap() or close(). A block's arrays are never written: the sequence
+        writes its later tokens elsewhere."""
+        assert not self.closed, "map() on a closed session"
+        for block_hash in self.hashes[len(self.mapped) : num_tokens // self.cache.block_size]:
             block = self.pool.get(block_hash)
-            if block is None or block.purged or not block.kv or not isinstance(block.kv[0][0], mx.array):
+            if not _mappable(block):
                 break
             self.pool.acquire(block)
             self.mapped.append(block)
         return list(self.mapped)
+
+    def num_mappable_tokens(self, num_tokens: int) -> int:
+        """Of the first `num_tokens`, the tokens map() would read in place now: looked up, not held."""
+        count = 0
+        for block_hash in self.hashes[: num_tokens // self.cache.block_size]:
+            if not _mappable(self.pool.get(block_hash)):
+                break
+            count += 1
+        return count * self.cache.block_size
 
     def unmap(self) -> None:
         """Let go of the blocks map() holds, last first."""
@@ -653,6 +675,11 @@ class PrefixSession:
         for block in reversed(self.held):
             self.pool.release(block)
         self.held = []
+
+
+def _mappable(block: Block | None) -> TypeGuard[Block]:
+    """Whether a sequence can read the block in place: in RAM, not purged, plain (unquantised) KV."""
+    return block is not None and not block.purged and bool(block.kv) and isinstance(block.kv[0][0], mx.array)
 
 
 def _spill_request(block: Block, block_size: int) -> SpillRequest:

@@ -1306,8 +1306,8 @@ MUTANTS = (
     Mutant(
         "a row's table points at any cached block with its positions (another tenant's chain)",
         "kvcache/prefix.py",
-        "for block_hash in self.hashes[: num_tokens // self.cache.block_size]:",
-        "for block_hash in sorted(self.pool.by_hash, key=lambda h: self.pool.by_hash[h].end_token)[: num_tokens // self.cache.block_size]:",
+        "for block_hash in self.hashes[len(self.mapped) : num_tokens // self.cache.block_size]:",
+        "for block_hash in sorted(self.pool.by_hash, key=lambda h: self.pool.by_hash[h].end_token)[len(self.mapped) : num_tokens // self.cache.block_size]:",
         (f"{SHARED_KV}::test_rows_of_two_tenants_share_their_own_blocks_counted_once_and_freed_once",),
     ),
     Mutant(
@@ -1323,6 +1323,57 @@ MUTANTS = (
         "self.batch.shared_tokens(0) and self.unshare(self.rows[0])",
         "self.batch.shared_tokens(0)",
         (f"{SHARED_KV}::test_rows_of_two_tenants_share_their_own_blocks_counted_once_and_freed_once",),
+    ),
+    Mutant(
+        "a prompt's mapped prefix not counted as shared (its reservation and the pool both hold it)",
+        "gateway/engine/worker.py",
+        "sequence.num_shared_tokens = sequence.admission.num_mapped_tokens",
+        "sequence.num_shared_tokens = 0",
+        (f"{SHARED_KV}::test_a_prompt_reads_its_cached_prefix_in_place_as_it_comes_in",),
+    ),
+    Mutant(
+        "a prompt's first reservation holds the blocks it will read in place",
+        "gateway/engine/scheduler.py",
+        "mappable = self.executor.num_mappable_tokens(sequence)",
+        "mappable = 0",
+        (f"{SHARED_KV}::test_prompts_coming_in_together_hold_only_their_own_tokens",),
+    ),
+    Mutant(
+        "a prompt's chunk attends without its mapped blocks",
+        "gateway/engine/mapped_kv.py",
+        "mx.concatenate([k for k, _ in self.blocks] + [own_keys], axis=2)",
+        "own_keys",
+        (f"{SHARED_KV}::test_a_prompt_reads_its_cached_prefix_in_place_as_it_comes_in",),
+    ),
+    Mutant(
+        "a mapped prefix's partly filled last block not copied into the prompt's own cache",
+        "gateway/engine/runner.py",
+        "        if num_tokens > start:\n            for layer, (keys, values) in zip(cache, session.gather(num_tokens, start)):",
+        "        if False:\n            for layer, (keys, values) in zip(cache, session.gather(num_tokens, start)):",
+        (f"{SHARED_KV}::test_a_prompt_reads_its_cached_prefix_in_place_as_it_comes_in",),
+    ),
+    Mutant(
+        "a prompt's blocks stored from its own KV at the prompt's positions (not from its first own token)",
+        "kvcache/prefix.py",
+        "cut = slice(end - self.cache.block_size - first, end - first)",
+        "cut = slice(end - self.cache.block_size, end)",
+        ("tests/kvcache/test_prefix.py::test_a_session_maps_its_prefix_as_it_comes_in_then_on_past_what_it_stored",),
+    ),
+    Mutant(
+        "an admitted prompt that shared less than looked up runs its chunk past its reservation",
+        "gateway/engine/scheduler.py",
+        "if not self._grow(sequence, num_tokens, plan, others=False):",
+        "if False:",
+        (
+            "tests/gateway/test_scheduler.py::test_a_prompt_that_shared_less_than_looked_up_steps_back_when_memory_is_short",
+        ),
+    ),
+    Mutant(
+        "a prompt that shared more than looked up keeps those tokens reserved too",
+        "gateway/engine/scheduler.py",
+        "if (extra := sequence.num_shared_tokens - mappable) > 0:",
+        "if (extra := sequence.num_shared_tokens - mappable) > 10**9:",
+        ("tests/gateway/test_scheduler.py::test_a_prompt_reading_its_prefix_in_place_reserves_only_its_own_tokens",),
     ),
 )
 

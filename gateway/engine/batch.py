@@ -28,6 +28,7 @@ import mlx.core as mx
 
 from kvcache import is_recurrent
 
+from .mapped_kv import first_own_token
 from .rows_kv import RowsKV
 from .runner import (
     Cancelled,
@@ -66,14 +67,16 @@ class DecodeBatch:
     def join(self, prefill: PrefillResult) -> None:
         """Add a prefilled sequence as the last row. KV layers merge into the library's
         BatchKVCache, a hybrid model's recurrent layers into its ArraysCache (stacked states)."""
-        if not self.rows:
+        if not self.rows and first_own_token(prefill.cache):  # its prompt reads cached blocks in place
+            self.segments = self._new_segments(len(prefill.cache))
+            self._add_row(prefill)
+            self.cache, self.batched = self.segments.layers, True
+        elif not self.rows:
             self.cache = prefill.cache
         elif self.segments is not None:
             self._add_row(prefill)
         elif not self.batched and self.runner.rows_kv:
-            self.segments = RowsKV(
-                self.runner.cache_classes.KVCache, len(self.cache), self.runner.caches.config.block_size
-            )
+            self.segments = self._new_segments(len(self.cache))
             self.rows[0].cache = self.cache
             self._add_row(self.rows[0])
             self._add_row(prefill)
@@ -89,9 +92,13 @@ class DecodeBatch:
         self.rows.append(prefill)
         self.lengths.append(prefill.prompt.num_tokens)
 
+    def _new_segments(self, num_layers: int) -> RowsKV:
+        return RowsKV(self.runner.cache_classes.KVCache, num_layers, self.runner.caches.config.block_size)
+
     def _add_row(self, prefill: PrefillResult) -> None:
         """The row into the segments: the blocks of its prompt that the prefix cache holds are read
-        there in place (mapped: held until its session closes), so its own copy of them goes."""
+        there in place (mapped: held until its session closes; a prompt that came in reading its
+        prefix in place maps on past it), so its own copy of them goes."""
         assert self.segments is not None
         blocks = prefill.plan.session.map(prefill.prompt.num_tokens) if prefill.plan is not None else []
         self.segments.add(prefill.cache, [block.kv for block in blocks])

@@ -20,6 +20,7 @@ from kvcache.ssd import SsdConfig, SsdTier
 from vision import ImageKey, VisionCache, image_key
 
 from .caches import CacheLayer, Removed
+from .mapped_kv import first_own_token
 from .prompt import PreparedPrompt, PromptImage
 from .types import Pin
 
@@ -98,20 +99,7 @@ class EngineCaches:
         verdict = cacheability(kv_cache)
         if not verdict.ok:
             return None, PrefixReport("bypass", num_prompt_tokens=prompt.num_tokens, reason=verdict.reason)
-        spans = tuple(
-            ExtraSpan(i.token_start, i.token_start + i.num_tokens, self._image_key(i, salt).encode())
-            for i in prompt.images
-        )
-        session = self.prefix.open(
-            salt,
-            self.model_fingerprint,
-            prompt.token_ids,
-            spans,
-            owner,
-            verdict.snapshots,
-            tenant,
-            prompt.public_tokens,
-        )
+        session = self._session(prompt, salt, owner, verdict.snapshots, tenant)
         match = session.match(prompt.num_tokens)
         plan = PrefixPlan(session, match.num_cached_tokens)
         status: Literal["hit", "miss"] = "hit" if match.num_cached_tokens else "miss"
@@ -131,6 +119,29 @@ class EngineCaches:
             match.num_public_tokens,
             match.chain,
             match.num_tokens_without_state,
+        )
+
+    def num_mappable_tokens(self, prompt: PreparedPrompt, salt: TenantSalt) -> int:
+        """Of the prompt's tokens but its last (always computed), those whose plain-KV blocks are in
+        RAM now, from the start (PrefixSession.num_mappable_tokens: nothing held)."""
+        if self.prefix is None:
+            return 0
+        return self._session(prompt, salt).num_mappable_tokens(prompt.num_tokens - 1)
+
+    def _session(
+        self,
+        prompt: PreparedPrompt,
+        salt: TenantSalt,
+        owner: str | None = None,
+        snapshots: bool = False,
+        tenant: str = "",
+    ) -> PrefixSession:
+        spans = tuple(
+            ExtraSpan(i.token_start, i.token_start + i.num_tokens, self._image_key(i, salt).encode())
+            for i in prompt.images
+        )
+        return self.prefix.open(  # type: ignore[union-attr]
+            salt, self.model_fingerprint, prompt.token_ids, spans, owner, snapshots, tenant, prompt.public_tokens
         )
 
     def judge_ssd(self, time_prefill: Callable[[], float], bytes_per_token: int) -> None:
@@ -227,9 +238,10 @@ class EngineCaches:
         """Cache the full blocks of token_ids[:num_tokens] (a prompt, or prompt + generated tokens):
         the KV layers' keys and values (buffers: tokens [0, offset) valid), and a hybrid model's
         recurrent-state `snapshot` (tokens, state) at the block it ends; `passing`: a snapshot only
-        of where this request ended, dropped once a later request resumes past it."""
+        of where this request ended, dropped once a later request resumes past it. A prompt's
+        MappedKV layers hold their tokens from their first own token on (the rest are mapped blocks)."""
         kv = [(c.keys, c.values) for c in kv_cache if not is_recurrent(c)]
-        plan.session.store(token_ids, kv, num_tokens, snapshot, passing)
+        plan.session.store(token_ids, kv, num_tokens, snapshot, passing, first_own_token(kv_cache))
 
     # -- vision ------------------------------------------------------------------------------
 

@@ -77,17 +77,22 @@ class DecodeRows:
         for index, row in enumerate(self.rows):  # the new row, and the first when the rows went to segments
             if (shared := self.batch.shared_tokens(index) - row.num_shared_tokens) > 0:
                 self.share(row, shared)
+        self._own_cache_when_alone()  # a prompt that read its prefix in place joins in segments
 
     def leave(self, index: int, pressed: bool = False) -> PrefillResult:
         """Take row `index` out; its prefill, with its KV in its own cache again. `pressed`: it is
         preempted for memory, which a copy for the row left alone would take back."""
         prefill = self.batch.leave(index)
         del self.rows[index]
-        if pressed:
-            return prefill  # memory is short: a row left alone keeps reading its cached blocks in place
-        if len(self.rows) == 1 and self.batch.shared_tokens(0) and self.unshare(self.rows[0]):
-            self.batch.collapse()  # the row left alone reads its cached blocks from a copy of its own
+        if not pressed:  # memory is short: a row left alone keeps reading its cached blocks in place
+            self._own_cache_when_alone()
         return prefill
+
+    def _own_cache_when_alone(self) -> None:
+        """A lone row that reads cached blocks in segments goes on a copy of its own (faster over long
+        contexts: batch.collapse()) when its memory can hold that copy."""
+        if len(self.rows) == 1 and self.batch.shared_tokens(0) and self.unshare(self.rows[0]):
+            self.batch.collapse()
 
     def start(self, sequence: Sequence) -> None:
         """A sequence's first admission joins: its sampler, text stream and drafter."""

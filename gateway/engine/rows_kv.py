@@ -40,6 +40,7 @@ import mlx.core as mx
 import numpy as np
 
 from .decode_kernel import _LONG, _POINTER, LOG2E, kernel_library
+from .mapped_kv import first_own_token
 from .threads import split_rows
 
 
@@ -113,13 +114,15 @@ class RowsKV:
         """A prefilled row. Its caches' buffers become its first segment (no copy); or, given
         `shared` (cached blocks of its first tokens, each per layer (keys, values) of `block_tokens`
         tokens), those blocks are its first segments, read in place and never written, and only its
-        tokens past them are copied out of its caches, so the caches' buffers can go."""
-        length = int(cache[0].offset)
+        tokens past them are copied out of its caches, so the caches' buffers can go. A prompt's
+        MappedKV caches (mapped_kv.py) hold their tokens from their first own token on: `shared`
+        covers those before."""
+        length, first = int(cache[0].offset), first_own_token(cache)
         start = len(shared) * self.block_tokens
-        assert start <= length, (start, length)
+        assert first <= start <= length, (first, start, length)
         if shared:
             segments = [_read_only(kv, self.block_tokens) for kv in shared]
-            segments += [self._tail(cache, start, length)] if length > start else []
+            segments += [self._tail(cache, start, length, first)] if length > start else []
         else:
             keys = [_tokens_view(layer.keys) for layer in cache]
             values = [_tokens_view(layer.values) for layer in cache]
@@ -130,8 +133,9 @@ class RowsKV:
         self.before.append(length)
         self.tables = None
 
-    def _tail(self, cache: list, start: int, length: int) -> Segment:
-        """A block of the row's own holding its tokens [start, length) copied from its caches."""
+    def _tail(self, cache: list, start: int, length: int, first: int) -> Segment:
+        """A block of the row's own holding its tokens [start, length) copied from its caches (whose
+        buffers hold the tokens from `first` on)."""
         size = -(-(length - start) // self.block_tokens) * self.block_tokens
         keys: list[np.ndarray] = []
         values: list[np.ndarray] = []
@@ -139,7 +143,7 @@ class RowsKV:
             for out, source in ((keys, layer.keys), (values, layer.values)):
                 view = _tokens_view(source)
                 block = np.empty((view.shape[0], size, view.shape[2]), dtype=np.float32)
-                block[:, : length - start] = view[:, start:length]
+                block[:, : length - start] = view[:, start - first : length - first]
                 out.append(block)
         return Segment(keys, values, size)
 

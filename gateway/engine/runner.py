@@ -35,6 +35,7 @@ from .constraint import Grammars
 from .decode_kernel import build_decode_kernel
 from .experts import install_grouped_experts
 from .families import Family, family_of, read_config
+from .mapped_kv import MappedKV, first_own_token
 from .mixed import Segment, SegmentCache
 from .mixed import install as install_packed_calls
 from .mtp import load_heads
@@ -90,7 +91,7 @@ class Part:
 
 @dataclass(slots=True)
 class Admission:
-    """A prompt on its way into the KV: its own cache (the reused prefix copied in), the prefix plan
+    """A prompt on its way into the KV: its own cache (the reused prefix copied in, or mapped), the prefix plan
     that stores its blocks as chunks complete them, and its inputs. It keeps no count of the tokens
     computed: its owner does (the worker's Sequence.num_computed_tokens, prefill_steps' loop) and
     names it in each call. `logits` is set once a chunk ended at the prompt's last token."""
@@ -117,6 +118,11 @@ class Admission:
     @property
     def done(self) -> bool:
         return self.logits is not None
+
+    @property
+    def num_mapped_tokens(self) -> int:
+        """Of the reused prefix, the tokens read in place from cached blocks (mapped_kv.py)."""
+        return first_own_token(self.cache)
 
     def chunk_end(self, begin: int, end: int) -> int:
         """Where a chunk from `begin` planned to run to `end` stops: at the first snapshot point before it."""
@@ -396,12 +402,14 @@ class ModelRunner:
         owner: str | None = None,
         pins: tuple[Pin, ...] = (),
         tenant: str = "",
+        in_place: bool = False,
     ) -> Admission:
-        """Start a prompt: reuse the longest cached prefix (its KV copied into the prompt's own cache),
-        find or encode its images' features, compute its positions. The rest runs as chunks
-        (chunk_part) in steps (run_step). `owner` labels what this request stores or reuses (purges
-        select by it); `pins` are kept cached for their TTL once finish() stored the request; `tenant`'s
-        data key seals the blocks it leaves on SSD."""
+        """Start a prompt: reuse the longest cached prefix (its KV copied into the prompt's own cache,
+        or with `in_place` on a model whose decode rows keep KV in segments, its blocks read in place:
+        mapped_kv.py), find or encode its images' features, compute its positions. The rest runs as
+        chunks (chunk_part) in steps (run_step). `owner` labels what this request stores or reuses
+        (purges select by it); `pins` are kept cached for their TTL once finish() stored the request;
+        `tenant`'s data key seals the blocks it leaves on SSD."""
         start = time.perf_counter()
         cache = self.new_cache()
         plan, prefix_report = self.caches.open_prefix(prompt, salt, cache, owner, tenant)
@@ -417,9 +425,9 @@ class ModelRunner:
             deepstack, visual = self._deepstack(prompt, features, cached)
             positions, rope_delta = self._positions(ids, prompt)
             if plan is not None and cached:
-                self._restore(cache, plan, cached)
+                cache = self._restore(cache, plan, cached, in_place)
             if plan is not None:
-                plan.session.let_go()  # the prompt's own cache holds the prefix now: the blocks may give way
+                plan.session.let_go()  # the prompt's cache holds (or maps) the prefix now: other blocks may give way
         except BaseException:
             if plan:
                 plan.session.close()
@@ -433,15 +441,41 @@ class ModelRunner:
         admission.spent_s = time.perf_counter() - start - vision_ms / 1000
         return admission
 
-    def _restore(self, cache: list, plan: PrefixPlan, num_tokens: int) -> None:
-        """Copy the reused prefix into a new cache: KV layers get its blocks' keys and values, a
-        hybrid model's recurrent layers the state snapshotted where it ends."""
+    def num_mappable_tokens(self, prompt: PreparedPrompt, salt: TenantSalt) -> int:
+        """Of the prompt's tokens, those open_prefill(in_place=True) would read in place now."""
+        return self.caches.num_mappable_tokens(prompt, salt) if self.rows_kv else 0
+
+    def _restore(self, cache: list, plan: PrefixPlan, num_tokens: int, in_place: bool = False) -> list:
+        """The prompt's cache with the reused prefix: its blocks mapped in place (`in_place`, where
+        decode rows keep KV in segments and every whole block of the prefix can be mapped), else
+        copied into the new cache (KV layers get its blocks' keys and values, a hybrid model's
+        recurrent layers the state snapshotted where it ends)."""
+        if in_place and self.rows_kv:
+            mapped = self._map_prefix(cache, plan, num_tokens)
+            if mapped is not None:
+                return mapped
         kv_layers = [layer for layer in cache if not is_recurrent(layer)]
         for layer, (keys, values) in zip(kv_layers, plan.session.gather(num_tokens)):
             layer.update_and_fetch(keys, values)  # the libraries' KVCache append: offset follows
         if self.recurrent:
             for index, arrays in zip(self.recurrent, plan.session.state_at(num_tokens)):
                 cache[index].cache = list(arrays)  # MLX arrays are never written in place: sharing is safe
+        return cache
+
+    def _map_prefix(self, cache: list, plan: PrefixPlan, num_tokens: int) -> list | None:
+        """The cache as MappedKV layers over the prefix's cached blocks that can be read in place
+        (PrefixSession.map: from the start, up to the first quantised one), the rest of the prefix
+        (the partly filled last block at least) copied into the prompt's own cache; None when not one
+        block can be mapped."""
+        session, block = plan.session, self.caches.config.block_size
+        blocks = session.map(num_tokens)
+        if not blocks:
+            return None
+        start = len(blocks) * block
+        if num_tokens > start:
+            for layer, (keys, values) in zip(cache, session.gather(num_tokens, start)):
+                layer.update_and_fetch(keys, values)
+        return [MappedKV(layer, [b.kv[index] for b in blocks], block) for index, layer in enumerate(cache)]
 
     def _snapshot_points(
         self, prompt: PreparedPrompt, pins: tuple[Pin, ...] = (), salt: TenantSalt | None = None

@@ -20,8 +20,10 @@ grow, the newest sequence is preempted: the executor stores its KV as cached pre
 forgets it; it resumes ahead of every waiting request, as a prompt of its tokens so far, which the
 prefix cache mostly serves (greedy or seeded, it continues with the tokens it would have drawn).
 Cached blocks are evicted before any running sequence is preempted (the budget's reserve() does so).
-A decoding sequence that reads its prompt's cached blocks in place (share()) holds them in the pool,
-and its reservation only the rest: each byte is counted once.
+A sequence that reads cached blocks in place (a prompt its cached prefix as it comes in, a decoding
+row its prompt's blocks: share()) holds them in the pool, and its reservation only the rest: each
+byte is counted once. A prompt's first reservation leaves out the blocks it will read in place
+(num_mappable_tokens, looked up before it is admitted).
 A request that does not fit waits at the head of the line while others run; with nothing running it
 is refused.
 
@@ -109,8 +111,14 @@ class Memory(Protocol):
 class Executor(Protocol):
     """What the scheduler asks of the worker while it plans."""
 
+    def num_mappable_tokens(self, sequence: Sequence) -> int:
+        """Of the sequence's tokens, those its admission would now read in place from cached blocks
+        (held by the pool, so its reservation need not hold them); looked up, nothing held."""
+        ...
+
     def admit(self, sequence: Sequence) -> bool:
-        """Start the sequence (look up its prefix: num_computed_tokens is set); False if it failed."""
+        """Start the sequence (look up its prefix: num_computed_tokens is set, and num_shared_tokens
+        to the tokens it reads in place from cached blocks); False if it failed."""
         ...
 
     def preempt(self, sequence: Sequence) -> None:
@@ -269,9 +277,10 @@ class Scheduler:
         else:
             plan.chunks.append((sequence, num_tokens))
 
-    def _grow(self, sequence: Sequence, num_tokens: int, plan: StepPlan) -> bool:
+    def _grow(self, sequence: Sequence, num_tokens: int, plan: StepPlan, others: bool = True) -> bool:
         """Hold KV for num_tokens more of the sequence, a block at a time, preempting the newest
-        sequences while it does not fit; False if the sequence itself was preempted."""
+        sequences while it does not fit (`others` False: the sequence itself, one just admitted,
+        whose plan holds the others already); False if the sequence itself was preempted."""
         held = sequence.num_shared_tokens + sequence.num_reserved_tokens
         need = sequence.num_computed_tokens + num_tokens - held
         if need <= 0:
@@ -279,7 +288,7 @@ class Scheduler:
         block = self.limits.block_tokens
         extra = min(-(-need // block) * block, self._most(sequence) - held)
         while not self.memory.reserve(extra * self.limits.kv_bytes_per_token):
-            victim = self._newest_running()
+            victim = self._newest_running() if others else sequence
             self._preempt(victim, plan)
             if victim is sequence:
                 return False
@@ -307,9 +316,9 @@ class Scheduler:
             sequence = self._next_candidate(plan, block and not self.running and not plan, timeout_s)
             if sequence is None:
                 return
-            if not self._hold(
-                sequence, min(sequence.num_tokens + self.limits.block_tokens, self._most(sequence)), plan
-            ):
+            mappable = self.executor.num_mappable_tokens(sequence)
+            first_tokens = min(sequence.num_tokens + self.limits.block_tokens, self._most(sequence))
+            if not self._hold(sequence, first_tokens - mappable, plan):
                 if self.running:  # they free memory as they end: wait at the head of the line
                     self._wait_for_memory(sequence)
                     return
@@ -324,10 +333,21 @@ class Scheduler:
             if not self.executor.admit(sequence):
                 self.finish(sequence)
                 continue
-            plan.admitted.append(sequence)
+            self._settle(sequence, mappable)
             num_tokens = self._tokens_for(sequence, budget)
+            if not self._grow(sequence, num_tokens, plan, others=False):  # shared less than looked up, memory short
+                continue
+            plan.admitted.append(sequence)
             self._add(plan, sequence, num_tokens)
             budget -= num_tokens
+
+    def _settle(self, sequence: Sequence, mappable: int) -> None:
+        """The admission read num_shared_tokens in place where `mappable` were expected (and left out
+        of its reservation): tokens shared past those leave the reservation now; tokens expected but
+        not shared (a block evicted meanwhile) are reserved by _grow before each chunk needs them."""
+        if (extra := sequence.num_shared_tokens - mappable) > 0:
+            self.memory.release(extra * self.limits.kv_bytes_per_token)
+            sequence.num_reserved_tokens -= extra
 
     def _wait_for_memory(self, sequence: Sequence) -> None:
         if sequence.status is Status.PREEMPTED:

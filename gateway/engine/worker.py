@@ -426,28 +426,39 @@ class EngineWorker:
     # -- the scheduler's executor ------------------------------------------------------------------
 
     def admit(self, sequence: Sequence) -> bool:
-        """Open the sequence's prompt (its prefix from the cache); a resumed one's prompt carries
-        the tokens it generated."""
+        """Open the sequence's prompt (its prefix from the cache, read in place where it can be:
+        those tokens are shared, not reserved); a resumed one's prompt carries the tokens it generated."""
         job = sequence.job
         if job.cancelled.is_set():
             self.stats.num_cancelled += 1
             return False
-        prompt = job.prompt
-        if sequence.generated:
-            prompt = dataclasses.replace(prompt, token_ids=prompt.token_ids + tuple(sequence.generated))
+        prompt = self._prompt_of(sequence)
         if not sequence.num_preemptions:  # its first admission
             self.stats.num_requests += 1
             job.queue_ms = (time.perf_counter() - job.enqueued_at) * 1000
         try:
             sequence.admission = self.runner.open_prefill(
-                prompt, job.cache_salt or job.salt, job.owner, job.pins, job.tenant
+                prompt, job.cache_salt or job.salt, job.owner, job.pins, job.tenant, in_place=True
             )
         except Exception as exc:  # noqa: BLE001 - the worker must survive any one request
             self._fail(job, exc)
             return False
         sequence.num_resumed_tokens = len(sequence.generated)
         sequence.num_computed_tokens = sequence.admission.first
+        sequence.num_shared_tokens = sequence.admission.num_mapped_tokens  # the pool counts them, not its reservation
         return True
+
+    def num_mappable_tokens(self, sequence: Sequence) -> int:
+        job = sequence.job
+        return self.runner.num_mappable_tokens(self._prompt_of(sequence), job.cache_salt or job.salt)
+
+    @staticmethod
+    def _prompt_of(sequence: Sequence) -> PreparedPrompt:
+        """The sequence's prompt; a resumed one's carries the tokens it generated."""
+        prompt = sequence.job.prompt
+        if sequence.generated:
+            prompt = dataclasses.replace(prompt, token_ids=prompt.token_ids + tuple(sequence.generated))
+        return prompt
 
     def preempt(self, sequence: Sequence) -> None:
         """Store the sequence's KV as cached blocks (its resumption finds them) and drop its cache."""
@@ -554,7 +565,8 @@ class EngineWorker:
 
     def check(self) -> None:
         """Assert that each byte of KV is counted once under the budget (tests call it after steps):
-        the pool's reservation is exactly the running sequences' own KV, and each decoding row's
+        the pool's reservation is exactly the running sequences' own KV, each prompt coming in
+        shares exactly the blocks its layers read in place, and each decoding row's
         first tokens are read in place from the blocks its own session maps (its chain: its tenant's),
         held in the pool, their arrays the row's first segments."""
         prefix = self.runner.caches.prefix
@@ -565,6 +577,12 @@ class EngineWorker:
         owned = [s for s in self.scheduler.held() if s.num_reserved_tokens]
         own_bytes = sum(s.num_reserved_tokens * limits.kv_bytes_per_token + limits.state_bytes for s in owned)
         assert prefix.pool.reserved_bytes == own_bytes, (prefix.pool.reserved_bytes, own_bytes)
+        for sequence in self.prefilling:  # a prompt's mapped prefix: shared, and the layers read those blocks
+            admission = sequence.admission
+            mapped = admission.plan.session.mapped if admission.plan is not None else []
+            assert sequence.num_shared_tokens == admission.num_mapped_tokens == len(mapped) * limits.block_tokens
+            for index, layer in enumerate(admission.cache if mapped else []):
+                assert all(a is b.kv[index] for a, b in zip(layer.blocks, mapped, strict=True)), "another block read"
         batch = self.decoding.batch
         for index, (sequence, row) in enumerate(zip(self.decoding.rows, batch.rows)):
             session = row.plan.session if row.plan is not None else None

@@ -31,12 +31,17 @@ class Memory:
 class Executor:
     """Admits with an optional cached prefix; records preemptions and refusals."""
 
-    def __init__(self, cached: int = 0):
+    def __init__(self, cached: int = 0, mappable: int = 0, mapped: int = 0):
         self.cached, self.preempted, self.refused = cached, [], []
+        self.mappable, self.mapped = mappable, mapped  # of the cached prefix: looked up, then read in place
+
+    def num_mappable_tokens(self, sequence: Sequence) -> int:
+        return self.mappable
 
     def admit(self, sequence: Sequence) -> bool:
         sequence.admission = object()
         sequence.num_computed_tokens = self.cached if not sequence.generated else sequence.num_tokens // BLOCK * BLOCK
+        sequence.num_shared_tokens = self.mapped
         return True
 
     def preempt(self, sequence: Sequence) -> None:
@@ -444,3 +449,38 @@ def test_a_row_taking_its_shared_tokens_back_reserves_them_or_changes_nothing():
     assert scheduler.unshare(sequence)
     assert (sequence.num_reserved_tokens, sequence.num_shared_tokens) == (held + 64, 0)
     assert scheduler.memory.used == held + 64
+
+
+@pytest.mark.parametrize(
+    ("mappable", "mapped", "own"),
+    [(64, 64, 200 + BLOCK - 64), (0, 64, 200 + BLOCK - 64), (64, 32, 200 - 32)],
+)
+def test_a_prompt_reading_its_prefix_in_place_reserves_only_its_own_tokens(mappable, mapped, own):
+    """The blocks a prompt will read in place (looked up before it is admitted) stay out of its first
+    reservation; what it then reads settles it: shared past the lookup leaves the reservation, shared
+    short of it is reserved (a block at a time) before its first chunk runs."""
+    scheduler, executor = _scheduler(cached=64)
+    executor.mappable, executor.mapped = mappable, mapped
+    sequence = _submit(scheduler, 200, max_tokens=100)
+    plan = scheduler.schedule()
+    assert plan.chunks == [(sequence, 200 - 64)] and sequence.num_shared_tokens == mapped
+    assert sequence.num_reserved_tokens == own == scheduler.memory.used
+    assert sequence.num_shared_tokens + sequence.num_reserved_tokens >= 200  # the chunk's KV is held
+    scheduler.release(sequence)
+    assert scheduler.memory.used == 0
+
+
+def test_a_prompt_that_shared_less_than_looked_up_steps_back_when_memory_is_short():
+    """Its chunk would compute KV its memory does not hold: it is preempted before it runs (no older
+    sequence is, their step is planned already) and waits first in line."""
+    scheduler, executor = _scheduler(capacity=616 + 152 + BLOCK, cached=64)
+    running = _submit(scheduler, 600, max_tokens=100)
+    _execute(scheduler, scheduler.schedule())
+    executor.mappable, executor.mapped = 64, 0
+    newcomer = _submit(scheduler, 200, max_tokens=100)
+    # its first reservation, 216 - 64 looked up, fits beside the 616 held (and a block of room); its
+    # chunk then needs the 48 tokens past them it did not share
+    plan = scheduler.schedule()
+    assert newcomer not in [s for s, _ in plan.chunks] and newcomer in plan.preempted
+    assert running.status is Status.RUNNING and running not in plan.preempted
+    assert scheduler.memory.used == running.num_reserved_tokens and list(scheduler.preempted) == [newcomer]

@@ -78,10 +78,13 @@ def _prompt(engine: Engine, last_line: str):
 
 def _checked(engine: Engine) -> dict:
     """Run worker.check() after every step (on the worker's thread); what it saw."""
-    worker, seen = engine.worker, {"steps": 0, "shared_rows": 0, "max_rows": 0, "lone": 0, "lone_in_segments": 0}
+    worker = engine.worker
+    seen = {"steps": 0, "shared_rows": 0, "max_rows": 0, "lone": 0, "lone_in_segments": 0}
+    seen |= {"max_running": 0, "mapped_prompts": 0, "mapped_chunks": 0}
     step = worker._step
 
     def checked_step(plan):
+        seen["mapped_chunks"] += sum(s.num_shared_tokens > 0 for s, _ in plan.chunks)
         step(plan)
         try:
             worker.check()
@@ -93,6 +96,8 @@ def _checked(engine: Engine) -> dict:
         seen["max_rows"] = max(seen["max_rows"], len(worker.rows))
         seen["lone"] += len(worker.rows) == 1
         seen["lone_in_segments"] += len(worker.rows) == 1 and worker.decoding.batch.segments is not None
+        seen["max_running"] = max(seen["max_running"], len(worker.running))
+        seen["mapped_prompts"] = max(seen["mapped_prompts"], sum(s.num_shared_tokens > 0 for s in worker.prefilling))
 
     worker._step = checked_step
     return seen
@@ -105,11 +110,12 @@ async def _tokens(engine: Engine, prompt, salt: TenantSalt, sampling: Sampling =
     raise AssertionError("no Finished event")
 
 
-def _budget(model_path, whole_prompts: int, more_tokens: int):
-    """The tests' first prompt, and a KV budget in bytes for `whole_prompts` of it (each with its
-    first block) and `more_tokens` (KV bytes per token measured on an engine that is not started)."""
+def _budget(model_path, whole_prompts: int, more_tokens: int, last_line: str = " Question 0?"):
+    """The tests' prompt ending with `last_line`, and a KV budget in bytes for `whole_prompts` of it
+    (each with its first block) and `more_tokens` (KV bytes per token measured on an engine that is
+    not started)."""
     probe = Engine(model_path, TINY, EngineConfig(16, 64, CacheConfig(64 << 20, 0, 16)))
-    prompt = _prompt(probe, " Question 0?")
+    prompt = _prompt(probe, last_line)
     probe.runner._measure_bytes()
     return prompt, (whole_prompts * (prompt.num_tokens + 16) + more_tokens) * probe.runner.kv_bytes_per_token
 
@@ -238,5 +244,88 @@ def test_a_row_left_alone_by_a_preemption_keeps_reading_its_cached_blocks(tiny_m
         assert asyncio.run(two()) == alone
         assert "failed" not in seen and engine.worker.scheduler.stats.num_preemptions >= 1, seen
         assert seen["lone_in_segments"] > 0, seen
+    finally:
+        engine.stop()
+
+
+def test_a_prompt_reads_its_cached_prefix_in_place_as_it_comes_in(tiny_model_path):
+    """A prompt whose prefix is cached maps those blocks (MappedKV layers) instead of copying them:
+    its reservation holds only its own tokens, every step checked; a long question of its own runs
+    in several chunks over them; the same prompt again reads all but its last token from the cache,
+    its partly filled last block copied (its own); every answer is the one a cold cache gives."""
+    engine = Engine(tiny_model_path, TINY, EngineConfig(16, 64, CacheConfig(64 << 20, 0, 16), max_verify_tokens=0))
+    engine.start()
+    try:
+        long_question = " Which boat came in at which tide, and what did each carry? " * 45  # > 512 tokens
+        prompts = [_prompt(engine, " Question 0?"), _prompt(engine, long_question)]
+        cold = [asyncio.run(_tokens(engine, prompt, TENANT_B)) for prompt in prompts]  # tenant B: nothing shared
+        first = _prompt(engine, " Question -1?")
+        asyncio.run(_tokens(engine, first, TENANT_A))  # A's preamble, cached
+        seen, admitted = _checked(engine), []
+        admit = engine.worker.admit
+
+        def admitted_as(sequence):
+            ok = admit(sequence)
+            cache = sequence.admission.cache if ok else []
+            admitted.append((sequence.num_shared_tokens, [type(layer).__name__ for layer in cache], _own(cache)))
+            return ok
+
+        engine.worker.admit = admitted_as  # the scheduler calls its executor's (the worker's) admit()
+        warm = [asyncio.run(_tokens(engine, prompt, TENANT_A)) for prompt in prompts]
+        again = asyncio.run(_tokens(engine, prompts[1], TENANT_A))  # cached whole but its last token
+        assert warm == cold and again == cold[1]
+        # chunks that read mapped blocks: one of each short prompt (the question, the prompt again), two of the long one
+        assert "failed" not in seen and seen["mapped_prompts"] == 1 and seen["mapped_chunks"] >= 4, seen
+        block = 16
+        preambles = [_common(first.token_ids, p.token_ids) // block * block for p in prompts]
+        assert min(preambles) > 8 * block and {n for _, names, _ in admitted for n in names} == {"MappedKV"}, admitted
+        assert [shared for shared, _, _ in admitted[:2]] == preambles and admitted[1][2] == 0, (admitted, preambles)
+        assert prompts[1].num_tokens - preambles[1] > 512  # the long question: two chunks over the blocks at least
+        # the prompt again: every whole block mapped, the last one's first tokens its own copy
+        cached = prompts[1].num_tokens - 1
+        assert admitted[2][0] == cached // block * block and admitted[2][2] == cached % block > 0, admitted
+        pool = engine.runner.caches.prefix.pool
+        engine.worker.call(lambda: None).result()
+        pool.check()
+        assert pool.reserved_bytes == 0 and all(b.ref_count == 0 for b in pool.by_hash.values())
+    finally:
+        engine.stop()
+
+
+def _common(a: tuple, b: tuple) -> int:
+    """How many first tokens the two prompts share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _own(cache: list) -> int:
+    """Tokens a prompt's MappedKV layers held of their own when admitted (-1: not mapped)."""
+    return cache[0].own.offset if cache and hasattr(cache[0], "own") else -1
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_prompts_coming_in_together_hold_only_their_own_tokens(tiny_model_path, monkeypatch, shared):
+    """Eight prompts of one cached preamble, each with a long question of its own, arrive at once
+    under a budget for three whole prompts: read in place, the preamble is held once while they come
+    in, so more of them run at once than whole copies would let; every step checked, every answer
+    its lone one."""
+    if not shared:
+        monkeypatch.setattr(PrefixSession, "map", lambda self, num_tokens: [])
+    questions = [f" Question {index}: " + "which boat came in first, and on which tide? " * 12 for index in range(8)]
+    prompt, budget = _budget(tiny_model_path, whole_prompts=3, more_tokens=0, last_line=questions[0])
+    engine = Engine(tiny_model_path, TINY, EngineConfig(16, 64, CacheConfig(budget, 0, 16), max_verify_tokens=0))
+    engine.start()
+    try:
+        reply = Sampling(24, 0.0, 1.0, None, ())
+        prompts = [_prompt(engine, question) for question in questions]
+        alone = [asyncio.run(_tokens(engine, p, TENANT_B, reply)) for p in prompts]  # tenant B: A's cache cold
+        asyncio.run(_tokens(engine, _prompt(engine, " Question -1?"), TENANT_A))  # A's preamble, cached
+        seen = _checked(engine)
+
+        async def together():
+            return await asyncio.gather(*(_tokens(engine, p, TENANT_A, reply) for p in prompts))
+
+        assert asyncio.run(together()) == alone
+        assert "failed" not in seen and engine.worker.stats.num_failed == 0, seen
+        assert seen["max_running"] >= 5 if shared else seen["max_running"] <= 3, (seen, prompt.num_tokens)
     finally:
         engine.stop()

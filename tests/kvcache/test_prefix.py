@@ -436,3 +436,32 @@ def test_blocks_on_ssd_are_recomputed_where_reading_them_is_slower(tmp_path):
         assert reader.counters.num_ssd_not_read == slower
         assert reader.ssd is not None
         reader.ssd.close(10)
+
+
+def test_a_session_maps_its_prefix_as_it_comes_in_then_on_past_what_it_stored():
+    """map() holds the cached blocks of the prefix (counted by num_mappable_tokens first, nothing
+    held), then maps on past the blocks the session stored itself from KV that starts after the
+    mapped ones; a mapped block purged meanwhile stays in the pool while read and is held again by
+    the store (its arrays never copied); every block is released once."""
+    cache = PrefixCache(budget_bytes=1 << 30, block_size=BS)
+    tokens = list(range(100))
+    _owned_store(cache, tokens[:48], "A")  # three blocks
+    session = cache.open(SALT_A, "model", tokens)  # records no owner: A's purge takes the blocks
+    assert session.num_mappable_tokens(99) == 48 and all(b.ref_count == 0 for b in cache.pool.by_hash.values())
+    session.match(100)
+    mapped = session.map(48)
+    assert len(mapped) == 3 and session.num_mappable_tokens(99) == 48
+    session.let_go()
+    assert all(b.ref_count == 1 for b in mapped)  # held by the mapping alone
+    purged = mapped[1]
+    assert cache.purge_owned(lambda owner: owner == "A").num_entries >= 1 and purged.purged
+    own = [(k[:, :, 48:], v[:, :, 48:]) for k, v in _kv_for(tokens)]  # the session's KV starts at token 48
+    session.store(tokens, own, 96, first=48)
+    assert cache.pool.get(session.hashes[1]) is purged and purged.ref_count == 2  # mapped, and held by the store
+    fifth = np.array(cache.pool.get(session.hashes[4]).kv[0][0])  # from the session's KV, at its position
+    np.testing.assert_array_equal(fifth, np.array(_kv_for(tokens)[0][0][:, :, 64:80]))
+    session.let_go()
+    assert len(session.map(99)) == 6  # on past the mapped three: the blocks it stored
+    session.close()
+    assert all(b.ref_count == 0 for b in cache.pool.by_hash.values()) and purged.ref_count == 0
+    cache.pool.check()
