@@ -645,11 +645,15 @@ class PrefixSession:
             self.mapped.append(block)
         return list(self.mapped)
 
-    def num_mappable_tokens(self, num_tokens: int) -> int:
-        """Of the first `num_tokens`, the tokens map() would read in place now: looked up, not held."""
+    def num_tokens_in_use(self, num_tokens: int) -> int:
+        """Of the first `num_tokens`, the tokens map() would read in place now whose blocks another
+        reader holds already (from the start, up to the first that is free or not mappable): mapping
+        them adds nothing to what the pool keeps. Looked up, nothing held. A free block costs the
+        budget when mapped (it can no longer be evicted), so it is not counted."""
         count = 0
         for block_hash in self.hashes[: num_tokens // self.cache.block_size]:
-            if not _mappable(self.pool.get(block_hash)):
+            block = self.pool.get(block_hash)
+            if not _mappable(block) or not block.ref_count:
                 break
             count += 1
         return count * self.cache.block_size

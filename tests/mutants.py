@@ -1334,8 +1334,8 @@ MUTANTS = (
     Mutant(
         "a prompt's first reservation holds the blocks it will read in place",
         "gateway/engine/scheduler.py",
-        "mappable = self.executor.num_mappable_tokens(sequence)",
-        "mappable = 0",
+        "in_use = self.executor.num_tokens_in_use(sequence)",
+        "in_use = 0",
         (f"{SHARED_KV}::test_prompts_coming_in_together_hold_only_their_own_tokens",),
     ),
     Mutant(
@@ -1371,8 +1371,8 @@ MUTANTS = (
     Mutant(
         "a prompt that shared more than looked up keeps those tokens reserved too",
         "gateway/engine/scheduler.py",
-        "if (extra := sequence.num_shared_tokens - mappable) > 0:",
-        "if (extra := sequence.num_shared_tokens - mappable) > 10**9:",
+        "if (extra := sequence.num_shared_tokens - in_use) > 0:",
+        "if (extra := sequence.num_shared_tokens - in_use) > 10**9:",
         ("tests/gateway/test_scheduler.py::test_a_prompt_reading_its_prefix_in_place_reserves_only_its_own_tokens",),
     ),
 )

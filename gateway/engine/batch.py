@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from kvcache import is_recurrent
 
-from .mapped_kv import first_own_token
+from .mapped_kv import MappedKV, first_own_token
 from .rows_kv import RowsKV
 from .runner import (
     Cancelled,
@@ -114,6 +114,19 @@ class DecodeBatch:
         self.cache, self.batched, self.segments = self.segments.remove(0), False, None
         if self.rows[0].plan is not None:
             self.rows[0].plan.session.unmap()
+
+    def _own_kv(self, row: PrefillResult, num_shared: int, index: int) -> list:
+        """Row `index` out of the segments: its own tokens copied into the library's caches, behind
+        the cached blocks it read in place (MappedKV layers: finish() stores from there, so its
+        prompt's blocks are not copied out only to be found cached)."""
+        assert self.segments is not None
+        caches = self.segments.remove(index, num_shared)
+        if not num_shared:
+            return caches
+        block = self.runner.caches.config.block_size
+        mapped = row.plan.session.mapped  # type: ignore[union-attr]
+        assert len(mapped) * block == num_shared, (len(mapped), num_shared)
+        return [MappedKV(own, [b.kv[layer] for b in mapped], block) for layer, own in enumerate(caches)]
 
     def shared_tokens(self, index: int) -> int:
         """Row `index`'s tokens read in place from cached blocks (0 unless in segments)."""
@@ -225,7 +238,7 @@ class DecodeBatch:
             row.cache, self.cache = self.cache, []
             return row
         if self.segments is not None:
-            row.cache = self.segments.remove(index)
+            row.cache = self._own_kv(row, self.segments.rows[index].num_shared, index)
             if not self.rows:
                 self.cache, self.batched, self.segments = [], False, None
             elif len(self.rows) == 1 and not self.shared_tokens(0):

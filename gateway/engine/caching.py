@@ -121,12 +121,12 @@ class EngineCaches:
             match.num_tokens_without_state,
         )
 
-    def num_mappable_tokens(self, prompt: PreparedPrompt, salt: TenantSalt) -> int:
-        """Of the prompt's tokens but its last (always computed), those whose plain-KV blocks are in
-        RAM now, from the start (PrefixSession.num_mappable_tokens: nothing held)."""
+    def num_tokens_in_use(self, prompt: PreparedPrompt, salt: TenantSalt) -> int:
+        """Of the prompt's tokens but its last (always computed), those whose plain-KV blocks other
+        readers hold in RAM now, from the start (PrefixSession.num_tokens_in_use: nothing held)."""
         if self.prefix is None:
             return 0
-        return self._session(prompt, salt).num_mappable_tokens(prompt.num_tokens - 1)
+        return self._session(prompt, salt).num_tokens_in_use(prompt.num_tokens - 1)
 
     def _session(
         self,

@@ -16,7 +16,7 @@ library's plain caches (one copy of that row alone), for the runner's finish() o
     rows.feed(num_tokens)              before a step: room for every row's new tokens; their offsets
     rows.confirm()                     the step ran: its tokens' KV is written in every layer
     rows.trim(num_tokens)              drop row r's last num_tokens[r] (drafts a verification rejected)
-    rows.remove(index) -> list         the row's KV as plain caches, the row gone
+    rows.remove(index, first) -> list  the row's KV from token `first` on as plain caches, the row gone
 
 Invariants: a row's segments hold its tokens in order, each but the last exactly `size` tokens, the
 last at least what is left (sum of sizes >= length); every pointer in `tables` points into an array
@@ -147,19 +147,19 @@ class RowsKV:
                 out.append(block)
         return Segment(keys, values, size)
 
-    def remove(self, index: int) -> list:
-        """Row `index` leaves: its KV as the library's plain caches, holding exactly its tokens."""
+    def remove(self, index: int, first: int = 0) -> list:
+        """Row `index` leaves: its KV as the library's plain caches, holding exactly its tokens from
+        `first` on (a row that read its first tokens in place from cached blocks need not copy them)."""
         row, length = self.rows.pop(index), self.lengths.pop(index) - self.unconfirmed
         del self.before[index]
         self.tables = None
+        sizes = [segment.size for segment in row.segments]
         caches = []
         for layer in range(self.num_layers):
             kv = self.kv_cache_class()
-            kv.keys = mx.array(_joined([s.keys[layer] for s in row.segments], [s.size for s in row.segments], length))
-            kv.values = mx.array(
-                _joined([s.values[layer] for s in row.segments], [s.size for s in row.segments], length)
-            )
-            kv.offset = length
+            kv.keys = mx.array(_joined([s.keys[layer] for s in row.segments], sizes, first, length))
+            kv.values = mx.array(_joined([s.values[layer] for s in row.segments], sizes, first, length))
+            kv.offset = length - first
             caches.append(kv)
         return caches
 
@@ -295,14 +295,15 @@ def _read_only(kv: tuple, block_tokens: int) -> Segment:
     return Segment(keys, values, block_tokens, tuple(array for pair in kv for array in pair))
 
 
-def _joined(parts: list[np.ndarray], sizes: list[int], length: int) -> np.ndarray:
-    """The first `length` tokens of the segments' arrays, as one (1, kv_heads, length, head_dim) array."""
-    pieces, left = [], length
+def _joined(parts: list[np.ndarray], sizes: list[int], first: int, length: int) -> np.ndarray:
+    """Tokens [first, length) of the segments' arrays, as one (1, kv_heads, length - first, head_dim) array."""
+    pieces, start = [parts[0][:, :0]], 0  # no token at all: a row whose every token is a cached block's
     for part, size in zip(parts, sizes):
-        take = min(size, left)
-        pieces.append(part[:, :take])
-        left -= take
-        if not left:
+        begin, end = max(first - start, 0), min(size, length - start)
+        if begin < end:
+            pieces.append(part[:, begin:end])
+        start += size
+        if start >= length:
             break
     return np.concatenate(pieces, axis=1)[None]
 

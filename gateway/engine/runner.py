@@ -441,9 +441,10 @@ class ModelRunner:
         admission.spent_s = time.perf_counter() - start - vision_ms / 1000
         return admission
 
-    def num_mappable_tokens(self, prompt: PreparedPrompt, salt: TenantSalt) -> int:
-        """Of the prompt's tokens, those open_prefill(in_place=True) would read in place now."""
-        return self.caches.num_mappable_tokens(prompt, salt) if self.rows_kv else 0
+    def num_tokens_in_use(self, prompt: PreparedPrompt, salt: TenantSalt) -> int:
+        """Of the prompt's tokens, those open_prefill(in_place=True) would read in place now from
+        blocks other readers hold already."""
+        return self.caches.num_tokens_in_use(prompt, salt) if self.rows_kv else 0
 
     def _restore(self, cache: list, plan: PrefixPlan, num_tokens: int, in_place: bool = False) -> list:
         """The prompt's cache with the reused prefix: its blocks mapped in place (`in_place`, where

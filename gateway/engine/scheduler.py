@@ -23,7 +23,9 @@ Cached blocks are evicted before any running sequence is preempted (the budget's
 A sequence that reads cached blocks in place (a prompt its cached prefix as it comes in, a decoding
 row its prompt's blocks: share()) holds them in the pool, and its reservation only the rest: each
 byte is counted once. A prompt's first reservation leaves out the blocks it will read in place
-(num_mappable_tokens, looked up before it is admitted).
+that other sequences hold already (num_tokens_in_use, looked up before it is admitted); blocks it
+will map that are free count in it, as mapping them keeps them from eviction (released from its
+reservation once mapped: share() at admission).
 A request that does not fit waits at the head of the line while others run; with nothing running it
 is refused.
 
@@ -111,9 +113,10 @@ class Memory(Protocol):
 class Executor(Protocol):
     """What the scheduler asks of the worker while it plans."""
 
-    def num_mappable_tokens(self, sequence: Sequence) -> int:
+    def num_tokens_in_use(self, sequence: Sequence) -> int:
         """Of the sequence's tokens, those its admission would now read in place from cached blocks
-        (held by the pool, so its reservation need not hold them); looked up, nothing held."""
+        that other sequences hold already (the pool keeps them anyway: its reservation need not
+        hold them); looked up, nothing held."""
         ...
 
     def admit(self, sequence: Sequence) -> bool:
@@ -316,9 +319,9 @@ class Scheduler:
             sequence = self._next_candidate(plan, block and not self.running and not plan, timeout_s)
             if sequence is None:
                 return
-            mappable = self.executor.num_mappable_tokens(sequence)
+            in_use = self.executor.num_tokens_in_use(sequence)
             first_tokens = min(sequence.num_tokens + self.limits.block_tokens, self._most(sequence))
-            if not self._hold(sequence, first_tokens - mappable, plan):
+            if not self._hold(sequence, first_tokens - in_use, plan):
                 if self.running:  # they free memory as they end: wait at the head of the line
                     self._wait_for_memory(sequence)
                     return
@@ -333,7 +336,7 @@ class Scheduler:
             if not self.executor.admit(sequence):
                 self.finish(sequence)
                 continue
-            self._settle(sequence, mappable)
+            self._settle(sequence, in_use)
             num_tokens = self._tokens_for(sequence, budget)
             if not self._grow(sequence, num_tokens, plan, others=False):  # shared less than looked up, memory short
                 continue
@@ -341,11 +344,11 @@ class Scheduler:
             self._add(plan, sequence, num_tokens)
             budget -= num_tokens
 
-    def _settle(self, sequence: Sequence, mappable: int) -> None:
-        """The admission read num_shared_tokens in place where `mappable` were expected (and left out
-        of its reservation): tokens shared past those leave the reservation now; tokens expected but
-        not shared (a block evicted meanwhile) are reserved by _grow before each chunk needs them."""
-        if (extra := sequence.num_shared_tokens - mappable) > 0:
+    def _settle(self, sequence: Sequence, in_use: int) -> None:
+        """The admission read num_shared_tokens in place where `in_use` were looked up (and left out
+        of its reservation): tokens shared past those (blocks that were free) leave the reservation
+        now; tokens looked up but not shared are reserved by _grow before each chunk needs them."""
+        if (extra := sequence.num_shared_tokens - in_use) > 0:
             self.memory.release(extra * self.limits.kv_bytes_per_token)
             sequence.num_reserved_tokens -= extra
 

@@ -448,9 +448,9 @@ class EngineWorker:
         sequence.num_shared_tokens = sequence.admission.num_mapped_tokens  # the pool counts them, not its reservation
         return True
 
-    def num_mappable_tokens(self, sequence: Sequence) -> int:
+    def num_tokens_in_use(self, sequence: Sequence) -> int:
         job = sequence.job
-        return self.runner.num_mappable_tokens(self._prompt_of(sequence), job.cache_salt or job.salt)
+        return self.runner.num_tokens_in_use(self._prompt_of(sequence), job.cache_salt or job.salt)
 
     @staticmethod
     def _prompt_of(sequence: Sequence) -> PreparedPrompt:

@@ -31,12 +31,12 @@ class Memory:
 class Executor:
     """Admits with an optional cached prefix; records preemptions and refusals."""
 
-    def __init__(self, cached: int = 0, mappable: int = 0, mapped: int = 0):
+    def __init__(self, cached: int = 0, in_use: int = 0, mapped: int = 0):
         self.cached, self.preempted, self.refused = cached, [], []
-        self.mappable, self.mapped = mappable, mapped  # of the cached prefix: looked up, then read in place
+        self.in_use, self.mapped = in_use, mapped  # of the cached prefix: looked up, then read in place
 
-    def num_mappable_tokens(self, sequence: Sequence) -> int:
-        return self.mappable
+    def num_tokens_in_use(self, sequence: Sequence) -> int:
+        return self.in_use
 
     def admit(self, sequence: Sequence) -> bool:
         sequence.admission = object()
@@ -452,15 +452,15 @@ def test_a_row_taking_its_shared_tokens_back_reserves_them_or_changes_nothing():
 
 
 @pytest.mark.parametrize(
-    ("mappable", "mapped", "own"),
+    ("in_use", "mapped", "own"),
     [(64, 64, 200 + BLOCK - 64), (0, 64, 200 + BLOCK - 64), (64, 32, 200 - 32)],
 )
-def test_a_prompt_reading_its_prefix_in_place_reserves_only_its_own_tokens(mappable, mapped, own):
+def test_a_prompt_reading_its_prefix_in_place_reserves_only_its_own_tokens(in_use, mapped, own):
     """The blocks a prompt will read in place (looked up before it is admitted) stay out of its first
     reservation; what it then reads settles it: shared past the lookup leaves the reservation, shared
     short of it is reserved (a block at a time) before its first chunk runs."""
     scheduler, executor = _scheduler(cached=64)
-    executor.mappable, executor.mapped = mappable, mapped
+    executor.in_use, executor.mapped = in_use, mapped
     sequence = _submit(scheduler, 200, max_tokens=100)
     plan = scheduler.schedule()
     assert plan.chunks == [(sequence, 200 - 64)] and sequence.num_shared_tokens == mapped
@@ -476,7 +476,7 @@ def test_a_prompt_that_shared_less_than_looked_up_steps_back_when_memory_is_shor
     scheduler, executor = _scheduler(capacity=616 + 152 + BLOCK, cached=64)
     running = _submit(scheduler, 600, max_tokens=100)
     _execute(scheduler, scheduler.schedule())
-    executor.mappable, executor.mapped = 64, 0
+    executor.in_use, executor.mapped = 64, 0
     newcomer = _submit(scheduler, 200, max_tokens=100)
     # its first reservation, 216 - 64 looked up, fits beside the 616 held (and a block of room); its
     # chunk then needs the 48 tokens past them it did not share

@@ -18,6 +18,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from gateway.engine import CacheConfig, Engine, EngineConfig, Finished, Message, Sampling, TextPart
+from gateway.engine.mapped_kv import first_own_token
 from gateway.engine.rows_kv import rows_kernel
 from kvcache import PrefixSession, TenantSalt
 from tests.conftest import TINY
@@ -66,6 +67,10 @@ def test_a_row_reads_its_cached_blocks_in_place_and_never_writes_them():
     for old, new in zip(before, after):
         for x, y in zip(old, new):
             np.testing.assert_array_equal(x, y)
+    length = rows.kv.lengths[2]
+    own = rows.kv.remove(2, 2 * BLOCK)  # leaving: its tokens past the cached blocks it read in place
+    assert own[0].offset == length - 2 * BLOCK
+    np.testing.assert_array_equal(np.array(own[0].keys)[0], rows.full[2][0][0][:, 2 * BLOCK :])
     caches = rows.kv.remove(1)
     keys, values = rows.full[1][0]
     np.testing.assert_array_equal(np.array(caches[0].keys)[0], keys)
@@ -126,7 +131,14 @@ def test_rows_of_two_tenants_share_their_own_blocks_counted_once_and_freed_once(
     try:
         prompts = [_prompt(engine, f" Question {index}: which boat came first?") for index in range(3)]
         alone = [asyncio.run(_tokens(engine, prompt, TENANT_A)) for prompt in prompts]  # stores their blocks
-        seen = _checked(engine)
+        seen, left_with = _checked(engine), []
+        store = engine.worker._store
+
+        def stored(prefill, sequence, to_ssd=False):  # what a leaving row's cache holds of its own
+            left_with.append(first_own_token(prefill.cache))
+            store(prefill, sequence, to_ssd)
+
+        engine.worker._store = stored
 
         async def together():  # replies of different lengths: rows leave one by one, the last alone
             jobs = [
@@ -142,6 +154,7 @@ def test_rows_of_two_tenants_share_their_own_blocks_counted_once_and_freed_once(
         assert "failed" not in seen, seen
         assert results == [alone[i % 3][: 8 + 3 * i + 2 * b] for i in range(6) for b in range(2)]
         assert seen["shared_rows"] >= 4, seen  # rows read cached blocks in place, checked after every step
+        assert max(left_with) >= 300, left_with  # rows leaving the segments copied only what they own
         # the row left alone goes back to a cache of its own (room reserved for the copy): faster there
         assert seen["lone"] > 0 and seen["lone_in_segments"] == 0, seen
         assert engine.worker.stats.num_failed == 0

@@ -439,18 +439,20 @@ def test_blocks_on_ssd_are_recomputed_where_reading_them_is_slower(tmp_path):
 
 
 def test_a_session_maps_its_prefix_as_it_comes_in_then_on_past_what_it_stored():
-    """map() holds the cached blocks of the prefix (counted by num_mappable_tokens first, nothing
-    held), then maps on past the blocks the session stored itself from KV that starts after the
-    mapped ones; a mapped block purged meanwhile stays in the pool while read and is held again by
+    """map() holds the cached blocks of the prefix (which another session's num_tokens_in_use then
+    counts: blocks a reader holds, looked up without holding them), then maps on past the blocks the
+    session stored itself from KV that starts after the mapped ones; a mapped block purged meanwhile stays in the pool while read and is held again by
     the store (its arrays never copied); every block is released once."""
     cache = PrefixCache(budget_bytes=1 << 30, block_size=BS)
     tokens = list(range(100))
     _owned_store(cache, tokens[:48], "A")  # three blocks
     session = cache.open(SALT_A, "model", tokens)  # records no owner: A's purge takes the blocks
-    assert session.num_mappable_tokens(99) == 48 and all(b.ref_count == 0 for b in cache.pool.by_hash.values())
+    other = cache.open(SALT_A, "model", tokens)
+    assert other.num_tokens_in_use(99) == 0  # cached but free: mapping them would keep them from eviction
     session.match(100)
     mapped = session.map(48)
-    assert len(mapped) == 3 and session.num_mappable_tokens(99) == 48
+    assert len(mapped) == 3 and other.num_tokens_in_use(99) == 48 and other.num_tokens_in_use(47) == 32
+    other.close()
     session.let_go()
     assert all(b.ref_count == 1 for b in mapped)  # held by the mapping alone
     purged = mapped[1]
