@@ -1325,6 +1325,20 @@ MUTANTS = (
         (f"{SHARED_KV}::test_rows_of_two_tenants_share_their_own_blocks_counted_once_and_freed_once",),
     ),
     Mutant(
+        "a row leaving the segments copies its cached blocks out too, behind those blocks",
+        "gateway/engine/batch.py",
+        "caches = self.segments.remove(index, num_shared)",
+        "caches = self.segments.remove(index, 0)",
+        (f"{SHARED_KV}::test_rows_of_two_tenants_share_their_own_blocks_counted_once_and_freed_once",),
+    ),
+    Mutant(
+        "a leaving row's own tokens cut from its first token, not from the first it owns",
+        "gateway/engine/rows_kv.py",
+        "begin, end = max(first - start, 0), min(size, length - start)",
+        "begin, end = max(-start, 0), min(size, length - first - start)",
+        (f"{SHARED_KV}::test_a_row_reads_its_cached_blocks_in_place_and_never_writes_them",),
+    ),
+    Mutant(
         "a prompt's mapped prefix not counted as shared (its reservation and the pool both hold it)",
         "gateway/engine/worker.py",
         "sequence.num_shared_tokens = sequence.admission.num_mapped_tokens",

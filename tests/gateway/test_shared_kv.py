@@ -1,12 +1,16 @@
 """KV held once: a decoding row reads its prompt's cached blocks in place (PrefixSession.map, RowsKV's
 shared segments) and drops its own copy; its reservation gives those bytes back (Scheduler.share).
+A prompt coming in reads its cached prefix in place too (MappedKV layers), and a row leaving copies
+out only its own tokens.
 
 Checked: attention over shared segments equals a plain computation and never writes a cached block
 (the partly filled last block is the row's own copy); in a live engine, after every step, each byte
 is counted once and every row's tables read the blocks of its own chain (worker.check()); rows of two
 tenants with one prompt keep their lone tokens; a block shared by several rows and the cache is
 freed once; a purged tenant's shared blocks leave the pool with its last row; under a budget that
-fits three whole prompts, rows sharing a long prefix run twice as many at once."""
+fits three whole prompts, rows sharing a long prefix run twice as many at once, arriving one after
+another or together; prompts under way share exactly the blocks their layers read; warm answers
+equal cold ones, the partly filled last block of a mapped prefix copied."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from mlx_lm.models.cache import KVCache
 from gateway.engine import CacheConfig, Engine, EngineConfig, Finished, Message, Sampling, TextPart
 from gateway.engine.mapped_kv import first_own_token
 from gateway.engine.rows_kv import rows_kernel
+from gateway.engine.runner import cache_offset
 from kvcache import PrefixSession, TenantSalt
 from tests.conftest import TINY
 from tests.gateway.test_batch import decoding
@@ -134,8 +139,9 @@ def test_rows_of_two_tenants_share_their_own_blocks_counted_once_and_freed_once(
         seen, left_with = _checked(engine), []
         store = engine.worker._store
 
-        def stored(prefill, sequence, to_ssd=False):  # what a leaving row's cache holds of its own
-            left_with.append(first_own_token(prefill.cache))
+        def stored(prefill, sequence, to_ssd=False):  # what a leaving row's cache holds of its own, and in all
+            tokens = sequence.num_tokens - 1  # its last drawn token was never fed
+            left_with.append((first_own_token(prefill.cache), cache_offset(prefill.cache, -1), tokens))
             store(prefill, sequence, to_ssd)
 
         engine.worker._store = stored
@@ -154,7 +160,8 @@ def test_rows_of_two_tenants_share_their_own_blocks_counted_once_and_freed_once(
         assert "failed" not in seen, seen
         assert results == [alone[i % 3][: 8 + 3 * i + 2 * b] for i in range(6) for b in range(2)]
         assert seen["shared_rows"] >= 4, seen  # rows read cached blocks in place, checked after every step
-        assert max(left_with) >= 300, left_with  # rows leaving the segments copied only what they own
+        assert max(first for first, _, _ in left_with) >= 300, left_with  # rows leaving copied only what they own
+        assert all(length == tokens for _, length, tokens in left_with), left_with
         # the row left alone goes back to a cache of its own (room reserved for the copy): faster there
         assert seen["lone"] > 0 and seen["lone_in_segments"] == 0, seen
         assert engine.worker.stats.num_failed == 0
