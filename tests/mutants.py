@@ -1271,8 +1271,8 @@ MUTANTS = (
     Mutant(
         "a leaving row's KV cut one token short",
         "gateway/engine/rows_kv.py",
-        "[s.size for s in row.segments], length))",
-        "[s.size for s in row.segments], length - 1))",
+        "row, length = self.rows.pop(index), self.lengths.pop(index) - self.unconfirmed",
+        "row, length = self.rows.pop(index), self.lengths.pop(index) - self.unconfirmed - 1",
         (f"{ROWS}::test_a_leaving_row_gets_exactly_its_tokens_back_as_plain_caches",),
     ),
     Mutant(
@@ -1337,6 +1337,13 @@ MUTANTS = (
         "begin, end = max(first - start, 0), min(size, length - start)",
         "begin, end = max(-start, 0), min(size, length - first - start)",
         (f"{SHARED_KV}::test_a_row_reads_its_cached_blocks_in_place_and_never_writes_them",),
+    ),
+    Mutant(
+        "a lone prompt's copy of its own drops its own tokens past the blocks it read",
+        "gateway/engine/mapped_kv.py",
+        "            mx.concatenate([v for _, v in layer.blocks] + [layer.own.values[:, :, :num_own]], axis=2),",
+        "            mx.concatenate([v for _, v in layer.blocks] + [layer.own.values[:, :, :0]], axis=2),",
+        (f"{SHARED_KV}::test_a_prompt_reads_its_cached_prefix_in_place_as_it_comes_in",),
     ),
     Mutant(
         "a prompt's mapped prefix not counted as shared (its reservation and the pool both hold it)",

@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from kvcache import is_recurrent
 
-from .mapped_kv import MappedKV, first_own_token
+from .mapped_kv import MappedKV, first_own_token, plain_caches
 from .rows_kv import RowsKV
 from .runner import (
     Cancelled,
@@ -91,6 +91,13 @@ class DecodeBatch:
                 self.batched = True
         self.rows.append(prefill)
         self.lengths.append(prefill.prompt.num_tokens)
+
+    def own_copy(self, prefill: PrefillResult) -> None:
+        """A prompt that read its prefix in place, about to join alone: its cache becomes a copy of its
+        own (the caller reserved it), letting go of the blocks it read."""
+        assert not self.rows and prefill.plan is not None
+        prefill.cache = plain_caches(prefill.cache, self.runner.cache_classes.KVCache)
+        prefill.plan.session.unmap()
 
     def _new_segments(self, num_layers: int) -> RowsKV:
         return RowsKV(self.runner.cache_classes.KVCache, num_layers, self.runner.caches.config.block_size)

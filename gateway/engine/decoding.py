@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from .batch import DecodeBatch
 from .jobs import Delta, Finished, Job
+from .mapped_kv import first_own_token
 from .mtp import ModelHeads
 from .runner import ModelRunner, Part, PrefillResult
 from .sampling import Draw, Sampler, draw_all
@@ -71,13 +72,15 @@ class DecodeRows:
     def join(self, sequence: Sequence, prefill: PrefillResult) -> None:
         """The sequence's prompt has run: it becomes the last row; its first token is drawn from the
         prompt's last logits at the next sample()."""
+        if not self.rows and first_own_token(prefill.cache) and self.unshare(sequence):
+            self.batch.own_copy(prefill)  # alone: on a copy of its own, by the rule for a row left alone
         self.batch.join(prefill)
         sequence.logits = prefill.logits[None]  # one position: the prompt's last
         self.rows.append(sequence)
         for index, row in enumerate(self.rows):  # the new row, and the first when the rows went to segments
             if (shared := self.batch.shared_tokens(index) - row.num_shared_tokens) > 0:
                 self.share(row, shared)
-        self._own_cache_when_alone()  # a prompt that read its prefix in place joins in segments
+        self._own_cache_when_alone()  # it joined in segments alone (no room for its copy): room now?
 
     def leave(self, index: int, pressed: bool = False) -> PrefillResult:
         """Take row `index` out; its prefill, with its KV in its own cache again. `pressed`: it is

@@ -58,6 +58,20 @@ class MappedKV:
         )
 
 
+def plain_caches(cache: list, kv_cache_class: type) -> list:
+    """A prompt's MappedKV layers as the library's plain caches holding all its tokens: one copy of
+    the blocks, as the prefix's gather made before (a lone row decodes there)."""
+    caches = []
+    for layer in cache:
+        kv, num_own = kv_cache_class(), layer.own.offset
+        kv.update_and_fetch(
+            mx.concatenate([k for k, _ in layer.blocks] + [layer.own.keys[:, :, :num_own]], axis=2),
+            mx.concatenate([v for _, v in layer.blocks] + [layer.own.values[:, :, :num_own]], axis=2),
+        )
+        caches.append(kv)
+    return caches
+
+
 def first_own_token(cache: list) -> int:
     """The first token a prompt's cache holds itself (0 unless its prefix is mapped blocks)."""
     return cache[0].start if cache and isinstance(cache[0], MappedKV) else 0
