@@ -447,9 +447,8 @@ class ModelRunner:
         return self.caches.num_tokens_in_use(prompt, salt) if self.rows_kv else 0
 
     def _restore(self, cache: list, plan: PrefixPlan, num_tokens: int, in_place: bool = False) -> list:
-        """The prompt's cache with the reused prefix: its blocks mapped in place (`in_place`, where
-        decode rows keep KV in segments and every whole block of the prefix can be mapped), else
-        copied into the new cache (KV layers get its blocks' keys and values, a hybrid model's
+        """The prompt's cache with the reused prefix: its blocks mapped in place as far as they can be
+        (`in_place`, where decode rows keep KV in segments: _map_prefix), else copied into the new cache (KV layers get its blocks' keys and values, a hybrid model's
         recurrent layers the state snapshotted where it ends)."""
         if in_place and self.rows_kv:
             mapped = self._map_prefix(cache, plan, num_tokens)
