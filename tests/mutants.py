@@ -1346,6 +1346,13 @@ MUTANTS = (
         (f"{SHARED_KV}::test_a_prompt_reads_its_cached_prefix_in_place_as_it_comes_in",),
     ),
     Mutant(
+        "a prompt waiting for memory hashes its chain again at every step",
+        "gateway/engine/worker.py",
+        "if sequence.lookup is None or sequence.lookup[0] != sequence.num_tokens:",
+        "if True:",
+        (f"{SHARED_KV}::test_a_prompt_waiting_for_memory_hashes_its_chain_once",),
+    ),
+    Mutant(
         "a prompt's mapped prefix not counted as shared (its reservation and the pool both hold it)",
         "gateway/engine/worker.py",
         "sequence.num_shared_tokens = sequence.admission.num_mapped_tokens",

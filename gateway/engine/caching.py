@@ -121,12 +121,10 @@ class EngineCaches:
             match.num_tokens_without_state,
         )
 
-    def num_tokens_in_use(self, prompt: PreparedPrompt, salt: TenantSalt) -> int:
-        """Of the prompt's tokens but its last (always computed), those whose plain-KV blocks other
-        readers hold in RAM now, from the start (PrefixSession.num_tokens_in_use: nothing held)."""
-        if self.prefix is None:
-            return 0
-        return self._session(prompt, salt).num_tokens_in_use(prompt.num_tokens - 1)
+    def prefix_chain(self, prompt: PreparedPrompt, salt: TenantSalt) -> PrefixSession | None:
+        """A session over the prompt's chain that holds nothing, for lookups (its
+        num_tokens_in_use); None with no prefix cache."""
+        return self._session(prompt, salt) if self.prefix is not None else None
 
     def _session(
         self,

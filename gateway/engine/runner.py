@@ -25,7 +25,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from kvcache import TenantSalt, is_recurrent, state_nbytes
+from kvcache import PrefixSession, TenantSalt, is_recurrent, state_nbytes
 from vision import DecodedImage, pixel_hash, processor_fingerprint
 
 from .activations import install_cpu_expert_activations, install_cpu_prefill_activations
@@ -441,10 +441,11 @@ class ModelRunner:
         admission.spent_s = time.perf_counter() - start - vision_ms / 1000
         return admission
 
-    def num_tokens_in_use(self, prompt: PreparedPrompt, salt: TenantSalt) -> int:
-        """Of the prompt's tokens, those open_prefill(in_place=True) would read in place now from
-        blocks other readers hold already."""
-        return self.caches.num_tokens_in_use(prompt, salt) if self.rows_kv else 0
+    def prefix_chain(self, prompt: PreparedPrompt, salt: TenantSalt) -> PrefixSession | None:
+        """The prompt's prefix chain, to look up (`num_tokens_in_use`: the tokens open_prefill with
+        `in_place` would read from blocks other readers hold already); None where nothing is read
+        in place. It holds nothing and is never closed."""
+        return self.caches.prefix_chain(prompt, salt) if self.rows_kv else None
 
     def _restore(self, cache: list, plan: PrefixPlan, num_tokens: int, in_place: bool = False) -> list:
         """The prompt's cache with the reused prefix: its blocks mapped in place as far as they can be

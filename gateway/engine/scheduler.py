@@ -88,6 +88,9 @@ class Sequence:
     logprobs: list = field(default_factory=list)
     started_at: float = 0.0
     num_resumed_tokens: int = 0
+    # the worker's: (its tokens then, its prompt's prefix chain), hashed once for num_tokens_in_use
+    # (a request waiting at the head of the line is looked up at every step)
+    lookup: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -449,8 +449,12 @@ class EngineWorker:
         return True
 
     def num_tokens_in_use(self, sequence: Sequence) -> int:
-        job = sequence.job
-        return self.runner.num_tokens_in_use(self._prompt_of(sequence), job.cache_salt or job.salt)
+        if sequence.lookup is None or sequence.lookup[0] != sequence.num_tokens:  # hashing 100k tokens: 25 ms
+            job = sequence.job
+            chain = self.runner.prefix_chain(self._prompt_of(sequence), job.cache_salt or job.salt)
+            sequence.lookup = (sequence.num_tokens, chain)
+        chain = sequence.lookup[1]
+        return chain.num_tokens_in_use(sequence.num_tokens - 1) if chain is not None else 0
 
     @staticmethod
     def _prompt_of(sequence: Sequence) -> PreparedPrompt:

@@ -349,3 +349,35 @@ def test_prompts_coming_in_together_hold_only_their_own_tokens(tiny_model_path, 
         assert seen["max_running"] >= 5 if shared else seen["max_running"] <= 3, (seen, prompt.num_tokens)
     finally:
         engine.stop()
+
+
+def test_a_prompt_waiting_for_memory_hashes_its_chain_once(tiny_model_path):
+    """The head of the line is looked up at every step while it waits for memory (the blocks it would
+    read that others hold); its chain is hashed once (100,000 tokens take ~25 ms to hash)."""
+    prompt, budget = _budget(tiny_model_path, whole_prompts=1, more_tokens=200)
+    engine = Engine(tiny_model_path, TINY, EngineConfig(16, 64, CacheConfig(budget, 0, 16), max_verify_tokens=0))
+    engine.start()
+    try:
+        chains, prefix_chain = [], engine.runner.prefix_chain
+
+        def counted(prompt, salt):
+            chains.append(prompt.num_tokens)
+            return prefix_chain(prompt, salt)
+
+        engine.runner.prefix_chain = counted
+        seen = _checked(engine)
+
+        async def two():
+            first = asyncio.ensure_future(_tokens(engine, prompt, TENANT_A, Sampling(150, 0.0, 1.0, None, ())))
+            while not seen["max_rows"]:
+                await asyncio.sleep(0.01)
+            steps = seen["steps"]
+            second = await _tokens(engine, _prompt(engine, " Question 1?"), TENANT_B, Sampling(4, 0.0, 1.0, None, ()))
+            return await first, second, seen["steps"] - steps
+
+        _, _, steps_waited = asyncio.run(two())
+        assert engine.worker.scheduler.stats.num_memory_waits >= 1 and steps_waited > 20, (seen, steps_waited)
+        assert len(chains) == 2, chains  # each request's chain hashed once, however long the second waited
+        assert "failed" not in seen, seen
+    finally:
+        engine.stop()
