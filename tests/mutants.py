@@ -227,7 +227,10 @@ MUTANTS = (
         "gateway/engine/runner.py",
         "self.plan.session.let_go()  # cached copies",
         "pass  # cached copies",
-        ("tests/gateway/test_memory_budget.py::test_admission_waits_for_memory_instead_of_overcommitting",),
+        (
+            "tests/gateway/test_memory_budget.py::test_admission_waits_for_memory_instead_of_overcommitting",
+            "tests/gateway/test_memory_budget.py::test_a_decoding_sequences_cached_prompt_gives_way_to_the_next",
+        ),
     ),
     Mutant(
         "let_go releases nothing",

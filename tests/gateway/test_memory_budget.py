@@ -156,3 +156,57 @@ def test_a_request_larger_than_the_whole_budget_is_a_400(tiny_model_path, settin
             assert small.status_code == 200, small.text
     finally:
         engine.stop()
+
+
+def test_a_decoding_sequences_cached_prompt_gives_way_to_the_next(tiny_model_path):
+    """The prompt blocks a running sequence stored are cached copies, not held beside its own KV:
+    while it decodes alone, the next request is admitted by evicting them, without waiting for the
+    first to end or preempting it."""
+    engine = _engine(tiny_model_path, 1 << 30)
+    engine.start()
+    first, second = _prompt(engine, 1), _prompt(engine, 2)
+    sampling = Sampling(GREEDY, 0.0, 1.0, None, ())
+    needs = [engine.worker.kv_bytes(p, sampling) for p in (first, second)]
+    block_bytes = 16 * engine.worker.runner.kv_bytes_per_token
+    engine.stop()
+
+    # Two whole sequences and a block: the second's first reservation (its prompt, a block to grow
+    # into and a block of room for the first) fits beside the first, not beside its prompt's blocks too
+    engine = _engine(tiny_model_path, sum(needs) + block_bytes)
+    pool, worker, decoding_at_step = engine.runner.caches.prefix.pool, engine.worker, []
+    decode_step = worker._step
+
+    def observed_step(plan):  # an observation only: the real step runs, then the invariant is checked
+        decode_step(plan)
+        pool.check()
+        decoding_at_step.append(len(worker.rows))
+
+    async def both() -> None:
+        async def run(job) -> None:
+            async for event in engine.events(job):
+                assert not isinstance(event, Failed), event.message
+
+        first_job = engine.submit(first, sampling, SALT)
+        events = engine.events(first_job)
+        async for event in events:  # the first decodes alone, its prompt's blocks stored
+            if getattr(event, "text", ""):
+                break
+        second_job = engine.submit(second, sampling, SALT)
+        await asyncio.gather(run(second_job), _drain(events))
+
+    worker._step = observed_step
+    engine.start()
+    try:
+        asyncio.run(both())
+        _wait_idle(engine)
+    finally:
+        engine.stop()
+    counters = worker.snapshot().counters
+    assert pool.counters.num_evicted_to_reserve > 0, pool.counters  # the first one's cached prompt gave way
+    assert (counters.num_memory_waits, counters.num_preemptions) == (0, 0), counters
+    assert max(decoding_at_step) == 2, decoding_at_step
+
+
+async def _drain(events) -> None:
+    async for event in events:
+        assert not isinstance(event, Failed), event.message
