@@ -368,14 +368,14 @@ MUTANTS = (
     ),
     Mutant(
         "a preempted sequence's blocks lost",
-        "gateway/engine/worker.py",
-        "        self._store(prefill, sequence, to_ssd=True)\n",
+        "gateway/engine/steps.py",
+        "        self.store(prefill, sequence, to_ssd=True)\n",
         "        self.runner.finish(prefill, [])\n",
         ("tests/gateway/test_preemption.py::test_a_preempted_sequence_resumes_with_the_tokens_it_would_have_drawn",),
     ),
     Mutant(
         "a preempted sequence resumes without the tokens it generated",
-        "gateway/engine/worker.py",
+        "gateway/engine/steps.py",
         "prompt = dataclasses.replace(prompt, token_ids=prompt.token_ids + tuple(sequence.generated))",
         "prompt = prompt",
         ("tests/gateway/test_preemption.py::test_a_preempted_sequence_resumes_with_the_tokens_it_would_have_drawn",),
@@ -443,7 +443,7 @@ MUTANTS = (
     ),
     Mutant(
         "an isolated end user's prefix cached under the tenant's salt (another end user reuses it)",
-        "gateway/engine/worker.py",
+        "gateway/engine/steps.py",
         "prompt, job.cache_salt or job.salt, job.owner, job.pins, job.tenant",
         "prompt, job.salt, job.owner, job.pins, job.tenant",
         ("tests/gateway/test_end_users_apart.py::test_end_users_of_an_isolating_tenant_share_no_prefix_and_no_answer",),
@@ -1294,7 +1294,7 @@ MUTANTS = (
     ),
     Mutant(
         "a preemption's freed memory taken back by a copy for the row it left alone",
-        "gateway/engine/worker.py",
+        "gateway/engine/steps.py",
         "self.decoding.rows.index(sequence), pressed=True)",
         "self.decoding.rows.index(sequence), pressed=False)",
         (f"{SHARED_KV}::test_a_row_left_alone_by_a_preemption_keeps_reading_its_cached_blocks",),
@@ -1350,14 +1350,14 @@ MUTANTS = (
     ),
     Mutant(
         "a prompt waiting for memory hashes its chain again at every step",
-        "gateway/engine/worker.py",
+        "gateway/engine/steps.py",
         "if sequence.lookup is None or sequence.lookup[0] != sequence.num_tokens:",
         "if True:",
         (f"{SHARED_KV}::test_a_prompt_waiting_for_memory_hashes_its_chain_once",),
     ),
     Mutant(
         "a prompt's mapped prefix not counted as shared (its reservation and the pool both hold it)",
-        "gateway/engine/worker.py",
+        "gateway/engine/steps.py",
         "sequence.num_shared_tokens = sequence.admission.num_mapped_tokens",
         "sequence.num_shared_tokens = 0",
         (f"{SHARED_KV}::test_a_prompt_reads_its_cached_prefix_in_place_as_it_comes_in",),

@@ -9,7 +9,7 @@
     rows.sample()                     draw, verify drafts, send text; rows that ended are retired
 
 Invariant: `rows[i]` is the sequence of the batch's row i; only join() and leave() change either,
-together. The worker (gateway/engine/worker.py) owns the loop, the scheduler and the jobs; a row that
+together. The step executor (gateway/engine/steps.py) owns the scheduler and joins rows; a row that
 ended or failed goes back to it through `retire(index)` and `fail(job, exc)`.
 Only the engine's worker thread calls in.
 """

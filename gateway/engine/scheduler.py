@@ -1,8 +1,8 @@
 """Which sequences run in the next model call, and how many tokens each: the engine's step plan.
 
 No MLX here: the scheduler sees sequences as token counts, a memory budget and a fair queue, and is
-tested with fake sequences (tests/gateway/test_scheduler.py). The worker (gateway/engine/worker.py)
-executes its plans; the runner makes the model calls.
+tested with fake sequences (tests/gateway/test_scheduler.py). The step executor
+(gateway/engine/steps.py) executes its plans on the worker's thread; the runner makes the model calls.
 
 There is no prefill or decode phase (as in vLLM v1): a sequence has `num_tokens` (prompt and
 generated) of which `num_computed_tokens` have KV; a step feeds it the difference, or a chunk of it.
@@ -58,8 +58,9 @@ class Status(Enum):
 
 @dataclass(eq=False, slots=True)
 class Sequence:
-    """One request's generation. The scheduler reads and writes the counts; the worker keeps the
-    rest (its job, KV, sampler, text stream), which the scheduler never touches."""
+    """One request's generation. The scheduler reads and writes the counts; the step executor and
+    the decoding rows (steps.py, decoding.py) keep the rest (its job, KV, sampler, text stream),
+    which the scheduler never touches."""
 
     tenant: bytes
     num_prompt_tokens: int
@@ -76,7 +77,7 @@ class Sequence:
     num_preemptions: int = 0
     drafts: list[int] = field(default_factory=list)  # tokens proposed to verify in the next step
     num_real_drafts: int = 0  # of drafts, the proposer's (the rest pad the batch to one width)
-    # the worker's own state: the admission under way, the sampler, the drafter (speculative
+    # the executor's own state: the admission under way, the sampler, the drafter (speculative
     # decoding), the text stream, the logits (and hidden states) of the positions fed last, logprobs not yet sent, when decoding started, the tokens generated before
     # the last resume (already in the prompt the runner saw)
     admission: Any = None
@@ -88,7 +89,7 @@ class Sequence:
     logprobs: list = field(default_factory=list)
     started_at: float = 0.0
     num_resumed_tokens: int = 0
-    # the worker's: (its tokens then, its prompt's prefix chain), hashed once for num_tokens_in_use
+    # the executor's: (its tokens then, its prompt's prefix chain), hashed once for num_tokens_in_use
     # (a request waiting at the head of the line is looked up at every step)
     lookup: Any = None
 
@@ -114,7 +115,7 @@ class Memory(Protocol):
 
 
 class Executor(Protocol):
-    """What the scheduler asks of the worker while it plans."""
+    """What the scheduler asks of the step executor (gateway/engine/steps.py) while it plans."""
 
     def num_tokens_in_use(self, sequence: Sequence) -> int:
         """Of the sequence's tokens, those its admission would now read in place from cached blocks

@@ -6,13 +6,15 @@
 
 Each pass of the loop: give each decoding row its drafts (speculative decoding,
 gateway/engine/speculative.py); ask the scheduler (gateway/engine/scheduler.py: fair queue, memory
-budget, token budget) for the next step; run it as one model call: the decode rows' tokens (and
-drafts) and the chunks of prompts coming in (several at once) packed together
-(gateway/engine/mixed.py); then draw every row's next tokens (one evaluation for the batch), keeping
-the drafts the draws confirm, send their text and retire the sequences that ended (their prompt and
-reply blocks are stored for the next turn). A prompt whose last chunk ran joins the decode batch; its
-first token is drawn at the start of the next pass. A full queue raises QueueFull at once (the gateway answers 429). A job whose
-client went away is cancelled: skipped if still queued, dropped at the next step if running.
+budget, token budget) for the next step; the step executor (gateway/engine/steps.py, the
+scheduler's executor) runs it as one model call: the decode rows' tokens (and drafts) and the chunks
+of prompts coming in (several at once) packed together (gateway/engine/mixed.py); then every row's
+next tokens are drawn (one evaluation for the batch), keeping the drafts the draws confirm, their
+text sent and the sequences that ended retired (their prompt and reply blocks are stored for the next
+turn). A prompt whose last chunk ran joins the decode batch; its first token is drawn at the start of
+the next pass. This file keeps the thread: the queue, the loop, calls between steps, embeddings,
+health and the counters. A full queue raises QueueFull at once (the gateway answers 429). A job
+whose client went away is cancelled: skipped if still queued, dropped at the next step if running.
 
 Memory: a sequence holds KV for its prompt and grows a block at a time; when the budget runs out the
 scheduler preempts the newest sequence, whose KV the worker stores as cached prefix blocks, and
@@ -26,7 +28,6 @@ two steps).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
@@ -38,7 +39,6 @@ from dataclasses import dataclass, replace
 from kvcache import TenantSalt
 
 from .caching import EngineCaches
-from .constraint import GrammarError
 from .decoding import DecodeRows
 from .fair_queue import FairQueue, QueueFull
 from .jobs import (
@@ -50,37 +50,18 @@ from .jobs import (
     Failed,
     Job,
     OverBudget,
-    Started,
 )
 from .prompt import PreparedPrompt
-from .runner import Cancelled, ModelRunner, PrefillResult
+from .runner import Cancelled, ModelRunner
 from .scheduler import ALONE_STEP_TOKENS, Limits, Scheduler, Sequence, StepPlan
 from .speculative import Proposer
 from .step_costs import StepCosts
+from .steps import EngineStats, StepExecutor
 from .threads import ENGINE_THREADS
 from .types import Pin, Sampling
 
 log = logging.getLogger("strata.engine")
 EXPIRY_INTERVAL_S = 10.0  # how often the worker drops idle entries from the RAM tiers
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_requests: int = 0
-    num_cancelled: int = 0
-    num_failed: int = 0
-    num_rejected_full: int = 0
-    num_decode_steps: int = 0  # batched forwards
-    num_decoded_tokens: int = 0  # rows fed over all steps: / num_decode_steps = the mean batch size
-    num_prefill_chunks: int = 0
-    num_prefilled_tokens: int = 0  # prompt tokens run (reused prefixes excluded): / chunks = tokens per chunk
-    num_memory_waits: int = 0  # jobs that waited at the head of the line for KV memory
-    num_preemptions: int = 0  # sequences stopped to free KV, resumed later from their cached blocks
-    peak_running: int = 0  # most sequences on the model at once (decoding or coming in)
-    num_steps: int = 0  # model calls (decode rows and prompt chunks together)
-    num_resumed_tokens: int = 0  # tokens preempted sequences got back from the prefix cache
-    num_drafted_tokens: int = 0  # proposed tokens verified (gateway/engine/speculative.py)
-    num_accepted_drafts: int = 0  # of them, those a verification confirmed
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,12 +115,9 @@ class EngineWorker:
         self.timed_step: tuple[float, int, int] | None = None  # (start, decode tokens, prompt tokens) of the last step
         # a tenant holds at most half of the waiting places
         self.jobs = FairQueue(max_queue, tenant_share=max(1, max_queue // 2))
-        self.scheduler: Scheduler | None = None  # built once warm-up measured the KV bytes per token
         self.stats = EngineStats()
-        # the decoding sequences (drafts, draws, text); rows that end come back through _retire and _fail
-        self.decoding = DecodeRows(
-            runner, self.stats, max_verify_tokens, self._retire, self._fail, self._share, self._unshare
-        )
+        # admissions, steps, joins and retirements (the scheduler's executor); it holds the scheduler
+        self.steps = StepExecutor(runner, self.stats, max_verify_tokens)
         # Embedding requests, oldest first; at most max_queue wait. Any thread appends, the worker pops.
         self.embeddings: deque[EmbedJob] = deque()
         self.max_embeddings = max_queue
@@ -266,9 +244,18 @@ class EngineWorker:
         return job
 
     @property
+    def scheduler(self) -> Scheduler | None:
+        """None until warm-up measured the KV bytes per token."""
+        return self.steps.scheduler
+
+    @property
+    def decoding(self) -> DecodeRows:
+        return self.steps.decoding
+
+    @property
     def running(self) -> list[Sequence]:
         """The sequences on the model: decoding, or their prompt coming in."""
-        return list(self.scheduler.running) if self.scheduler else []
+        return self.steps.running
 
     @property
     def rows(self) -> list[Sequence]:
@@ -286,7 +273,7 @@ class EngineWorker:
 
     @property
     def prefilling(self) -> list[Sequence]:
-        return [sequence for sequence in self.running if sequence.admission is not None]
+        return self.steps.prefilling
 
     def held(self) -> list[Sequence]:
         return self.scheduler.held() if self.scheduler else []
@@ -360,7 +347,9 @@ class EngineWorker:
     def _loop(self) -> None:
         try:
             self.runner.warm_up()
-            self.scheduler = Scheduler(self._limits(), _Budget(self.runner.caches), self, self.jobs, self.costs)
+            self.steps.scheduler = Scheduler(
+                self._limits(), _Budget(self.runner.caches), self.steps, self.jobs, self.costs
+            )
         except BaseException as exc:  # noqa: BLE001 - reported by start(); the thread ends, serving nothing
             self.warm_up_error = exc
             return
@@ -376,7 +365,7 @@ class EngineWorker:
                 self._embed_one()
             self.decoding.sample()
             self._time_step()
-            self._drop_cancelled()
+            self.steps.drop_cancelled()
             self.decoding.propose()
             if not self.running:
                 self.last_step = StepShape()  # idle: what shows while the loop waits for a job
@@ -385,10 +374,10 @@ class EngineWorker:
                 break
             if plan:
                 self.timed_step = (time.perf_counter(), plan.num_decode_tokens, plan.num_prompt_tokens)
-                self._step(plan)
+                self.steps.run(plan)
             self.last_step = StepShape(len(plan.decode), plan.num_prompt_tokens)
             self.last_progress = time.monotonic()
-        self._store_what_runs()
+        self.steps.store_what_runs()
 
     def _time_step(self) -> None:
         """The last step's time, from its call to its logits drawn (a decode call's logits are lazy
@@ -413,215 +402,6 @@ class EngineWorker:
         if not plan and self.jobs.closed:
             return None
         return plan
-
-    def _store_what_runs(self) -> None:
-        """Stopped: the sequences still running store what they computed and release their blocks."""
-        for sequence in list(self.running):
-            if sequence.admission is not None:
-                sequence.admission.close(self.runner.caches, sequence.num_computed_tokens)
-                self._end(sequence)
-        for index in reversed(range(len(self.decoding))):
-            self._retire(index)
-
-    # -- the scheduler's executor ------------------------------------------------------------------
-
-    def admit(self, sequence: Sequence) -> bool:
-        """Open the sequence's prompt (its prefix from the cache, read in place where it can be:
-        those tokens are shared, not reserved); a resumed one's prompt carries the tokens it generated."""
-        job = sequence.job
-        if job.cancelled.is_set():
-            self.stats.num_cancelled += 1
-            return False
-        prompt = self._prompt_of(sequence)
-        if not sequence.num_preemptions:  # its first admission
-            self.stats.num_requests += 1
-            job.queue_ms = (time.perf_counter() - job.enqueued_at) * 1000
-        try:
-            sequence.admission = self.runner.open_prefill(
-                prompt, job.cache_salt or job.salt, job.owner, job.pins, job.tenant, in_place=True
-            )
-        except Exception as exc:  # noqa: BLE001 - the worker must survive any one request
-            self._fail(job, exc)
-            return False
-        sequence.num_resumed_tokens = len(sequence.generated)
-        sequence.num_computed_tokens = sequence.admission.first
-        sequence.num_shared_tokens = sequence.admission.num_mapped_tokens  # the pool counts them, not its reservation
-        return True
-
-    def num_tokens_in_use(self, sequence: Sequence) -> int:
-        if sequence.lookup is None or sequence.lookup[0] != sequence.num_tokens:  # hashing 100k tokens: 25 ms
-            job = sequence.job
-            chain = self.runner.prefix_chain(self._prompt_of(sequence), job.cache_salt or job.salt)
-            sequence.lookup = (sequence.num_tokens, chain)
-        chain = sequence.lookup[1]
-        return chain.num_tokens_in_use(sequence.num_tokens - 1) if chain is not None else 0
-
-    @staticmethod
-    def _prompt_of(sequence: Sequence) -> PreparedPrompt:
-        """The sequence's prompt; a resumed one's carries the tokens it generated."""
-        prompt = sequence.job.prompt
-        if sequence.generated:
-            prompt = dataclasses.replace(prompt, token_ids=prompt.token_ids + tuple(sequence.generated))
-        return prompt
-
-    def preempt(self, sequence: Sequence) -> None:
-        """Store the sequence's KV as cached blocks (its resumption finds them) and drop its cache."""
-        if sequence.admission is not None:
-            sequence.admission.close(self.runner.caches, sequence.num_computed_tokens)
-            sequence.admission = None
-            return
-        prefill = self.decoding.leave(self.decoding.rows.index(sequence), pressed=True)
-        self._store(prefill, sequence, to_ssd=True)
-        sequence.logits = None
-
-    def refuse(self, sequence: Sequence, reason: str) -> None:
-        self._fail(sequence.job, MemoryError(reason))
-
-    # -- one step ------------------------------------------------------------------------------
-
-    def _step(self, plan: StepPlan) -> None:
-        """One model call for the plan: the decode rows' pending tokens (and drafts) and the prompt chunks."""
-        rows = self.decoding.rows
-        assert {id(s) for s in plan.decode} == {id(s) for s in rows}, "every row decodes in each step"
-        decode_part = self.decoding.part()
-        parts = [decode_part] if decode_part is not None else []
-        chunks = [(s, s.admission.chunk_end(s.num_computed_tokens, s.num_computed_tokens + n)) for s, n in plan.chunks]
-        for sequence, end in chunks:
-            parts.append(self.runner.chunk_part(sequence.admission, sequence.num_computed_tokens, end))
-        self.stats.num_steps += 1
-        try:
-            logits = self.runner.run_step(parts)
-        except Exception as exc:  # noqa: BLE001 - a failed model call fails its sequences, not the worker
-            self._fail_step(plan, exc)
-            return
-        if rows:
-            self.stats.num_decode_steps += 1
-            self.stats.num_decoded_tokens += len(rows)
-            self.decoding.take_logits(logits[0])
-            self.decoding.sample()  # before rows join: a hybrid row's roll-back runs on its own cache
-        for sequence, end in chunks:  # a hybrid's chunk may stop short, at a snapshot point
-            self._count_chunk(end - sequence.num_computed_tokens)
-            sequence.num_computed_tokens = end
-            if sequence.admission.done:
-                self._join(sequence)
-
-    def _count_chunk(self, num_tokens: int) -> None:
-        self.stats.num_prefill_chunks += 1
-        self.stats.num_prefilled_tokens += num_tokens
-
-    def _fail_step(self, plan: StepPlan, exc: Exception) -> None:
-        for sequence, _ in plan.chunks:
-            sequence.admission.close()
-            sequence.admission = None
-            self._fail(sequence.job, exc)
-            self._end(sequence)
-        self.decoding.fail_all(exc)
-
-    def _join(self, sequence: Sequence) -> None:
-        """The prompt has run: the sequence joins the decode batch (its first token is sampled at
-        the next pass). Started is sent once, not again when a preempted sequence comes back."""
-        admission, job = sequence.admission, sequence.job
-        sequence.admission = None
-        prefill = admission.result()
-        try:
-            if sequence.sampler is None:
-                job.send(
-                    Started(
-                        job.prompt.num_tokens,
-                        prefill.prefix.num_cached_tokens,
-                        prefill.prefix,
-                        prefill.vision,
-                        job.queue_ms,
-                        prefill.vision_ms,
-                        prefill.prefill_ms,
-                    )
-                )
-                self.decoding.start(sequence)
-            else:
-                self.stats.num_resumed_tokens += prefill.prefix.num_cached_tokens
-            self.decoding.join(sequence, prefill)
-        except Exception as exc:  # noqa: BLE001 - a sampler or grammar that cannot start fails its job alone
-            self.runner.finish(prefill, [])
-            self._fail(job, exc)
-            self._end(sequence)
-
-    def _drop_cancelled(self) -> None:
-        """Prompts whose client went away stop coming in (their stored blocks stay cached)."""
-        for sequence in self.prefilling:
-            if sequence.job.cancelled.is_set():
-                sequence.admission.close(self.runner.caches, sequence.num_computed_tokens)
-                sequence.admission = None
-                self.stats.num_cancelled += 1
-                self._end(sequence)
-
-    def _retire(self, index: int) -> None:
-        """Take row `index` out of the batch and store its blocks (prompt and reply) for the next
-        turn. Its memory is given back first, so those blocks may use the room its KV held. The
-        sequence stays running (the worker is busy) until its blocks are stored."""
-        sequence = self.decoding.rows[index]
-        prefill = self.decoding.leave(index)
-        if self.scheduler is not None:
-            self.scheduler.release(sequence)
-        try:
-            self._store(prefill, sequence)
-        finally:
-            self._end(sequence)
-
-    def check(self) -> None:
-        """Assert that each byte of KV is counted once under the budget (tests call it after steps):
-        the pool's reservation is exactly the running sequences' own KV, each prompt coming in
-        shares exactly the blocks its layers read in place, and each decoding row's
-        first tokens are read in place from the blocks its own session maps (its chain: its tenant's),
-        held in the pool, their arrays the row's first segments."""
-        prefix = self.runner.caches.prefix
-        if prefix is None or self.scheduler is None:
-            return
-        prefix.pool.check()
-        limits = self.scheduler.limits
-        owned = [s for s in self.scheduler.held() if s.num_reserved_tokens]
-        own_bytes = sum(s.num_reserved_tokens * limits.kv_bytes_per_token + limits.state_bytes for s in owned)
-        assert prefix.pool.reserved_bytes == own_bytes, (prefix.pool.reserved_bytes, own_bytes)
-        for sequence in self.prefilling:  # a prompt's mapped prefix: shared, and the layers read those blocks
-            admission = sequence.admission
-            mapped = admission.plan.session.mapped if admission.plan is not None else []
-            assert sequence.num_shared_tokens == admission.num_mapped_tokens == len(mapped) * limits.block_tokens
-            for index, layer in enumerate(admission.cache if mapped else []):
-                assert all(a is b.kv[index] for a, b in zip(layer.blocks, mapped, strict=True)), "another block read"
-        batch = self.decoding.batch
-        for index, (sequence, row) in enumerate(zip(self.decoding.rows, batch.rows)):
-            session = row.plan.session if row.plan is not None else None
-            mapped = session.mapped if session is not None else []
-            shared = batch.shared_tokens(index)
-            assert sequence.num_shared_tokens == shared == len(mapped) * limits.block_tokens, (index, shared)
-            assert session is None or [b.block_hash for b in mapped] == session.hashes[: len(mapped)], (
-                "another chain's block"
-            )
-            assert all(b.ref_count > 0 and (b.purged or prefix.pool.get(b.block_hash) is b) for b in mapped)
-            if mapped:
-                segments = batch.segments.rows[index].segments  # type: ignore[union-attr]
-                for block, segment in zip(mapped, segments):
-                    arrays = [array for pair in block.kv for array in pair]
-                    assert all(a is b for a, b in zip(segment.holds, arrays, strict=True)), (
-                        "a table reads another block"
-                    )
-
-    def _share(self, sequence: Sequence, num_tokens: int) -> None:
-        if self.scheduler is not None:
-            self.scheduler.share(sequence, num_tokens)
-
-    def _unshare(self, sequence: Sequence) -> bool:
-        return self.scheduler.unshare(sequence) if self.scheduler is not None else True
-
-    def _store(self, prefill: PrefillResult, sequence: Sequence, to_ssd: bool = False) -> None:
-        """Cache the sequence's prompt and reply blocks (best effort: the answer was sent already)."""
-        try:
-            self.runner.finish(prefill, sequence.generated[sequence.num_resumed_tokens :], to_ssd)
-        except Exception:  # storing blocks is best effort: the answer was sent already
-            log.exception("storing the sequence's blocks failed")
-
-    def _end(self, sequence: Sequence) -> None:
-        if self.scheduler is not None:
-            self.scheduler.finish(sequence)
 
     def _expire_now_and_then(self) -> None:
         """Every EXPIRY_INTERVAL_S (an idle worker wakes for it), drop what the RAM tiers' retention
@@ -648,16 +428,8 @@ class EngineWorker:
         except Cancelled:
             self.stats.num_cancelled += 1
         except Exception as exc:  # noqa: BLE001 - the worker must survive any one request
-            self._fail(job, exc)
+            self.steps.fail(job, exc)
         self.embeddings.popleft()
-
-    def _fail(self, job: Job | EmbedJob, exc: Exception) -> None:
-        log.error("generation failed", exc_info=exc)
-        self.stats.num_failed += 1
-        if isinstance(exc, GrammarError):  # the client's schema, past what the probe before admission saw
-            job.send(Failed(f"the output grammar could not be followed: {exc}", "invalid_schema", 400))
-        else:
-            job.send(Failed(f"generation failed: {type(exc).__name__}"))
 
 
 @dataclass(slots=True)

@@ -217,8 +217,8 @@ def test_new_requests_fail_fast_while_the_engine_is_stuck(tiny_model_path, setti
 
     engine = Engine(tiny_model_path, TINY, EngineConfig(max_queue=8, caches=CacheConfig(64 << 20, 0, 16)))
     engine.start()
-    gate, original = threading.Event(), engine.worker._step
-    engine.worker._step = lambda plan: (gate.wait(30), original(plan))
+    gate, original = threading.Event(), engine.worker.steps.run
+    engine.worker.steps.run = lambda plan: (gate.wait(30), original(plan))
     quick = dataclasses.replace(settings, stuck_after_s=0.5)
     body = {"model": TINY, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0}
     try:

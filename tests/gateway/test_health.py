@@ -45,8 +45,8 @@ def _wait_for(check, what: str, timeout_s: float = 10.0):
 def test_a_step_that_never_ends_is_reported_stuck_then_recovers(tiny_model_path, quick):
     engine = _engine(tiny_model_path)
     engine.start()
-    gate, original = threading.Event(), engine.worker._step
-    engine.worker._step = lambda plan: (gate.wait(30), original(plan))
+    gate, original = threading.Event(), engine.worker.steps.run
+    engine.worker.steps.run = lambda plan: (gate.wait(30), original(plan))
     try:
         with TestClient(create_app(quick, engine=engine)) as client:
             assert client.get("/health").status_code == 200

@@ -75,14 +75,14 @@ def test_admission_waits_for_memory_instead_of_overcommitting(tiny_model_path):
     engine = _engine(tiny_model_path, int(need * 3.2))
     worker, decoding_at_step = engine.worker, []
     pool = engine.runner.caches.prefix.pool
-    decode_step = worker._step
+    decode_step = worker.steps.run
 
     def observed_step(plan):  # an observation only: the real step runs, then the invariants are checked
         decode_step(plan)
         pool.check()  # blocks + reservations <= budget
         decoding_at_step.append(len(worker.rows))
 
-    worker._step = observed_step
+    worker.steps.run = observed_step
     engine.start()
     try:
         together = _run(engine, prompts)
@@ -174,7 +174,7 @@ def test_a_decoding_sequences_cached_prompt_gives_way_to_the_next(tiny_model_pat
     # into and a block of room for the first) fits beside the first, not beside its prompt's blocks too
     engine = _engine(tiny_model_path, sum(needs) + block_bytes)
     pool, worker, decoding_at_step = engine.runner.caches.prefix.pool, engine.worker, []
-    decode_step = worker._step
+    decode_step = worker.steps.run
 
     def observed_step(plan):  # an observation only: the real step runs, then the invariant is checked
         decode_step(plan)
@@ -194,7 +194,7 @@ def test_a_decoding_sequences_cached_prompt_gives_way_to_the_next(tiny_model_pat
         second_job = engine.submit(second, sampling, SALT)
         await asyncio.gather(run(second_job), _drain(events))
 
-    worker._step = observed_step
+    worker.steps.run = observed_step
     engine.start()
     try:
         asyncio.run(both())

@@ -5,7 +5,7 @@ out only its own tokens.
 
 Checked: attention over shared segments equals a plain computation and never writes a cached block
 (the partly filled last block is the row's own copy); in a live engine, after every step, each byte
-is counted once and every row's tables read the blocks of its own chain (worker.check()); rows of two
+is counted once and every row's tables read the blocks of its own chain (worker.steps.check()); rows of two
 tenants with one prompt keep their lone tokens; a block shared by several rows and the cache is
 freed once; a purged tenant's shared blocks leave the pool with its last row; under a budget that
 fits three whole prompts, rows sharing a long prefix run twice as many at once, arriving one after
@@ -87,17 +87,17 @@ def _prompt(engine: Engine, last_line: str):
 
 
 def _checked(engine: Engine) -> dict:
-    """Run worker.check() after every step (on the worker's thread); what it saw."""
+    """Run worker.steps.check() after every step (on the worker's thread); what it saw."""
     worker = engine.worker
     seen = {"steps": 0, "shared_rows": 0, "max_rows": 0, "lone": 0, "lone_in_segments": 0}
     seen |= {"max_running": 0, "mapped_prompts": 0, "mapped_chunks": 0}
-    step = worker._step
+    step = worker.steps.run
 
     def checked_step(plan):
         seen["mapped_chunks"] += sum(s.num_shared_tokens > 0 for s, _ in plan.chunks)
         step(plan)
         try:
-            worker.check()
+            worker.steps.check()
         except AssertionError as exc:
             seen.setdefault("failed", repr(exc))
             raise
@@ -109,7 +109,7 @@ def _checked(engine: Engine) -> dict:
         seen["max_running"] = max(seen["max_running"], len(worker.running))
         seen["mapped_prompts"] = max(seen["mapped_prompts"], sum(s.num_shared_tokens > 0 for s in worker.prefilling))
 
-    worker._step = checked_step
+    worker.steps.run = checked_step
     return seen
 
 
@@ -137,14 +137,14 @@ def test_rows_of_two_tenants_share_their_own_blocks_counted_once_and_freed_once(
         prompts = [_prompt(engine, f" Question {index}: which boat came first?") for index in range(3)]
         alone = [asyncio.run(_tokens(engine, prompt, TENANT_A)) for prompt in prompts]  # stores their blocks
         seen, left_with = _checked(engine), []
-        store = engine.worker._store
+        store = engine.worker.steps.store
 
         def stored(prefill, sequence, to_ssd=False):  # what a leaving row's cache holds of its own, and in all
             tokens = sequence.num_tokens - 1  # its last drawn token was never fed
             left_with.append((first_own_token(prefill.cache), cache_offset(prefill.cache, -1), tokens))
             store(prefill, sequence, to_ssd)
 
-        engine.worker._store = stored
+        engine.worker.steps.store = stored
 
         async def together():  # replies of different lengths: rows leave one by one, the last alone
             jobs = [
@@ -243,13 +243,14 @@ def test_rows_sharing_a_long_prefix_fit_twice_as_many_under_one_budget(tiny_mode
 
 def test_a_row_left_alone_by_a_preemption_keeps_reading_its_cached_blocks(tiny_model_path):
     """Two rows of one preamble grow past the budget: the newer is preempted, and the row left alone
-    stays in segments (a copy of its blocks would take back the memory the preemption freed); both
+    stays in segments (a copy of its blocks would take back the memory the preemption freed: the
+    budget is sized so the newer row's reply outgrows the preamble, and that copy would fit); both
     answer as they do alone, every step checked."""
-    _, budget = _budget(tiny_model_path, whole_prompts=2, more_tokens=200)
+    _, budget = _budget(tiny_model_path, whole_prompts=3, more_tokens=200)
     engine = Engine(tiny_model_path, TINY, EngineConfig(16, 64, CacheConfig(budget, 0, 16), max_verify_tokens=0))
     engine.start()
     try:
-        long_reply = Sampling(500, 0.0, 1.0, None, ())
+        long_reply = Sampling(700, 0.0, 1.0, None, ())
         prompts = [_prompt(engine, f" Question {index}?") for index in range(2)]
         alone = [asyncio.run(_tokens(engine, p, TENANT_A, long_reply)) for p in prompts]
         seen = _checked(engine)
@@ -282,7 +283,7 @@ def test_a_prompt_reads_its_cached_prefix_in_place_as_it_comes_in(tiny_model_pat
         first = _prompt(engine, " Question -1?")
         asyncio.run(_tokens(engine, first, TENANT_A))  # A's preamble, cached
         seen, admitted = _checked(engine), []
-        admit = engine.worker.admit
+        admit = engine.worker.steps.admit
 
         def admitted_as(sequence):
             ok = admit(sequence)
@@ -290,7 +291,7 @@ def test_a_prompt_reads_its_cached_prefix_in_place_as_it_comes_in(tiny_model_pat
             admitted.append((sequence.num_shared_tokens, [type(layer).__name__ for layer in cache], _own(cache)))
             return ok
 
-        engine.worker.admit = admitted_as  # the scheduler calls its executor's (the worker's) admit()
+        engine.worker.steps.admit = admitted_as  # the scheduler calls its executor's admit()
         warm = [asyncio.run(_tokens(engine, prompt, TENANT_A)) for prompt in prompts]
         again = asyncio.run(_tokens(engine, prompts[1], TENANT_A))  # cached whole but its last token
         assert warm == cold and again == cold[1]
