@@ -430,7 +430,7 @@ SETTINGS = (
         (
             "the time a step with decode rows may take: it carries as many prompt tokens as the steps' measured "
             "cost fits in it, so a running stream waits at most about this long for prompts coming in beside it "
-            "(default 125; 0: `STRATA_STEP_PROMPT_TOKENS` always); smaller keeps streams' pace steadier, larger "
+            "(default 170; 0: `STRATA_STEP_PROMPT_TOKENS` always); smaller keeps streams' pace steadier, larger "
             "brings prompts in sooner and steps run without prompts more often"
         ),
     ),
