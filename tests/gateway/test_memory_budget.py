@@ -52,6 +52,21 @@ def _run(engine, prompts, max_tokens=GREEDY) -> list[tuple[str, int]]:
     return answers
 
 
+def _observe_steps(engine) -> list[int]:
+    """Before start: after every step (the real one runs first: an observation only) the pool's
+    blocks + reservations are checked against the budget; how many rows decoded at each step."""
+    worker, pool, decoding_at_step = engine.worker, engine.runner.caches.prefix.pool, []
+    step = worker.steps.run
+
+    def observed_step(plan):
+        step(plan)
+        pool.check()  # blocks + reservations <= budget
+        decoding_at_step.append(len(worker.rows))
+
+    worker.steps.run = observed_step
+    return decoding_at_step
+
+
 def _wait_idle(engine) -> None:
     """Finished is sent before the row retires and stores its blocks: wait for the worker to be done."""
     deadline = time.monotonic() + 30
@@ -73,16 +88,8 @@ def test_admission_waits_for_memory_instead_of_overcommitting(tiny_model_path):
     engine.stop()
 
     engine = _engine(tiny_model_path, int(need * 3.2))
-    worker, decoding_at_step = engine.worker, []
-    pool = engine.runner.caches.prefix.pool
-    decode_step = worker.steps.run
-
-    def observed_step(plan):  # an observation only: the real step runs, then the invariants are checked
-        decode_step(plan)
-        pool.check()  # blocks + reservations <= budget
-        decoding_at_step.append(len(worker.rows))
-
-    worker.steps.run = observed_step
+    worker, pool = engine.worker, engine.runner.caches.prefix.pool
+    decoding_at_step = _observe_steps(engine)
     engine.start()
     try:
         together = _run(engine, prompts)
@@ -164,37 +171,26 @@ def test_a_decoding_sequences_cached_prompt_gives_way_to_the_next(tiny_model_pat
     first to end or preempting it."""
     engine = _engine(tiny_model_path, 1 << 30)
     engine.start()
-    first, second = _prompt(engine, 1), _prompt(engine, 2)
+    first, second_prompt = _prompt(engine, 1), _prompt(engine, 2)
     sampling = Sampling(GREEDY, 0.0, 1.0, None, ())
-    needs = [engine.worker.kv_bytes(p, sampling) for p in (first, second)]
+    needs = [engine.worker.kv_bytes(p, sampling) for p in (first, second_prompt)]
     block_bytes = 16 * engine.worker.runner.kv_bytes_per_token
     engine.stop()
 
     # Two whole sequences and a block: the second's first reservation (its prompt, a block to grow
     # into and a block of room for the first) fits beside the first, not beside its prompt's blocks too
     engine = _engine(tiny_model_path, sum(needs) + block_bytes)
-    pool, worker, decoding_at_step = engine.runner.caches.prefix.pool, engine.worker, []
-    decode_step = worker.steps.run
-
-    def observed_step(plan):  # an observation only: the real step runs, then the invariant is checked
-        decode_step(plan)
-        pool.check()
-        decoding_at_step.append(len(worker.rows))
+    pool, worker = engine.runner.caches.prefix.pool, engine.worker
+    decoding_at_step = _observe_steps(engine)
 
     async def both() -> None:
-        async def run(job) -> None:
-            async for event in engine.events(job):
-                assert not isinstance(event, Failed), event.message
-
-        first_job = engine.submit(first, sampling, SALT)
-        events = engine.events(first_job)
+        events = engine.events(engine.submit(first, sampling, SALT))
         async for event in events:  # the first decodes alone, its prompt's blocks stored
             if getattr(event, "text", ""):
                 break
-        second_job = engine.submit(second, sampling, SALT)
-        await asyncio.gather(run(second_job), _drain(events))
+        second = engine.events(engine.submit(second_prompt, sampling, SALT))
+        await asyncio.gather(_drain(second), _drain(events))
 
-    worker.steps.run = observed_step
     engine.start()
     try:
         asyncio.run(both())
