@@ -6,6 +6,8 @@ cases would not fit."""
 from __future__ import annotations
 
 import asyncio
+import threading
+from contextlib import contextmanager, nullcontext
 
 import pytest
 
@@ -31,21 +33,37 @@ def _prompts(engine, count: int):
     return [engine.prepare((Message("user", (TextPart(t),)),), []) for t in texts]
 
 
-def _answers(engine, prompts, samplings) -> list[tuple[str, int]]:
-    """Every prompt at once; each one's (text, completion tokens)."""
+def _answers(engine, prompts, samplings, together: bool = False) -> list[tuple[str, int]]:
+    """Every prompt at once; each one's (text, completion tokens). `together`: queued while the
+    worker waits between two steps, so one scheduling pass admits them all (otherwise the worker
+    may start the first before the others are queued)."""
 
-    async def one(prompt, sampling):
+    async def one(job):
         text = ""
-        async for event in engine.events(engine.submit(prompt, sampling, SALT)):
+        async for event in engine.events(job):
             assert not isinstance(event, Failed), event.message
             if isinstance(event, Finished):
                 return text, event.num_completion_tokens
             text += getattr(event, "text", "")
 
     async def all_of_them():
-        return await asyncio.gather(*(one(p, s) for p, s in zip(prompts, samplings)))
+        with _worker_held(engine) if together else nullcontext():
+            jobs = [engine.submit(p, s, SALT) for p, s in zip(prompts, samplings)]
+        return await asyncio.gather(*(one(job) for job in jobs))
 
     return asyncio.run(all_of_them())
+
+
+@contextmanager
+def _worker_held(engine):
+    """The engine's worker waits between two steps until the block ends."""
+    entered, release = threading.Event(), threading.Event()
+    engine.worker.call(lambda: (entered.set(), release.wait(60)))
+    assert entered.wait(60), "the worker never ran the call"
+    try:
+        yield
+    finally:
+        release.set()
 
 
 # the tiny models' end tokens (llama's and gemma3's, then qwen3_next's): answers run to max_tokens

@@ -96,7 +96,8 @@ def test_drafts_right_wrong_or_half_right_leave_every_answer_as_plain_decoding(f
         for name, proposers in (("right", own_tokens), ("wrong", wrong_tokens), ("half", every_other_row_right)):
             engine.worker.proposers = proposers
             before = engine.snapshot().counters
-            batched = _answers(engine, prompts, [GREEDY] * len(prompts))
+            # queued together: no row decodes alone (a hybrid's lone row drafts) while others start
+            batched = _answers(engine, prompts, [GREEDY] * len(prompts), together=True)
             middle = engine.snapshot().counters
             alone = [_answers(engine, [prompt], [GREEDY])[0] for prompt in prompts[:2]]
             runs[name] = (batched, alone, (before, middle, engine.snapshot().counters))
