@@ -2,6 +2,7 @@
 
     python -m evals.bench_ttft [--model demo] [--runs 3] [--turns 10]
     python -m evals.bench_ttft --family gemma3|...|all [--turns 10]
+    python -m evals.bench_ttft --family qwen3_5|...|all --snapshot-split
 
 
 Two chats on the same model: (a) text only, (b) a 448x448 image in turn 1. Each user turn adds
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -311,6 +313,43 @@ def family_rows(family: str, data_dir: Path, num_turns: int, runs: int) -> list[
     return rows
 
 
+def snapshot_split(family: str, data_dir: Path, repeats: int = 12) -> dict | None:
+    """A cold ~260-token prompt on a hybrid family's demo model, whose one chunk holds a snapshot
+    point (the last block boundary before its end): its pieces packed in one model call (the
+    engine's way) against one call per piece (the way chunks used to stop at each point),
+    alternated in one process, each run under a fresh tenant salt (nothing reused). Medians after
+    the first two of each. None for a family without recurrent layers (no snapshot points)."""
+    runner = ModelRunner(resolve_model_path(f"{family}-demo", data_dir), CacheConfig(256 << 20, 0, 32), "split")
+    if not runner.recurrent:
+        return None
+    runner.warm_up()
+    text = "The committee met in the old library to discuss the river crossing, the budget and the bridge. " * 10
+    prompt = runner.prompts.build((Message("user", (TextPart(text),)),), [])
+
+    def run(salt: TenantSalt, packed: bool) -> float:
+        start = time.perf_counter()
+        admission = runner.open_prefill(prompt, salt)
+        parts = runner.chunk_parts(admission, admission.first, prompt.num_tokens)
+        if packed:
+            runner.run_step(parts)
+        for part in parts if not packed else ():
+            part.states = None  # alone in its call: the cache holds its state afterwards
+            runner.run_step([part])
+        pieces.append(len(parts))
+        runner.finish(admission.result(), [])
+        return (time.perf_counter() - start) * 1000
+
+    pieces: list[int] = []
+
+    times: dict[str, list[float]] = {"packed": [], "per piece": []}
+    for index in range(repeats):
+        order = (True, False) if index % 2 else (False, True)
+        for packed in order:
+            times["packed" if packed else "per piece"].append(run(TenantSalt(os.urandom(32)), packed))
+    medians = {name: statistics.median(values[2:]) for name, values in times.items()}
+    return {"family": family, "prompt_tokens": prompt.num_tokens, "pieces": max(pieces), "median_ms": medians}
+
+
 def family_table(rows: list[dict], num_turns: int) -> None:
     print(
         f"\nTTFT ms per family, Strata on vs mlx-vlm APC, medians of {rows[0]['runs']} runs, demo-size models, "
@@ -342,7 +381,23 @@ def main() -> None:
     parser.add_argument("--data-dir", type=Path, default=Path(".strata"))
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument(
+        "--snapshot-split",
+        action="store_true",
+        help="with --family: a cold hybrid prompt's pieces packed in one call against one call per piece",
+    )
     args = parser.parse_args()
+    if args.family and args.snapshot_split:
+        families = list(BUILDABLE_FAMILIES) if args.family == "all" else [args.family]
+        for row in filter(None, (snapshot_split(family, args.data_dir) for family in families)):
+            packed, apart = row["median_ms"]["packed"], row["median_ms"]["per piece"]
+            print(
+                f"{row['family']:<12} {row['prompt_tokens']} tokens, {row['pieces']} pieces: packed {packed:.1f} ms, "
+                f"one call per piece {apart:.1f} ms, per piece / packed {apart / packed:.2f}x",
+                flush=True,
+            )
+            print(json.dumps({"snapshot_split": row}))
+        return
     if args.family:
         families = list(BUILDABLE_FAMILIES) if args.family == "all" else [args.family]
         rows = [row for family in families for row in family_rows(family, args.data_dir, args.turns, args.runs)]

@@ -1066,6 +1066,22 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "a snapshot point inside a packed chunk stored with the state at the chunk's end",
+        "gateway/engine/runner.py",
+        "snapshot = (end, tuple(states[i] for i in self.recurrent)) if states else self._snapshot(end)",
+        "snapshot = self._snapshot(end)",
+        ("tests/gateway/test_families.py::test_a_chunk_takes_its_snapshots_inside_one_model_call",),
+    ),
+    Mutant(
+        "a later segment on a shared cache masked as the cache stands before the call",
+        "gateway/engine/mixed.py",
+        "                cache = _Ahead(cache, ahead[id(cache)])",
+        "                pass",
+        (
+            "tests/gateway/test_batch.py::test_a_later_segment_on_the_same_cache_gets_the_mask_of_the_cache_it_will_find",
+        ),
+    ),
+    Mutant(
         "a hybrid request keeps the passing snapshots it resumed past",
         "kvcache/prefix.py",
         "        self._drop_passing_before(cached // size - 1)",
@@ -1126,11 +1142,14 @@ MUTANTS = (
         ),
     ),
     Mutant(
-        "a hybrid's prefill chunks run past its snapshot points",
+        "a hybrid's prefill chunks not cut at its snapshot points (no snapshot inside a chunk)",
         "gateway/engine/runner.py",
-        "        return min((point for point in self.snapshot_points if begin < point < end), default=end)",
-        "        return end",
-        (f"{FAMILIES}::test_a_snapshot_stored_under_another_block_is_never_restored",),
+        "        cuts = sorted(point for point in admission.snapshot_points if begin < point < end)",
+        "        cuts = []",
+        (
+            f"{FAMILIES}::test_a_snapshot_stored_under_another_block_is_never_restored",
+            f"{FAMILIES}::test_a_chunk_takes_its_snapshots_inside_one_model_call",
+        ),
     ),
     Mutant(
         "anthropic usage fields do not add up",

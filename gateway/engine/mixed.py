@@ -15,7 +15,9 @@ mask with the window it wants; a SegmentCache answers with one mask per segment)
 from each segment's cache offset (plain RoPE) or from the packed mRoPE ids, cut per segment.
 
 Invariant: segment i covers packed tokens [start_i, start_i + rows_i * tokens_i), row-major (row 0's
-tokens, then row 1's), and the segments tile [0, N) in order.
+tokens, then row 1's), and the segments tile [0, N) in order. Several segments may share a cache (one
+prompt's pieces, cut at a hybrid's snapshot points): they run in order, each continuing the last, and
+a later one's mask is made as its cache will stand when it runs.
 Measured equal: greedy tokens of mixed steps equal each sequence run alone, every family
 (tests/gateway/test_batch.py).
 """
@@ -23,6 +25,8 @@ Measured equal: greedy tokens of mixed steps equal each sequence run alone, ever
 from __future__ import annotations
 
 import inspect
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
@@ -35,6 +39,7 @@ class Segment:
     start: int  # first packed token
     rows: int
     tokens: int  # new tokens per row
+    after: Callable[[], None] | None = None  # called once this segment ran (a piece keeps its state)
 
     @property
     def end(self) -> int:
@@ -60,7 +65,14 @@ class SegmentCache:
         """Each segment's cache makes its own mask with the model's options (an attention layer's
         window; a recurrent layer's cache takes none)."""
         assert num_tokens == self.segments[-1].end, "the packed call's length"
-        return SegmentMasks(tuple(segment.cache.make_mask(segment.tokens, **options) for segment in self.segments))  # type: ignore[attr-defined]
+        masks, ahead = [], Counter[int]()  # tokens the earlier segments on a cache add before a later one runs
+        for segment in self.segments:
+            cache = segment.cache
+            if ahead[id(cache)] and hasattr(cache, "offset"):  # a recurrent layer's mask has no position
+                cache = _Ahead(cache, ahead[id(cache)])
+            masks.append(type(segment.cache).make_mask(cache, segment.tokens, **options))  # type: ignore[attr-defined]
+            ahead[id(segment.cache)] += segment.tokens
+        return SegmentMasks(tuple(masks))
 
     def run(self, module, call, bound: inspect.BoundArguments) -> mx.array:
         """`call` (the attention module's own __call__) once per segment; outputs packed again."""
@@ -86,7 +98,20 @@ class SegmentCache:
             own_bound = inspect.BoundArguments(bound.signature, own)
             out = call(*own_bound.args, **own_bound.kwargs)
             outputs.append(out.reshape(1, segment.rows * segment.tokens, -1))
+            if segment.after is not None:
+                segment.after()
         return mx.concatenate(outputs, axis=1) if len(outputs) > 1 else outputs[0]
+
+
+class _Ahead:
+    """A cache as a later segment on it sees it: `tokens` further on than it stands now."""
+
+    def __init__(self, cache, tokens: int):
+        self.cache_now = cache
+        self.offset = cache.offset + tokens
+
+    def __getattr__(self, name: str):
+        return getattr(self.cache_now, name)
 
 
 def _unsupported(name: str, value):

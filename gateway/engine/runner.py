@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 import mlx.core as mx
@@ -49,10 +50,10 @@ BATCHED_CACHE_TYPES = ("KVCache", "ArraysCache")  # per-layer caches the librari
 LAST_TOKEN_POOLING = ("qwen3",)  # model types whose mlx-vlm embedding model pools the last token
 # A hybrid prompt's lasting snapshots are spaced so that they hold about a quarter of the bytes of
 # the KV they sit among: on the demo Qwen3.5 a snapshot weighs as much as 137 tokens' KV, so one every
-# 18 blocks of 32. Within 8 blocks — each snapshot point ends a prefill chunk, an extra model call:
-# LFM2-VL's cheap short-convolution state at every 4 blocks made its cold 250-token prompt 1.19x
-# mlx-vlm's APC, every 8 blocks ~1.0x — and 64 (2,048 tokens, mlx-vlm's APC checkpoint interval: a
-# prompt parting from a cached one recomputes at most that much).
+# 18 blocks of 32. Within 8 blocks — each snapshot point cuts its prefill chunk into one more piece
+# of the call (per-piece attention and recurrent calls): LFM2-VL's cheap short-convolution state at
+# every 4 blocks made a cold 1,013-token prompt 518 ms against 492 at every 8 — and 64 (2,048 tokens,
+# mlx-vlm's APC checkpoint interval: a prompt parting from a cached one recomputes at most that much).
 SNAPSHOT_SHARE = 4
 SNAPSHOT_BLOCKS = (8, 64)
 
@@ -87,6 +88,10 @@ class Part:
     keep: int = 1
     admission: Admission | None = None
     begin: int = 0
+    # A hybrid prompt's piece that ends at a snapshot point inside its step's chunk (chunk_parts):
+    # its recurrent layers' state where it ends (layer index -> arrays), taken during the call,
+    # before the next piece moves it on. None: no state to take (the last piece's is the cache's).
+    states: dict[int, tuple] | None = None
 
 
 @dataclass(slots=True)
@@ -124,16 +129,17 @@ class Admission:
         """Of the reused prefix, the tokens read in place from cached blocks (mapped_kv.py)."""
         return first_own_token(self.cache)
 
-    def chunk_end(self, begin: int, end: int) -> int:
-        """Where a chunk from `begin` planned to run to `end` stops: at the first snapshot point before it."""
-        return min((point for point in self.snapshot_points if begin < point < end), default=end)
-
-    def advance(self, caches: EngineCaches, end: int, last_logits: mx.array, spent_s: float) -> None:
+    def advance(
+        self, caches: EngineCaches, end: int, last_logits: mx.array, spent_s: float, states: dict | None = None
+    ) -> None:
         """A step ran the prompt up to `end`: store the blocks that completed (and at a snapshot
-        point, the recurrent state with the block it ends)."""
+        point, the recurrent state with the block it ends: `states`, taken inside the call where a
+        later piece of the prompt ran after this one, else the cache's)."""
         self.spent_s += spent_s
         if self.plan:
-            snapshot = self._snapshot(end) if end in self.snapshot_points else None
+            snapshot = None
+            if end in self.snapshot_points:
+                snapshot = (end, tuple(states[i] for i in self.recurrent)) if states else self._snapshot(end)
             caches.store(self.plan, self.prompt.token_ids, self.cache, end, snapshot, end in self.passing_points)
             self.plan.session.let_go()  # cached copies, not held: the prompt's cache has the KV
         if end == self.prompt.num_tokens:
@@ -382,8 +388,8 @@ class ModelRunner:
             while computed < prompt.num_tokens:
                 if cancelled():
                     raise Cancelled()
-                end = admission.chunk_end(computed, min(computed + chunk_tokens, prompt.num_tokens))
-                self.run_step([self.chunk_part(admission, computed, end)])
+                end = min(computed + chunk_tokens, prompt.num_tokens)
+                self.run_step(self.chunk_parts(admission, computed, end))
                 if end < prompt.num_tokens:
                     yield end - computed
                 computed = end
@@ -504,6 +510,18 @@ class ModelRunner:
             return 0
         return self.prompts.tokens_through(prompt, leading, salt) or 0
 
+    def chunk_parts(self, admission: Admission, begin: int, end: int) -> list[Part]:
+        """The admission's prompt tokens [begin, end) as parts of one step, cut at the snapshot
+        points inside: each piece but the last takes its recurrent state where it ends, during the
+        call. A model that packs calls runs them all in one (the weights streamed once, as for one
+        chunk); the others, one call each."""
+        cuts = sorted(point for point in admission.snapshot_points if begin < point < end)
+        bounds = [begin, *cuts, end]
+        parts = [self.chunk_part(admission, start, stop) for start, stop in pairwise(bounds)]
+        for part in parts[:-1]:
+            part.states = {}
+        return parts
+
     def chunk_part(self, admission: Admission, begin: int, end: int) -> Part:
         """The admission's prompt tokens [begin, end) as one part of a step (`begin`: the tokens its
         cache holds); the blocks it completes are stored once the step ran (Admission.advance)."""
@@ -527,11 +545,14 @@ class ModelRunner:
         logits = self._call_one(parts[0]) if len(parts) == 1 else self._call_parts(parts)
         chunks = [part for part in parts if part.admission is not None]
         if chunks:  # their blocks are stored now; decode logits alone stay lazy until the draws (one sync a step)
-            mx.eval(logits + [array for part in chunks for array in _state_arrays(part.cache)])
+            taken = [array for part in chunks for arrays in (part.states or {}).values() for array in arrays]
+            mx.eval(logits + taken + [array for part in chunks for array in _state_arrays(part.cache)])
         spent = time.perf_counter() - start
         for part, part_logits in zip(parts, logits):
-            if part.admission is not None:
-                part.admission.advance(self.caches, part.begin + part.ids.shape[1], part_logits[-1], spent)
+            if part.admission is not None:  # a prompt's step time counts once, at its first piece
+                first_piece = part is next(p for p in chunks if p.admission is part.admission)
+                end = part.begin + part.ids.shape[1]
+                part.admission.advance(self.caches, end, part_logits[-1], spent if first_piece else 0.0, part.states)
         return logits
 
     def _call_parts(self, parts: list[Part]) -> list[mx.array]:
@@ -543,7 +564,12 @@ class ModelRunner:
             except NotImplementedError as exc:
                 log.warning("this model's calls cannot be packed (%s): its steps run one call per part", exc)
                 self.packable = False
-        return [self._call_one(part)[0] for part in parts]
+        logits = []
+        for part in parts:
+            logits += self._call_one(part)
+            if part.states is not None:  # before the prompt's next piece moves its state on
+                part.states.update({index: tuple(part.cache[index].cache) for index in part.admission.recurrent})  # type: ignore[union-attr]
+        return logits
 
     def _call_one(self, part: Part) -> list[mx.array]:
         kwargs = {"cache": part.cache} | part.extra
@@ -568,14 +594,14 @@ class ModelRunner:
         self.decode_hidden = hidden[:, tokens - part.keep :].reshape(rows * part.keep, -1)
 
     def _call_packed(self, parts: list[Part]) -> list[mx.array]:
-        segments, cursor, keep = [], 0, []
+        starts, cursor, keep = [], 0, []
         for part in parts:
             rows, tokens = part.ids.shape
-            segments.append((part.cache, cursor, rows, tokens))
+            starts.append(cursor)
             keep += [cursor + row * tokens + tokens - k for row in range(rows) for k in range(part.keep, 0, -1)]
             cursor += rows * tokens
         layers = [
-            SegmentCache([Segment(cache[layer], start, rows, tokens) for cache, start, rows, tokens in segments])
+            SegmentCache([_segment(part, layer, start) for part, start in zip(parts, starts)])
             for layer in range(len(parts[0].cache))
         ]
         kwargs: dict = {"cache": layers} | _packed_deepstack(parts, cursor)
@@ -785,6 +811,16 @@ def kv_bytes_per_token(cache: list) -> int:
         if isinstance(keys, mx.array) and isinstance(values, mx.array):
             total += keys.shape[1] * keys.shape[3] * keys.itemsize + values.shape[1] * values.shape[3] * values.itemsize
     return total
+
+
+def _segment(part: Part, layer: int, start: int) -> Segment:
+    """The part's segment of one layer in a packed call; a piece that takes its recurrent state
+    keeps this layer's there, once the layer ran it."""
+    rows, tokens = part.ids.shape
+    cache, states = part.cache[layer], part.states
+    if states is None or layer not in part.admission.recurrent:  # type: ignore[union-attr]
+        return Segment(cache, start, rows, tokens)
+    return Segment(cache, start, rows, tokens, lambda: states.__setitem__(layer, tuple(cache.cache)))
 
 
 def _state_arrays(cache: list) -> list[mx.array]:

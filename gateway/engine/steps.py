@@ -125,9 +125,9 @@ class StepExecutor:
         assert {id(s) for s in plan.decode} == {id(s) for s in rows}, "every row decodes in each step"
         decode_part = self.decoding.part()
         parts = [decode_part] if decode_part is not None else []
-        chunks = [(s, s.admission.chunk_end(s.num_computed_tokens, s.num_computed_tokens + n)) for s, n in plan.chunks]
+        chunks = [(s, s.num_computed_tokens + n) for s, n in plan.chunks]
         for sequence, end in chunks:
-            parts.append(self.runner.chunk_part(sequence.admission, sequence.num_computed_tokens, end))
+            parts += self.runner.chunk_parts(sequence.admission, sequence.num_computed_tokens, end)
         self.stats.num_steps += 1
         try:
             logits = self.runner.run_step(parts)
@@ -139,7 +139,7 @@ class StepExecutor:
             self.stats.num_decoded_tokens += len(rows)
             self.decoding.take_logits(logits[0])
             self.decoding.sample()  # before rows join: a hybrid row's roll-back runs on its own cache
-        for sequence, end in chunks:  # a hybrid's chunk may stop short, at a snapshot point
+        for sequence, end in chunks:
             self._count_chunk(end - sequence.num_computed_tokens)
             sequence.num_computed_tokens = end
             if sequence.admission.done:

@@ -97,8 +97,8 @@ def _mixed(runner, prompts, chunk_tokens=32, admit_per_step=2) -> list[list[int]
         parts = [batch.part([[tokens[p][-1]] for p in live])] if live else []
         for index, admission in admitting.items():
             begin = computed[index]
-            end = admission.chunk_end(begin, min(begin + chunk_tokens, admission.prompt.num_tokens))
-            parts.append(runner.chunk_part(admission, begin, end))
+            end = min(begin + chunk_tokens, admission.prompt.num_tokens)
+            parts += runner.chunk_parts(admission, begin, end)
             computed[index] = end
         if not parts:
             continue
@@ -558,3 +558,29 @@ def test_greedy_rows_draw_with_one_argmax_and_keep_their_lone_tokens(tiny_model_
         engine.stop()
     assert together == alone and alone[1] == (7,) * STEPS
     assert max(served) == 2  # the two plain rows, in one argmax; the other two drew on their own
+
+
+def test_a_later_segment_on_the_same_cache_gets_the_mask_of_the_cache_it_will_find():
+    """One prompt's pieces in one packed call share its cache: the second piece's sliding-window
+    mask is the one the cache makes once the first piece's tokens are in it."""
+    from mlx_lm.models.cache import KVCache
+
+    from gateway.engine.mixed import Segment, SegmentCache
+
+    def cache_at(num_tokens: int) -> KVCache:
+        cache = KVCache()
+        cache.update_and_fetch(mx.zeros((1, 1, num_tokens, 4)), mx.zeros((1, 1, num_tokens, 4)))
+        return cache
+
+    shared = cache_at(10)
+    packed = SegmentCache([Segment(shared, 0, 1, 8), Segment(shared, 8, 1, 6)])
+    masks = packed.make_mask(14, window_size=12, return_array=False).masks
+    for mask, expected in zip(
+        masks,
+        (
+            cache_at(10).make_mask(8, window_size=12, return_array=False),
+            cache_at(18).make_mask(6, window_size=12, return_array=False),
+        ),
+    ):
+        assert isinstance(mask, mx.array) and mx.array_equal(mask, expected).item()
+    assert shared.offset == 10  # making masks moves no cache
