@@ -23,7 +23,7 @@ from gateway.checkpoints import resolve_model_path
 from gateway.engine import CacheConfig, DecodeBatch, ModelRunner, PreparedPrompt
 from kvcache import TenantSalt
 
-from . import CORPUS
+from . import CORPUS, as_the_server_runs
 
 SALT = TenantSalt(b"bench-rows")
 PATHS = {"library": False, "segments": True}
@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
+    as_the_server_runs("evals.bench_rows")
     runner = ModelRunner(resolve_model_path(args.model, args.data_dir), CacheConfig(0, 0, 32), "bench")
     runner.warm_up()
     if not runner.rows_kv:

@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -46,7 +45,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from gateway.blas import BLAS_VARIABLES, core_in_use, env_with_openblas
+from gateway.blas import core_in_use
 from gateway.checkpoints import resolve_model_path
 from gateway.engine import (
     CacheConfig,
@@ -65,7 +64,7 @@ from gateway.engine import (
 )
 from kvcache import TenantSalt
 
-from . import CORPUS
+from . import CORPUS, as_the_server_runs
 
 SALT = TenantSalt(b"bench-step")
 FEW_ROWS = (1, 2, 3, 4)  # the rows the one-row products library sends to sgemv
@@ -271,14 +270,6 @@ def _alternated_ms(switch, names: tuple[str, str], run, make_parts, repeats: int
     return {name: statistics.median(values) for name, values in rounds.items()}
 
 
-def _as_the_server_runs() -> None:
-    """Start again on the server's BLAS (the one-row products library, OpenBLAS and the kernels it
-    is told to use), where it was started otherwise."""
-    env = env_with_openblas({k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
-    if env is not None and any(os.environ.get(name) != env.get(name) for name in BLAS_VARIABLES):
-        os.execve(sys.executable, [sys.executable, "-m", "evals.bench_step", *sys.argv[1:]], env)
-
-
 def products_alone_ms(setup: Setup, rows: int, repeats: int) -> float:
     """A decode step's matrix products alone for `rows` rows, in one graph: each linear layer and the
     output head against a (rows, inputs) operand."""
@@ -330,7 +321,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, nargs="+", default=[64, 128, 256, 512])
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    _as_the_server_runs()
+    as_the_server_runs("evals.bench_step")
     runner = ModelRunner(resolve_model_path(args.model, args.data_dir), CacheConfig(0, 0, 16), "bench")
     runner.warm_up()
     setup = Setup(runner, args.rows)

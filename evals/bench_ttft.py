@@ -50,7 +50,7 @@ from gateway.engine import (
 from kvcache import PrefixCache, TenantSalt, chain_root, hash_blocks
 from vision import DecodedImage, pixel_hash
 
-from . import corpus_lines
+from . import as_the_server_runs, corpus_lines
 
 REPLY_TOKENS = 24
 SALT = TenantSalt(b"bench-tenant-salt-000000000000000")
@@ -387,6 +387,7 @@ def main() -> None:
         help="with --family: a cold hybrid prompt's pieces packed in one call against one call per piece",
     )
     args = parser.parse_args()
+    as_the_server_runs("evals.bench_ttft")
     if args.family and args.snapshot_split:
         families = list(BUILDABLE_FAMILIES) if args.family == "all" else [args.family]
         for row in filter(None, (snapshot_split(family, args.data_dir) for family in families)):
