@@ -79,7 +79,7 @@ from ..requests.schemas import ChatRequest
 from ..settings import Settings
 from ..tenancy.auth import Caller
 from ..tenancy.files import private_file
-from ..tenancy.keyring import SemanticSealer, at_rest, keyring_for
+from ..tenancy.keyring import SemanticSealer, at_rest, keyring_for, unkeyed
 
 T = TypeVar("T")
 log = logging.getLogger("strata")
@@ -214,7 +214,7 @@ class ResponseCaches:
             context,
             bypass,
             bypass=_response_bypass(request),
-            exact_bypass="personal_unscoped" if category == PERSONAL_DATA and end_user is None else None,
+            exact_bypass=_exact_bypass(key, category == PERSONAL_DATA and end_user is None),
             owner=owner,
             draft_key=at_rest(self.sealer, caller.tenant, "draft", draft_key(scope, messages, output)),
             references=_earlier_answers(request),
@@ -374,6 +374,14 @@ def _ineligible(ctx: RequestContext) -> str | None:
     if not ctx.greedy:
         return "sampled"
     return None
+
+
+def _exact_bypass(key: str, personal_unscoped: bool) -> str | None:
+    """Why the exact layer alone may not answer or store: a personal question with no end user to
+    scope it, or a key made while the tenants' key store was out of reach (unkeyed)."""
+    if personal_unscoped:
+        return "personal_unscoped"
+    return "store_unavailable" if unkeyed(key) else None
 
 
 def _guarded(errors: Counter, layer: str, write, *args) -> None:

@@ -158,7 +158,17 @@ def at_rest(sealer: Sealer, tenant: str, kind: str, value: str) -> str:
     try:
         return sealer.digest(tenant, data)
     except StoreUnavailable:
-        return "unkeyed:" + hashlib.sha256(b"strata-unkeyed|" + tenant.encode() + b"|" + data).hexdigest()
+        return UNKEYED + hashlib.sha256(b"strata-unkeyed|" + tenant.encode() + b"|" + data).hexdigest()
+
+
+UNKEYED = "unkeyed:"  # marks a digest made while the key store was out of reach (at_rest)
+
+
+def unkeyed(digest: str) -> bool:
+    """The digest was made without the tenant's key: nothing may be looked up or written under it
+    (the key store may be back by the time a write would run, and the entry then sits under a key no
+    later request computes)."""
+    return digest.startswith(UNKEYED)
 
 
 def keyring_for(settings: Settings) -> Sealer:

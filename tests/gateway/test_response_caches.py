@@ -243,3 +243,28 @@ def test_a_failing_drafts_store_costs_the_draft_only_never_the_exact_answer():
     assert missed is None and ctx.draft == ()
     assert hit is not None and hit.text == "hello"
     assert errors["exact"] == 2  # the draft's read and its write
+
+
+def test_a_key_made_while_the_key_store_is_down_is_neither_looked_up_nor_written(client, monkeypatch):
+    """The exact key is a digest under the tenant's key; made while the key store is out of reach it
+    is unkeyed, and the exact layer bypasses with the reason (it once answered "miss" and, the store
+    being back by the end of the request, wrote the answer under a key no later request computes)."""
+    from kvcache.sealing import StoreUnavailable
+
+    responses = client.app.state.services.responses
+    sealer, down = responses.sealer, [True]
+    digest = sealer.digest
+
+    def digest_while_up(tenant, data):
+        if down[0]:
+            raise StoreUnavailable("the key store is out of reach")
+        return digest(tenant, data)
+
+    monkeypatch.setattr(sealer, "digest", digest_while_up)
+    entries = responses.exact.store.count()
+    first = ask(client, "Which way does the ferry turn at the harbour wall?")
+    assert first.status_code == 200 and first.headers["x-cache-exact"] == "bypass; reason=store_unavailable"
+    assert responses.exact.store.count() == entries  # nothing written under the unkeyed digest
+    down[0] = False
+    assert ask(client, "Which way does the ferry turn at the harbour wall?").headers["x-cache-exact"] == "miss"
+    assert ask(client, "Which way does the ferry turn at the harbour wall?").headers["x-cache-exact"].startswith("hit")
