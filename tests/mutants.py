@@ -954,8 +954,8 @@ MUTANTS = (
     Mutant(
         "unscoped personal questions exact-cached for the tenant",
         "gateway/serving/responses.py",
-        '        return "personal_unscoped"',
-        "        return None",
+        'exact_bypass="personal_unscoped" if category == PERSONAL_DATA and end_user is None else None,',
+        "exact_bypass=None,",
         (f"{ROUND_TWO}::test_personal_questions_without_an_end_user_bypass_the_exact_layer_too",),
     ),
     Mutant(
@@ -1082,9 +1082,9 @@ MUTANTS = (
         ),
     ),
     Mutant(
-        "the exact layer looks up and writes under a key made while the key store was down",
+        "the response layers look up and write under digests made while the key store was down",
         "gateway/serving/responses.py",
-        '    return "store_unavailable" if unkeyed(key) else None',
+        '    return "store_unavailable" if any(unkeyed(digest) for digest in digests) else None',
         "    return None",
         (
             "tests/gateway/test_response_caches.py::test_a_key_made_while_the_key_store_is_down_is_neither_looked_up_nor_written",

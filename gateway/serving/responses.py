@@ -213,8 +213,8 @@ class ResponseCaches:
             query,
             context,
             bypass,
-            bypass=_response_bypass(request),
-            exact_bypass=_exact_bypass(key, category == PERSONAL_DATA and end_user is None),
+            bypass=_response_bypass(request) or _keyless(key, owner.session, owner.end_user),
+            exact_bypass="personal_unscoped" if category == PERSONAL_DATA and end_user is None else None,
             owner=owner,
             draft_key=at_rest(self.sealer, caller.tenant, "draft", draft_key(scope, messages, output)),
             references=_earlier_answers(request),
@@ -376,12 +376,12 @@ def _ineligible(ctx: RequestContext) -> str | None:
     return None
 
 
-def _exact_bypass(key: str, personal_unscoped: bool) -> str | None:
-    """Why the exact layer alone may not answer or store: a personal question with no end user to
-    scope it, or a key made while the tenants' key store was out of reach (unkeyed)."""
-    if personal_unscoped:
-        return "personal_unscoped"
-    return "store_unavailable" if unkeyed(key) else None
+def _keyless(*digests: str) -> str | None:
+    """Why neither response layer may look up or write: a digest of this request (its exact key, its
+    session, its end user) made while the tenants' key store was out of reach. The store may be back
+    by the time the answer is written, and an entry then sits under a key, or with an owner, that no
+    later request or purge computes."""
+    return "store_unavailable" if any(unkeyed(digest) for digest in digests) else None
 
 
 def _guarded(errors: Counter, layer: str, write, *args) -> None:

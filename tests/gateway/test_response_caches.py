@@ -6,6 +6,7 @@ import json
 from collections import Counter
 
 import anyio
+import pytest
 from litestar.testing import TestClient
 
 from gateway.http.app import create_app
@@ -245,10 +246,13 @@ def test_a_failing_drafts_store_costs_the_draft_only_never_the_exact_answer():
     assert errors["exact"] == 2  # the draft's read and its write
 
 
-def test_a_key_made_while_the_key_store_is_down_is_neither_looked_up_nor_written(client, monkeypatch):
-    """The exact key is a digest under the tenant's key; made while the key store is out of reach it
-    is unkeyed, and the exact layer bypasses with the reason (it once answered "miss" and, the store
-    being back by the end of the request, wrote the answer under a key no later request computes)."""
+@pytest.mark.parametrize("lost", [b"", b"session|"])
+def test_a_key_made_while_the_key_store_is_down_is_neither_looked_up_nor_written(client, monkeypatch, lost):
+    """A request's exact key, session and end user are kept as digests under the tenant's key; one
+    made while the key store is out of reach is unkeyed, and neither response layer looks up or
+    writes for the request (the exact layer once answered "miss" and, the store being back by the end
+    of the request, wrote the answer under a key no later request computes). `lost`: the digests the
+    key store fails for, by the start of what they digest (every one, or the session's only)."""
     from kvcache.sealing import StoreUnavailable
 
     responses = client.app.state.services.responses
@@ -256,15 +260,17 @@ def test_a_key_made_while_the_key_store_is_down_is_neither_looked_up_nor_written
     digest = sealer.digest
 
     def digest_while_up(tenant, data):
-        if down[0]:
+        if down[0] and data.startswith(lost):
             raise StoreUnavailable("the key store is out of reach")
         return digest(tenant, data)
 
     monkeypatch.setattr(sealer, "digest", digest_while_up)
     entries = responses.exact.store.count()
-    first = ask(client, "Which way does the ferry turn at the harbour wall?")
-    assert first.status_code == 200 and first.headers["x-cache-exact"] == "bypass; reason=store_unavailable"
-    assert responses.exact.store.count() == entries  # nothing written under the unkeyed digest
+    question, session = f"Which way does the ferry turn at the harbour wall? ({lost!r})", {"X-Strata-Session": "s1"}
+    first = ask(client, question, headers=session)
+    assert first.status_code == 200
+    assert first.headers["x-cache-exact"] == first.headers["x-cache-semantic"] == "bypass; reason=store_unavailable"
+    assert responses.exact.store.count() == entries  # nothing written under an unkeyed digest
     down[0] = False
-    assert ask(client, "Which way does the ferry turn at the harbour wall?").headers["x-cache-exact"] == "miss"
-    assert ask(client, "Which way does the ferry turn at the harbour wall?").headers["x-cache-exact"].startswith("hit")
+    assert ask(client, question, headers=session).headers["x-cache-exact"] == "miss"
+    assert ask(client, question, headers=session).headers["x-cache-exact"].startswith("hit")
