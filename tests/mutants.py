@@ -1068,7 +1068,7 @@ MUTANTS = (
     Mutant(
         "a snapshot point inside a packed chunk stored with the state at the chunk's end",
         "gateway/engine/runner.py",
-        "snapshot = (end, tuple(states[i] for i in self.recurrent)) if states else self._snapshot(end)",
+        "snapshot = (end, tuple(states[i] for i in self.recurrent))",
         "snapshot = self._snapshot(end)",
         ("tests/gateway/test_families.py::test_a_chunk_takes_its_snapshots_inside_one_model_call",),
     ),

@@ -138,8 +138,10 @@ class Admission:
         self.spent_s += spent_s
         if self.plan:
             snapshot = None
-            if end in self.snapshot_points:
-                snapshot = (end, tuple(states[i] for i in self.recurrent)) if states else self._snapshot(end)
+            if end in self.snapshot_points and states is not None:  # every recurrent layer's, or a KeyError
+                snapshot = (end, tuple(states[i] for i in self.recurrent))
+            elif end in self.snapshot_points:
+                snapshot = self._snapshot(end)
             caches.store(self.plan, self.prompt.token_ids, self.cache, end, snapshot, end in self.passing_points)
             self.plan.session.let_go()  # cached copies, not held: the prompt's cache has the KV
         if end == self.prompt.num_tokens:

@@ -200,6 +200,7 @@ class ResponseCaches:
             output["end_user"] = apart  # the tenant keeps its end users apart
         decoding = _decoding(request.sampling) | output
         key = at_rest(self.sealer, caller.tenant, "exact", exact_key(scope, messages, decoding))
+        draft = at_rest(self.sealer, caller.tenant, "draft", draft_key(scope, messages, output))
         image_keys = [c.get("image") or c["video"] for m in messages for c in m["content"] if "text" not in c]
         context = context_fingerprint(messages[:-1] + [decoding], image_keys)
         sampling = request.sampling
@@ -213,10 +214,10 @@ class ResponseCaches:
             query,
             context,
             bypass,
-            bypass=_response_bypass(request) or _keyless(key, owner.session, owner.end_user),
+            bypass=_response_bypass(request) or _keyless(key, draft, owner.session, owner.end_user),
             exact_bypass="personal_unscoped" if category == PERSONAL_DATA and end_user is None else None,
             owner=owner,
-            draft_key=at_rest(self.sealer, caller.tenant, "draft", draft_key(scope, messages, output)),
+            draft_key=draft,
             references=_earlier_answers(request),
         )
 
@@ -377,8 +378,8 @@ def _ineligible(ctx: RequestContext) -> str | None:
 
 
 def _keyless(*digests: str) -> str | None:
-    """Why neither response layer may look up or write: a digest of this request (its exact key, its
-    session, its end user) made while the tenants' key store was out of reach. The store may be back
+    """Why neither response layer may look up or write: a digest of this request (its exact and draft
+    keys, its session, its end user) made while the tenants' key store was out of reach. The store may be back
     by the time the answer is written, and an entry then sits under a key, or with an owner, that no
     later request or purge computes."""
     return "store_unavailable" if any(unkeyed(digest) for digest in digests) else None
