@@ -1091,6 +1091,13 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "a purge by session while the key store is down answers 200 having matched nothing",
+        "gateway/operations/admin.py",
+        "    if any(value is not None and unkeyed(value) for value in (session, user)):",
+        "    if False:",
+        ("tests/gateway/test_purge_engine.py::test_a_purge_while_the_key_store_is_down_says_so_and_purges_nothing",),
+    ),
+    Mutant(
         "a hybrid request keeps the passing snapshots it resumed past",
         "kvcache/prefix.py",
         "        self._drop_passing_before(cached // size - 1)",

@@ -34,7 +34,7 @@ from semantic import Selector
 from ..observability.diagnosis import RamBudget, diagnose
 from ..requests.errors import ApiError, bad_request, echo
 from ..requests.schemas import parse_json_body
-from ..tenancy.keyring import UNAVAILABLE, at_rest
+from ..tenancy.keyring import UNAVAILABLE, at_rest, unkeyed
 from ..tenancy.sessions import SessionClock
 
 log = logging.getLogger("strata")
@@ -167,6 +167,12 @@ def _selector(services, body: dict) -> Selector:
         None if value is None else at_rest(services.keyring, tenant, kind, value)
         for kind, value in (("session", fields["session"]), ("end_user", fields["user"]))
     )
+    if any(value is not None and unkeyed(value) for value in (session, user)):  # it would match nothing
+        raise ApiError(
+            503,
+            "the key store cannot be reached, so the session or user cannot be matched: nothing was purged; retry",
+            "store_unavailable",
+        )
     return Selector(tenant, session, user)
 
 
