@@ -326,20 +326,21 @@ def snapshot_split(family: str, data_dir: Path, repeats: int = 12) -> dict | Non
     text = "The committee met in the old library to discuss the river crossing, the budget and the bridge. " * 10
     prompt = runner.prompts.build((Message("user", (TextPart(text),)),), [])
 
+    pieces: list[int] = []
+
     def run(salt: TenantSalt, packed: bool) -> float:
         start = time.perf_counter()
         admission = runner.open_prefill(prompt, salt)
         parts = runner.chunk_parts(admission, admission.first, prompt.num_tokens)
         if packed:
             runner.run_step(parts)
-        for part in parts if not packed else ():
-            part.states = None  # alone in its call: the cache holds its state afterwards
-            runner.run_step([part])
+        else:
+            for part in parts:
+                part.states = None  # alone in its call: the cache holds its state afterwards
+                runner.run_step([part])
         pieces.append(len(parts))
         runner.finish(admission.result(), [])
         return (time.perf_counter() - start) * 1000
-
-    pieces: list[int] = []
 
     times: dict[str, list[float]] = {"packed": [], "per piece": []}
     for index in range(repeats):
@@ -388,8 +389,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     as_the_server_runs("evals.bench_ttft")
+    families = list(BUILDABLE_FAMILIES) if args.family == "all" else [args.family]
     if args.family and args.snapshot_split:
-        families = list(BUILDABLE_FAMILIES) if args.family == "all" else [args.family]
         for row in filter(None, (snapshot_split(family, args.data_dir) for family in families)):
             packed, apart = row["median_ms"]["packed"], row["median_ms"]["per piece"]
             print(
@@ -400,7 +401,6 @@ def main() -> None:
             print(json.dumps({"snapshot_split": row}))
         return
     if args.family:
-        families = list(BUILDABLE_FAMILIES) if args.family == "all" else [args.family]
         rows = [row for family in families for row in family_rows(family, args.data_dir, args.turns, args.runs)]
         family_table(rows, args.turns)
         print(json.dumps({"families": rows}))

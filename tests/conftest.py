@@ -169,6 +169,22 @@ def logits_and_greedy_tokens(runner, prompt, num_tokens: int = 8) -> tuple[np.nd
     return logits, list(decode_alone(runner, prefill, Sampling(num_tokens, 0.0, 1.0, None, ()), lambda: False))
 
 
+def key_store_down(monkeypatch, sealer, lost: bytes = b"") -> list[bool]:
+    """The tenants' key store out of reach for `sealer`'s digests of data that starts with `lost`
+    (every digest by default), while the returned flag's one item is True; the real sealer otherwise."""
+    from kvcache.sealing import StoreUnavailable
+
+    down, digest = [True], sealer.digest
+
+    def digest_while_up(tenant, data):
+        if down[0] and data.startswith(lost):
+            raise StoreUnavailable("the key store is out of reach")
+        return digest(tenant, data)
+
+    monkeypatch.setattr(sealer, "digest", digest_while_up)
+    return down
+
+
 def png_data_url(width: int = 64, height: int = 48, seed: int = 0, fmt: str = "PNG") -> str:
     pixels = (np.random.default_rng(seed).random((height, width, 3)) * 255).astype(np.uint8)
     buffer = io.BytesIO()

@@ -1073,6 +1073,13 @@ MUTANTS = (
         ("tests/gateway/test_families.py::test_a_chunk_takes_its_snapshots_inside_one_model_call",),
     ),
     Mutant(
+        "a piece run in a call of its own (a model that cannot pack) keeps no state for its snapshot",
+        "gateway/engine/runner.py",
+        "                part.states.update(zip(recurrent, recurrent_state(part.cache, recurrent)))",
+        "                pass",
+        ("tests/gateway/test_families.py::test_a_chunk_takes_its_snapshots_inside_one_model_call",),
+    ),
+    Mutant(
         "a later segment on a shared cache masked as the cache stands before the call",
         "gateway/engine/mixed.py",
         "                cache = _Ahead(cache, ahead[id(cache)])",

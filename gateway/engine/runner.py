@@ -570,7 +570,8 @@ class ModelRunner:
         for part in parts:
             logits += self._call_one(part)
             if part.states is not None:  # before the prompt's next piece moves its state on
-                part.states.update({index: tuple(part.cache[index].cache) for index in part.admission.recurrent})  # type: ignore[union-attr]
+                recurrent = part.admission.recurrent  # type: ignore[union-attr]
+                part.states.update(zip(recurrent, recurrent_state(part.cache, recurrent)))
         return logits
 
     def _call_one(self, part: Part) -> list[mx.array]:

@@ -436,23 +436,28 @@ def test_a_snapshot_stored_under_another_block_is_never_restored(tmp_path):
 def test_a_chunk_takes_its_snapshots_inside_one_model_call(hybrid, monkeypatch):
     """A prompt whose one chunk spans several snapshot points runs in one model call (its pieces,
     cut at the points, packed): each point's snapshot equals the state of a run whose chunks end
-    there, and a prompt that parts from it inside the chunk resumes from one and equals a cold run."""
+    there (as it does where the model cannot pack, one call per piece), and a prompt that parts from
+    it inside the chunk resumes from one and equals a cold run."""
     path = built_model(BuildSpec(hybrid, "tiny"))
     config = CacheConfig(64 << 20, 0, BLOCK, snapshot_blocks=2)
     whole, stepwise, cold = ModelRunner(path, config, "fp"), ModelRunner(path, config, "fp"), _runner(path, 0, 0)
+    unpacked = ModelRunner(path, config, "fp")
+    unpacked.packable = False
     calls = []
     for name in ("_call_one", "_call_packed"):
         own = getattr(whole, name)
         monkeypatch.setattr(whole, name, lambda parts, own=own, name=name: calls.append(name) or own(parts))
     prompt = whole.prompts.build((_user(LONG),), [])
-    for runner, chunk in ((whole, 512), (stepwise, 2 * BLOCK)):  # stepwise: every chunk ends at a point
+    for runner, chunk in ((whole, 512), (unpacked, 512), (stepwise, 2 * BLOCK)):  # stepwise: chunks end at points
         runner.finish(runner.prefill(prompt, TENANT_A, chunk, lambda: False), [])
     assert calls == ["_call_packed"] and whole.packable
-    snapshots = [_snapshots(runner) for runner in (whole, stepwise)]
-    assert len(snapshots[0]) >= prompt.num_tokens // (2 * BLOCK) and snapshots[0].keys() == snapshots[1].keys()
-    for end, state in snapshots[0].items():
-        for mine, theirs in zip(state, snapshots[1][end], strict=True):
-            np.testing.assert_allclose(np.array(mine), np.array(theirs), atol=1e-5, rtol=0)
+    *taken, reference = [_snapshots(runner) for runner in (whole, unpacked, stepwise)]
+    assert len(reference) >= prompt.num_tokens // (2 * BLOCK)
+    for snapshots in taken:
+        assert snapshots.keys() == reference.keys()
+        for end, state in snapshots.items():
+            for mine, theirs in zip(state, reference[end], strict=True):
+                np.testing.assert_allclose(np.array(mine), np.array(theirs), atol=1e-5, rtol=0)
     other = [_user(LONG[:200] + " but the tide was late.")]
     result = _run(whole, other)
     assert result[2].prefix.num_cached_tokens == result[2].prefix.miss_at_token // (2 * BLOCK) * (2 * BLOCK) > 0

@@ -14,7 +14,7 @@ from litestar.testing import TestClient
 from gateway.engine import CacheConfig, Engine, EngineConfig
 from gateway.http.app import create_app
 from kvcache.ssd import AdmissionPolicy, SsdConfig
-from tests.conftest import TINY, png_data_url
+from tests.conftest import TINY, key_store_down, png_data_url
 
 ADMIN = {"Authorization": "Bearer admin-key"}
 SYSTEM = (
@@ -147,20 +147,10 @@ def test_a_purge_while_the_key_store_is_down_says_so_and_purges_nothing(
     """A session's id is matched as a digest under the tenant's key: with the key store out of reach
     the digest would match nothing, and the purge answered 200 having purged nothing. It is a 503
     now, and the same purge once the store is back removes the session's entries."""
-    from kvcache.sealing import StoreUnavailable
-
     engine = _engine(tiny_model_path, tmp_path / "kv")
     with TestClient(create_app(app_settings, engine=engine, embedder=embedder)) as client:
         _ask(client, "A", "ann", "Which shelf holds the 1911 harbour ledger?")
-        keyring, down = client.app.state.services.keyring, [True]
-        digest = keyring.digest
-
-        def digest_while_up(tenant, data):
-            if down[0]:
-                raise StoreUnavailable("the key store is out of reach")
-            return digest(tenant, data)
-
-        monkeypatch.setattr(keyring, "digest", digest_while_up)
+        down = key_store_down(monkeypatch, client.app.state.services.keyring)
         purge = {"tenant": "default", "session": "A"}
         refused = client.post("/admin/purge", json=purge, headers=ADMIN)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "store_unavailable", refused.text

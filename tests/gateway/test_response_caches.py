@@ -13,7 +13,7 @@ from gateway.http.app import create_app
 from gateway.observability.trace import Trace
 from gateway.serving.responses import ExactLayer, RequestContext, StoreLane
 from semantic import Answer, CacheControl, ExactCache, MemoryStore, Owner, Scope
-from tests.conftest import TINY, png_data_url
+from tests.conftest import TINY, key_store_down, png_data_url
 
 ADMIN = {"Authorization": "Bearer admin-key"}
 
@@ -253,18 +253,8 @@ def test_a_key_made_while_the_key_store_is_down_is_neither_looked_up_nor_written
     writes for the request (the exact layer once answered "miss" and, the store being back by the end
     of the request, wrote the answer under a key no later request computes). `lost`: the digests the
     key store fails for, by the start of what they digest (every one, or the session's only)."""
-    from kvcache.sealing import StoreUnavailable
-
     responses = client.app.state.services.responses
-    sealer, down = responses.sealer, [True]
-    digest = sealer.digest
-
-    def digest_while_up(tenant, data):
-        if down[0] and data.startswith(lost):
-            raise StoreUnavailable("the key store is out of reach")
-        return digest(tenant, data)
-
-    monkeypatch.setattr(sealer, "digest", digest_while_up)
+    down = key_store_down(monkeypatch, responses.sealer, lost)
     entries = responses.exact.store.count()
     question, session = f"Which way does the ferry turn at the harbour wall? ({lost!r})", {"X-Strata-Session": "s1"}
     first = ask(client, question, headers=session)
