@@ -148,19 +148,20 @@ def test_a_load_does_not_stall_the_stream_of_a_loaded_model(server):
     _ask(server, "gemma", "Warm.")  # twin is unloaded now (gemma took the room)
     assert _states(server)["twin"] == "unloaded"
 
-    def stream() -> list[float]:
+    def stream(text: str) -> list[float]:
+        """Greedy, so no sampled stop token ends it early; each call's own text, so no exact-layer replay."""
         stamps = []
         chunks = _client(server).chat.completions.create(
-            model="qwen", messages=[{"role": "user", "content": "Tell a long story."}], max_tokens=160, stream=True
+            model="qwen", messages=[{"role": "user", "content": text}], max_tokens=160, temperature=0, stream=True
         )
         for chunk in chunks:
             if chunk.choices and chunk.choices[0].delta.content:
                 stamps.append(time.perf_counter())
         return [b - a for a, b in itertools.pairwise(stamps)]
 
-    alone = stream()
+    alone = stream("Tell a long story.")
     with ThreadPoolExecutor(2) as pool:
-        during = pool.submit(stream)
+        during = pool.submit(stream, "While a model loads, tell a long story.")
         time.sleep(0.3)
         loading = pool.submit(_ask, server, "twin", "Load me.")
         gaps = during.result(120)
