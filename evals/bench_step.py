@@ -16,6 +16,8 @@ On the demo model, in one process (the server's BLAS: run under the Makefile's O
   evals.bench_rows);
 - attention on the engine's thread alone and split across the cores (gateway/engine/threads.py),
   alternated: a decode step of `--rows` rows at 800 and 2,000 tokens of context, a 2,000-token prefill;
+- a prompt's prefill of 256, 512 and 2,000 tokens with the chunks' causal softmax through numpy
+  and through C (decode_attention.c's causal_softmax), alternated;
 - a lone row's decode step at 2,000 and 8,000 tokens of context, its attention through MLX's kernel
   and through the C kernel, alternated;
 - where a decode step's time goes at 200 tokens of context: the step against its matrix products
@@ -221,6 +223,22 @@ def lone_row_paths_ms(runner: ModelRunner, ids: list[int], repeats: int) -> dict
     return _batch_paths_ms(runner, ids, batches, use_lone_row_kernel, ("MLX", "C kernel"), repeats)
 
 
+def prefill_softmax_paths_ms(runner: ModelRunner, ids: list[int], repeats: int) -> dict[str, float]:
+    """A prompt's prefill (chunks of 512 tokens) with the chunks' causal softmax through numpy and
+    through C (decode_attention.c's causal_softmax), alternated: prompts of PREFILL_LENGTHS tokens."""
+    times: dict[str, float] = {}
+    for length in PREFILL_LENGTHS:
+        prompt = PreparedPrompt(tuple(ids[:length]), ())
+
+        def prefill(_parts, prompt=prompt) -> None:
+            runner.prefill(prompt, SALT, 512, lambda: False)
+
+        paths = _alternated_ms(use_decode_kernel, ("numpy", "C"), prefill, list, max(1, repeats // 2))
+        times |= {f"{path}x{length}": ms for path, ms in paths.items()}
+    return times
+
+
+PREFILL_LENGTHS = (256, 512, 2000)
 LONE_CONTEXTS = (2000, 8000)
 SPLIT_CONTEXTS = (800, 2000)
 SPLIT_PROMPT_TOKENS = 2000
@@ -358,6 +376,13 @@ def main() -> None:
     columns = {f"{args.rows}-row decode step, context {c}": f"x{c}" for c in SPLIT_CONTEXTS}
     columns[f"{SPLIT_PROMPT_TOKENS}-token prefill"] = "xprefill"
     print_paths("attention", columns, split, ("one thread", "split"))
+    softmax = prefill_softmax_paths_ms(runner, setup.ids, args.repeats)
+    print_paths(
+        "prefill, the chunks' causal softmax through",
+        {f"{n}-token prompt": f"x{n}" for n in PREFILL_LENGTHS},
+        softmax,
+        ("numpy", "C"),
+    )
     lone = lone_row_paths_ms(runner, setup.ids, args.repeats)
     print_paths(
         "1-row decode step, attention through",
@@ -402,6 +427,7 @@ def main() -> None:
                 "decode_breakdown": breakdown,
                 "attention_paths_ms": paths,
                 "split_paths_ms": split,
+                "prefill_softmax_paths_ms": softmax,
                 "lone_row_paths_ms": lone,
                 "few_rows_paths_ms": few,
                 "draws_ms": {"one_by_one": one_by_one, "one_argmax": together},

@@ -318,6 +318,20 @@ MUTANTS = (
         (DECODE_KERNEL,),
     ),
     Mutant(
+        "a prompt chunk's causal softmax lets each query see the next key",
+        "gateway/engine/decode_attention.c",
+        "long visible = first_visible + i % block_queries;",
+        "long visible = first_visible + i % block_queries + (i % block_queries + 1 < block_queries);",
+        (DECODE_KERNEL,),
+    ),
+    Mutant(
+        "a prompt chunk's block of queries is attended as if it started the chunk",
+        "gateway/engine/attention.py",
+        "visible = num_keys - num_queries + start + 1",
+        "visible = num_keys - num_queries + 1",
+        (DECODE_KERNEL,),
+    ),
+    Mutant(
         "a one-row product reads the weight the wrong way round",
         "gateway/engine/vector_products.c",
         "    if (trans_b == NO_TRANS)\n        next_sgemv(ROW_MAJOR, TRANS, k, n",

@@ -1,5 +1,6 @@
 /* Attention of a batch's decode rows: decode_attention() over a padded batch (one query per row and
- * head, each row over its own keys), rows_attention() over rows whose KV lies in segments (below).
+ * head, each row over its own keys), rows_attention() over rows whose KV lies in segments (below);
+ * and causal_softmax(), the softmax of a prompt chunk's scores (at the end).
  *
  * What it replaces: numpy's two batched products per layer, which run one OpenBLAS call per
  * (row, KV head) pair — 32 calls of 4 queries x 64 x 200 keys for 16 rows, ~19 us each of call
@@ -296,5 +297,52 @@ void rows_attention(const float *restrict q, const float *restrict new_k, const 
                 attend_row(qg, L, group, head_dim / 8, length + L, length, k_base, v_base, k_stride, v_stride, size,
                            first, last, kv, scale_log2e, scores, og);
         }
+    }
+}
+
+/* A prompt chunk's scores (attention.py): causal_softmax() turns a block of them into softmax weights
+ * in place, in two passes over each line where numpy made five (the causal bias added, the maximum,
+ * its subtraction, exp2, the sum), and skips the keys the causal mask hides.
+ *
+ * scores is (lines, num_keys), contiguous, already scaled by scale * log2(e): line i is query
+ * i % block_queries of the block (the lines cycle through the block's queries once per query head),
+ * and query j sees keys [0, first_visible + j). Every line sees at least one key
+ * (first_visible >= 1). The hidden keys' weights become 0; inverse[i] is 1 / the sum of line i's
+ * weights (the caller divides the weighted values by it). */
+/* The largest of x[0 .. n), n >= 1: eight running maxima, which the compiler turns into one vector
+ * instruction per eight floats (a single running maximum is a chain it cannot vectorise without
+ * giving up NaN semantics). */
+static inline float max_of(const float *restrict x, long n)
+{
+    float lanes[8];
+    for (long j = 0; j < 8; j++)
+        lanes[j] = x[0];
+    long t = 0;
+    for (; t + 8 <= n; t += 8)
+        for (long j = 0; j < 8; j++)
+            lanes[j] = x[t + j] > lanes[j] ? x[t + j] : lanes[j];
+    float top = x[0];
+    for (long j = 0; j < 8; j++)
+        top = lanes[j] > top ? lanes[j] : top;
+    for (; t < n; t++)
+        top = x[t] > top ? x[t] : top;
+    return top;
+}
+
+void causal_softmax(float *restrict scores, long lines, long num_keys, long block_queries, long first_visible,
+                    float *restrict inverse)
+{
+    for (long i = 0; i < lines; i++) {
+        float *s = scores + i * num_keys;
+        long visible = first_visible + i % block_queries;
+        float top = max_of(s, visible);
+        float total = 0.0f;
+        for (long t = 0; t < visible; t++) {
+            s[t] = exp2_nonpositive(s[t] - top);
+            total += s[t];
+        }
+        for (long t = visible; t < num_keys; t++)
+            s[t] = 0.0f;
+        inverse[i] = 1.0f / total;
     }
 }

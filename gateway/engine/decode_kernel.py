@@ -1,5 +1,5 @@
 """The decode rows' attention in one C pass (decode_attention.c), built at first use; rows_kv.py
-calls the same library's rows_attention().
+calls the same library's rows_attention(), and attention.py its causal_softmax() for prompt chunks.
 
     decode_attention(q, keys, values, scale, allowed) -> np.ndarray | None
         q (rows, heads, 1, head_dim); keys / values (rows, kv_heads, keys, head_dim) float32 views
@@ -119,4 +119,21 @@ def _kernel():
     # q, keys, values, allowed; rows, heads, kv_heads, keys, head_dim; the keys' and the values'
     # strides; the scale; the scores' scratch, out
     function.argtypes = [*[_POINTER] * 4, *[_LONG] * 11, ctypes.c_float, _POINTER, _POINTER]
+    return function
+
+
+def causal_softmax_kernel():
+    """causal_softmax() with its argument types, or None where the library cannot be built or the
+    kernels are switched off (use_decode_kernel)."""
+    return _causal_softmax() if _switch["enabled"] else None
+
+
+@cache
+def _causal_softmax():
+    library = kernel_library()
+    if library is None:
+        return None
+    function = library.causal_softmax
+    function.restype = None
+    function.argtypes = [_POINTER, _LONG, _LONG, _LONG, _LONG, _POINTER]  # scores; lines, keys, queries, first; inverse
     return function

@@ -93,6 +93,67 @@ def test_the_decode_path_equals_numpys_and_falls_back_to_it_without_a_compiler(m
         _forget_the_built_kernels()  # the next caller finds the built kernels again
 
 
+def _causal_reference(q, k, v, scale):
+    """A prompt chunk's attention in float64: query i of L sees keys [0, T - L + i]."""
+    _, heads, queries, _ = q.shape
+    group = heads // k.shape[1]
+    num_keys = k.shape[2]
+    out = np.zeros(q.shape)
+    for head in range(heads):
+        scores = q[0, head].astype(np.float64) @ k[0, head // group].astype(np.float64).T * scale
+        scores[np.arange(num_keys)[None, :] > np.arange(num_keys - queries, num_keys)[:, None]] = -np.inf
+        weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+        out[0, head] = weights @ v[0, head // group] / weights.sum(axis=1, keepdims=True)
+    return out
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, dim, queries, keys, block_lines",
+    [
+        (8, 2, 64, 37, 90, 0),  # a chunk after 53 cached tokens, one block
+        (8, 2, 64, 37, 90, 5),  # ... in blocks of 5 queries: each block's keys end at its last query
+        (4, 4, 36, 12, 12, 1),  # a whole prompt, no grouping, a head size no multiple of 8, a query a block
+        (8, 1, 128, 9, 300, 4),  # one KV head for eight, head size 128, short blocks far into the keys
+    ],
+)
+def test_a_prompt_chunks_softmax_in_c_equals_attention_in_float64_and_numpys_path(
+    monkeypatch, heads, kv_heads, dim, queries, keys, block_lines
+):
+    generator = np.random.default_rng(queries + keys)
+    q = mx.array(generator.standard_normal((1, heads, queries, dim), dtype=np.float32))
+    k = mx.array(generator.standard_normal((1, kv_heads, keys, dim), dtype=np.float32))
+    v = mx.array(generator.standard_normal((1, kv_heads, keys, dim), dtype=np.float32))
+    if block_lines:
+        monkeypatch.setattr(attention, "BLOCK_SCORES", block_lines * heads * keys)
+    assert decode_kernel.causal_softmax_kernel() is not None
+    with_kernel = np.asarray(attention.causal_attention(q, k, v, 0.125))
+    decode_kernel.use_decode_kernel(False)
+    try:
+        assert decode_kernel.causal_softmax_kernel() is None
+        with_numpy = np.asarray(attention.causal_attention(q, k, v, 0.125))
+    finally:
+        decode_kernel.use_decode_kernel(True)
+    expected = _causal_reference(np.asarray(q), np.asarray(k), np.asarray(v), 0.125)
+    assert np.abs(with_kernel - expected).max() < 2e-5
+    assert np.abs(with_kernel - with_numpy).max() < 2e-6
+
+
+def test_a_prompt_chunk_keeps_numpys_softmax_without_a_compiler(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    _forget_the_built_kernels()
+    try:
+        assert decode_kernel.causal_softmax_kernel() is None
+        q, k, v = (
+            mx.array(np.random.default_rng(5).standard_normal((1, h, n, 64), dtype=np.float32))
+            for h, n in ((8, 20), (2, 50), (2, 50))
+        )
+        out = np.asarray(attention.causal_attention(q, k, v, 0.125))
+        assert np.abs(out - _causal_reference(np.asarray(q), np.asarray(k), np.asarray(v), 0.125)).max() < 2e-5
+    finally:
+        _forget_the_built_kernels()
+
+
 def _forget_the_built_kernels() -> None:
-    for cached in (decode_kernel.kernel_library, decode_kernel._kernel, rows_kernel):
+    for cached in (decode_kernel.kernel_library, decode_kernel._kernel, decode_kernel._causal_softmax, rows_kernel):
         cached.cache_clear()
