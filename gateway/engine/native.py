@@ -4,6 +4,7 @@
                                                        subprocess.SubprocessError where it cannot
     cpu_flags() -> tuple[str, ...]                     -mavx2 -mfma where this CPU lists both
     cpu_features() -> frozenset[str]                   the flags /proc/cpuinfo lists (x86: avx2, ...)
+    keep_freed_memory() -> bool                        freed arrays stay with the process (glibc's malloc)
 
 A library is compiled once per digest of its source and flags into the user's cache folder
 ($XDG_CACHE_HOME/strata, else ~/.cache/strata), written to a temporary file and renamed, so test
@@ -13,6 +14,8 @@ Accelerate and Metal, where none of these are needed.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import os
 import shutil
@@ -59,3 +62,26 @@ def built_library(source: Path, flags: tuple[str, ...], libraries: tuple[str, ..
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "strata"
+
+
+# glibc's mallopt() parameters and the values set: a block up to MMAP_THRESHOLD_BYTES (glibc's
+# largest) comes from the heap, and the heap keeps up to TRIM_THRESHOLD_BYTES free at its top.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD_BYTES = 32 << 20
+TRIM_THRESHOLD_BYTES = 256 << 20
+
+
+def keep_freed_memory() -> bool:
+    """Keep freed blocks of up to 32 MiB in the process for the next step's arrays. By default
+    glibc's malloc maps a block past its threshold (128 KiB, rising only as such blocks are freed)
+    fresh from the kernel and unmaps it when freed, and returns the heap's free top past 128 KiB: a
+    step's arrays (MLX's CPU buffers, numpy's blocks of attention scores, 0.1-16 MiB) are then new
+    pages at every step, each faulted in and zeroed by the kernel. Measured with 16 clients on the
+    demo model (2-core Xeon): 99,000 minor page faults a second -> 6,000, output 433 -> 484 tok/s.
+    The process's memory stays at its peak of such blocks (a few times the largest step's arrays).
+    False where the C library has no mallopt (not glibc: macOS, musl)."""
+    name = ctypes.util.find_library("c")
+    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
+    if mallopt is None:
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))

@@ -40,6 +40,7 @@ from .mapped_kv import MappedKV, first_own_token
 from .mixed import Segment, SegmentCache
 from .mixed import install as install_packed_calls
 from .mtp import load_heads
+from .native import keep_freed_memory
 from .prompt import PreparedPrompt, PromptBuilder, PromptImage
 from .recurrent import install_chunked_prefill
 from .rows_kv import RowsKV, rows_supported
@@ -275,6 +276,7 @@ class ModelRunner:
         self.num_encoder_calls = 0
         self.caches.judge_ssd(self._prefill_s_per_token, self.kv_bytes_per_token)
         if self.cpu_attention:
+            keep_freed_memory()  # a step's arrays reuse the last step's memory, not fresh pages
             build_decode_kernel()  # the decode rows' attention kernel: compiled once per machine, ~1 s
             assert isinstance(self.rows_kv, bool)  # decided now (its kernel built), not at the first batch
 
