@@ -1,4 +1,5 @@
-"""C sources of this package compiled at first use into shared libraries, once per machine.
+"""C sources of this package compiled at first use into shared libraries, once per machine; and the
+C library's allocator told to keep freed memory.
 
     built_library(source, flags, libraries) -> Path    compiles (or finds) it; OSError or
                                                        subprocess.SubprocessError where it cannot
@@ -77,7 +78,7 @@ def keep_freed_memory() -> bool:
     fresh from the kernel and unmaps it when freed, and returns the heap's free top past 128 KiB: a
     step's arrays (MLX's CPU buffers, numpy's blocks of attention scores, 0.1-16 MiB) are then new
     pages at every step, each faulted in and zeroed by the kernel. Measured with 16 clients on the
-    demo model (2-core Xeon): 99,000 minor page faults a second -> 6,000, output 433 -> 484 tok/s.
+    demo model (2-core Xeon): 99,000 minor page faults a second -> 3,500, output 433 -> 469 tok/s.
     The process's memory stays at its peak of such blocks (a few times the largest step's arrays).
     False where the C library has no mallopt (not glibc: macOS, musl)."""
     name = ctypes.util.find_library("c")
