@@ -332,6 +332,15 @@ MUTANTS = (
         (DECODE_KERNEL,),
     ),
     Mutant(
+        "a Mamba-2 scan's exponentials on numpy are taken in base 2",
+        "gateway/engine/recurrent.py",
+        "return mx.array(np.exp(values)).astype(x.dtype)",
+        "return mx.array(np.exp2(values)).astype(x.dtype)",
+        (
+            "tests/gateway/test_recurrent.py::test_a_mamba_model_s_scan_exponentials_on_numpy_give_the_library_s_outputs",
+        ),
+    ),
+    Mutant(
         "a one-row product reads the weight the wrong way round",
         "gateway/engine/vector_products.c",
         "    if (trans_b == NO_TRANS)\n        next_sgemv(ROW_MAJOR, TRANS, k, n",

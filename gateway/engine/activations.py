@@ -124,7 +124,7 @@ def install_cpu_prefill_activations(language_model) -> int:
     if mx.default_device().type != mx.DeviceType.cpu:
         return 0
     # LFM2 names its MLP "feed_forward"
-    return sum(swap_layer_classes(language_model, name, _cpu_mlp_class) for name in ("mlp", "feed_forward"))
+    return sum(swap_layer_classes(language_model, name, cpu_mlp_class) for name in ("mlp", "feed_forward"))
 
 
 def install_cpu_expert_activations(language_model) -> int:
@@ -155,7 +155,7 @@ def _cpu_activation_class(base: type) -> type | None:
 
 
 @cache
-def _cpu_mlp_class(base: type) -> type | None:
+def cpu_mlp_class(base: type) -> type | None:
     module = sys.modules[base.__module__].__dict__
     replacements = {"nn": NN}
     if "swiglu" in module:

@@ -219,19 +219,30 @@ def _cpu_attention_class(base: type) -> type | None:
     return with_globals(base, f"CpuPrefill{base.__name__}", {SDPA: _cpu_prefill(original)})
 
 
-def with_globals(base: type, name: str, replacements: dict) -> type | None:
-    """A subclass of `base` whose `__call__` is the same code run with some of its module's global
-    names bound to other objects; None when the code uses none of them."""
-    call = base.__call__
-    code = getattr(call, "__code__", _NO_CODE)
+def with_globals(base: type, name: str, replacements: dict, methods: tuple[str, ...] = ("__call__",)) -> type | None:
+    """A subclass of `base` whose `methods` are the same code run with some of their global names
+    bound to other objects; None when none of them uses any of those names."""
+    patched = {}
+    for method in methods:
+        function = getattr(base, method, None)
+        own = rebound(function, replacements) if function is not None else None
+        if own is not None:
+            patched[method] = own
+    return type(name, (base,), patched) if patched else None
+
+
+def rebound(function, replacements: dict):
+    """The same function run with those of `replacements`' global names its code uses bound to
+    their objects; None when it uses none of them."""
+    code = getattr(function, "__code__", _NO_CODE)
     used = {key: value for key, value in replacements.items() if key in code.co_names}
     if not used:
         return None
-    patched = types.FunctionType(
-        code, dict(sys.modules[base.__module__].__dict__, **used), call.__name__, call.__defaults__, call.__closure__
+    own = types.FunctionType(
+        code, dict(function.__globals__, **used), function.__name__, function.__defaults__, function.__closure__
     )
-    patched.__kwdefaults__ = call.__kwdefaults__
-    return type(name, (base,), {"__call__": patched})
+    own.__kwdefaults__ = function.__kwdefaults__
+    return own
 
 
 SDPA = "scaled_dot_product_attention"

@@ -42,7 +42,7 @@ from .mixed import install as install_packed_calls
 from .mtp import load_heads
 from .native import keep_freed_memory
 from .prompt import PreparedPrompt, PromptBuilder, PromptImage
-from .recurrent import install_chunked_prefill
+from .recurrent import install_chunked_prefill, install_cpu_ssd
 from .rows_kv import RowsKV, rows_supported
 from .types import Pin
 
@@ -216,6 +216,7 @@ class ModelRunner:
         self.cpu_attention = install_cpu_prefill_attention(self.lm) > 0
         install_cpu_prefill_activations(self.lm)
         install_chunked_prefill(self.lm)
+        install_cpu_ssd(self.lm)
         install_grouped_experts(self.lm)
         install_cpu_expert_activations(self.lm)
         num_packable = install_packed_calls(self.lm)

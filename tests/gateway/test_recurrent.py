@@ -106,6 +106,25 @@ def test_a_hybrid_model_prefills_in_chunks_with_the_library_s_outputs(family, mo
     assert chunked_tokens == library_tokens and len(chunked_tokens) > 0
 
 
+def test_a_mamba_model_s_scan_exponentials_on_numpy_give_the_library_s_outputs(monkeypatch):
+    """Nemotron-H's Mamba-2 mixers run the library's chunked SSD scan with its exponentials (the
+    decay matrix, the SiLU, the gated norm) on numpy: the same logits and greedy tokens as the
+    library's own code, over more than one of the scan's 256-token steps."""
+    path = built_model(BuildSpec("nemotron_h", "tiny"))
+    numpy_exp = ModelRunner(path, CacheConfig(0, 0, 16, None), "fp")
+    mixers = [layer.mixer for layer in numpy_exp.lm.layers if hasattr(layer.mixer, "A_log")]
+    assert mixers and all(any(c.__name__.startswith("CpuSsd") for c in type(m).__mro__) for m in mixers)
+    assert all(type(m.norm).__name__.startswith("CpuPrefill") for m in mixers)
+    monkeypatch.setattr("gateway.engine.runner.install_cpu_ssd", lambda language_model: 0)
+    library = ModelRunner(path, CacheConfig(0, 0, 16, None), "fp")
+    prompt = numpy_exp.prompts.build((Message("user", (TextPart(LONG * 3),)),), [])
+    assert prompt.num_tokens > 256
+    ours_logits, ours_tokens = logits_and_greedy_tokens(numpy_exp, prompt)
+    library_logits, library_tokens = logits_and_greedy_tokens(library, prompt)
+    assert np.abs(ours_logits - library_logits).max() <= 1e-4
+    assert ours_tokens == library_tokens and len(ours_tokens) > 0
+
+
 @pytest.mark.parametrize(
     "options",
     [{}, {"allow_neg_eigval": True}, {"lower_bound": -5.0}, {"use_kernel": False, "allow_neg_eigval": True}],
