@@ -199,5 +199,7 @@ def _ssd_class(base: type) -> type | None:
     if ssm_update is None or "ssm_attn" not in ssm_update.__globals__:
         return None  # not mlx-vlm's Mamba-2 mixer
     scan = rebound(ssm_update.__globals__["ssm_attn"], {"mx": MX})
-    replacements = {"ssm_update": rebound(ssm_update, {"ssm_attn": scan}), "nn": NN}
-    return with_globals(base, f"CpuSsd{base.__name__}", replacements, methods=("_ssm", "_conv"))
+    update = rebound(ssm_update, {"ssm_attn": scan}) if scan is not None else None
+    if update is None:
+        return None  # a scan that takes no exponential by that name: the library's own
+    return with_globals(base, f"CpuSsd{base.__name__}", {"ssm_update": update, "nn": NN}, methods=("_ssm", "_conv"))
