@@ -197,7 +197,11 @@ def test_a_purged_tenants_shared_blocks_leave_the_pool_with_its_last_row(tiny_mo
 
         jobs, (purged, mapped) = asyncio.run(purged_while_running())
         assert mapped and purged.num_entries >= len(set(map(id, mapped)))
-        assert all(block.purged and block.ref_count >= 2 for block in mapped)  # both rows still read them
+        assert all(block.purged and block.ref_count >= 2 for block in mapped), (
+            [(b.purged, b.ref_count, sorted(map(str, b.owners))) for b in mapped],
+            [(len(r.plan.session.mapped)) for r in batch.rows],
+            seen,
+        )  # both rows still read them
         for job in jobs:
             job.cancelled.set()
         while engine.worker.rows or engine.worker.busy:
