@@ -33,7 +33,7 @@ pytestmark = pytest.mark.serial
 STORE_DELAY_S = 0.3
 LOCK_HOLD_S = 1.0  # the SQLite file's write lock, taken before the slow requests start
 NUM_SLOW_REQUESTS = 4
-STREAM_TOKENS = 4000  # far longer than the slow requests take: the stream is closed once they are done
+STREAM_TOKENS = 12000  # far longer than the slow requests take: the stream is closed once they are done
 
 
 class DelayProxy:
