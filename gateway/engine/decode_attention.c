@@ -300,15 +300,6 @@ void rows_attention(const float *restrict q, const float *restrict new_k, const 
     }
 }
 
-/* A prompt chunk's scores (attention.py): causal_softmax() turns a block of them into softmax weights
- * in place, in two passes over each line where numpy made five (the causal bias added, the maximum,
- * its subtraction, exp2, the sum), and skips the keys the causal mask hides.
- *
- * scores is (lines, num_keys), contiguous, already scaled by scale * log2(e): line i is query
- * i % block_queries of the block (the lines cycle through the block's queries once per query head),
- * and query j sees keys [0, first_visible + j). Every line sees at least one key
- * (first_visible >= 1). The hidden keys' weights become 0; inverse[i] is 1 / the sum of line i's
- * weights (the caller divides the weighted values by it). */
 /* The largest of x[0 .. n), n >= 1: eight running maxima, which the compiler turns into one vector
  * instruction per eight floats (a single running maximum is a chain it cannot vectorise without
  * giving up NaN semantics). */
@@ -329,6 +320,15 @@ static inline float max_of(const float *restrict x, long n)
     return top;
 }
 
+/* A prompt chunk's scores (attention.py): causal_softmax() turns a block of them into softmax weights
+ * in place, in two passes over each line where numpy made five (the causal bias added, the maximum,
+ * its subtraction, exp2, the sum), and skips the keys the causal mask hides.
+ *
+ * scores is (lines, num_keys), contiguous, already scaled by scale * log2(e): line i is query
+ * i % block_queries of the block (the lines cycle through the block's queries once per query head),
+ * and query j sees keys [0, first_visible + j). Every line sees at least one key
+ * (first_visible >= 1). The hidden keys' weights become 0; inverse[i] is 1 / the sum of line i's
+ * weights (the caller divides the weighted values by it). */
 void causal_softmax(float *restrict scores, long lines, long num_keys, long block_queries, long first_visible,
                     float *restrict inverse)
 {

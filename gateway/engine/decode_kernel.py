@@ -108,18 +108,24 @@ def kernel_library() -> ctypes.CDLL | None:
         return None
 
 
-@cache
-def _kernel():
-    """decode_attention() with its argument types, or None where the library cannot be built."""
+def kernel_function(name: str, argtypes: list):
+    """The library's C function `name` with its argument types (it returns nothing), or None where
+    the library cannot be built. Its callers keep what it returns (functools.cache)."""
     library = kernel_library()
     if library is None:
         return None
-    function = library.decode_attention
+    function = getattr(library, name)
     function.restype = None
+    function.argtypes = argtypes
+    return function
+
+
+@cache
+def _kernel():
+    """decode_attention() with its argument types, or None where the library cannot be built."""
     # q, keys, values, allowed; rows, heads, kv_heads, keys, head_dim; the keys' and the values'
     # strides; the scale; the scores' scratch, out
-    function.argtypes = [*[_POINTER] * 4, *[_LONG] * 11, ctypes.c_float, _POINTER, _POINTER]
-    return function
+    return kernel_function("decode_attention", [*[_POINTER] * 4, *[_LONG] * 11, ctypes.c_float, _POINTER, _POINTER])
 
 
 def causal_softmax_kernel():
@@ -130,10 +136,5 @@ def causal_softmax_kernel():
 
 @cache
 def _causal_softmax():
-    library = kernel_library()
-    if library is None:
-        return None
-    function = library.causal_softmax
-    function.restype = None
-    function.argtypes = [_POINTER, _LONG, _LONG, _LONG, _LONG, _POINTER]  # scores; lines, keys, queries, first; inverse
-    return function
+    # scores; lines, keys, queries per block, the first query's visible keys; inverse sums
+    return kernel_function("causal_softmax", [_POINTER, _LONG, _LONG, _LONG, _LONG, _POINTER])

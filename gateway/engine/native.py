@@ -16,7 +16,6 @@ Accelerate and Metal, where none of these are needed.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import hashlib
 import os
 import shutil
@@ -81,8 +80,7 @@ def keep_freed_memory() -> bool:
     demo model (2-core Xeon): 99,000 minor page faults a second -> 3,500, output 433 -> 469 tok/s.
     The process's memory stays at its peak of such blocks (a few times the largest step's arrays).
     False where the C library has no mallopt (not glibc: macOS, musl)."""
-    name = ctypes.util.find_library("c")
-    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the C library the process runs on
     if mallopt is None:
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))

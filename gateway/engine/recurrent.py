@@ -182,9 +182,8 @@ def install_cpu_ssd(language_model) -> int:
     for layer in language_model.layers:
         mixer = getattr(layer, "mixer", None)
         kind: type = type(mixer)
-        cpu = _ssd_class(kind) if mixer is not None else None
-        if cpu is None:
-            continue  # Nemotron-H's attention and MLP "mixers", or another family's layers
+        if (cpu := _ssd_class(kind)) is None:
+            continue  # Nemotron-H's attention and MLP "mixers", or another family's layers (no mixer)
         mixer.__class__ = cpu
         if (norm := getattr(mixer, "norm", None)) is not None:
             norm_kind: type = type(norm)

@@ -39,7 +39,7 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
-from .decode_kernel import _LONG, _POINTER, LOG2E, kernel_library
+from .decode_kernel import _LONG, _POINTER, LOG2E, kernel_function
 from .mapped_kv import first_own_token
 from .threads import split_rows
 
@@ -319,12 +319,6 @@ def rows_supported(keys: mx.array) -> bool:
 def rows_kernel():
     """rows_attention() (decode_attention.c) with its argument types, or None where the library
     cannot be built."""
-    library = kernel_library()
-    if library is None:
-        return None
-    function = library.rows_attention
-    function.restype = None
     # q, new keys, new values; the tables (first, key and value addresses, their head strides, sizes);
     # lengths; rows, queries per row, heads, kv_heads, head_dim; the scale; the scores' scratch, out
-    function.argtypes = [*[_POINTER] * 10, *[_LONG] * 5, ctypes.c_float, _POINTER, _POINTER]
-    return function
+    return kernel_function("rows_attention", [*[_POINTER] * 10, *[_LONG] * 5, ctypes.c_float, _POINTER, _POINTER])
