@@ -1471,6 +1471,20 @@ MUTANTS = (
         "if (extra := sequence.num_shared_tokens - in_use) > 10**9:",
         ("tests/gateway/test_scheduler.py::test_a_prompt_reading_its_prefix_in_place_reserves_only_its_own_tokens",),
     ),
+    Mutant(
+        "a hybrid row that rejected drafts keeps the recurrent state after all it was fed",
+        "gateway/engine/batch.py",
+        "kept = [fed - n for n in rejected]",
+        "kept = [fed for n in rejected]",
+        (f"{VERIFY}::test_drafts_right_wrong_or_half_right_leave_every_answer_as_plain_decoding[qwen3_5]",),
+    ),
+    Mutant(
+        "a hybrid model whose layers keep no state per token is taken to keep them",
+        "gateway/engine/runner.py",
+        "generations = [layer.start_speculation(2) for layer in layers]",
+        "return True\n        generations = [layer.start_speculation(2) for layer in layers]",
+        (f"{VERIFY}::test_a_hybrid_row_that_rejects_drafts_runs_its_kept_tokens_again_only_without_states_per_token",),
+    ),
 )
 
 

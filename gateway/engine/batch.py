@@ -58,7 +58,12 @@ class DecodeBatch:
         # KV, and `cache` is its layers' views
         self.segments: RowsKV | None = None
         self.num_fed = 0  # tokens each row was fed by the last part(); 0 once took_step() saw them
-        # The lone row's recurrent states before the last part() (keep_state()), for roll_back()
+        # A hybrid model's step that feeds drafts (start_drafts(); both None once it is verified):
+        # the tokens fed each row and each recurrent layer's open speculative transaction (layer,
+        # generation), which keeps its state after every fed token until trim() keeps each row's
+        # verified ones; or, where the library keeps no such states, the lone row's states before
+        # the step (kept_state, for roll_back()).
+        self.speculation: tuple[int, list[tuple]] | None = None
         self.kept_state: list | None = None
 
     def __len__(self) -> int:
@@ -195,20 +200,25 @@ class DecodeBatch:
         """Drop the last num_tokens[i] tokens of row i's KV (draft tokens a verification rejected).
         The batched cache keeps one write position for all rows: what they share is cut, and each
         row's remaining extra is rolled out to its left, where it becomes padding (as the library
-        does for right padding), so every row's KV still ends at the shared position."""
+        does for right padding), so every row's KV still ends at the shared position. A hybrid
+        model's recurrent layers take each row's state after the tokens it keeps (start_drafts())."""
         assert len(num_tokens) == len(self.rows) and min(num_tokens, default=0) >= 0
-        assert not self.runner.recurrent or not any(num_tokens), "a recurrent state cannot be trimmed"
+        states_kept = self.speculation is not None
+        if states_kept:
+            self._keep_states(num_tokens)
+        assert not self.runner.recurrent or not any(num_tokens) or states_kept, "a recurrent state cannot be trimmed"
         self.lengths = [length - n for length, n in zip(self.lengths, num_tokens)]
         if self.segments is not None:
             self.segments.trim(num_tokens)
             return
+        kv_layers = [layer for layer in self.cache if not is_recurrent(layer)]
         if not self.batched:
-            for layer in self.cache:
+            for layer in kv_layers:
                 layer.trim(num_tokens[0])
             return
         shared = min(num_tokens)
         extra = mx.array([n - shared for n in num_tokens])
-        for layer in self.cache:
+        for layer in kv_layers:
             layer.trim(shared)
             if shared == max(num_tokens):
                 continue
@@ -218,15 +228,45 @@ class DecodeBatch:
             layer.left_padding = layer.left_padding + extra
             layer.offset = layer.offset - extra
 
-    def keep_state(self) -> None:
-        """Before a step whose drafts the lone row may reject: keep its recurrent states (the arrays
-        themselves: a step replaces them, never writes into them)."""
+    def start_drafts(self, num_tokens: int) -> None:
+        """Before a hybrid model's step that feeds each row num_tokens (its pending token, then
+        drafts it may reject): every recurrent layer keeps its state after each of them (trim()
+        keeps each row's verified ones), or, where the library keeps none (runner.draft_states), the
+        lone row keeps its states as they are (the arrays themselves: a step replaces them, never
+        writes into them) for roll_back()."""
+        if self.runner.draft_states:
+            layers = [layer for layer in self.cache if is_recurrent(layer)]
+            self.speculation = (num_tokens, [(layer, layer.start_speculation(num_tokens)) for layer in layers])
+            return
         assert not self.batched, "a batch cannot run one row's tokens again"
         self.kept_state = [list(layer.cache) if is_recurrent(layer) else None for layer in self.cache]
 
+    def _keep_states(self, rejected: list[int]) -> None:
+        """Each recurrent layer's state after the tokens row i kept (all it was fed but rejected[i]);
+        the transactions end."""
+        assert self.speculation is not None
+        fed, transactions = self.speculation
+        self.speculation = None
+        kept = [fed - n for n in rejected]
+        for layer, generation in transactions:
+            layer.commit_speculation(kept, generation)
+
+    def _drop_drafts(self) -> None:
+        """A step that fed drafts and was never verified (its rows failed): each recurrent layer
+        keeps the state the step left, or the one before it where the step did not finish."""
+        if self.speculation is None:
+            return
+        fed, transactions = self.speculation
+        self.speculation = None
+        for layer, generation in transactions:
+            try:
+                layer.commit_speculation(fed, generation)
+            except (RuntimeError, ValueError):  # the step's states were never all recorded
+                layer.abort_speculation(generation)
+
     def roll_back(self) -> None:
         """Undo the last part() of the lone row: its KV trimmed by what was fed, its recurrent states
-        those keep_state() kept (the row then feeds the tokens it keeps again)."""
+        those start_drafts() kept (the row then feeds the tokens it keeps again)."""
         assert self.kept_state is not None and not self.batched
         for layer, kept in zip(self.cache, self.kept_state):
             if kept is None:
@@ -238,6 +278,7 @@ class DecodeBatch:
 
     def leave(self, index: int) -> PrefillResult:
         """Remove row `index`; its prefill, with `cache` holding the row's own KV again (for finish())."""
+        self._drop_drafts()
         row = self.rows.pop(index)
         del self.lengths[index]
         self.kept_state = None

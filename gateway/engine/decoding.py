@@ -110,7 +110,7 @@ class DecodeRows:
         if not self.rows:
             return None
         if self.runner.recurrent and self.rows[0].drafts:
-            self.batch.keep_state()  # a rejected draft rolls the lone row back to here
+            self.batch.start_drafts(1 + len(self.rows[0].drafts))  # what a rejection goes back to
         return self.batch.part([[s.generated[-1], *s.drafts] for s in self.rows])
 
     def propose(self) -> None:
@@ -125,7 +125,7 @@ class DecodeRows:
         if self.runner.recurrent:
             room = self._recurrent_room(room)
         rates = [s.drafter.rate if s.drafter else 0.0 for s in self.rows]
-        replay = bool(self.runner.recurrent)
+        replay = bool(self.runner.recurrent) and not self.runner.draft_states
         if not batch_width([[0] * room] * len(self.rows), rates, room, replay):
             room = 0  # not even drafts of every row at full length would pay: the proposers are not asked
         drafts = [self._draft(s, room) if s.drafter and room > 0 else [] for s in self.rows]
@@ -136,9 +136,10 @@ class DecodeRows:
             sequence.num_real_drafts = len(own)
 
     def _recurrent_room(self, room: int) -> int:
-        """A hybrid model drafts for a lone row only (a rejection runs the row's kept tokens again,
-        which a batch cannot do for one row), and never past the next block boundary, where the
-        row's state is snapshotted."""
+        """A hybrid model drafts for a lone row only, and never past the next block boundary, where
+        the row's state is snapshotted. (The libraries' batched hybrid call takes one token a row:
+        mlx-vlm's Qwen3.5 runs a multi-token step of left-padded rows one row at a time, on caches
+        it rebuilds, which would drop the states kept per token.)"""
         if len(self.rows) > 1:
             return 0
         return min(room, -(self.batch.lengths[0] + 1) % self.runner.caches.config.block_size)
@@ -191,7 +192,7 @@ class DecodeRows:
             for sequence, tokens in zip(self.rows, taken):
                 self._follow(sequence, tokens)
             rejected = [len(sequence.drafts) - max(len(tokens) - 1, 0) for sequence, tokens in zip(self.rows, taken)]
-            if any(rejected):
+            if any(rejected) or self.batch.speculation is not None:
                 self._drop_rejected(rejected, taken)
             self.batch.took_step()
         except Exception as exc:  # noqa: BLE001 - the evaluation failed: its rows fail, not the worker
@@ -242,13 +243,14 @@ class DecodeRows:
             sequence.drafter = None
 
     def _drop_rejected(self, rejected: list[int], taken: list[list[tuple[int, tuple]]]) -> None:
-        """Trim the KV of the drafts each row rejected. A hybrid model's lone row instead goes back to
-        its state before the step and runs the tokens it keeps again (the next token it took is
-        already drawn; the replay's logits are never evaluated)."""
-        if not self.runner.recurrent:
+        """Trim the KV of the drafts each row rejected (a hybrid model's recurrent layers keep each
+        row's state after its last kept token). Where the library keeps no state per token, a hybrid
+        model's lone row instead goes back to its state before the step and runs the tokens it
+        keeps again (the next token it took is already drawn; the replay's logits are never evaluated)."""
+        if not self.runner.recurrent or self.batch.speculation is not None:
             self.batch.trim(rejected)
             return
-        assert len(self.rows) == 1, "a hybrid model drafts for a lone row only"
+        assert len(self.rows) == 1, "without states per token, a hybrid model drafts for a lone row only"
         sequence = self.rows[0]
         kept = [sequence.generated[-1], *(token for token, _ in taken[0][:-1])]
         self.batch.roll_back()

@@ -276,6 +276,7 @@ class ModelRunner:
             mx.eval(self._encode_image(self.prompts.process_image(decoded)))
         self.num_encoder_calls = 0
         self.caches.judge_ssd(self._prefill_s_per_token, self.kv_bytes_per_token)
+        assert isinstance(self.draft_states, bool)  # probed now, not at a hybrid model's first drafts
         if self.cpu_attention:
             keep_freed_memory()  # a step's arrays reuse the last step's memory, not fresh pages
             build_decode_kernel()  # the decode rows' attention kernel: compiled once per machine, ~1 s
@@ -311,6 +312,32 @@ class ModelRunner:
         if not agree:
             log.warning("decode rows keep the library's batched cache: through segments a step's logits differed")
         return agree
+
+    @functools.cached_property
+    def draft_states(self) -> bool:
+        """Whether a hybrid model's recurrent layers keep their state after each token a step feeds,
+        so a row that rejects drafts takes the state after its last kept token instead of running
+        the kept tokens again (DecodeBatch.start_drafts()). mlx-vlm's ArraysCache records those
+        states inside a speculative transaction when the layer's update goes through the cache
+        (Qwen3.5's gated delta and its convolution window); probed: a two-token step inside a
+        transaction must leave a full record in every recurrent layer."""
+        if not self.recurrent:
+            return False
+        cache = self._short_prompt_cache(3)
+        layers = [cache[index] for index in self.recurrent]
+        if not all(callable(getattr(layer, "start_speculation", None)) for layer in layers):
+            return False
+        generations = [layer.start_speculation(2) for layer in layers]
+        deltas = [0] if self.family.positions == "mrope" else None
+        ids = mx.array([[1, 2]], dtype=mx.int32)
+        try:
+            mx.eval(self._call_one(Part(cache, ids, positions=decode_positions(cache_offset(cache, 0), deltas, 2))))
+            for layer, generation in zip(layers, generations):
+                layer.validate_speculation([1], generation)
+        except (RuntimeError, ValueError) as exc:  # the layer's update left no record, or a partial one
+            log.info("a hybrid row that rejects drafts runs its kept tokens again: no state per token (%s)", exc)
+            return False
+        return True
 
     def _short_prompt_cache(self, words: int) -> list:
         """A new cache holding a short text prompt's KV."""

@@ -117,6 +117,45 @@ def test_drafts_right_wrong_or_half_right_leave_every_answer_as_plain_decoding(f
     assert after.num_accepted_drafts == before.num_accepted_drafts
 
 
+@pytest.mark.parametrize("family, per_token", [("qwen3_5", True), ("lfm2_vl", False)])
+def test_a_hybrid_row_that_rejects_drafts_runs_its_kept_tokens_again_only_without_states_per_token(family, per_token):
+    """Qwen3.5's recurrent layers keep a state after each fed token (mlx-vlm's speculative
+    transaction): a row that rejects drafts takes the state after its last kept token, and the
+    engine calls the model once a step. LFM2's short convolutions keep none (its cache could, its
+    layers do not record them): the row goes back and runs its kept tokens again (a second call).
+    Either way the answer is plain decoding's."""
+    engine = _engine(family)
+    calls = []
+    run_step = engine.runner.run_step
+    engine.runner.run_step = lambda parts: calls.append(len(parts)) or run_step(parts)
+
+    def calls_beyond_steps(proposers) -> tuple[int, int, int]:
+        """Model calls beyond decode steps (prompt chunks, replays), drafted and kept tokens."""
+        engine.worker.proposers = proposers
+        calls.clear()
+        before = engine.snapshot().counters
+        assert _answers(engine, [prompt], [GREEDY])[0][1] == len(expected)
+        after = engine.snapshot().counters
+        steps = after.num_decode_steps - before.num_decode_steps
+        drafted = after.num_drafted_tokens - before.num_drafted_tokens
+        return len(calls) - steps, drafted, after.num_accepted_drafts - before.num_accepted_drafts
+
+    try:
+        assert engine.runner.draft_states is per_token
+        prompt = engine.prepare(_messages(1)[0], [])
+        expected = _greedy_tokens(engine.info.path, [prompt])[prompt.token_ids]
+        vocab = engine.runner.vocab_size
+        plain = calls_beyond_steps(None)
+        wrong = calls_beyond_steps(lambda sequence: [Fixed([(token + 1) % vocab for token in expected])])
+    finally:
+        engine.stop()
+    assert plain[1] == 0 and wrong[1] > 0 and wrong[2] == 0  # drafts fed, none kept
+    if per_token:
+        assert wrong[0] == plain[0]  # no call but the steps and the prompt's (the same both times)
+    else:
+        assert wrong[0] > plain[0]
+
+
 REPLY_TOKENS = 3
 
 
