@@ -23,6 +23,7 @@ import pytest
         "bench_models",
         "bench_step",
         "bench_speculative",
+        "bench_hybrid_drafts",
         "bench_timing_channel",
         "false_hits",
         "cache_sim",
