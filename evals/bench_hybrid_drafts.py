@@ -2,14 +2,17 @@
 against the replay of the kept tokens, and plain decoding, side by side in one engine.
 
     python -m evals.bench_hybrid_drafts [--model qwen3_5-demo] [--tokens 200] [--rounds 3] [--right 3 --of 4]
+                                        [--prompts 3] [--batch]
 
 Each prompt's greedy answer is decoded once plainly; then a proposer drafts that answer with every
 `of`-th token wrong (so `right` in `of` drafted tokens can be kept), and the same prompts are answered
 three ways, taking turns: no drafts; drafts whose rejections run the kept tokens again (the engine's
-path where a model's recurrent layers keep no state per token); drafts whose rejections take the state
-after the last kept token (mlx-vlm's speculative transaction, where the layers record one). Every
-answer must equal the plain one. Prints decode tok/s (medians over prompts and rounds) and the ratios.
-Only a model whose layers keep states per token (runner.draft_states) measures the third way.
+path where a model's recurrent layers keep no state per token: a lone row's only); drafts whose
+rejections take the state after the last kept token (mlx-vlm's speculative transaction, where the
+layers record one). Every answer must equal the plain one. Prints tok/s (the answers' tokens over
+their wall time, medians over rounds) and the ratios. Only a model whose layers keep states per token
+(runner.draft_states) measures the third way. `--batch`: the prompts are asked at once and decode
+as one batch (with the replay, a batch drafts nothing).
 """
 
 from __future__ import annotations
@@ -44,12 +47,19 @@ class Answer:
         return self.tokens[len(generated) : len(generated) + k]
 
 
-def answer(engine: Engine, prompt, sampling: Sampling) -> list[int]:
-    async def run() -> list[int]:
+def answers(engine: Engine, prompts: list, sampling: Sampling, together: bool) -> list[list[int]]:
+    """Each prompt's answer (token ids), one prompt at a time or all at once."""
+
+    async def one(prompt) -> list[int]:
         tokens: list[int] = []
         async for event in engine.events(engine.submit(prompt, sampling, SALT)):
             tokens += [entry.token for entry in getattr(event, "logprobs", ())]
         return tokens
+
+    async def run() -> list[list[int]]:
+        if together:
+            return list(await asyncio.gather(*(one(prompt) for prompt in prompts)))
+        return [await one(prompt) for prompt in prompts]
 
     return asyncio.run(run())
 
@@ -63,10 +73,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--right", type=int, default=3)
     parser.add_argument("--of", type=int, default=4)
+    parser.add_argument("--batch", action="store_true", help="ask the prompts at once: they decode as one batch")
     args = parser.parse_args()
     as_the_server_runs("evals.bench_hybrid_drafts")
     engine = Engine(
-        resolve_model_path(args.model, args.data_dir), "bench", EngineConfig(16, 256, CacheConfig(0, 0, 16))
+        resolve_model_path(args.model, args.data_dir),
+        "bench",
+        EngineConfig(16, 256, CacheConfig(0, 0, 16), max_num_seqs=max(4, args.prompts)),
     )
     engine.start()
     try:
@@ -85,7 +98,7 @@ def measure(engine: Engine, args) -> dict:
         engine.prepare((Message("user", (TextPart(f"Question {i}: {words * 3}"),)),), []) for i in range(args.prompts)
     ]
     engine.worker.proposers = None
-    plain = {p.token_ids: answer(engine, p, greedy) for p in prompts}
+    plain = dict(zip((p.token_ids for p in prompts), answers(engine, prompts, greedy, together=False)))
     vocab = engine.runner.vocab_size
 
     def drafts(sequence):
@@ -100,17 +113,17 @@ def measure(engine: Engine, args) -> dict:
         for way in ways:
             engine.worker.proposers = None if way == "plain" else drafts
             engine.runner.draft_states = way == "states"
-            for prompt in prompts:
-                before = engine.snapshot().counters
-                started = time.perf_counter()
-                got = answer(engine, prompt, greedy)
-                seconds[way].append(time.perf_counter() - started)
-                after = engine.snapshot().counters
-                assert got == plain[prompt.token_ids], f"{way}: the answer differs from plain decoding"
-                counts[way][0] += after.num_drafted_tokens - before.num_drafted_tokens
-                counts[way][1] += after.num_accepted_drafts - before.num_accepted_drafts
+            before = engine.snapshot().counters
+            started = time.perf_counter()
+            got = answers(engine, prompts, greedy, together=args.batch)
+            seconds[way].append((time.perf_counter() - started) / len(prompts))
+            after = engine.snapshot().counters
+            assert got == [plain[p.token_ids] for p in prompts], f"{way}: an answer differs from plain decoding"
+            counts[way][0] += after.num_drafted_tokens - before.num_drafted_tokens
+            counts[way][1] += after.num_accepted_drafts - before.num_accepted_drafts
     tok_s = {way: args.tokens / statistics.median(seconds[way]) for way in ways}
-    print(f"{args.model}, a lone row, greedy, {args.tokens} tokens, drafts right {args.right} in {args.of}; medians")
+    how = f"{len(prompts)} rows at once" if args.batch else "a lone row"
+    print(f"{args.model}, {how}, greedy, {args.tokens} tokens, drafts right {args.right} in {args.of}; medians")
     print("| way | tok/s | drafted | kept | vs plain |")
     print("|---|---|---|---|---|")
     for way in ways:

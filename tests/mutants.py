@@ -1485,6 +1485,13 @@ MUTANTS = (
         "return True\n        generations = [layer.start_speculation(2) for layer in layers]",
         (f"{VERIFY}::test_a_hybrid_row_that_rejects_drafts_runs_its_kept_tokens_again_only_without_states_per_token",),
     ),
+    Mutant(
+        "a hybrid batch's drafted step runs through the library's batched call",
+        "gateway/engine/runner.py",
+        "return bool(self.recurrent) and part.admission is None and part.ids.shape[0] > 1",
+        "return False and part.admission is None and part.ids.shape[0] > 1",
+        (f"{VERIFY}::test_drafts_right_wrong_or_half_right_leave_every_answer_as_plain_decoding[qwen3_5]",),
+    ),
 )
 
 

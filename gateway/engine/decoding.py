@@ -122,27 +122,29 @@ class DecodeRows:
         self.acceptance.fade()
         room = min(s.job.sampling.max_tokens - len(s.generated) for s in self.rows)
         room = min(room, self.max_verify_tokens // len(self.rows) - 1)
-        if self.runner.recurrent:
-            room = self._recurrent_room(room)
+        rooms = self._recurrent_rooms(room) if self.runner.recurrent else [room] * len(self.rows)
+        room = max(rooms)
         rates = [s.drafter.rate if s.drafter else 0.0 for s in self.rows]
         replay = bool(self.runner.recurrent) and not self.runner.draft_states
-        if not batch_width([[0] * room] * len(self.rows), rates, room, replay):
+        if not batch_width([[0] * own for own in rooms], rates, room, replay):
             room = 0  # not even drafts of every row at full length would pay: the proposers are not asked
-        drafts = [self._draft(s, room) if s.drafter and room > 0 else [] for s in self.rows]
+        drafts = [self._draft(s, own) if s.drafter and room > 0 and own > 0 else [] for s, own in zip(self.rows, rooms)]
         width = batch_width(drafts, rates, room, replay)
         for sequence, own in zip(self.rows, drafts):
             own = own[:width]
             sequence.drafts = own + [sequence.generated[-1]] * (width - len(own))
             sequence.num_real_drafts = len(own)
 
-    def _recurrent_room(self, room: int) -> int:
-        """A hybrid model drafts for a lone row only, and never past the next block boundary, where
-        the row's state is snapshotted. (The libraries' batched hybrid call takes one token a row:
-        mlx-vlm's Qwen3.5 runs a multi-token step of left-padded rows one row at a time, on caches
-        it rebuilds, which would drop the states kept per token.)"""
-        if len(self.rows) > 1:
-            return 0
-        return min(room, -(self.batch.lengths[0] + 1) % self.runner.caches.config.block_size)
+    def _recurrent_rooms(self, room: int) -> list[int]:
+        """Each hybrid row's room for drafts: never past its next block boundary, where its state is
+        snapshotted (took_step() keeps the state a row's cache ends on); rows with less room are
+        padded to the step's width and keep no padding. In a batch only where every row keeps its
+        own state after its last kept token (runner.batch_drafts); otherwise a lone row's only (a
+        rejection runs the row's kept tokens again, which a batch cannot do for one row)."""
+        if len(self.rows) > 1 and not self.runner.batch_drafts:
+            return [0] * len(self.rows)
+        block = self.runner.caches.config.block_size
+        return [min(room, -(length + 1) % block) for length in self.batch.lengths]
 
     def _draft(self, sequence: Sequence, room: int) -> list[int]:
         try:

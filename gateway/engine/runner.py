@@ -574,7 +574,8 @@ class ModelRunner:
         keep, vocab), in order. One part runs as the library's plain call; several are packed
         (gateway/engine/mixed.py). Chunks' admissions then store the blocks they completed."""
         start = time.perf_counter()
-        logits = self._call_one(parts[0]) if len(parts) == 1 else self._call_parts(parts)
+        alone = len(parts) == 1 and not self._rows_of_drafts(parts[0])
+        logits = self._call_one(parts[0]) if alone else self._call_parts(parts)
         chunks = [part for part in parts if part.admission is not None]
         if chunks:  # their blocks are stored now; decode logits alone stay lazy until the draws (one sync a step)
             taken = [array for part in chunks for arrays in (part.states or {}).values() for array in arrays]
@@ -586,6 +587,20 @@ class ModelRunner:
                 end = part.begin + part.ids.shape[1]
                 part.admission.advance(self.caches, end, part_logits[-1], spent if first_piece else 0.0, part.states)
         return logits
+
+    def _rows_of_drafts(self, part: Part) -> bool:
+        """Whether the part is a hybrid model's decode rows fed several tokens each (drafts), which
+        run as a packed call even alone: mlx-vlm's Qwen3.5 runs such a step of left-padded rows one
+        row at a time, on caches it rebuilds (the states kept per token are lost with them), and its
+        logits differed from each row's own call from the third token on (measured; packed: equal)."""
+        return bool(self.recurrent) and part.admission is None and part.ids.shape[0] > 1 and part.ids.shape[1] > 1
+
+    @property
+    def batch_drafts(self) -> bool:
+        """Whether a hybrid model's rows may draft in a batch: each row keeps the state after its
+        own last kept token (draft_states) and the step runs packed (the library's batched call
+        would not keep those states)."""
+        return self.draft_states and self.packable
 
     def _call_parts(self, parts: list[Part]) -> list[mx.array]:
         """Several parts in one packed call; one call each for a family that cannot pack. The packed

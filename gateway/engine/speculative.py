@@ -18,8 +18,10 @@ from the residual) for a draft distribution q that puts all its mass on the draf
 one plain decoding draws, token for token, seeded or not.
 
 Drafts are for rows without an output grammar (its matcher moves one token at a time). A recurrent
-state cannot be trimmed back past a rejected draft: a hybrid model drafts for a lone row, which on a
-rejection goes back to its state before the step and runs the tokens it keeps again.
+state cannot be trimmed back past a rejected draft: where a hybrid model's layers keep a state after
+each fed token (ModelRunner.draft_states), each row of a batch takes the one after its last kept
+token; elsewhere a hybrid model drafts for a lone row, which on a rejection goes back to its state
+before the step and runs the tokens it keeps again (DecodeRows._drop_rejected).
 """
 
 from __future__ import annotations
