@@ -251,19 +251,6 @@ class DecodeBatch:
         for layer, generation in transactions:
             layer.commit_speculation(kept, generation)
 
-    def _drop_drafts(self) -> None:
-        """A step that fed drafts and was never verified (its rows failed): each recurrent layer
-        keeps the state the step left, or the one before it where the step did not finish."""
-        if self.speculation is None:
-            return
-        fed, transactions = self.speculation
-        self.speculation = None
-        for layer, generation in transactions:
-            try:
-                layer.commit_speculation(fed, generation)
-            except (RuntimeError, ValueError):  # the step's states were never all recorded
-                layer.abort_speculation(generation)
-
     def roll_back(self) -> None:
         """Undo the last part() of the lone row: its KV trimmed by what was fed, its recurrent states
         those start_drafts() kept (the row then feeds the tokens it keeps again)."""
@@ -278,10 +265,11 @@ class DecodeBatch:
 
     def leave(self, index: int) -> PrefillResult:
         """Remove row `index`; its prefill, with `cache` holding the row's own KV again (for finish())."""
-        self._drop_drafts()
         row = self.rows.pop(index)
         del self.lengths[index]
-        self.kept_state = None
+        # Between a drafted step and its verification a row leaves only when the step failed, and
+        # then every row does (DecodeRows.fail_all): the open transactions go with their layers.
+        self.kept_state = self.speculation = None
         if not self.batched:
             row.cache, self.cache = self.cache, []
             return row

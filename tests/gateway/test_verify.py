@@ -156,6 +156,38 @@ def test_a_hybrid_row_that_rejects_drafts_runs_its_kept_tokens_again_only_withou
         assert wrong[0] > plain[0]
 
 
+def test_a_hybrid_batch_whose_drafted_step_fails_leaves_the_engine_answering_as_plain_decoding():
+    """A drafted step of Qwen3.5 rows whose draws fail: the rows fail (their recurrent layers'
+    transactions end as they leave), and the next batch, drafting again, answers as plain decoding."""
+    engine = _engine("qwen3_5")
+    rows = engine.worker.decoding
+    draw_rows, failures = rows._draw_rows, []
+
+    def failing_once(ready):
+        if not failures and len(rows.rows) > 1 and any(sequence.drafts for sequence in rows.rows):
+            failures.append(len(rows.rows))
+            raise RuntimeError("a broken draw")
+        return draw_rows(ready)
+
+    try:
+        prompts = [engine.prepare(m, []) for m in _messages(3)]
+        expected = _greedy_tokens(engine.info.path, prompts)
+        engine.worker.proposers = None
+        plain = _answers(engine, prompts, [GREEDY] * len(prompts))
+        engine.worker.proposers = lambda sequence: [Fixed(expected[sequence.job.prompt.token_ids])]
+        rows._draw_rows = failing_once
+        with pytest.raises(AssertionError, match="generation failed: RuntimeError"):
+            _answers(engine, prompts, [GREEDY] * len(prompts), together=True)
+        before = engine.snapshot().counters
+        again = _answers(engine, prompts, [GREEDY] * len(prompts), together=True)
+        after = engine.snapshot().counters
+    finally:
+        engine.stop()
+    assert failures and failures[0] > 1  # the failure hit a drafted batch step
+    assert again == plain
+    assert after.num_accepted_drafts > before.num_accepted_drafts  # the batch drafted again
+
+
 REPLY_TOKENS = 3
 
 
