@@ -1492,6 +1492,13 @@ MUTANTS = (
         "return False and part.admission is None and part.ids.shape[0] > 1",
         (f"{VERIFY}::test_drafts_right_wrong_or_half_right_leave_every_answer_as_plain_decoding[qwen3_5]",),
     ),
+    Mutant(
+        "a sliding window's mask that hides keys is taken as the plain causal one",
+        "gateway/engine/attention.py",
+        "if allowed is None or allowed.shape[:-2] not in ((), (1, 1)):",
+        "if allowed is not None:\n        return True\n    if allowed is None or allowed.shape[:-2] not in ((), (1, 1)):",
+        ("tests/gateway/test_attention.py",),
+    ),
 )
 
 

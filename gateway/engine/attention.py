@@ -274,7 +274,7 @@ def _cpu_prefill(original):
         several = queries.shape[2] > 1 or (queries.shape[0] > 1 and allowed is not None)
         if several and not args and kwargs.keys() <= {"sinks"} and isinstance(keys, mx.array):
             sinks = kwargs.get("sinks")
-            if isinstance(mask, str) and mask == "causal":
+            if (isinstance(mask, str) and mask == "causal") or _plain_causal(allowed):
                 return causal_attention(queries, keys, values, scale, sinks=sinks)
             if allowed is not None:
                 return causal_attention(queries, keys, values, scale, allowed, sinks)
@@ -311,6 +311,22 @@ def _lone_row_over_long_context(queries: mx.array, keys, mask) -> bool:
 def _one_per_row(mask: mx.array) -> bool:
     """A mask the numpy path takes: (L, T) for every row, or (B, 1, L, T), one per row (not per head)."""
     return mask.ndim == 2 or (mask.ndim == 4 and mask.shape[1] == 1)
+
+
+def _plain_causal(allowed: np.ndarray | None) -> bool:
+    """Whether one prompt's boolean mask is the plain causal one (query i of L sees keys [0, T - L + i]):
+    a sliding window no longer than the keys it is given hides nothing then (a prompt shorter than
+    the window, or one whose hidden past _first_visible_key dropped), and the chunk takes the causal
+    path (the C softmax) instead of the masked one."""
+    if allowed is None or allowed.shape[:-2] not in ((), (1, 1)):
+        return False
+    num_queries, num_keys = allowed.shape[-2:]
+    return bool(np.array_equal(allowed.reshape(num_queries, num_keys), _causal_mask(num_queries, num_keys)))
+
+
+@lru_cache(maxsize=8)
+def _causal_mask(num_queries: int, num_keys: int) -> np.ndarray:
+    return np.tri(num_queries, num_keys, num_keys - num_queries, dtype=np.bool_)
 
 
 def _first_visible_key(allowed: np.ndarray) -> int:

@@ -77,3 +77,38 @@ def test_attention_sinks_equal_the_library_kernel(queries):
         assert float(mx.abs(kernel(q, k, v, None, 0.125, mask, sinks=sinks) - theirs).max()) < 1e-5
     without = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=masks[0])
     assert float(mx.abs(theirs - without).max()) > 1e-2  # the sinks change the answer: the test can tell
+
+
+def _window_mask(queries: int, keys: int, window: int) -> mx.array:
+    """A sliding window's mask for a prompt chunk: query i sees its last `window` keys."""
+    key_index = mx.arange(keys)[None, :]
+    query_index = mx.arange(keys - queries, keys)[:, None]
+    return (key_index <= query_index) & (key_index > query_index - window)
+
+
+@pytest.mark.parametrize("window, causal_path", [(512, True), (24, False)])
+def test_a_window_that_hides_nothing_takes_the_causal_path_and_one_that_does_the_masked_one(
+    monkeypatch, window, causal_path
+):
+    """A prompt chunk of 20 queries after 30 cached keys: a 512-token window hides nothing (the C
+    causal softmax, mask dropped), a 24-token one hides keys (the masked path); both equal MLX's
+    kernel under the window's mask."""
+    masks = []
+    real = attention.causal_attention
+    monkeypatch.setattr(attention, "causal_attention", lambda *a, **kw: masks.append(a[4:] or kw) or real(*a, **kw))
+    kernel = attention._cpu_prefill(_library_sdpa)
+    q, k, v = _qkv(1, 20, 50)
+    mask = _window_mask(20, 50, window)
+    ours = kernel(q, k, v, None, 0.125, mask)
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    assert float(mx.abs(ours - expected).max()) < 1e-5
+    (passed,) = masks
+    assert (passed in ((), {"sinks": None})) is causal_path, passed
+
+
+def test_only_one_prompts_plain_causal_mask_is_taken_as_causal():
+    causal = np.tri(4, 9, 5, dtype=np.bool_)
+    assert attention._plain_causal(causal) and attention._plain_causal(causal[None, None])
+    assert not attention._plain_causal(np.tri(4, 9, 4, dtype=np.bool_))  # each query one key short
+    assert not attention._plain_causal(np.stack([causal, causal])[:, None])  # a batch's rows
+    assert not attention._plain_causal(None)
