@@ -157,8 +157,8 @@ def test_a_hybrid_row_that_rejects_drafts_runs_its_kept_tokens_again_only_withou
 
 
 def test_a_hybrid_batch_whose_drafted_step_fails_leaves_the_engine_answering_as_plain_decoding():
-    """A drafted step of Qwen3.5 rows whose draws fail: the rows fail (their recurrent layers'
-    transactions end as they leave), and the next batch, drafting again, answers as plain decoding."""
+    """A drafted step of Qwen3.5 rows whose draws fail: the rows fail (their recurrent layers' open
+    transactions go with their caches), and the next batch, drafting again, answers as plain decoding."""
     engine = _engine("qwen3_5")
     rows = engine.worker.decoding
     draw_rows, failures = rows._draw_rows, []
