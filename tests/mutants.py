@@ -1474,8 +1474,8 @@ MUTANTS = (
     Mutant(
         "a hybrid row that rejected drafts keeps the recurrent state after all it was fed",
         "gateway/engine/batch.py",
-        "kept = [fed - n for n in rejected]",
-        "kept = [fed for n in rejected]",
+        "kept = [self.num_fed - n for n in rejected]",
+        "kept = [self.num_fed for n in rejected]",
         (f"{VERIFY}::test_drafts_right_wrong_or_half_right_leave_every_answer_as_plain_decoding[qwen3_5]",),
     ),
     Mutant(

@@ -59,11 +59,11 @@ class DecodeBatch:
         self.segments: RowsKV | None = None
         self.num_fed = 0  # tokens each row was fed by the last part(); 0 once took_step() saw them
         # A hybrid model's step that feeds drafts (start_drafts(); both None once it is verified):
-        # the tokens fed each row and each recurrent layer's open speculative transaction (layer,
-        # generation), which keeps its state after every fed token until trim() keeps each row's
-        # verified ones; or, where the library keeps no such states, the lone row's states before
-        # the step (kept_state, for roll_back()).
-        self.speculation: tuple[int, list[tuple]] | None = None
+        # each recurrent layer's open speculative transaction (layer, generation), which keeps its
+        # state after every token the step fed (num_fed) until trim() keeps each row's verified
+        # ones; or, where the library keeps no such states, the lone row's states before the step
+        # (kept_state, for roll_back()).
+        self.speculation: list[tuple] | None = None
         self.kept_state: list | None = None
 
     def __len__(self) -> int:
@@ -236,7 +236,7 @@ class DecodeBatch:
         writes into them) for roll_back()."""
         if self.runner.draft_states:
             layers = [layer for layer in self.cache if is_recurrent(layer)]
-            self.speculation = (num_tokens, [(layer, layer.start_speculation(num_tokens)) for layer in layers])
+            self.speculation = [(layer, layer.start_speculation(num_tokens)) for layer in layers]
             return
         assert not self.batched, "a batch cannot run one row's tokens again"
         self.kept_state = [list(layer.cache) if is_recurrent(layer) else None for layer in self.cache]
@@ -244,10 +244,9 @@ class DecodeBatch:
     def _keep_states(self, rejected: list[int]) -> None:
         """Each recurrent layer's state after the tokens row i kept (all it was fed but rejected[i]);
         the transactions end."""
-        assert self.speculation is not None
-        fed, transactions = self.speculation
-        self.speculation = None
-        kept = [fed - n for n in rejected]
+        assert self.speculation is not None and self.num_fed, "trim() before took_step()"
+        transactions, self.speculation = self.speculation, None
+        kept = [self.num_fed - n for n in rejected]
         for layer, generation in transactions:
             layer.commit_speculation(kept, generation)
 
