@@ -111,10 +111,11 @@ NO_SEALING = Plain()  # the stores' default
 class Keyring:
     """Invariant: `keys` holds tenant -> (key id, data key) as unwrapped from the store's record;
     `confirmed[tenant]` says when the store last showed that record: (the file store's version, a
-    time.monotonic()). A key is used unconfirmed while the file is unchanged, or for KEY_CACHE_S
-    with a shared store; then the record is read again: gone (shredded) drops the key, another key
-    id unwraps the new one, the same key id keeps the key without unwrapping it (so a rotation of
-    the wrapping key leaves every key in use working). `wrapper` opens the store's records while
+    time.monotonic(), the store's check record then). A key is used unconfirmed while the file is unchanged, or for KEY_CACHE_S
+    with a shared store; then the record is read again: gone (shredded) drops the key, gone with the
+    whole store (a Redis restarted empty) writes the key held back, another key id unwraps the new
+    one, the same key id keeps the key without unwrapping it (so a rotation of the wrapping key
+    leaves every key in use working). `wrapper` opens the store's records while
     the check record is `check_record`; when the store was rewrapped under another key, `reload`
     (the key file read again) gives the new one."""
 
@@ -124,7 +125,7 @@ class Keyring:
         self.reload = reload
         self.lock = threading.Lock()
         self.keys: dict[str, tuple[bytes, bytes]] = {}
-        self.confirmed: dict[str, tuple[object, float]] = {}
+        self.confirmed: dict[str, tuple[object, float, bytes | None]] = {}
         self.check_record: bytes | None = None
         try:
             self._check()
@@ -203,23 +204,41 @@ class Keyring:
         with self.lock:
             if self._fresh(tenant, version):
                 return self.keys[tenant]
-            cached = self.keys.get(tenant)
-        record = self.store.get(tenant)
+            cached, seen = self.keys.get(tenant), self.confirmed.get(tenant)
+        check, record = self.store.get(CHECK), self.store.get(tenant)
+        if record is None and cached is not None and seen is not None and self._emptied_since(seen[2], check):
+            record, check = self._written_back(tenant, cached), self.check_record
         if record is None and create:
-            record = self._add(tenant)
+            record, check = self._add(tenant), self.check_record
         if record is None:
             self.forget(tenant)
             return None
         found = cached if cached is not None and cached[0] == record[:KEY_ID_BYTES] else self._unwrapped(tenant, record)
         with self.lock:
-            self.keys[tenant], self.confirmed[tenant] = found, (version, time.monotonic())
+            self.keys[tenant], self.confirmed[tenant] = found, (version, time.monotonic(), check)
         return found
+
+    def _emptied_since(self, seen_check: bytes | None, check: bytes | None) -> bool:
+        """Whether the store was emptied (a Redis restarted without its data) since it showed a key
+        under the check record `seen_check`: the check record is gone, or is another one that opens
+        under the same wrapping key (written again after the emptying; a rotation's does not open).
+        A tenant's record gone under the same check record was shredded."""
+        return check != seen_check and (check is None or _opens(self.wrapper, check))
+
+    def _written_back(self, tenant: str, held: tuple[bytes, bytes]) -> bytes | None:
+        """The key this process holds, back in an emptied store (the record it keeps: another
+        replica's write-back of the same key may come first), so that what was sealed under it stays
+        readable and its digests stay the same on every replica. The one window left: a store emptied
+        within KEY_CACHE_S of a shred, on a replica that missed the purge announcement, brings the
+        shredded key back."""
+        self._check()  # the check record written again (or the one another replica wrote first)
+        return self.store.add(tenant, wrap(self.wrapper, tenant, *held), self.check_record)
 
     def _fresh(self, tenant: str, version: object) -> bool:
         """The caller holds the lock. Whether the cached key may be used without asking the store."""
         if tenant not in self.confirmed:
             return False
-        seen_version, at = self.confirmed[tenant]
+        seen_version, at, _ = self.confirmed[tenant]
         return version == seen_version if version is not None else time.monotonic() - at <= KEY_CACHE_S
 
     def _add(self, tenant: str) -> bytes:

@@ -503,6 +503,20 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "an emptied key store taken for a shred (a Redis restart gives every tenant a new key)",
+        "kvcache/sealing.py",
+        "return check != seen_check and (check is None or _opens(self.wrapper, check))",
+        "return False",
+        ("tests/kvcache/test_sealing.py::test_a_store_emptied_under_a_running_keyring_is_new_again_but_for_the_keys_it_holds",),
+    ),
+    Mutant(
+        "a shredded key written back (the check record not compared)",
+        "kvcache/sealing.py",
+        "return check != seen_check and (check is None or _opens(self.wrapper, check))",
+        "return check is None or _opens(self.wrapper, check)",
+        ("tests/kvcache/test_sealing.py::test_a_shredded_key_is_not_written_back_while_the_store_keeps_its_check_record",),
+    ),
+    Mutant(
         "the pool evicts reused blocks before one-off ones (a scan pushes the hot prompt out)",
         "kvcache/pool.py",
         "victim = self.probation.oldest() or self.protected.oldest()",

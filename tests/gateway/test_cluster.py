@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from gateway.operations.cluster import Cluster, free_ports, port_free
+from kvcache.sealing import KEY_CACHE_S
 from tests.conftest import TINY
 
 KEYS = {"acme": "key-acme", "cold": "key-cold"}  # "cold" shares nothing with acme: its runs compute everything
@@ -141,6 +142,8 @@ def _redis_restarted_empty(cluster, session: str) -> None:
             break
         assert response.headers["x-cache-exact"] == "bypass; reason=store_unavailable"
         assert time.monotonic() < deadline
+    assert _ask(cluster.url, "Does Redis remember this?", session).headers["x-cache-exact"].startswith("hit")
+    time.sleep(KEY_CACHE_S + 0.5)  # the replica reads the tenant's key again: the one it held is written back
     assert _ask(cluster.url, "Does Redis remember this?", session).headers["x-cache-exact"].startswith("hit")
 
 

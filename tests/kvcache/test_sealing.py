@@ -285,11 +285,26 @@ def test_a_damaged_key_store_is_refused_with_its_path(tmp_path):
         _keyring(tmp_path)
 
 
-def test_a_store_emptied_under_a_running_keyring_is_new_again(tmp_path):
+def test_a_store_emptied_under_a_running_keyring_is_new_again_but_for_the_keys_it_holds(tmp_path):
     """A Redis key store restarted without its data loses the check record with the keys: a key
-    made after it must not be refused as if the store had been rewrapped."""
+    made after it must not be refused as if the store had been rewrapped, and a key a running
+    server holds goes back into the store (what it sealed stays readable, its digests stay the
+    same: a cache key computed before the restart still finds what was written after it)."""
     running = Keyring(FileKeys(tmp_path / "keys.json"), KEY, reload=lambda: KEY)
-    running.seal("acme", b"p", b"x")
+    before = running.seal("acme", b"p", b"acme data")
+    digest = running.digest("acme", b"question")
     (tmp_path / "keys.json").unlink()
     sealed = running.seal("initech", b"p", b"initech data")
     assert _keyring(tmp_path).open("initech", b"p", sealed) == b"initech data"
+    assert running.digest("acme", b"question") == digest
+    assert _keyring(tmp_path).open("acme", b"p", before) == b"acme data"
+
+
+def test_a_shredded_key_is_not_written_back_while_the_store_keeps_its_check_record(tmp_path):
+    running = Keyring(FileKeys(tmp_path / "keys.json"), KEY, reload=lambda: KEY)
+    before = running.seal("acme", b"p", b"acme data")
+    assert _keyring(tmp_path).shred("acme")  # another process purges the tenant
+    with pytest.raises(Unreadable, match="purged"):
+        running.open("acme", b"p", before)
+    with pytest.raises(Unreadable):
+        _keyring(tmp_path).open("acme", b"p", before)
