@@ -42,10 +42,11 @@ T = TypeVar("T")
 OFF_LOOP_BYTES = 64 * 1024  # bodies above this are parsed and canonicalised in a worker thread
 
 
-async def off_loop(body_size: int, work: Callable[[], T]) -> T:
+async def off_loop(body_size: int, work: Callable[[], T], may_wait: bool = False) -> T:
     """CPU work on a request body (parsing, canonical keys, risk rules): on the event loop while the
-    body is small, in a worker thread above OFF_LOOP_BYTES, so one large body never stalls the rest."""
-    return work() if body_size <= OFF_LOOP_BYTES else await anyio.to_thread.run_sync(work)
+    body is small, in a worker thread above OFF_LOOP_BYTES, so one large body never stalls the rest;
+    always in a worker thread when the work `may_wait` on a store (a tenant's key read from Redis)."""
+    return work() if body_size <= OFF_LOOP_BYTES and not may_wait else await anyio.to_thread.run_sync(work)
 
 
 @dataclass(slots=True)
@@ -152,7 +153,7 @@ class Pipeline:
         with trace.timed("prepare"):
             images = await chat.load_images(request)
             context = partial(self.responses.context, request, caller, headers, images, model.stamp.fingerprint)
-            ctx = await off_loop(body_size, context)
+            ctx = await off_loop(body_size, context, self.responses.digests_may_wait)
         self.sessions.touch(caller.tenant, ctx.owner.session, time.time())
         cached = await self._lookup(ctx, trace)
         if cached is not None:

@@ -128,6 +128,9 @@ class ResponseCaches:
         self.settings = settings
         self.risk = RiskPolicy(load_risk_patterns(settings.risk_patterns_file or DEFAULT_PATTERNS_FILE))
         self.sealer = keyring_for(settings)  # ids and cache keys are kept as keyed digests (at_rest)
+        # A shared key store (Redis) is read again every KEY_CACHE_S: a digest may wait on it then,
+        # so context() never runs on the event loop (a slow Redis would stall every stream).
+        self.digests_may_wait = bool(settings.encrypt_at_rest and settings.redis_url)
         self.exact = _exact_cache(settings)
         self.semantic = _semantic_cache(settings, embedder)
         self.num_store_errors: Counter[str] = Counter()  # by layer

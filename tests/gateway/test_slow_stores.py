@@ -10,6 +10,7 @@ stalled every stream on the replica and every health check for its whole duratio
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import socket
@@ -21,9 +22,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from itertools import pairwise
 
+import anyio
 import httpx
 import pytest
 
+from gateway.serving.pipeline import OFF_LOOP_BYTES, off_loop
+from gateway.serving.responses import ResponseCaches
 from tests.conftest import TINY, RedisServer
 from tests.gateway.test_live_server import LiveServer
 
@@ -255,3 +259,24 @@ def test_slow_sqlite_writes_stall_neither_streams_nor_health(tiny_model_path, tm
     finally:
         locker.close()
         server.stop()
+
+
+def test_a_request_whose_digests_may_wait_on_a_shared_key_store_is_keyed_off_the_event_loop(settings):
+    """The tenants' keys in Redis are read again every KEY_CACHE_S: a request's digests (its exact
+    key, session, end user) may wait on that read, so they are never computed on the event loop,
+    however small the body; a key kept in a file is checked by one stat and stays on the loop."""
+    loop = threading.get_ident()
+
+    async def threads() -> tuple[int, int, int]:
+        return (
+            await off_loop(10, threading.get_ident),
+            await off_loop(10, threading.get_ident, may_wait=True),
+            await off_loop(OFF_LOOP_BYTES + 1, threading.get_ident),
+        )
+
+    small, waits, large = anyio.run(threads)
+    assert small == loop and waits != loop and large != loop
+    with_redis = dataclasses.replace(settings, redis_url="redis://127.0.0.1:9/0")  # never reached here
+    assert not ResponseCaches(settings).digests_may_wait
+    assert ResponseCaches(dataclasses.replace(with_redis, exact_store="memory")).digests_may_wait
+    assert not ResponseCaches(dataclasses.replace(with_redis, encrypt_at_rest=False)).digests_may_wait
