@@ -320,8 +320,8 @@ MUTANTS = (
     Mutant(
         "a prompt chunk's causal softmax lets each query see the next key",
         "gateway/engine/decode_attention.c",
-        "long visible = first_visible + i % block_queries;",
-        "long visible = first_visible + i % block_queries + (i % block_queries + 1 < block_queries);",
+        "long end = first_visible + i % block_queries;",
+        "long end = first_visible + i % block_queries + (i % block_queries + 1 < block_queries);",
         (DECODE_KERNEL,),
     ),
     Mutant(
@@ -507,14 +507,18 @@ MUTANTS = (
         "kvcache/sealing.py",
         "return check != seen_check and (check is None or _opens(self.wrapper, check))",
         "return False",
-        ("tests/kvcache/test_sealing.py::test_a_store_emptied_under_a_running_keyring_is_new_again_but_for_the_keys_it_holds",),
+        (
+            "tests/kvcache/test_sealing.py::test_a_store_emptied_under_a_running_keyring_is_new_again_but_for_the_keys_it_holds",
+        ),
     ),
     Mutant(
         "a shredded key written back (the check record not compared)",
         "kvcache/sealing.py",
         "return check != seen_check and (check is None or _opens(self.wrapper, check))",
         "return check is None or _opens(self.wrapper, check)",
-        ("tests/kvcache/test_sealing.py::test_a_shredded_key_is_not_written_back_while_the_store_keeps_its_check_record",),
+        (
+            "tests/kvcache/test_sealing.py::test_a_shredded_key_is_not_written_back_while_the_store_keeps_its_check_record",
+        ),
     ),
     Mutant(
         "the pool evicts reused blocks before one-off ones (a scan pushes the hot prompt out)",
@@ -1509,9 +1513,19 @@ MUTANTS = (
     Mutant(
         "a sliding window's mask that hides keys is taken as the plain causal one",
         "gateway/engine/attention.py",
-        "if allowed is None or allowed.shape[:-2] not in ((), (1, 1)):",
-        "if allowed is not None:\n        return True\n    if allowed is None or allowed.shape[:-2] not in ((), (1, 1)):",
+        "return window if window and np.array_equal(lines, _band_mask(num_queries, num_keys, window)) else None",
+        "return num_keys if window and np.array_equal(lines, _band_mask(num_queries, num_keys, window)) else None",
         ("tests/gateway/test_attention.py",),
+    ),
+    Mutant(
+        "a prompt chunk's window lets each query see one key more than the window",
+        "gateway/engine/decode_attention.c",
+        "long start = end > window ? end - window : 0;",
+        "long start = end > window + 1 ? end - window - 1 : 0;",
+        (
+            "tests/gateway/test_attention.py",
+            f"{FAMILIES}::test_chunked_cold_prefill_equals_the_library_one_shot_forward[gemma3]",
+        ),
     ),
 )
 

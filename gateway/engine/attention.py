@@ -50,14 +50,16 @@ def causal_attention(
     scale: float,
     mask: np.ndarray | None = None,
     sinks: mx.array | None = None,
+    window: int | None = None,
 ) -> mx.array:
     """Attention of L queries that are the last L positions of T keys (grouped-query heads). `mask`
     (L, T), or one per row (B, 1, L, T), True where a query may attend, replaces the plain causal
-    mask (a sliding window; a batch's left padding). `sinks` (heads,): gpt-oss's learned logit per
-    head, one more term of every query's softmax with no value behind it. A batch's rows, or a
-    prompt's queries, are split across the cores (threads.split_rows) and attended in blocks of at
-    most BLOCK_SCORES scores: each part and block writes its own lines of the result, computed as
-    they are in one piece."""
+    mask (a batch's left padding). `window` (with no mask): each query sees only its last `window`
+    keys (a sliding window's band). `sinks` (heads,): gpt-oss's learned logit per head, one more
+    term of every query's softmax with no value behind it. A batch's rows, or a prompt's queries,
+    are split across the cores (threads.split_rows) and attended in blocks of at most BLOCK_SCORES
+    scores: each part and block writes its own lines of the result, computed as they are in one
+    piece."""
     q, k, v = as_numpy(queries, keys, values)
     batch, num_heads, num_queries, _ = q.shape
     if num_queries == 1 and mask is not None and mask.ndim == 4 and sinks is None:
@@ -67,6 +69,11 @@ def causal_attention(
     sink = None if sinks is None else np.asarray(sinks.astype(mx.float32)) * np.float32(LOG2E)
     out = np.empty(q.shape, dtype=np.float32)
     num_keys = k.shape[2]
+    if window is not None and window >= num_keys:
+        window = None  # the last query sees every key: the window hides nothing
+    softmax = causal_softmax_kernel() if mask is None and sink is None and batch == 1 else None
+    if window is not None and softmax is None:  # numpy's paths take a window as its mask
+        mask, window = _band_mask(num_queries, num_keys, window), None
     causal = _causal_bias(num_queries) if mask is None else None
     if batch > 1:  # a batch's rows, each over its own keys (under its own mask where it has one)
         row_scores = num_heads * num_queries * num_keys
@@ -79,13 +86,12 @@ def causal_attention(
 
         split_rows(rows, batch, batch * row_scores)
     else:  # a prompt's chunk: its queries in parts, each with its lines of the mask
-        softmax = causal_softmax_kernel() if causal is not None and sink is None else None
 
         def lines(first: int, last: int) -> None:
             for start, end in _blocks(first, last, num_heads * num_keys):
                 if softmax is not None:  # query i sees keys [0, num_keys - num_queries + i]
                     visible = num_keys - num_queries + start + 1
-                    _attend_causal(q[:, :, start:end], k, v, scale, visible, softmax, out[:, :, start:end])
+                    _attend_causal(q[:, :, start:end], k, v, scale, visible, window, softmax, out[:, :, start:end])
                     continue
                 own = None if mask is None else mask[..., start:end, :]
                 part = None if causal is None else causal[start:end]
@@ -152,21 +158,31 @@ def _attend(
 
 
 def _attend_causal(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, first_visible: int, softmax, out: np.ndarray
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    scale: float,
+    first_visible: int,
+    window: int | None,
+    softmax,
+    out: np.ndarray,
 ) -> None:
     """_attend's causal case for one prompt's block of queries (batch 1), its softmax in C
-    (decode_attention.c's causal_softmax): query j of the block sees keys [0, first_visible + j), so
-    the keys past the block's last query are left out of both products."""
+    (decode_attention.c's causal_softmax): query j of the block sees keys [0, first_visible + j),
+    only its last `window` of them when a window is given, so the keys past the block's last query
+    and before its first query's window are left out of both products."""
     _, num_heads, num_queries, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    num_keys = first_visible + num_queries - 1
+    end = first_visible + num_queries - 1
+    start = 0 if window is None else max(0, first_visible - window)
     grouped = q.reshape(num_kv_heads, num_heads // num_kv_heads * num_queries, head_dim) * np.float32(scale * LOG2E)
-    scores = np.matmul(grouped, k[0, :, :num_keys].transpose(0, 2, 1))  # (KV heads, group x queries, keys)
+    scores = np.matmul(grouped, k[0, :, start:end].transpose(0, 2, 1))  # (KV heads, group x queries, keys)
     inverse = np.empty(scores.shape[:2], dtype=np.float32)
+    lines, num_keys = scores.shape[0] * scores.shape[1], end - start
     softmax(
-        scores.ctypes.data, scores.shape[0] * scores.shape[1], num_keys, num_queries, first_visible, inverse.ctypes.data
+        scores.ctypes.data, lines, num_keys, num_queries, first_visible - start, window or num_keys, inverse.ctypes.data
     )
-    weighted = np.matmul(scores, v[0, :, :num_keys])
+    weighted = np.matmul(scores, v[0, :, start:end])
     weighted *= inverse[..., None]
     out[...] = weighted.reshape(1, num_heads, num_queries, head_dim)
 
@@ -274,8 +290,10 @@ def _cpu_prefill(original):
         several = queries.shape[2] > 1 or (queries.shape[0] > 1 and allowed is not None)
         if several and not args and kwargs.keys() <= {"sinks"} and isinstance(keys, mx.array):
             sinks = kwargs.get("sinks")
-            if (isinstance(mask, str) and mask == "causal") or _plain_causal(allowed):
+            if isinstance(mask, str) and mask == "causal":
                 return causal_attention(queries, keys, values, scale, sinks=sinks)
+            if (window := _causal_window(allowed)) is not None:
+                return causal_attention(queries, keys, values, scale, sinks=sinks, window=window)
             if allowed is not None:
                 return causal_attention(queries, keys, values, scale, allowed, sinks)
         return original(queries, keys, values, cache, scale, mask, *args, **kwargs)
@@ -313,20 +331,26 @@ def _one_per_row(mask: mx.array) -> bool:
     return mask.ndim == 2 or (mask.ndim == 4 and mask.shape[1] == 1)
 
 
-def _plain_causal(allowed: np.ndarray | None) -> bool:
-    """Whether one prompt's boolean mask is the plain causal one (query i of L sees keys [0, T - L + i]):
-    a sliding window no longer than the keys it is given hides nothing then (a prompt shorter than
-    the window, or one whose hidden past _first_visible_key dropped), and the chunk takes the causal
-    path (the C softmax) instead of the masked one."""
+def _causal_window(allowed: np.ndarray | None) -> int | None:
+    """The window w when one prompt's boolean mask is a causal band (query i of L sees keys
+    (T - L + i - w, T - L + i]: a sliding window's mask, the plain causal one when w covers every
+    key), else None. Such a chunk takes the causal path (the C softmax, keys outside every query's
+    band left out) instead of the masked one."""
     if allowed is None or allowed.shape[:-2] not in ((), (1, 1)):
-        return False
+        return None
     num_queries, num_keys = allowed.shape[-2:]
-    return bool(np.array_equal(allowed.reshape(num_queries, num_keys), _causal_mask(num_queries, num_keys)))
+    lines = allowed.reshape(num_queries, num_keys)
+    window = int(np.count_nonzero(lines[-1]))
+    return window if window and np.array_equal(lines, _band_mask(num_queries, num_keys, window)) else None
 
 
 @lru_cache(maxsize=8)
-def _causal_mask(num_queries: int, num_keys: int) -> np.ndarray:
-    return np.tri(num_queries, num_keys, num_keys - num_queries, dtype=np.bool_)
+def _band_mask(num_queries: int, num_keys: int, window: int) -> np.ndarray:
+    """Query i of L sees its last `window` keys up to key T - L + i (read-only: it is shared)."""
+    causal = np.tri(num_queries, num_keys, num_keys - num_queries, dtype=np.bool_)
+    band = causal & ~np.tri(num_queries, num_keys, num_keys - num_queries - window, dtype=np.bool_)
+    band.flags.writeable = False
+    return band
 
 
 def _first_visible_key(allowed: np.ndarray) -> int:

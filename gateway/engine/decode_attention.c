@@ -322,26 +322,30 @@ static inline float max_of(const float *restrict x, long n)
 
 /* A prompt chunk's scores (attention.py): causal_softmax() turns a block of them into softmax weights
  * in place, in two passes over each line where numpy made five (the causal bias added, the maximum,
- * its subtraction, exp2, the sum), and skips the keys the causal mask hides.
+ * its subtraction, exp2, the sum), and skips the keys the causal mask and a sliding window hide.
  *
  * scores is (lines, num_keys), contiguous, already scaled by scale * log2(e): line i is query
  * i % block_queries of the block (the lines cycle through the block's queries once per query head),
- * and query j sees keys [0, first_visible + j). Every line sees at least one key
- * (first_visible >= 1). The hidden keys' weights become 0; inverse[i] is 1 / the sum of line i's
- * weights (the caller divides the weighted values by it). */
+ * and query j sees keys [max(0, first_visible + j - window), first_visible + j): its last `window`
+ * keys (window >= num_keys: no window). Every line sees at least one key (first_visible >= 1,
+ * window >= 1). The hidden keys' weights become 0; inverse[i] is 1 / the sum of line i's weights
+ * (the caller divides the weighted values by it). */
 void causal_softmax(float *restrict scores, long lines, long num_keys, long block_queries, long first_visible,
-                    float *restrict inverse)
+                    long window, float *restrict inverse)
 {
     for (long i = 0; i < lines; i++) {
         float *s = scores + i * num_keys;
-        long visible = first_visible + i % block_queries;
-        float top = max_of(s, visible);
+        long end = first_visible + i % block_queries;
+        long start = end > window ? end - window : 0;
+        float top = max_of(s + start, end - start);
         float total = 0.0f;
-        for (long t = 0; t < visible; t++) {
+        for (long t = 0; t < start; t++)
+            s[t] = 0.0f;
+        for (long t = start; t < end; t++) {
             s[t] = exp2_nonpositive(s[t] - top);
             total += s[t];
         }
-        for (long t = visible; t < num_keys; t++)
+        for (long t = end; t < num_keys; t++)
             s[t] = 0.0f;
         inverse[i] = 1.0f / total;
     }

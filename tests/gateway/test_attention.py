@@ -86,29 +86,53 @@ def _window_mask(queries: int, keys: int, window: int) -> mx.array:
     return (key_index <= query_index) & (key_index > query_index - window)
 
 
-@pytest.mark.parametrize("window, causal_path", [(512, True), (24, False)])
-def test_a_window_that_hides_nothing_takes_the_causal_path_and_one_that_does_the_masked_one(
-    monkeypatch, window, causal_path
-):
-    """A prompt chunk of 20 queries after 30 cached keys: a 512-token window hides nothing (the C
-    causal softmax, mask dropped), a 24-token one hides keys (the masked path); both equal MLX's
-    kernel under the window's mask."""
-    masks = []
+@pytest.mark.parametrize("window", [512, 24, 1])
+def test_a_sliding_windows_mask_takes_the_causal_path_with_its_window(monkeypatch, window):
+    """A prompt chunk of 20 queries after 30 cached keys under a sliding window's mask: 512 tokens
+    hide nothing, 24 hide each query's older keys, 1 leaves each query its own key. Each goes to the
+    causal path (the C softmax) with its window instead of the mask, and equals MLX's kernel under
+    the mask."""
+    calls = []
     real = attention.causal_attention
-    monkeypatch.setattr(attention, "causal_attention", lambda *a, **kw: masks.append(a[4:] or kw) or real(*a, **kw))
+    monkeypatch.setattr(attention, "causal_attention", lambda *a, **kw: calls.append(a[4:] or kw) or real(*a, **kw))
     kernel = attention._cpu_prefill(_library_sdpa)
     q, k, v = _qkv(1, 20, 50)
     mask = _window_mask(20, 50, window)
     ours = kernel(q, k, v, None, 0.125, mask)
     expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
     assert float(mx.abs(ours - expected).max()) < 1e-5
-    (passed,) = masks
-    assert (passed in ((), {"sinks": None})) is causal_path, passed
+    assert calls == [{"sinks": None, "window": min(window, 50)}]  # the last query's keys: all 50 under 512
+    if window < 50:  # the window changes the answer: the test can tell one ignored
+        causal = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
+        assert float(mx.abs(expected - causal).max()) > 1e-2
 
 
-def test_only_one_prompts_plain_causal_mask_is_taken_as_causal():
+@pytest.mark.parametrize("path", ["c-in-blocks", "numpy", "sinks"])
+def test_a_window_equals_the_library_kernel_on_every_path(monkeypatch, path):
+    """A window of 24 over a 40-query chunk after 30 keys: the C softmax with the queries in blocks of
+    three lines (each block's keys start at its first query's window), numpy's masked path where the
+    C library is off, and gpt-oss's sinks (numpy, the window as its mask)."""
+    q, k, v = _qkv(1, 40, 70)
+    mask = _window_mask(40, 70, 24)
+    sinks = mx.array([-2.0, -0.5, 0.0, 0.5, 1.0, 2.0, 4.0, 8.0]) if path == "sinks" else None
+    if path == "c-in-blocks":
+        monkeypatch.setattr(attention, "BLOCK_SCORES", HEADS * 70 * 3)
+    if path == "numpy":
+        monkeypatch.setattr(attention, "causal_softmax_kernel", lambda: None)
+    ours = attention.causal_attention(q, k, v, 0.125, sinks=sinks, window=24)
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask, sinks=sinks)
+    assert float(mx.abs(ours - expected).max()) < 1e-5
+
+
+def test_only_one_prompts_causal_band_is_taken_with_its_window():
     causal = np.tri(4, 9, 5, dtype=np.bool_)
-    assert attention._plain_causal(causal) and attention._plain_causal(causal[None, None])
-    assert not attention._plain_causal(np.tri(4, 9, 4, dtype=np.bool_))  # each query one key short
-    assert not attention._plain_causal(np.stack([causal, causal])[:, None])  # a batch's rows
-    assert not attention._plain_causal(None)
+    assert attention._causal_window(causal) == 9 and attention._causal_window(causal[None, None]) == 9
+    band = np.asarray(_window_mask(4, 9, 3))
+    assert attention._causal_window(band) == 3
+    holed = band.copy()
+    holed[3, 7] = False  # one key hidden inside a query's window
+    assert attention._causal_window(holed) is None
+    assert attention._causal_window(np.tri(4, 9, 4, dtype=np.bool_)) is None  # each query one key short
+    assert attention._causal_window(np.stack([causal, causal])[:, None]) is None  # a batch's rows
+    assert attention._causal_window(np.zeros((4, 9), dtype=np.bool_)) is None
+    assert attention._causal_window(None) is None
