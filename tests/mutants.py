@@ -1518,6 +1518,20 @@ MUTANTS = (
         ("tests/gateway/test_attention.py",),
     ),
     Mutant(
+        "a prompt chunk's sinks in C: every query head takes the first head's sink",
+        "gateway/engine/decode_attention.c",
+        "float sink = sinks ? sinks[i / block_queries] : -INFINITY;",
+        "float sink = sinks ? sinks[0] : -INFINITY;",
+        ("tests/gateway/test_attention.py",),
+    ),
+    Mutant(
+        "a prompt chunk's sink raises the maximum but is left out of the sum",
+        "gateway/engine/decode_attention.c",
+        "float total = sinks ? exp2_nonpositive(sink - top) : 0.0f;",
+        "float total = 0.0f;",
+        ("tests/gateway/test_attention.py",),
+    ),
+    Mutant(
         "a prompt chunk's window lets each query see one key more than the window",
         "gateway/engine/decode_attention.c",
         "long start = end > window ? end - window : 0;",

@@ -71,7 +71,7 @@ def causal_attention(
     num_keys = k.shape[2]
     if window is not None and window >= num_keys:
         window = None  # the last query sees every key: the window hides nothing
-    softmax = causal_softmax_kernel() if mask is None and sink is None and batch == 1 else None
+    softmax = causal_softmax_kernel() if mask is None and batch == 1 else None
     if window is not None and softmax is None:  # numpy's paths take a window as its mask
         mask, window = _band_mask(num_queries, num_keys, window), None
     causal = _causal_bias(num_queries) if mask is None else None
@@ -91,7 +91,8 @@ def causal_attention(
             for start, end in _blocks(first, last, num_heads * num_keys):
                 if softmax is not None:  # query i sees keys [0, num_keys - num_queries + i]
                     visible = num_keys - num_queries + start + 1
-                    _attend_causal(q[:, :, start:end], k, v, scale, visible, window, softmax, out[:, :, start:end])
+                    block = q[:, :, start:end]
+                    _attend_causal(block, k, v, scale, visible, window, sink, softmax, out[:, :, start:end])
                     continue
                 own = None if mask is None else mask[..., start:end, :]
                 part = None if causal is None else causal[start:end]
@@ -164,13 +165,15 @@ def _attend_causal(
     scale: float,
     first_visible: int,
     window: int | None,
+    sink: np.ndarray | None,
     softmax,
     out: np.ndarray,
 ) -> None:
     """_attend's causal case for one prompt's block of queries (batch 1), its softmax in C
     (decode_attention.c's causal_softmax): query j of the block sees keys [0, first_visible + j),
     only its last `window` of them when a window is given, so the keys past the block's last query
-    and before its first query's window are left out of both products."""
+    and before its first query's window are left out of both products. `sink` (heads,): the
+    log2-scaled sink logits, float32."""
     _, num_heads, num_queries, head_dim = q.shape
     num_kv_heads = k.shape[1]
     end = first_visible + num_queries - 1
@@ -179,8 +182,16 @@ def _attend_causal(
     scores = np.matmul(grouped, k[0, :, start:end].transpose(0, 2, 1))  # (KV heads, group x queries, keys)
     inverse = np.empty(scores.shape[:2], dtype=np.float32)
     lines, num_keys = scores.shape[0] * scores.shape[1], end - start
+    sinks = None if sink is None else sink.ctypes.data
     softmax(
-        scores.ctypes.data, lines, num_keys, num_queries, first_visible - start, window or num_keys, inverse.ctypes.data
+        scores.ctypes.data,
+        lines,
+        num_keys,
+        num_queries,
+        first_visible - start,
+        window or num_keys,
+        sinks,
+        inverse.ctypes.data,
     )
     weighted = np.matmul(scores, v[0, :, start:end])
     weighted *= inverse[..., None]

@@ -328,17 +328,21 @@ static inline float max_of(const float *restrict x, long n)
  * i % block_queries of the block (the lines cycle through the block's queries once per query head),
  * and query j sees keys [max(0, first_visible + j - window), first_visible + j): its last `window`
  * keys (window >= num_keys: no window). Every line sees at least one key (first_visible >= 1,
- * window >= 1). The hidden keys' weights become 0; inverse[i] is 1 / the sum of line i's weights
- * (the caller divides the weighted values by it). */
+ * window >= 1). sinks (NULL: none) holds gpt-oss's log2-scaled sink logit per query head, line i's
+ * being sinks[i / block_queries]: one more term of the line's sum with no value behind it. The
+ * hidden keys' weights become 0; inverse[i] is 1 / the sum of line i's weights and sink (the caller
+ * divides the weighted values by it). */
 void causal_softmax(float *restrict scores, long lines, long num_keys, long block_queries, long first_visible,
-                    long window, float *restrict inverse)
+                    long window, const float *restrict sinks, float *restrict inverse)
 {
     for (long i = 0; i < lines; i++) {
         float *s = scores + i * num_keys;
         long end = first_visible + i % block_queries;
         long start = end > window ? end - window : 0;
         float top = max_of(s + start, end - start);
-        float total = 0.0f;
+        float sink = sinks ? sinks[i / block_queries] : -INFINITY;
+        top = sink > top ? sink : top;
+        float total = sinks ? exp2_nonpositive(sink - top) : 0.0f;
         for (long t = 0; t < start; t++)
             s[t] = 0.0f;
         for (long t = start; t < end; t++) {

@@ -136,5 +136,6 @@ def causal_softmax_kernel():
 
 @cache
 def _causal_softmax():
-    # scores; lines, keys, queries per block, the first query's visible keys, the window; inverse sums
-    return kernel_function("causal_softmax", [_POINTER, _LONG, _LONG, _LONG, _LONG, _LONG, _POINTER])
+    # scores; lines, keys, queries per block, the first query's visible keys, the window; sinks or
+    # None; inverse sums
+    return kernel_function("causal_softmax", [_POINTER, _LONG, _LONG, _LONG, _LONG, _LONG, _POINTER, _POINTER])
