@@ -326,7 +326,10 @@ async def create_response(request: Request) -> Response:
     limits = services.settings.limits
     body = await off_loop(len(raw), partial(_responses_body, raw, limits.max_json_depth))
     previous_id = body.get("previous_response_id")
-    history = await _history(services, previous_id, caller.tenant, _apart_user(services, caller.tenant, body))
+    apart = await off_loop(
+        0, partial(_apart_user, services, caller.tenant, body), services.pipeline.responses.digests_may_wait
+    )
+    history = await _history(services, previous_id, caller.tenant, apart)
     stored = body.get("store", True) is not False
     if stored:
         await _check_quota(services, caller.tenant, len(raw))
