@@ -111,13 +111,13 @@ NO_SEALING = Plain()  # the stores' default
 class Keyring:
     """Invariant: `keys` holds tenant -> (key id, data key) as unwrapped from the store's record;
     `confirmed[tenant]` says when the store last showed that record: (the file store's version, a
-    time.monotonic(), the store's check record then). A key is used unconfirmed while the file is unchanged, or for KEY_CACHE_S
-    with a shared store; then the record is read again: gone (shredded) drops the key, gone with the
-    whole store (a Redis restarted empty) writes the key held back, another key id unwraps the new
-    one, the same key id keeps the key without unwrapping it (so a rotation of the wrapping key
-    leaves every key in use working). `wrapper` opens the store's records while
-    the check record is `check_record`; when the store was rewrapped under another key, `reload`
-    (the key file read again) gives the new one."""
+    time.monotonic(), the store's check record then). A key is used unconfirmed while the file is
+    unchanged, or for KEY_CACHE_S with a shared store; then the record is read again: gone
+    (shredded) drops the key, gone with the whole store (a Redis restarted empty) writes the key
+    held back, another key id unwraps the new one, the same key id keeps the key without unwrapping
+    it (so a rotation of the wrapping key leaves every key in use working). `wrapper` opens the
+    store's records while the check record is `check_record`; when the store was rewrapped under
+    another key, `reload` (the key file read again) gives the new one."""
 
     def __init__(self, store: KeyStore, wrapping_key: bytes, reload: Callable[[], bytes] | None = None):
         self.store = store
@@ -228,9 +228,9 @@ class Keyring:
     def _written_back(self, tenant: str, held: tuple[bytes, bytes]) -> bytes | None:
         """The key this process holds, back in an emptied store (the record it keeps: another
         replica's write-back of the same key may come first), so that what was sealed under it stays
-        readable and its digests stay the same on every replica. The one window left: a store emptied
-        within KEY_CACHE_S of a shred, on a replica that missed the purge announcement, brings the
-        shredded key back."""
+        readable and its digests stay the same on every replica. The one window left: a replica that
+        has not yet read a purge's announcement (which makes it forget the key) when the store is
+        emptied brings that shredded key back."""
         self._check()  # the check record written again (or the one another replica wrote first)
         return self.store.add(tenant, wrap(self.wrapper, tenant, *held), self.check_record)
 
