@@ -1,7 +1,8 @@
 """Speculative decoding, on against off, side by side in one run: two `strata serve` processes on the
 demo model (one with STRATA_MAX_VERIFY_TOKENS=0), the same requests to each, taking turns.
 
-    python -m evals.bench_speculative [--model demo] [--tokens 200] [--questions 6] [--clients 16] [--cases abcde]
+    python -m evals.bench_speculative [--model demo] [--data-dir .strata] [--tokens 200] [--questions 6]
+                                      [--clients 16] [--cases abcde]
 
 (a) a request repeated with another max_tokens (its exact key differs; the answer kept under its
     draft key is the draft);
@@ -28,6 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+
+from gateway.checkpoints import resolve_model_path
 
 from . import corpus_lines
 from .bench_layers import start_server
@@ -190,13 +193,15 @@ def concurrent_rounds(servers, clients: int, tokens: int, rounds: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="demo")
+    parser.add_argument("--data-dir", type=Path, default=Path(".strata"), help="where demo models are built")
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--questions", type=int, default=10)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cases", default="abcde", help="which cases to run, e.g. 'ad'")
     args = parser.parse_args()
-    servers = [Server("on", args.model, {}), Server("off", args.model, {"STRATA_MAX_VERIFY_TOKENS": "0"})]
+    model = str(resolve_model_path(args.model, args.data_dir))  # built once, both servers load it
+    servers = [Server("on", model, {}), Server("off", model, {"STRATA_MAX_VERIFY_TOKENS": "0"})]
     questions, tokens = args.questions, args.tokens
     cases = {
         "a": lambda: summarise(
