@@ -1518,6 +1518,20 @@ MUTANTS = (
         ("tests/gateway/test_attention.py",),
     ),
     Mutant(
+        "Gemma 4's MLP keeps the library's GELU for prompt chunks (its geglu not swapped)",
+        "gateway/engine/activations.py",
+        "if \"geglu\" in module:  # Gemma 4's MLP calls its module's geglu(gate, x)",
+        "if False:",
+        (f"{FAMILIES}::test_every_mlp_of_every_family_prefills_on_the_numpy_activation_path[gemma4]",),
+    ),
+    Mutant(
+        "Gemma 4's chunk geglu adds the up projection instead of multiplying",
+        "gateway/engine/activations.py",
+        "        out = _gelu_approx(gate_values)\n        out *= up",
+        "        out = _gelu_approx(gate_values)\n        out += up",
+        ("tests/gateway/test_activations.py",),
+    ),
+    Mutant(
         "a prompt chunk's sinks in C: every query head takes the first head's sink",
         "gateway/engine/decode_attention.c",
         "float sink = sinks ? sinks[i / block_queries] : -INFINITY;",

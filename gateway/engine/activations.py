@@ -10,7 +10,7 @@ A mixture of experts' activation module (the libraries' `SwiGLU`, mlx-lm's gpt-o
 gets the same, from EXPERT_ROWS_FROM (token, expert) rows on (install_cpu_expert_activations).
 
 Every family's MLP calls its activation by a module-level name: mlx-lm's and mlx-vlm's compiled
-`swiglu(gate, up)`, or `nn.silu` / `nn.gelu_approx`. Each MLP of this model instance gets a subclass
+`swiglu(gate, up)`, Gemma 4's `geglu(gate, up)`, or `nn.silu` / `nn.gelu_approx`. Each MLP of this model instance gets a subclass
 whose `__call__` is the same code with those names bound to the functions below (the technique of
 gateway/engine/attention.py). A prompt's tokens are always prefilled (the last one is recomputed
 even on a full cache hit), so a token's activations come from the same path warm or cold.
@@ -74,16 +74,19 @@ def silu(x: mx.array) -> mx.array:
 
 
 def gelu_approx(x: mx.array) -> mx.array:
-    """0.5 x (1 + tanh(z)) == x * sigmoid(2z), z = sqrt(2/pi) (x + 0.044715 x^3)."""
     if not _is_chunk(x):
         return mlx_nn.gelu_approx(x)
-    values = _numpy(x)
+    return mx.array(_gelu_approx(_numpy(x))).astype(x.dtype)
+
+
+def _gelu_approx(values: np.ndarray) -> np.ndarray:
+    """0.5 x (1 + tanh(z)) == x * sigmoid(2z), z = sqrt(2/pi) (x + 0.044715 x^3); a new array."""
     doubled = values * values
     doubled *= np.float32(0.044715)
     doubled += 1
     doubled *= values
     doubled *= np.float32(2 * math.sqrt(2 / math.pi))
-    return mx.array(_sigmoid_times(doubled, values)).astype(x.dtype)
+    return _sigmoid_times(doubled, values)
 
 
 def _cpu_swiglu(original, is_chunk=_is_chunk):
@@ -96,6 +99,19 @@ def _cpu_swiglu(original, is_chunk=_is_chunk):
         return mx.array(out).astype(x.dtype)
 
     return swiglu
+
+
+def _cpu_geglu(original):
+    def geglu(gate: mx.array, x: mx.array) -> mx.array:
+        """Gemma 4's MLP: gelu_approx(gate) * x."""
+        if not _is_chunk(gate):
+            return original(gate, x)
+        gate_values, up = as_numpy(gate, x)  # both products in one evaluation
+        out = _gelu_approx(gate_values)
+        out *= up
+        return mx.array(out).astype(x.dtype)
+
+    return geglu
 
 
 def _cpu_swiglu_oai(original):
@@ -160,4 +176,6 @@ def cpu_mlp_class(base: type) -> type | None:
     replacements = {"nn": NN}
     if "swiglu" in module:
         replacements["swiglu"] = _cpu_swiglu(module["swiglu"])
+    if "geglu" in module:  # Gemma 4's MLP calls its module's geglu(gate, x)
+        replacements["geglu"] = _cpu_geglu(module["geglu"])
     return with_globals(base, f"CpuPrefill{base.__name__}", replacements)

@@ -28,6 +28,17 @@ def test_swiglu_equals_the_library_one_and_keeps_the_dtype(chunk):
     assert half.dtype == mx.bfloat16
 
 
+def test_gemma4_s_geglu_equals_the_library_one_and_keeps_the_dtype(chunk):
+    from mlx_vlm.models.gemma4.language import geglu
+
+    up = mx.random.normal(chunk.shape, key=mx.random.key(5))
+    cpu = activations._cpu_geglu(geglu)
+    np.testing.assert_allclose(np.array(cpu(chunk, up)), np.array(geglu(chunk, up)), rtol=2e-6, atol=2e-5)
+    assert cpu(chunk.astype(mx.bfloat16), up.astype(mx.bfloat16)).dtype == mx.bfloat16
+    row = chunk[:, :1]  # a lone decode row keeps the library's
+    assert mx.array_equal(cpu(row, up[:, :1]), geglu(row, up[:, :1]))
+
+
 def test_huge_negative_inputs_give_zero_not_nan():
     x = mx.array([[[-1e4, -100.0, 0.0, 100.0]] * 2])
     assert np.array(activations.silu(x)).tolist()[0][0] == [
