@@ -1525,10 +1525,10 @@ MUTANTS = (
         (f"{FAMILIES}::test_every_mlp_of_every_family_prefills_on_the_numpy_activation_path[gemma4]",),
     ),
     Mutant(
-        "Gemma 4's chunk geglu adds the up projection instead of multiplying",
+        "a chunk's gated activation (SwiGLU, Gemma 4's geglu) adds the up projection instead of multiplying",
         "gateway/engine/activations.py",
-        "        out = _gelu_approx(gate_values)\n        out *= up",
-        "        out = _gelu_approx(gate_values)\n        out += up",
+        "        out = activation(gate_values)\n        out *= up",
+        "        out = activation(gate_values)\n        out += up",
         ("tests/gateway/test_activations.py",),
     ),
     Mutant(

@@ -10,10 +10,11 @@ A mixture of experts' activation module (the libraries' `SwiGLU`, mlx-lm's gpt-o
 gets the same, from EXPERT_ROWS_FROM (token, expert) rows on (install_cpu_expert_activations).
 
 Every family's MLP calls its activation by a module-level name: mlx-lm's and mlx-vlm's compiled
-`swiglu(gate, up)`, Gemma 4's `geglu(gate, up)`, or `nn.silu` / `nn.gelu_approx`. Each MLP of this model instance gets a subclass
-whose `__call__` is the same code with those names bound to the functions below (the technique of
-gateway/engine/attention.py). A prompt's tokens are always prefilled (the last one is recomputed
-even on a full cache hit), so a token's activations come from the same path warm or cold.
+`swiglu(gate, up)`, Gemma 4's `geglu(gate, up)`, or `nn.silu` / `nn.gelu_approx`. Each MLP of this
+model instance gets a subclass whose `__call__` is the same code with those names bound to the
+functions below (the technique of gateway/engine/attention.py). A prompt's tokens are always
+prefilled (the last one is recomputed even on a full cache hit), so a token's activations come from
+the same path warm or cold.
 """
 
 from __future__ import annotations
@@ -62,15 +63,15 @@ def _sigmoid_times(scaled: np.ndarray, x: np.ndarray) -> np.ndarray:
     return scaled
 
 
-def _silu(x: mx.array) -> np.ndarray:
-    values = _numpy(x)
+def _silu(values: np.ndarray) -> np.ndarray:
+    """x * sigmoid(x); a new array."""
     return _sigmoid_times(values.copy(), values)
 
 
 def silu(x: mx.array) -> mx.array:
     if not _is_chunk(x):
         return mlx_nn.silu(x)
-    return mx.array(_silu(x)).astype(x.dtype)
+    return mx.array(_silu(_numpy(x))).astype(x.dtype)
 
 
 def gelu_approx(x: mx.array) -> mx.array:
@@ -89,29 +90,28 @@ def _gelu_approx(values: np.ndarray) -> np.ndarray:
     return _sigmoid_times(doubled, values)
 
 
-def _cpu_swiglu(original, is_chunk=_is_chunk):
-    def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+def _cpu_gated(original, activation, is_chunk=_is_chunk):
+    """The library's `original(gate, x)` == activation(gate) * x, with chunks through numpy
+    (`activation` takes the gate's values and returns a new array)."""
+
+    def gated(gate: mx.array, x: mx.array) -> mx.array:
         if not is_chunk(gate):
             return original(gate, x)
         gate_values, up = as_numpy(gate, x)  # both products in one evaluation
-        out = _sigmoid_times(gate_values.copy(), gate_values)
+        out = activation(gate_values)
         out *= up
         return mx.array(out).astype(x.dtype)
 
-    return swiglu
+    return gated
+
+
+def _cpu_swiglu(original, is_chunk=_is_chunk):
+    return _cpu_gated(original, _silu, is_chunk)
 
 
 def _cpu_geglu(original):
-    def geglu(gate: mx.array, x: mx.array) -> mx.array:
-        """Gemma 4's MLP: gelu_approx(gate) * x."""
-        if not _is_chunk(gate):
-            return original(gate, x)
-        gate_values, up = as_numpy(gate, x)  # both products in one evaluation
-        out = _gelu_approx(gate_values)
-        out *= up
-        return mx.array(out).astype(x.dtype)
-
-    return geglu
+    """Gemma 4's MLP: geglu(gate, x) == gelu_approx(gate) * x."""
+    return _cpu_gated(original, _gelu_approx)
 
 
 def _cpu_swiglu_oai(original):
